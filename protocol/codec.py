@@ -1,0 +1,431 @@
+"""Frames <-> records. One message = [msgpack header, tensor frame, tensor frame, ...].
+
+Decoding never copies a tensor frame: `WireTensor.data` is a memoryview of the frame.
+Everything is validated before a record exists, so a handler only ever sees a well-formed
+request; every failure is a `ProtocolError` carrying the code for the error reply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+import msgpack
+
+from .errors import ErrorCode, ProtocolError, RemoteError
+from .geometry import check_verify_geometry
+from .limits import Limits
+from .messages import (
+    COMMON_FIELDS,
+    ID_LIMIT,
+    PROTOCOL_VERSION,
+    RECORD_TYPES,
+    REQUEST_FIELDS,
+    REQUEST_TENSORS,
+    Capture,
+    FieldSpec,
+    Forward,
+    MessageType,
+    Propose,
+    Request,
+    TensorSpec,
+)
+from .tensors import DTYPE_SIZES, WireTensor, as_byte_view, expected_nbytes
+
+Frames = list  # of bytes | bytearray | memoryview | zmq.Frame
+
+_COMMON_KEYS = frozenset(f.name for f in COMMON_FIELDS)
+_REPLY_KEYS = frozenset({"v", "id", "type", "ok", "result", "tensors", "error"})
+_DESCRIPTOR_KEYS = frozenset({"name", "dtype", "shape"})
+# Encoding validates by decoding what it produced; the receiver's limits are not known here.
+_NO_LIMITS = Limits(
+    max_tokens_per_request=sys.maxsize, max_frame_bytes=sys.maxsize, max_total_bytes=sys.maxsize,
+    max_frames=sys.maxsize, max_header_bytes=sys.maxsize, max_capture_layers=sys.maxsize,
+)
+
+
+def _bad(message: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_REQUEST, message)
+
+
+def _too_large(message: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.TOO_LARGE, message)
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+# --- frames and header -------------------------------------------------------------------
+
+def pack_message(header: Mapping[str, Any], tensors: Mapping[str, WireTensor] | None = None) -> Frames:
+    """[msgpack(header + tensor descriptors), data, data, ...]. The one place frames are assembled."""
+    header = dict(header)
+    tensors = tensors or {}
+    if tensors:
+        header["tensors"] = [t.descriptor(name) for name, t in tensors.items()]
+    try:
+        packed = msgpack.packb(header, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise _bad(f"header cannot be encoded: {exc}") from exc
+    return [packed, *(t.data for t in tensors.values())]
+
+
+def _frame_views(frames: Any) -> list[memoryview]:
+    if not isinstance(frames, (list, tuple)) or not frames:
+        raise _bad("a message is a non-empty list of frames")
+    try:
+        return [as_byte_view(frame) for frame in frames]
+    except (TypeError, ValueError) as exc:
+        raise _bad(f"frame is not a byte buffer: {exc}") from exc
+
+
+def _reject_duplicate_keys(pairs: list) -> dict:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        raise ValueError("duplicate key in map")
+    return result
+
+
+def _unpack_header(view: memoryview, strict_map_key: bool) -> dict:
+    size = view.nbytes
+    try:
+        header = msgpack.unpackb(
+            view, raw=False, strict_map_key=strict_map_key, use_list=True,
+            object_pairs_hook=_reject_duplicate_keys,
+            max_str_len=size, max_bin_len=size, max_array_len=size, max_map_len=size, max_ext_len=size,
+        )
+    except Exception as exc:  # msgpack raises many types for garbage (ExtraData, FormatError, UnicodeDecodeError, ...)
+        raise _bad(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(header, dict):
+        raise _bad(f"header must be a msgpack map, got {_describe(header)}")
+    return header
+
+
+def _check_version(header: dict) -> None:
+    if "v" not in header:
+        raise _bad("missing field 'v' (protocol version)")
+    version = header["v"]
+    if type(version) is not int:
+        raise _bad(f"field 'v' must be an int, got {_describe(version)}")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"protocol version {version} is not supported; this side speaks version {PROTOCOL_VERSION}",
+        )
+
+
+def _check_int(value: Any, what: str, minimum: Optional[int], limit: Optional[int]) -> int:
+    if type(value) is not int:  # `type is`, not isinstance: True/False are ints in Python
+        raise _bad(f"{what} must be an int, got {_describe(value)}")
+    if (minimum is not None and value < minimum) or (limit is not None and value >= limit):
+        low = "" if minimum is None else f"{minimum} <= "
+        high = "" if limit is None else f" < {limit}"
+        raise _bad(f"{what} = {value} is out of range ({low}x{high})")
+    return value
+
+
+def _field_value(header: dict, spec: FieldSpec, mtype: MessageType) -> Any:
+    what = f"field '{spec.name}' of {mtype.value}"
+    if spec.name not in header:
+        if spec.required:
+            raise _bad(f"missing {what}")
+        return spec.default
+    value = header[spec.name]
+    if spec.kind == "int":
+        return _check_int(value, what, spec.minimum, spec.limit)
+    if spec.kind == "bool":
+        if type(value) is not bool:
+            raise _bad(f"{what} must be a bool, got {_describe(value)}")
+        return value
+    if spec.kind == "int_list":
+        if type(value) is not list:
+            raise _bad(f"{what} must be a list of ints, got {_describe(value)}")
+        for i, item in enumerate(value):
+            _check_int(item, f"{what}[{i}]", spec.minimum, spec.limit)
+        return value
+    raise AssertionError(f"schema kind {spec.kind!r} has no validator")
+
+
+def _descriptor(entry: Any, index: int) -> tuple[str, str, tuple[int, ...]]:
+    what = f"tensors[{index}]"
+    if not isinstance(entry, dict):
+        raise _bad(f"{what} must be a map {{name, dtype, shape}}, got {_describe(entry)}")
+    if set(entry) != _DESCRIPTOR_KEYS:
+        unknown = sorted(map(str, set(entry) - _DESCRIPTOR_KEYS))
+        missing = sorted(_DESCRIPTOR_KEYS - set(entry))
+        raise _bad(f"{what} must have exactly name, dtype, shape (unknown: {unknown}, missing: {missing})")
+    name, dtype, shape = entry["name"], entry["dtype"], entry["shape"]
+    if type(name) is not str or not name:
+        raise _bad(f"{what}.name must be a non-empty string, got {_describe(name)}")
+    if type(dtype) is not str or dtype not in DTYPE_SIZES:
+        raise _bad(f"tensor '{name}': unsupported dtype {dtype!r}; supported: {sorted(DTYPE_SIZES)}")
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+        raise _bad(f"tensor '{name}': shape must be a list of non-negative ints, got {_describe(shape)}")
+    return name, dtype, tuple(shape)
+
+
+def _tensors(descriptors: Any, views: list[memoryview]) -> dict[str, WireTensor]:
+    """Match descriptors to frames 1..N; each WireTensor's data is the frame itself."""
+    if descriptors is None:
+        raise _bad("field 'tensors' must be a list, got nil")
+    if type(descriptors) is not list:
+        raise _bad(f"field 'tensors' must be a list, got {_describe(descriptors)}")
+    if len(descriptors) != len(views):
+        raise _bad(f"header describes {len(descriptors)} tensor(s) but {len(views)} tensor frame(s) follow")
+    tensors: dict[str, WireTensor] = {}
+    for index, (entry, view) in enumerate(zip(descriptors, views)):
+        name, dtype, shape = _descriptor(entry, index)
+        if name in tensors:
+            raise _bad(f"tensor '{name}' described twice")
+        want = expected_nbytes(dtype, shape)
+        if view.nbytes != want:
+            raise _bad(f"tensor '{name}': {dtype}{list(shape)} needs {want} bytes, frame {index + 1} has {view.nbytes}")
+        tensors[name] = WireTensor(dtype, shape, view)
+    return tensors
+
+
+def _request_tensors(found: dict[str, WireTensor], specs: tuple[TensorSpec, ...], mtype: MessageType) -> dict:
+    by_name = {spec.name: spec for spec in specs}
+    for name, tensor in found.items():
+        spec = by_name.get(name)
+        if spec is None:
+            allowed = sorted(by_name) or "none"
+            raise _bad(f"{mtype.value} does not take tensor '{name}' (allowed: {allowed})")
+        if len(tensor.shape) != spec.ndim:
+            raise _bad(f"tensor '{name}' must be {spec.ndim}-D, got shape {list(tensor.shape)}")
+        if tensor.dtype not in spec.dtypes:
+            raise _bad(f"tensor '{name}' must be one of {sorted(spec.dtypes)}, got {tensor.dtype}")
+    return {name: found.get(name) for name in by_name}
+
+
+# --- requests ----------------------------------------------------------------------------
+
+def decode_request(frames: Frames, limits: Limits | None = None) -> Request:
+    """Validate a request message and return its typed record, or raise ProtocolError."""
+    limits = limits or Limits()
+    views = _check_sizes(frames, limits)
+    header = _unpack_header(views[0], strict_map_key=True)
+    _check_version(header)
+
+    type_name = header.get("type")
+    if "type" not in header:
+        raise _bad("missing field 'type'")
+    if type(type_name) is not str:
+        raise _bad(f"field 'type' must be a string, got {_describe(type_name)}")
+    try:
+        mtype = MessageType(type_name)
+    except ValueError:
+        raise ProtocolError(
+            ErrorCode.UNKNOWN_TYPE,
+            f"unknown message type {type_name!r}; known: {[t.value for t in MessageType]}",
+        ) from None
+
+    specs = REQUEST_FIELDS[mtype]
+    unknown = sorted(str(key) for key in header if key not in _COMMON_KEYS and key not in {s.name for s in specs})
+    if unknown:
+        allowed = sorted(_COMMON_KEYS | {s.name for s in specs})
+        raise _bad(f"unknown field(s) {unknown} in {mtype.value} request; allowed: {allowed}")
+    if "id" not in header:
+        raise _bad("missing field 'id'")
+    request_id = _check_int(header["id"], "field 'id'", 0, ID_LIMIT)
+
+    values = {spec.name: _field_value(header, spec, mtype) for spec in specs}
+    found = _tensors(header.get("tensors", []), views[1:])
+    tensors = _request_tensors(found, REQUEST_TENSORS[mtype], mtype)
+    record = RECORD_TYPES[mtype](id=request_id, **values, **tensors)
+    _check_request(record, limits)
+    return record
+
+
+def _check_sizes(frames: Any, limits: Limits) -> list[memoryview]:
+    views = _frame_views(frames)
+    if len(views) > limits.max_frames:
+        raise _too_large(f"{len(views)} frames, limit {limits.max_frames} (header included)")
+    if views[0].nbytes > limits.max_header_bytes:
+        raise _too_large(f"header of {views[0].nbytes} bytes, limit {limits.max_header_bytes}")
+    for index, view in enumerate(views[1:], start=1):
+        if view.nbytes > limits.max_frame_bytes:
+            raise _too_large(f"frame {index} of {view.nbytes} bytes, limit {limits.max_frame_bytes}")
+    total = sum(view.nbytes for view in views)
+    if total > limits.max_total_bytes:
+        raise _too_large(f"message of {total} bytes, limit {limits.max_total_bytes}")
+    return views
+
+
+def _check_request(record: Request, limits: Limits) -> None:
+    """Rules that span fields: token source, sizes, checkpoint geometry, capture layers."""
+    if isinstance(record, Forward):
+        kind = record.type.value
+        if (record.tokens is None) == (record.hidden is None):
+            raise _bad(f"{kind} needs exactly one of field 'tokens' or tensor 'hidden'")
+        n = record.n_tokens
+        if n < 1:
+            raise _bad(f"{kind} needs at least one token")
+        if n > limits.max_tokens_per_request:
+            raise _too_large(f"{n} tokens in one request, limit {limits.max_tokens_per_request}")
+        if record.hidden is not None and record.hidden.shape[1] < 1:
+            raise _bad(f"tensor 'hidden' has zero width: shape {list(record.hidden.shape)}")
+        if record.checkpoint:
+            check_verify_geometry(record.parents, n)
+        elif record.parents is not None:
+            raise _bad(f"field 'parents' is only allowed with checkpoint: true")
+    if isinstance(record, Capture):
+        layers = record.layers
+        if not layers:
+            raise _bad("field 'layers' of CAPTURE must not be empty")
+        if len(layers) > limits.max_capture_layers:
+            raise _too_large(f"{len(layers)} capture layers, limit {limits.max_capture_layers}")
+        if len(set(layers)) != len(layers):
+            raise _bad(f"field 'layers' of CAPTURE repeats a layer: {layers}")
+    if isinstance(record, Propose):
+        if record.block_size > limits.max_tokens_per_request:
+            raise _too_large(f"block_size {record.block_size}, limit {limits.max_tokens_per_request}")
+        features = record.features
+        if features is not None:
+            if features.shape[1] < 1:
+                raise _bad(f"tensor 'features' has zero width: shape {list(features.shape)}")
+            if features.shape[0] > limits.max_tokens_per_request:
+                raise _too_large(f"{features.shape[0]} feature rows, limit {limits.max_tokens_per_request}")
+
+
+def encode_request(record: Request, validate: bool = True) -> Frames:
+    """Frames for a request record. With `validate` (the default) the frames are decoded
+    again under unbounded limits, so a client learns of a malformed request before sending;
+    `validate=False` exists for tests that must put a bad request on the wire."""
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": record.type.value, "id": record.id}
+    tensors: dict[str, WireTensor] = {}
+    tensor_names = {spec.name for spec in REQUEST_TENSORS[record.type]}
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        if f.name == "id" or value is None:
+            continue
+        if f.name in tensor_names:
+            tensors[f.name] = value
+        elif isinstance(value, (list, tuple)):
+            header[f.name] = list(value)
+        else:
+            header[f.name] = value
+    frames = pack_message(header, tensors)
+    if validate:
+        decode_request(frames, _NO_LIMITS)
+    return frames
+
+
+def _peek_header(frames: Any) -> Optional[dict]:
+    try:
+        view = as_byte_view(frames[0])
+        if view.nbytes > Limits.max_header_bytes:
+            return None
+        header = msgpack.unpackb(view, raw=False, strict_map_key=False)
+    except Exception:
+        return None
+    return header if isinstance(header, dict) else None
+
+
+def peek_id(frames: Any) -> Optional[int]:
+    """Best-effort request id of a message that may not decode (for its error reply)."""
+    header = _peek_header(frames)
+    value = header.get("id") if header else None
+    return value if type(value) is int and 0 <= value < ID_LIMIT else None
+
+
+def peek_type(frames: Any) -> Optional[str]:
+    """Best-effort message type of a message that may not decode (None unless a known type)."""
+    header = _peek_header(frames)
+    value = header.get("type") if header else None
+    return value if type(value) is str and value in MessageType._value2member_map_ else None
+
+
+# --- replies -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Reply:
+    id: Optional[int]
+    type: Optional[MessageType]
+    ok: bool
+    result: dict = field(default_factory=dict)
+    tensors: dict[str, WireTensor] = field(default_factory=dict)
+    error_code: Optional[ErrorCode] = None
+    error_message: Optional[str] = None
+
+    def raise_for_error(self) -> "Reply":
+        """Return self when ok, else raise RemoteError(code, message) as the daemon reported it."""
+        if not self.ok:
+            raise RemoteError(self.error_code, self.error_message)
+        return self
+
+
+def _reply_header(request_id: Optional[int], message_type: Any, ok: bool) -> dict[str, Any]:
+    if request_id is not None:
+        _check_int(request_id, "reply id", 0, ID_LIMIT)
+    type_name = None if message_type is None else MessageType(message_type).value
+    return {"v": PROTOCOL_VERSION, "id": request_id, "type": type_name, "ok": ok}
+
+
+def encode_reply(
+    request_id: Optional[int],
+    type: MessageType | str | None,
+    result: Mapping[str, Any],
+    tensors: Mapping[str, WireTensor] | None = None,
+) -> Frames:
+    """A success reply: header {v, id, type, ok: true, result, tensors}, then one frame per tensor."""
+    header = _reply_header(request_id, type, True)
+    header["result"] = dict(result)
+    header["tensors"] = []
+    return pack_message(header, tensors)
+
+
+def encode_error(request_id: Optional[int], type: MessageType | str | None, code: ErrorCode, message: str) -> Frames:
+    """An error reply: header {v, id, type, ok: false, error: {code, message}}, no tensor frames."""
+    header = _reply_header(request_id, type, False)
+    header["error"] = {"code": ErrorCode(code).value, "message": str(message)}
+    return pack_message(header)
+
+
+def decode_reply(frames: Frames) -> Reply:
+    """Parse a reply; tensors alias the frames. Malformed replies raise ProtocolError(BAD_REQUEST)."""
+    views = _frame_views(frames)
+    # Result maps are the daemon's to shape (STATS may key by layer): allow non-string keys.
+    header = _unpack_header(views[0], strict_map_key=False)
+    _check_version(header)
+    unknown = sorted(str(key) for key in header if key not in _REPLY_KEYS)
+    if unknown:
+        raise _bad(f"unknown field(s) {unknown} in reply")
+    for key in ("id", "type", "ok"):
+        if key not in header:
+            raise _bad(f"reply is missing field '{key}'")
+    request_id = header["id"]
+    if request_id is not None:
+        _check_int(request_id, "reply id", 0, ID_LIMIT)
+    type_name = header["type"]
+    try:
+        mtype = None if type_name is None else MessageType(type_name)
+    except (ValueError, TypeError):
+        raise _bad(f"reply type {type_name!r} is not a message type") from None
+    ok = header["ok"]
+    if type(ok) is not bool:
+        raise _bad(f"reply field 'ok' must be a bool, got {_describe(ok)}")
+    tensors = _tensors(header.get("tensors", []), views[1:])
+    if ok:
+        if "error" in header:
+            raise _bad("reply with ok: true carries 'error'")
+        result = header.get("result")
+        if not isinstance(result, dict):
+            raise _bad(f"reply field 'result' must be a map, got {_describe(result)}")
+        return Reply(request_id, mtype, True, result, tensors)
+    if "result" in header or tensors:
+        raise _bad("reply with ok: false carries a result or tensors")
+    error = header.get("error")
+    if not isinstance(error, dict) or set(error) != {"code", "message"}:
+        raise _bad(f"reply field 'error' must be a map {{code, message}}, got {_describe(error)}")
+    try:
+        code = ErrorCode(error["code"])
+    except (ValueError, TypeError):
+        raise _bad(f"reply error code {error['code']!r} is not a known code") from None
+    if type(error["message"]) is not str:
+        raise _bad(f"reply error message must be a string, got {_describe(error['message'])}")
+    return Reply(request_id, mtype, False, {}, {}, code, error["message"])

@@ -1,0 +1,41 @@
+"""Error codes carried in `ok: false` replies, and the exception that carries them locally."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(str, enum.Enum):
+    """Why a request failed. The value is the string sent on the wire."""
+
+    BAD_REQUEST = "BAD_REQUEST"                  # malformed message: bytes, types, fields, frames
+    UNSUPPORTED_VERSION = "UNSUPPORTED_VERSION"  # header `v` is not the version this side speaks
+    UNKNOWN_TYPE = "UNKNOWN_TYPE"                # header `type` names no message type
+    NO_SUCH_SEQUENCE = "NO_SUCH_SEQUENCE"        # `seq` is not open
+    SEQUENCE_EXISTS = "SEQUENCE_EXISTS"          # OPEN of a `seq` that is already open
+    POSITION_MISMATCH = "POSITION_MISMATCH"      # FORWARD/CAPTURE `pos` != committed length
+    NO_PENDING_STEP = "NO_PENDING_STEP"          # ROLLBACK with no pending checkpointed step
+    ROLLBACK_UNAVAILABLE = "ROLLBACK_UNAVAILABLE"  # `checkpoint: true` on a shard without rollback storage, or n too large for it
+    GEOMETRY_REJECTED = "GEOMETRY_REJECTED"      # `parents` is not the root-inclusive pure chain
+    CAPACITY = "CAPACITY"                        # out of sequences, context or memory
+    TOO_LARGE = "TOO_LARGE"                      # request exceeds a size limit
+    SEQUENCE_FAILED = "SEQUENCE_FAILED"          # sequence is failed after an INTERNAL error; only CLOSE works
+    INTERNAL = "INTERNAL"                        # bug or device error inside the daemon
+    NO_DRAFTER = "NO_DRAFTER"                    # PROPOSE on a shard that hosts no drafter
+    NO_SNAPSHOT = "NO_SNAPSHOT"                  # RESTORE of a sequence that has no snapshot
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ProtocolError(Exception):
+    """A request or reply that cannot be served or understood, with the code to report."""
+
+    def __init__(self, code: ErrorCode | str, message: str) -> None:
+        self.code = ErrorCode(code)
+        self.message = str(message)
+        super().__init__(f"{self.code.value}: {self.message}")
+
+
+class RemoteError(ProtocolError):
+    """An error the daemon reported in an `ok: false` reply (see `Reply.raise_for_error`)."""

@@ -1,0 +1,133 @@
+"""A tensor as it travels: dtype name, shape, and the raw little-endian C-order bytes.
+
+torch is imported only inside `from_torch` / `to_torch`, so the package imports without it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any, Union
+
+from .errors import ErrorCode, ProtocolError
+
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "int64": 8,
+    "int32": 4,
+    "uint8": 1,
+}
+
+FLOAT_DTYPES = frozenset({"float32", "bfloat16", "float16"})
+
+Buffer = Union[memoryview, bytes, bytearray]
+
+
+def _check_little_endian() -> None:
+    # The wire is little-endian; raw bytes from a big-endian host would be silently wrong.
+    if sys.byteorder != "little":
+        raise RuntimeError("protocol tensors require a little-endian host")
+
+
+def as_byte_view(buffer: Any) -> memoryview:
+    """A flat unsigned-byte memoryview over any buffer (bytes, bytearray, zmq.Frame, ...), no copy."""
+    view = memoryview(buffer)
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return view
+
+
+def expected_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * DTYPE_SIZES[dtype]
+
+
+@dataclass(frozen=True)
+class WireTensor:
+    """`data` holds exactly prod(shape) * itemsize bytes, C-contiguous row-major, little-endian."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: Buffer
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_SIZES:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"unsupported dtype {self.dtype!r}; supported: {sorted(DTYPE_SIZES)}")
+        shape = tuple(self.shape)
+        if not all(type(d) is int and d >= 0 for d in shape):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"shape must be non-negative ints, got {list(self.shape)!r}")
+        object.__setattr__(self, "shape", shape)
+        data = as_byte_view(self.data)
+        want = expected_nbytes(self.dtype, shape)
+        if data.nbytes != want:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"{self.dtype}{list(shape)} needs {want} bytes, data has {data.nbytes}",
+            )
+        object.__setattr__(self, "data", data)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    def descriptor(self, name: str) -> dict[str, Any]:
+        """The header entry that announces this tensor's frame."""
+        return {"name": name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_torch(cls, tensor: Any) -> "WireTensor":
+        """Wrap a torch tensor. Zero-copy for contiguous CPU tensors; others are copied to contiguous CPU.
+
+        The returned data aliases the tensor's memory (and keeps it alive): do not modify the
+        tensor before the frames are sent.
+        """
+        import torch
+
+        _check_little_endian()
+        dtype = _torch_dtype_names(torch).get(tensor.dtype)
+        if dtype is None:
+            raise ValueError(f"dtype {tensor.dtype} cannot travel; supported: {sorted(DTYPE_SIZES)}")
+        if tensor.device.type != "cpu":
+            tensor = tensor.detach().to("cpu")
+        tensor = tensor.detach().contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
+            return cls(dtype, tuple(tensor.shape), b"")
+        # A ctypes array over the tensor's memory exports the buffer without numpy and without a
+        # copy; it holds a reference to the tensor so the memory outlives every view of it.
+        raw = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
+        raw._owner = tensor  # type: ignore[attr-defined]
+        return cls(dtype, tuple(tensor.shape), memoryview(raw).cast("B"))
+
+    def to_torch(self, device: Any = None) -> Any:
+        """A torch tensor over the same memory (no copy) or, with `device`, a copy there.
+
+        Without `device` the result shares memory with the frame; if the frame is read-only
+        (bytes, a received zmq frame) treat the tensor as read-only too.
+        """
+        import torch
+
+        _check_little_endian()
+        torch_dtype = getattr(torch, self.dtype)
+        if self.data.nbytes == 0:
+            tensor = torch.empty(self.shape, dtype=torch_dtype)
+        else:
+            with warnings.catch_warnings():
+                # torch warns on read-only buffers; the docstring above states the contract instead.
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                tensor = torch.frombuffer(self.data, dtype=torch_dtype).view(self.shape)
+        if device is not None:
+            tensor = tensor.to(device)
+        return tensor
+
+
+def _torch_dtype_names(torch: Any) -> dict[Any, str]:
+    return {getattr(torch, name): name for name in DTYPE_SIZES}
