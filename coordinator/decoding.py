@@ -1,0 +1,217 @@
+"""Greedy and speculative decoding over a `Target`.
+
+Both loops keep the invariant documented in `coordinator.acceptance`: the target's state
+holds every committed token except the last one, `t0`, which is the next input. Prefill
+forwards the whole prompt; its last output is the first generated token.
+
+Speculative decoding must produce exactly the tokens greedy decoding produces, for every
+drafter and rollback mode; only the number of target forwards changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from coordinator.acceptance import accept_length, commit_tokens
+from coordinator.drafters import Drafter
+from coordinator.target import RollbackFailed, Target
+
+ROLLBACK_MODES = ("checkpoint", "replay-ssm", "replay")
+
+OnCommit = Callable[[list[int]], None]
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int] = field(default_factory=list)  # generated ids, prompt excluded
+    prompt_tokens: int = 0
+    steps: int = 0  # target forwards after prefill (verify steps when speculating)
+    drafted: int = 0
+    accepted: int = 0  # drafts the target agreed with, before any budget / EOS cut
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    rollbacks_fast: int = 0  # Target.rollback calls that succeeded
+    rollbacks_fallback: int = 0  # RollbackFailed, state re-filled from history
+    replays: int = 0  # replay mode: restore plus a forward of the kept tokens
+    commits: list[int] = field(default_factory=list)  # tokens committed per step
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def avg_commit(self) -> float | None:
+        return sum(self.commits) / self.steps if self.steps else None
+
+    @property
+    def prefill_tok_s(self) -> float | None:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else None
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        # The first token comes from prefill, so decode speed counts the steps' commits.
+        return sum(self.commits) / self.decode_seconds if self.decode_seconds > 0 else None
+
+    def summary(self) -> dict:
+        """One run as a flat dict, the input `benchstats.summarize_runs` expects."""
+        return {
+            "new_tokens": len(self.tokens),
+            "prompt_tokens": self.prompt_tokens,
+            "steps": self.steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "avg_commit": self.avg_commit,
+            "prefill_seconds": self.prefill_seconds,
+            "decode_seconds": self.decode_seconds,
+            "wall_seconds": self.prefill_seconds + self.decode_seconds,
+            "prefill_tok_s": self.prefill_tok_s,
+            "decode_tok_s": self.decode_tok_s,
+            "rollbacks_fast": self.rollbacks_fast,
+            "rollbacks_fallback": self.rollbacks_fallback,
+            "replays": self.replays,
+        }
+
+
+def greedy_decode(
+    target: Target,
+    seq: int,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos_ids: Iterable[int] = (),
+    on_commit: OnCommit | None = None,
+) -> DecodeResult:
+    """Plain greedy decoding: prefill, then one token per forward."""
+    _check_request(prompt, max_new_tokens)
+    eos = frozenset(eos_ids)
+    result = DecodeResult(prompt_tokens=len(prompt))
+    if max_new_tokens == 0:
+        return result
+    with _open_sequence(target, seq):
+        history = _prefill(target, seq, prompt, result, on_commit)
+        start = time.perf_counter()
+        while not _finished(result.tokens, max_new_tokens, eos):
+            pos = len(history) - 1
+            (token,) = target.forward(seq, pos, [history[-1]])
+            history.append(token)
+            _record(result, [token], on_commit)
+        result.decode_seconds = time.perf_counter() - start
+    return result
+
+
+def speculative_decode(
+    target: Target,
+    seq: int,
+    prompt: list[int],
+    drafter: Drafter,
+    *,
+    block_size: int = 16,
+    rollback: str = "checkpoint",
+    max_new_tokens: int,
+    eos_ids: Iterable[int] = (),
+    on_commit: OnCommit | None = None,
+) -> DecodeResult:
+    """Draft `block_size - 1` tokens, verify `[t0, drafts]` in one forward, keep the
+    agreeing prefix plus the target's own next token, roll the rest back."""
+    _check_request(prompt, max_new_tokens)
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2 to speculate, got {block_size}")
+    if rollback not in ROLLBACK_MODES:
+        raise ValueError(f"unknown rollback mode {rollback!r}; choose one of {', '.join(ROLLBACK_MODES)}")
+    eos = frozenset(eos_ids)
+    result = DecodeResult(prompt_tokens=len(prompt))
+    if max_new_tokens == 0:
+        return result
+    with _open_sequence(target, seq):
+        history = _prefill(target, seq, prompt, result, on_commit)
+        start = time.perf_counter()
+        while not _finished(result.tokens, max_new_tokens, eos):
+            room = max_new_tokens - len(result.tokens)
+            pos = len(history) - 1  # the state holds history[:-1]
+            # A block of T commits at most T tokens: never verify past the budget.
+            wanted = min(block_size, room) - 1
+            drafts = drafter.propose(history, wanted)
+            if len(drafts) != wanted:
+                raise ValueError(f"drafter {drafter.name!r} proposed {len(drafts)} tokens, asked for {wanted}")
+            block = [history[-1]] + drafts
+
+            if rollback == "replay":
+                target.snapshot(seq)
+            verified = target.forward(seq, pos, block, checkpoint=rollback != "replay")
+            accepted = accept_length(drafts, verified)
+            committed, keep = commit_tokens(drafts, verified, room, eos)
+            history.extend(committed)
+
+            if keep < len(block):
+                if rollback == "replay":
+                    target.restore(seq)
+                    target.forward(seq, pos, block[:keep])
+                    result.replays += 1
+                else:
+                    try:
+                        target.rollback(seq, keep)
+                        result.rollbacks_fast += 1
+                    except RollbackFailed:
+                        _refill(target, seq, history)
+                        result.rollbacks_fallback += 1
+
+            result.drafted += len(drafts)
+            result.accepted += accepted
+            _record(result, committed, on_commit)
+        result.decode_seconds = time.perf_counter() - start
+    return result
+
+
+def _check_request(prompt: list[int], max_new_tokens: int) -> None:
+    if not prompt:
+        raise ValueError("prompt must hold at least one token")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+
+
+@contextlib.contextmanager
+def _open_sequence(target: Target, seq: int):
+    """Open the sequence; close it afterwards, best effort when unwinding an error."""
+    target.open(seq)
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):
+            target.close(seq)
+        raise
+    target.close(seq)
+
+
+def _prefill(target: Target, seq: int, prompt: list[int], result: DecodeResult, on_commit: OnCommit | None) -> list[int]:
+    start = time.perf_counter()
+    outputs = target.forward(seq, 0, list(prompt))
+    result.prefill_seconds = time.perf_counter() - start
+    if len(outputs) != len(prompt):
+        raise RuntimeError(f"prefill of {len(prompt)} tokens returned {len(outputs)} ids")
+    first = outputs[-1]
+    result.tokens.append(first)
+    if on_commit is not None:
+        on_commit([first])
+    return list(prompt) + [first]
+
+
+def _record(result: DecodeResult, committed: list[int], on_commit: OnCommit | None) -> None:
+    result.steps += 1
+    result.commits.append(len(committed))
+    result.tokens.extend(committed)
+    if on_commit is not None:
+        on_commit(list(committed))
+
+
+def _finished(tokens: list[int], max_new_tokens: int, eos: frozenset[int]) -> bool:
+    return len(tokens) >= max_new_tokens or (bool(tokens) and tokens[-1] in eos)
+
+
+def _refill(target: Target, seq: int, history: list[int]) -> None:
+    """Rebuild the state from the committed history after a failed fast rollback."""
+    target.close(seq)
+    target.open(seq)
+    target.forward(seq, 0, history[:-1])

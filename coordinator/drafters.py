@@ -1,0 +1,135 @@
+"""Drafters: guess the next tokens so the target can verify several at once.
+
+A drafter never changes the output (the target decides every token); it only changes
+how many tokens one verify step commits.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, history: list[int], n: int) -> list[int]:
+        """Exactly `n` guesses for the tokens after `history` (prompt + committed)."""
+
+
+class NgramDrafter:
+    """Prompt lookup: find the most recent earlier occurrence of the longest suffix
+    n-gram of the history and propose what followed it.
+
+    The copy continues through its own output (like an LZ77 match), so a repeating
+    pattern is proposed for the whole block. Without any match it repeats the last token.
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(self, history: list[int], n: int) -> list[int]:
+        if n <= 0:
+            return []
+        if not history:
+            raise ValueError("cannot draft after an empty history")
+        source = self._match_end(history)
+        if source is None:
+            return [history[-1]] * n
+        extended = list(history)
+        for index in range(source, source + n):
+            extended.append(extended[index])
+        return extended[len(history):]
+
+    def _match_end(self, history: list[int]) -> int | None:
+        """Index just past the most recent earlier occurrence of the longest suffix."""
+        length = len(history)
+        for size in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            suffix = history[length - size:]
+            # Starts from the right, excluding the suffix itself.
+            for start in range(length - size - 1, -1, -1):
+                if history[start:start + size] == suffix:
+                    return start + size
+        return None
+
+
+# Maps a seeded random generator to the number of correct drafts for one step.
+AcceptProfile = Callable[[random.Random], int]
+
+
+class OracleDrafter:
+    """BENCHMARK drafter, not a real one: it is handed the target's greedy continuation
+    and proposes it, then deliberately goes wrong on a seeded schedule so the number of
+    accepted drafts per step follows `accept_profile`.
+
+    It isolates the cost of the speculative machinery (verify width, rollback mode) from
+    drafter quality. The schedule depends only on `seed` and the history length, so two
+    runs over the same target see the same proposals.
+    """
+
+    name = "oracle (benchmark drafter)"
+
+    def __init__(self, reference: list[int], prompt_len: int, accept_profile: AcceptProfile, seed: int = 0):
+        self.reference = list(reference)
+        self.prompt_len = prompt_len
+        self.accept_profile = accept_profile
+        self.seed = seed
+
+    @classmethod
+    def with_mean_commit(
+        cls,
+        reference: list[int],
+        prompt_len: int,
+        block_size: int = 16,
+        mean_commit: float = 6.0,
+        seed: int = 0,
+    ) -> "OracleDrafter":
+        """Tokens committed per full-width step average `mean_commit` (accepted drafts
+        plus the bonus token), varying uniformly around it within [1, block_size]."""
+        mean_correct = mean_commit - 1
+        most = block_size - 1
+        if not 0 <= mean_correct <= most:
+            raise ValueError(f"mean_commit must be within [1, {block_size}], got {mean_commit}")
+        # Symmetric around the mean so clipping to [0, most] never shifts it.
+        spread = min(mean_correct, most - mean_correct)
+
+        def profile(rng: random.Random) -> int:
+            x = rng.uniform(mean_correct - spread, mean_correct + spread)
+            whole = int(x)
+            # Rounding up with probability frac(x) keeps the mean exact.
+            return whole + (1 if rng.random() < x - whole else 0)
+
+        return cls(reference, prompt_len, profile, seed)
+
+    def propose(self, history: list[int], n: int) -> list[int]:
+        if n <= 0:
+            return []
+        generated = len(history) - self.prompt_len
+        if generated < 0:
+            raise ValueError(f"history ({len(history)}) is shorter than the prompt ({self.prompt_len})")
+        rng = random.Random((self.seed << 32) ^ len(history))
+        correct = max(0, self.accept_profile(rng))
+        truth = self.reference[generated:generated + n]
+        filler = truth[-1] if truth else history[-1]
+        truth += [filler] * (n - len(truth))
+        if correct >= n:
+            return truth
+        wrong = 0 if truth[correct] != 0 else 1
+        return truth[:correct] + [wrong] * (n - correct)
+
+
+def make_drafter(name: str, **kwargs) -> Drafter:
+    """Build a drafter by its CLI name: "ngram" (NgramDrafter's arguments) or "oracle"
+    (OracleDrafter.with_mean_commit's arguments)."""
+    if name == "ngram":
+        return NgramDrafter(**kwargs)
+    if name == "oracle":
+        return OracleDrafter.with_mean_commit(**kwargs)
+    raise ValueError(f"unknown drafter {name!r}; choose 'ngram' or 'oracle'")

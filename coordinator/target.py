@@ -1,0 +1,47 @@
+"""The model interface the decoding loop drives.
+
+A `Target` holds per-sequence state (KV cache, GDN conv and recurrent state) and turns
+token ids into next-token ids. The `Pipeline` over shard daemons and the in-process
+`LocalTarget` implement it; the loop in `coordinator.decoding` only ever sees this.
+
+Sequence semantics are those of DESIGN.md ("Sequences and rollback semantics"): a
+sequence has a committed length `L`, `forward` appends at `pos == L`, a checkpointed
+forward is pending until the next call, and exactly one `rollback` may follow it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+
+class RollbackFailed(Exception):
+    """A shard could not roll the pending step back fast (no checkpoint storage, a
+    restarted shard, a lost pending window). The sequence's state is then undefined:
+    the caller re-fills it from its committed history."""
+
+
+@runtime_checkable
+class Target(Protocol):
+    def open(self, seq: int) -> None:
+        """Create an empty sequence (length 0)."""
+
+    def close(self, seq: int) -> None:
+        """Free the sequence's state."""
+
+    def forward(self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False) -> list[int]:
+        """Append `tokens` at positions `pos .. pos+n-1` (`pos` must equal the current
+        length) and return the argmax next-token id after each position (n ids).
+
+        With `checkpoint=True` the step is pending: exactly one `rollback(seq, keep)` may
+        follow; any other call on the sequence keeps all n tokens."""
+
+    def rollback(self, seq: int, keep: int) -> None:
+        """Keep the first `keep` tokens (0 <= keep <= n) of the pending step, leaving the
+        state equal to having forwarded only those. Raises `RollbackFailed` when a shard
+        could not do it fast."""
+
+    def snapshot(self, seq: int) -> None:
+        """Save the recurrent state and length (the `replay` baseline)."""
+
+    def restore(self, seq: int) -> None:
+        """Go back to the last snapshot."""
