@@ -1,0 +1,1 @@
+"""Coordinator: shard clients, pipeline, decoding loop, drafters, benchmarks and the shardctl CLI."""

@@ -1,0 +1,193 @@
+"""A shard: the contiguous layer range [begin, end) of the model, run over a sequence's state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from protocol.errors import ErrorCode, ProtocolError
+from shardd import rollback as rb
+from shardd.config import ModelConfig
+from shardd.model.attention import GatedAttention
+from shardd.model.gdn import GatedDeltaNet
+from shardd.model.mlp import MLP
+from shardd.model.norm import rms_norm
+from shardd.model.rope import RotaryEmbedding
+from shardd.model.state import GDNState, KVCache, PendingStep, SequenceState
+
+
+@dataclass
+class ShardOutput:
+    hidden: torch.Tensor | None = None  # [n, hidden] on a shard without the head
+    logits: torch.Tensor | None = None  # [n, vocab] float32 on the head shard
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> its output [n, hidden]
+
+
+class DecoderLayer:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], index: int):
+        prefix = f"layers.{index}"
+        self.index = index
+        self.eps = config.rms_norm_eps
+        self.input_layernorm = weights[f"{prefix}.input_layernorm.weight"]
+        self.post_attention_layernorm = weights[f"{prefix}.post_attention_layernorm.weight"]
+        self.is_gdn = config.is_gdn(index)
+        if self.is_gdn:
+            self.linear_attn = GatedDeltaNet(config, weights, f"{prefix}.linear_attn")
+        else:
+            self.self_attn = GatedAttention(config, weights, f"{prefix}.self_attn")
+        self.mlp = MLP(weights, f"{prefix}.mlp")
+
+    def __call__(self, x, state: SequenceState, start: int, rope: RotaryEmbedding, recorder=None):
+        mixed = rms_norm(x, self.input_layernorm, self.eps)
+        if self.is_gdn:
+            x = x + self.linear_attn(mixed, state.gdn[self.index], recorder)
+        else:
+            x = x + self.self_attn(mixed, state.kv[self.index], start, rope)
+        return x + self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps))
+
+
+class ShardModel:
+    """Owns layers [begin, end); the embedding when begin == 0; final norm and lm_head when end == num_layers."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        begin: int,
+        end: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        storage: rb.RollbackStorage = rb.RollbackStorage(None, 0),
+    ):
+        if not 0 <= begin < end <= config.num_layers:
+            raise ValueError(f"layer range {begin}:{end} is not inside 0:{config.num_layers}")
+        self.config = config
+        self.begin, self.end = begin, end
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.storage = storage
+        self.owns_embedding = begin == 0
+        self.owns_head = end == config.num_layers
+        self.layers = [DecoderLayer(config, weights, i) for i in range(begin, end)]
+        self.gdn_layers = [i for i in range(begin, end) if config.is_gdn(i)]
+        self.attention_layers = [i for i in range(begin, end) if not config.is_gdn(i)]
+        self.rope = RotaryEmbedding(config.rotary_dim, config.rope_theta, self.device)
+        self.embed_tokens = weights.get("embed_tokens.weight") if self.owns_embedding else None
+        if self.owns_head:
+            self.norm = weights["norm.weight"]
+            self.lm_head = weights["embed_tokens.weight"] if config.tie_word_embeddings else weights["lm_head.weight"]
+
+    # ---- sequences -------------------------------------------------------------------------------
+
+    def new_state(self, max_context: int) -> SequenceState:
+        c = self.config
+        kv = {
+            i: KVCache.allocate(c.num_key_value_heads, max_context, c.head_dim, self.dtype, self.device)
+            for i in self.attention_layers
+        }
+        gdn = {
+            i: GDNState.allocate(
+                c.linear_conv_kernel_dim - 1,
+                c.linear_conv_dim,
+                c.linear_num_value_heads,
+                c.linear_key_head_dim,
+                c.linear_value_head_dim,
+                self.device,
+            )
+            for i in self.gdn_layers
+        }
+        storage = rb.allocate_storage(c, self.gdn_layers, self.storage, self.device)
+        return SequenceState(max_context=max_context, kv=kv, gdn=gdn, rollback_storage=storage)
+
+    def checkpoint_bytes_per_sequence(self) -> int:
+        return rb.storage_bytes_per_sequence(self.config, self.gdn_layers, self.storage)
+
+    def state_bytes_per_sequence(self, max_context: int) -> int:
+        c = self.config
+        kv = 2 * c.num_key_value_heads * max_context * c.head_dim * self.dtype.itemsize
+        gdn = c.recurrent_state_bytes() + c.conv_state_bytes()
+        return kv * len(self.attention_layers) + gdn * len(self.gdn_layers)
+
+    # ---- forward ---------------------------------------------------------------------------------
+
+    def check_forward(
+        self,
+        state: SequenceState,
+        pos: int,
+        *,
+        tokens: list[int] | None = None,
+        hidden: torch.Tensor | None = None,
+        checkpoint: bool = False,
+    ) -> int:
+        """Validation only: raises ProtocolError and changes nothing. Returns the number of new tokens."""
+        if self.owns_embedding:
+            if tokens is None or hidden is not None:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"shard {self.begin}:{self.end} owns the embedding: send tokens, not hidden")
+            n = len(tokens)
+            bad = [t for t in tokens if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"token id {bad[0]} is outside the vocabulary 0..{self.config.vocab_size - 1}")
+        else:
+            if hidden is None or tokens is not None:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"shard {self.begin}:{self.end} starts at layer {self.begin}: send hidden, not tokens")
+            if hidden.dim() != 2 or hidden.shape[1] != self.config.hidden_size:
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST, f"hidden must be [n, {self.config.hidden_size}], got {list(hidden.shape)}"
+                )
+            if not hidden.dtype.is_floating_point:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden must be a float tensor, got {hidden.dtype}")
+            n = hidden.shape[0]
+        if n < 1:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "a forward needs at least one token")
+        if pos != state.length:
+            raise ProtocolError(ErrorCode.POSITION_MISMATCH, f"pos={pos} but the sequence's committed length is {state.length}")
+        if pos + n > state.max_context:
+            raise ProtocolError(ErrorCode.CAPACITY, f"{pos}+{n} tokens exceed the context limit {state.max_context}")
+        if checkpoint:
+            if not self.storage.enabled:
+                raise ProtocolError(
+                    ErrorCode.ROLLBACK_UNAVAILABLE, "this shard was started without rollback storage (--max-verify-tokens 0)"
+                )
+            if n > self.storage.max_verify_tokens:
+                raise ProtocolError(
+                    ErrorCode.TOO_LARGE, f"a checkpointed step holds at most {self.storage.max_verify_tokens} tokens, got {n}"
+                )
+        return n
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        state: SequenceState,
+        pos: int,
+        *,
+        tokens: list[int] | None = None,
+        hidden: torch.Tensor | None = None,
+        checkpoint: bool = False,
+        capture_layers: tuple[int, ...] | list[int] = (),
+    ) -> ShardOutput:
+        """Append n tokens at `pos` (== committed length). With `checkpoint` the step stays pending for one rollback."""
+        n = self.check_forward(state, pos, tokens=tokens, hidden=hidden, checkpoint=checkpoint)
+        if self.owns_embedding:
+            x = F.embedding(torch.tensor(tokens, dtype=torch.long, device=self.device), self.embed_tokens)
+        else:
+            x = hidden.to(device=self.device, dtype=self.dtype)
+
+        state.pending = None  # a new step ends the previous pending window: all its tokens are kept
+        wanted = set(capture_layers)
+        out = ShardOutput()
+        for layer in self.layers:
+            recorder = state.rollback_storage[layer.index] if checkpoint and layer.is_gdn else None
+            x = layer(x, state, pos, self.rope, recorder)
+            if layer.index in wanted:
+                out.captured[layer.index] = x
+        state.length = pos + n
+        if checkpoint:
+            state.pending = PendingStep(start=pos, n=n)
+        if self.owns_head:
+            out.logits = F.linear(rms_norm(x, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        else:
+            out.hidden = x
+        return out

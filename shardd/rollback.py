@@ -1,0 +1,193 @@
+"""GDN rollback: take rejected draft tokens back out of the recurrent state.
+
+Attention layers roll back by truncating the KV length. GDN layers have folded every verified token
+into a fixed-size recurrent state, so a checkpointed step records, per GDN layer, what a rollback needs:
+
+- `checkpoint`: `CheckpointBuffers` hold the float32 state and conv window after every token
+  (slot 0 = before the step). Rolling back to `keep` copies slot `keep` back.
+- `replay-ssm`: `RecurrenceLog` holds the state before the step and each token's recurrence inputs
+  (k, v, g, beta) and conv inputs. Rolling back re-runs only the recurrence for the kept tokens.
+- `snapshot` / `restore` serve the `replay` baseline (restore, then forward the kept tokens again).
+
+Every mode leaves exactly the state that forwarding only the kept tokens gives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from protocol.errors import ErrorCode, ProtocolError
+from shardd.config import ModelConfig
+from shardd.model.delta_rule import delta_rule_step
+from shardd.model.state import GDNState, PendingStep, SequenceState
+
+CHECKPOINT = "checkpoint"
+REPLAY_SSM = "replay-ssm"
+ROLLBACK_MODES = (CHECKPOINT, REPLAY_SSM)
+
+
+@dataclass(frozen=True)
+class RollbackStorage:
+    """How a shard stores rollback data: a mode and the most tokens one checkpointed step may carry."""
+
+    mode: str | None = CHECKPOINT
+    max_verify_tokens: int = 16
+
+    def __post_init__(self):
+        if self.max_verify_tokens < 0:
+            raise ValueError("max_verify_tokens must be >= 0")
+        if self.max_verify_tokens and self.mode not in ROLLBACK_MODES:
+            raise ValueError(f"rollback mode must be one of {ROLLBACK_MODES}, got {self.mode!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_verify_tokens > 0
+
+
+def _conv_windows(conv0: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """conv0 [W, C], inputs [n, C] -> the window after each of 0..n tokens as a view [n + 1, W, C]."""
+    width = conv0.shape[0]
+    full = torch.cat([conv0, inputs.float()], dim=0)
+    return full.unfold(0, width, 1).permute(0, 2, 1)
+
+
+class CheckpointBuffers:
+    """Per GDN layer, per sequence: float32 state and conv window after every token of a step."""
+
+    keeps_states = True
+
+    def __init__(self, config: ModelConfig, max_tokens: int, device):
+        slots = max_tokens + 1
+        self.recurrent = torch.zeros(
+            (slots, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim),
+            dtype=torch.float32,
+            device=device,
+        )
+        self.conv = torch.zeros(
+            (slots, config.linear_conv_kernel_dim - 1, config.linear_conv_dim), dtype=torch.float32, device=device
+        )
+
+    def begin(self, state: GDNState, conv_inputs: torch.Tensor) -> None:
+        n = conv_inputs.shape[0]
+        self.recurrent[0].copy_(state.recurrent)
+        self.conv[: n + 1].copy_(_conv_windows(state.conv, conv_inputs))
+
+    def state_slots(self, n: int) -> torch.Tensor:
+        return self.recurrent[1 : n + 1]
+
+    def record_recurrence(self, key, value, g, beta) -> None:
+        pass  # the states themselves were written into the slots
+
+    def restore(self, state: GDNState, keep: int) -> None:
+        state.recurrent.copy_(self.recurrent[keep])
+        state.conv.copy_(self.conv[keep])
+
+    def nbytes(self) -> int:
+        return self.recurrent.nbytes + self.conv.nbytes
+
+
+class RecurrenceLog:
+    """Per GDN layer, per sequence: the state before a step and each token's recurrence and conv inputs."""
+
+    keeps_states = False
+
+    def __init__(self, config: ModelConfig, max_tokens: int, device):
+        heads, k_dim, v_dim = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+        f32 = dict(dtype=torch.float32, device=device)
+        self.recurrent0 = torch.zeros((heads, k_dim, v_dim), **f32)
+        self.conv0 = torch.zeros((config.linear_conv_kernel_dim - 1, config.linear_conv_dim), **f32)
+        self.conv_inputs = torch.zeros((max_tokens, config.linear_conv_dim), **f32)
+        self.key = torch.zeros((heads, max_tokens, k_dim), **f32)
+        self.value = torch.zeros((heads, max_tokens, v_dim), **f32)
+        self.g = torch.zeros((heads, max_tokens), **f32)
+        self.beta = torch.zeros((heads, max_tokens), **f32)
+
+    def begin(self, state: GDNState, conv_inputs: torch.Tensor) -> None:
+        n = conv_inputs.shape[0]
+        self.recurrent0.copy_(state.recurrent)
+        self.conv0.copy_(state.conv)
+        self.conv_inputs[:n].copy_(conv_inputs)
+
+    def state_slots(self, n: int) -> None:
+        return None  # the recurrence runs in place; only its inputs are logged
+
+    def record_recurrence(self, key, value, g, beta) -> None:
+        n = key.shape[1]
+        self.key[:, :n].copy_(key)
+        self.value[:, :n].copy_(value)
+        self.g[:, :n].copy_(g)
+        self.beta[:, :n].copy_(beta)
+
+    def restore(self, state: GDNState, keep: int) -> None:
+        state.recurrent.copy_(self.recurrent0)
+        decay = self.g[:, :keep].exp()
+        for t in range(keep):
+            delta_rule_step(state.recurrent, self.key[:, t], self.value[:, t], decay[:, t], self.beta[:, t], state.recurrent)
+        state.conv.copy_(_conv_windows(self.conv0, self.conv_inputs[:keep])[keep])
+
+    def nbytes(self) -> int:
+        return sum(
+            t.nbytes for t in (self.recurrent0, self.conv0, self.conv_inputs, self.key, self.value, self.g, self.beta)
+        )
+
+
+def allocate_storage(config: ModelConfig, gdn_layers: list[int], storage: RollbackStorage, device) -> dict | None:
+    if not storage.enabled:
+        return None
+    kind = CheckpointBuffers if storage.mode == CHECKPOINT else RecurrenceLog
+    return {layer: kind(config, storage.max_verify_tokens, device) for layer in gdn_layers}
+
+
+def storage_bytes_per_sequence(config: ModelConfig, gdn_layers: list[int], storage: RollbackStorage) -> int:
+    """Bytes of rollback storage one open sequence costs on a shard owning `gdn_layers`."""
+    if not storage.enabled or not gdn_layers:
+        return 0
+    per_layer = allocate_storage(config, gdn_layers[:1], storage, "meta")[gdn_layers[0]].nbytes()
+    return per_layer * len(gdn_layers)
+
+
+def check_rollback(state: SequenceState, keep: int) -> PendingStep:
+    """Validation only: raises ProtocolError and changes nothing."""
+    if isinstance(keep, bool) or not isinstance(keep, int):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"keep must be an integer, got {keep!r}")
+    if state.pending is None:
+        raise ProtocolError(ErrorCode.NO_PENDING_STEP, "ROLLBACK with no pending checkpointed step")
+    if not 0 <= keep <= state.pending.n:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"keep={keep} is outside 0..{state.pending.n} (tokens of the pending step)"
+        )
+    return state.pending
+
+
+def rollback(state: SequenceState, keep: int) -> None:
+    """Keep the first `keep` tokens of the pending step; the state becomes what forwarding only those gives."""
+    pending = check_rollback(state, keep)
+    if keep < pending.n:
+        for layer, store in (state.rollback_storage or {}).items():
+            store.restore(state.gdn[layer], keep)
+    state.length = pending.start + keep
+    state.pending = None
+    if state.snapshot is not None and state.snapshot.length > state.length:
+        state.snapshot = None  # its KV rows past the new length will be overwritten: no longer restorable
+
+
+@dataclass
+class Snapshot:
+    length: int
+    gdn: dict[int, GDNState]
+
+
+def snapshot(state: SequenceState) -> None:
+    """Save the recurrent/conv state and length (KV rows below `length` are never rewritten)."""
+    state.snapshot = Snapshot(state.length, {layer: s.clone() for layer, s in state.gdn.items()})
+
+
+def restore(state: SequenceState) -> None:
+    if state.snapshot is None:
+        raise ProtocolError(ErrorCode.NO_SNAPSHOT, "RESTORE with no snapshot taken for this sequence")
+    for layer, saved in state.snapshot.gdn.items():
+        state.gdn[layer].copy_(saved)
+    state.length = state.snapshot.length
+    state.pending = None
