@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 import msgpack
 
@@ -39,6 +39,7 @@ Frames = list  # of bytes | bytearray | memoryview | zmq.Frame
 _COMMON_KEYS = frozenset(f.name for f in COMMON_FIELDS)
 _REPLY_KEYS = frozenset({"v", "id", "type", "ok", "result", "tensors", "error"})
 _DESCRIPTOR_KEYS = frozenset({"name", "dtype", "shape"})
+_TYPE_NAMES = frozenset(t.value for t in MessageType)
 # Encoding validates by decoding what it produced; the receiver's limits are not known here.
 _NO_LIMITS = Limits(
     max_tokens_per_request=sys.maxsize, max_frame_bytes=sys.maxsize, max_total_bytes=sys.maxsize,
@@ -67,11 +68,14 @@ def pack_message(header: Mapping[str, Any], tensors: Mapping[str, WireTensor] | 
     tensors = tensors or {}
     if tensors:
         header["tensors"] = [t.descriptor(name) for name, t in tensors.items()]
+    return [msgpack.packb(header, use_bin_type=True), *(t.data for t in tensors.values())]
+
+
+def _pack_or_raise(code: ErrorCode, header: Mapping[str, Any], tensors: Mapping[str, WireTensor] | None = None) -> Frames:
     try:
-        packed = msgpack.packb(header, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise _bad(f"header cannot be encoded: {exc}") from exc
-    return [packed, *(t.data for t in tensors.values())]
+        return pack_message(header, tensors)
+    except (TypeError, ValueError, OverflowError) as exc:  # a value msgpack cannot represent
+        raise ProtocolError(code, f"header cannot be encoded: {exc}") from exc
 
 
 def _frame_views(frames: Any) -> list[memoryview]:
@@ -309,7 +313,7 @@ def encode_request(record: Request, validate: bool = True) -> Frames:
             header[f.name] = list(value)
         else:
             header[f.name] = value
-    frames = pack_message(header, tensors)
+    frames = _pack_or_raise(ErrorCode.BAD_REQUEST, header, tensors)
     if validate:
         decode_request(frames, _NO_LIMITS)
     return frames
@@ -337,7 +341,7 @@ def peek_type(frames: Any) -> Optional[str]:
     """Best-effort message type of a message that may not decode (None unless a known type)."""
     header = _peek_header(frames)
     value = header.get("type") if header else None
-    return value if type(value) is str and value in MessageType._value2member_map_ else None
+    return value if type(value) is str and value in _TYPE_NAMES else None
 
 
 # --- replies -----------------------------------------------------------------------------
@@ -376,14 +380,14 @@ def encode_reply(
     header = _reply_header(request_id, type, True)
     header["result"] = dict(result)
     header["tensors"] = []
-    return pack_message(header, tensors)
+    return _pack_or_raise(ErrorCode.INTERNAL, header, tensors)
 
 
 def encode_error(request_id: Optional[int], type: MessageType | str | None, code: ErrorCode, message: str) -> Frames:
     """An error reply: header {v, id, type, ok: false, error: {code, message}}, no tensor frames."""
     header = _reply_header(request_id, type, False)
     header["error"] = {"code": ErrorCode(code).value, "message": str(message)}
-    return pack_message(header)
+    return _pack_or_raise(ErrorCode.INTERNAL, header)
 
 
 def decode_reply(frames: Frames) -> Reply:
