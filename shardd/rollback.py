@@ -169,8 +169,6 @@ def rollback(state: SequenceState, keep: int) -> None:
             store.restore(state.gdn[layer], keep)
     state.length = pending.start + keep
     state.pending = None
-    if state.snapshot is not None and state.snapshot.length > state.length:
-        state.snapshot = None  # its KV rows past the new length will be overwritten: no longer restorable
 
 
 @dataclass
@@ -180,7 +178,11 @@ class Snapshot:
 
 
 def snapshot(state: SequenceState) -> None:
-    """Save the recurrent/conv state and length (KV rows below `length` are never rewritten)."""
+    """Save the recurrent/conv state and length (KV rows below `length` are never rewritten).
+
+    A snapshot ends a pending step (all its tokens kept), as the next FORWARD would.
+    """
+    state.pending = None
     state.snapshot = Snapshot(state.length, {layer: s.clone() for layer, s in state.gdn.items()})
 
 

@@ -117,21 +117,30 @@ def test_checkpoint_refused_without_storage_and_over_limit(shards):
     state = shard.new_state(64)
     with pytest.raises(ProtocolError) as err:
         shard.forward(state, 0, tokens=tokens(9, 1), checkpoint=True)
-    assert err.value.code == ErrorCode.TOO_LARGE and state.length == 0
+    assert err.value.code == ErrorCode.ROLLBACK_UNAVAILABLE and state.length == 0
     with pytest.raises(ProtocolError) as err:
         shard.forward(state, 3, tokens=[1])
     assert err.value.code == ErrorCode.POSITION_MISMATCH
 
 
-def test_snapshot_dropped_when_rolled_back_below_it(shards):
+def test_snapshot_ends_the_pending_step_and_restores(shards):
     shard = shards["checkpoint"]
     state = shard.new_state(64)
-    shard.forward(state, 0, tokens=tokens(6, 1), checkpoint=True)
-    rb.snapshot(state)
-    rb.rollback(state, 2)
     with pytest.raises(ProtocolError) as err:
         rb.restore(state)
     assert err.value.code == ErrorCode.NO_SNAPSHOT
+    shard.forward(state, 0, tokens=tokens(3, 1))
+    rb.snapshot(state)
+    shard.forward(state, 3, tokens=tokens(6, 1), checkpoint=True)
+    rb.rollback(state, 2)
+    rb.restore(state)
+    assert state.length == 3
+    shard.forward(state, 3, tokens=tokens(6, 1), checkpoint=True)
+    rb.snapshot(state)  # ends the pending step, all 6 kept: nothing left to roll back
+    assert state.length == 9
+    with pytest.raises(ProtocolError) as err:
+        rb.rollback(state, 0)
+    assert err.value.code == ErrorCode.NO_PENDING_STEP
 
 
 def test_checkpoint_bytes_reported(shards, tiny_dir):

@@ -72,6 +72,7 @@ class ShardModel:
         self.owns_embedding = begin == 0
         self.owns_head = end == config.num_layers
         self.layers = [DecoderLayer(config, weights, i) for i in range(begin, end)]
+        self._weight_bytes = sum(t.nbytes for t in {id(t): t for t in weights.values()}.values())
         self.gdn_layers = [i for i in range(begin, end) if config.is_gdn(i)]
         self.attention_layers = [i for i in range(begin, end) if not config.is_gdn(i)]
         self.rope = RotaryEmbedding(config.rotary_dim, config.rope_theta, self.device)
@@ -79,6 +80,9 @@ class ShardModel:
         if self.owns_head:
             self.norm = weights["norm.weight"]
             self.lm_head = weights["embed_tokens.weight"] if config.tie_word_embeddings else weights["lm_head.weight"]
+
+    def weight_bytes(self) -> int:
+        return self._weight_bytes
 
     # ---- sequences -------------------------------------------------------------------------------
 
@@ -137,8 +141,10 @@ class ShardModel:
                 raise ProtocolError(
                     ErrorCode.BAD_REQUEST, f"hidden must be [n, {self.config.hidden_size}], got {list(hidden.shape)}"
                 )
-            if not hidden.dtype.is_floating_point:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden must be a float tensor, got {hidden.dtype}")
+            if hidden.dtype != self.dtype:
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST, f"hidden must be {self.dtype} like this shard, got {hidden.dtype}"
+                )
             n = hidden.shape[0]
         if n < 1:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "a forward needs at least one token")
@@ -153,7 +159,8 @@ class ShardModel:
                 )
             if n > self.storage.max_verify_tokens:
                 raise ProtocolError(
-                    ErrorCode.TOO_LARGE, f"a checkpointed step holds at most {self.storage.max_verify_tokens} tokens, got {n}"
+                    ErrorCode.ROLLBACK_UNAVAILABLE,
+                    f"rollback storage holds at most {self.storage.max_verify_tokens} tokens per step, got {n}",
                 )
         return n
 

@@ -1,0 +1,3 @@
+from shardd.cli import main
+
+main()

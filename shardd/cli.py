@@ -1,0 +1,113 @@
+"""`shardd` command line: `serve` a layer range, `keygen` CurveZMQ keys."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from shardd import systemd
+
+MiB = 1 << 20
+
+
+@click.group()
+def main():
+    """Shard daemon for layer-split speculative decoding of Qwen3.5 hybrid models."""
+
+
+@main.command()
+@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), help="Checkpoint directory (HF layout).")
+@click.option("--synthetic", help="Synthetic preset instead of a checkpoint: PRESET[:SEED] (tiny, small, qwen3.5-27b).")
+@click.option("--layers", default=None, help="Layer range BEGIN:END this shard owns (default: all).")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda:N.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--bind", default="tcp://127.0.0.1:7700", show_default=True, help="ZeroMQ endpoint (tcp://127.0.0.1:PORT or ipc://PATH).")
+@click.option("--max-verify-tokens", type=click.IntRange(0, 1024), default=16, show_default=True,
+              help="Rollback storage: most tokens one checkpointed step may carry (0 = no rollback storage).")
+@click.option("--rollback-mode", type=click.Choice(["checkpoint", "replay-ssm"]), default="checkpoint", show_default=True)
+@click.option("--max-sequences", type=click.IntRange(1, 65536), default=8, show_default=True)
+@click.option("--max-context", type=click.IntRange(1, 1 << 22), default=4096, show_default=True, help="Tokens per sequence.")
+@click.option("--max-tokens-per-request", type=click.IntRange(1, 1 << 20), default=4096, show_default=True)
+@click.option("--curve-secret-key", type=click.Path(exists=True, dir_okay=False), help="Server key file from `shardd keygen` (needed for non-loopback binds).")
+@click.option("--curve-allow", "curve_allow_dir", type=click.Path(exists=True, file_okay=False), help="Directory of allowed client public keys.")
+@click.option("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice).")
+@click.option("--log-level", default="INFO", show_default=True)
+def serve(model_dir, synthetic, layers, device, dtype, bind, max_verify_tokens, rollback_mode, max_sequences,
+          max_context, max_tokens_per_request, curve_secret_key, curve_allow_dir, threads, log_level):
+    """Load a layer range and serve it until SIGTERM, SIGINT or SHUTDOWN."""
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s shardd[%(process)d] %(levelname)s %(message)s")
+    log = logging.getLogger("shardd")
+    import torch
+
+    from shardd.daemon import ServeOptions, ShardDaemon, configure_security, is_loopback
+    from shardd.loading import ModelSource, build_shard, parse_layers
+    from shardd.rollback import RollbackStorage
+
+    if (model_dir is None) == (synthetic is None):
+        raise click.UsageError("give exactly one of --model DIR or --synthetic PRESET[:SEED]")
+    if curve_secret_key is None and not is_loopback(bind):
+        raise click.UsageError(
+            f"refusing to bind {bind} without encryption: a non-loopback bind needs --curve-secret-key "
+            "(from `shardd keygen`) and --curve-allow DIR"
+        )
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        source = ModelSource(model_dir=model_dir, synthetic=synthetic)
+        config = source.config()
+        begin, end = parse_layers(layers, config.num_layers) if layers else (0, config.num_layers)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    storage = RollbackStorage(rollback_mode if max_verify_tokens else None, max_verify_tokens)
+    options = ServeOptions(bind=bind, max_sequences=max_sequences, max_context=max_context,
+                           max_tokens_per_request=max_tokens_per_request, curve_secret_key=curve_secret_key,
+                           curve_allow_dir=curve_allow_dir)
+
+    systemd.notify(f"STATUS=loading layers {begin}:{end}")
+    started = time.perf_counter()
+    last_report = [0.0]
+
+    def progress(done, total):
+        now = time.perf_counter()
+        if done == total or now - last_report[0] > 2.0:
+            last_report[0] = now
+            systemd.notify(f"STATUS=loading weights {done}/{total}")
+            log.info("loading weights %d/%d", done, total)
+
+    try:
+        shard = build_shard(source, begin, end, dtype=dtype, device=device, storage=storage, progress=progress)
+    except Exception as exc:  # noqa: BLE001 - a clear one-line reason beats a traceback for an operator
+        log.error("failed to load layers %d:%d: %s", begin, end, exc)
+        sys.exit(1)
+    daemon = ShardDaemon(shard, options)
+    log.info(
+        "loaded layers %d:%d of %d (%d GDN, %d attention)%s%s dtype=%s device=%s weights=%.1f MiB in %.1fs; "
+        "per sequence: state %.1f MiB (context %d), rollback storage %s %.1f MiB; fingerprint %s",
+        begin, end, config.num_layers, len(shard.gdn_layers), len(shard.attention_layers),
+        " +embedding" if shard.owns_embedding else "", " +head" if shard.owns_head else "",
+        dtype, device, shard.weight_bytes() / MiB, time.perf_counter() - started,
+        shard.state_bytes_per_sequence(max_context) / MiB, max_context,
+        storage.mode if storage.enabled else "none", shard.checkpoint_bytes_per_sequence() / MiB, shard.fingerprint,
+    )
+    daemon.serve()
+
+
+@main.command()
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Directory for the key files.")
+@click.option("--name", default="shardd", show_default=True, help="Base name of the key files.")
+def keygen(out_dir, name):
+    """Write a CurveZMQ key pair: NAME.key (public, share it) and NAME.key_secret (keep it)."""
+    import zmq.auth
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(out_dir, name)
+    click.echo(f"public key: {public}\nsecret key: {secret}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,393 @@
+"""The shard daemon: a ZeroMQ ROUTER socket in front of one ShardModel and its open sequences.
+
+One table maps each message type to its handler. A handler validates everything first and only then
+mutates, so a rejected request leaves every sequence as it was. An unexpected exception during compute
+replies INTERNAL and marks only that sequence failed; the daemon keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from protocol import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Limits,
+    MessageType,
+    ProtocolError,
+    WireTensor,
+    decode_request,
+    encode_error,
+    encode_reply,
+    peek_id,
+    peek_type,
+)
+from shardd import rollback as rb
+from shardd import systemd
+from shardd.model.shard import ShardModel
+from shardd.model.state import SequenceState
+
+log = logging.getLogger("shardd")
+
+
+@dataclass
+class ServeOptions:
+    bind: str = "tcp://127.0.0.1:7700"
+    max_sequences: int = 8
+    max_context: int = 4096
+    max_tokens_per_request: int = 4096
+    curve_secret_key: str | None = None  # file written by `shardd keygen`
+    curve_allow_dir: str | None = None  # directory of allowed client public keys
+
+
+@dataclass
+class Sequence:
+    state: SequenceState
+    failed: str | None = None  # why, after an INTERNAL error; only CLOSE is served then
+
+
+@dataclass
+class Counters:
+    requests: Counter = field(default_factory=Counter)  # by message type
+    errors: Counter = field(default_factory=Counter)  # by error code
+    forwards: int = 0
+    captures: int = 0
+    tokens_forwarded: int = 0
+    captured_rows: int = 0
+    checkpointed_steps: int = 0
+    checkpoint_writes: int = 0  # per-token float32 states written into checkpoint buffers
+    recurrence_log_tokens: int = 0  # per-token recurrence inputs logged (replay-ssm)
+    rollbacks: Counter = field(default_factory=Counter)  # by mode
+    rollbacks_by_keep: Counter = field(default_factory=Counter)
+    snapshots: int = 0
+    restores: int = 0
+    sequences_opened: int = 0
+    sequences_closed: int = 0
+    sequences_failed: int = 0
+    compute_seconds: Counter = field(default_factory=Counter)  # by message type
+
+
+def is_loopback(endpoint: str) -> bool:
+    if endpoint.startswith("ipc://") or endpoint.startswith("inproc://"):
+        return True
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+
+
+class ShardDaemon:
+    def __init__(self, shard: ShardModel, options: ServeOptions):
+        self.shard = shard
+        self.options = options
+        self.limits = Limits(max_tokens_per_request=options.max_tokens_per_request)
+        self.sequences: dict[int, Sequence] = {}
+        self.counters = Counters()
+        self.started = time.time()
+        self.stopping = False
+        self.handlers = {
+            MessageType.HELLO: self.hello,
+            MessageType.OPEN: self.open,
+            MessageType.CLOSE: self.close,
+            MessageType.FORWARD: self.forward,
+            MessageType.CAPTURE: self.forward,
+            MessageType.ROLLBACK: self.rollback,
+            MessageType.SNAPSHOT: self.snapshot,
+            MessageType.RESTORE: self.restore,
+            MessageType.PROPOSE: self.propose,
+            MessageType.STATS: self.stats,
+            MessageType.SHUTDOWN: self.shutdown,
+        }
+
+    # ---- one request -----------------------------------------------------------------------------
+
+    def handle(self, frames) -> list:
+        """Frames of one request -> frames of its reply. Never raises."""
+        try:
+            request = decode_request(frames, self.limits)
+        except ProtocolError as exc:
+            return self._error(peek_id(frames), peek_type(frames), exc.code, exc.message, seq=None)
+        except Exception as exc:  # a decoder bug must not take the daemon down
+            return self._error(peek_id(frames), None, ErrorCode.BAD_REQUEST, f"undecodable request: {exc}", seq=None)
+        self.counters.requests[request.type.value] += 1
+        seq = getattr(request, "seq", None)
+        started = time.perf_counter()
+        try:
+            result, tensors = self.handlers[request.type](request)
+        except ProtocolError as exc:
+            return self._error(request.id, request.type, exc.code, exc.message, seq=seq)
+        except Exception as exc:
+            message = f"{type(exc).__name__}: {exc}"
+            log.error("internal error seq=%s type=%s: %s\n%s", seq, request.type.value, message, traceback.format_exc())
+            if seq in self.sequences:
+                self.sequences[seq].failed = message
+                self.counters.sequences_failed += 1
+            return self._error(request.id, request.type, ErrorCode.INTERNAL, message, seq=seq)
+        finally:
+            self.counters.compute_seconds[request.type.value] += time.perf_counter() - started
+        return encode_reply(request.id, request.type, result, tensors)
+
+    def _error(self, request_id, mtype, code: ErrorCode, message: str, seq) -> list:
+        self.counters.errors[ErrorCode(code).value] += 1
+        log.warning("error seq=%s type=%s code=%s: %s", seq, getattr(mtype, "value", mtype), ErrorCode(code).value, message)
+        return encode_error(request_id, mtype, code, message)
+
+    def _sequence(self, seq: int, *, allow_failed: bool = False) -> Sequence:
+        entry = self.sequences.get(seq)
+        if entry is None:
+            raise ProtocolError(ErrorCode.NO_SUCH_SEQUENCE, f"sequence {seq} is not open")
+        if entry.failed and not allow_failed:
+            raise ProtocolError(ErrorCode.SEQUENCE_FAILED, f"sequence {seq} failed ({entry.failed}); CLOSE and reopen it")
+        return entry
+
+    # ---- handlers: validate, then mutate ---------------------------------------------------------
+
+    def hello(self, request):
+        return self.describe(), {}
+
+    def describe(self) -> dict:
+        shard = self.shard
+        c = shard.config
+        return {
+            "protocol_version": PROTOCOL_VERSION,
+            "model": {
+                "fingerprint": shard.fingerprint,
+                "num_layers": c.num_layers,
+                "hidden_size": c.hidden_size,
+                "vocab_size": c.vocab_size,
+                "layer_types": list(c.layer_types),
+                "eos_token_ids": list(c.eos_token_ids),
+            },
+            "layers": [shard.begin, shard.end],
+            "owns_embedding": shard.owns_embedding,
+            "owns_head": shard.owns_head,
+            "dtype": str(shard.dtype).removeprefix("torch."),
+            "device": str(shard.device),
+            "rollback": {
+                "mode": shard.storage.mode if shard.storage.enabled else None,
+                "max_verify_tokens": shard.storage.max_verify_tokens,
+                "checkpoint_bytes_per_sequence": shard.checkpoint_bytes_per_sequence(),
+            },
+            "limits": {
+                "max_sequences": self.options.max_sequences,
+                "max_context": self.options.max_context,
+                "max_tokens_per_request": self.options.max_tokens_per_request,
+            },
+            "state_bytes_per_sequence": shard.state_bytes_per_sequence(self.options.max_context),
+            "drafter": None,
+            "pid": os.getpid(),
+        }
+
+    def open(self, request):
+        if request.seq in self.sequences:
+            raise ProtocolError(ErrorCode.SEQUENCE_EXISTS, f"sequence {request.seq} is already open")
+        if len(self.sequences) >= self.options.max_sequences:
+            raise ProtocolError(ErrorCode.CAPACITY, f"{len(self.sequences)} sequences open, limit {self.options.max_sequences}")
+        try:
+            state = self.shard.new_state(self.options.max_context)
+        except torch.OutOfMemoryError:
+            raise ProtocolError(ErrorCode.CAPACITY, "out of device memory for a new sequence") from None
+        self.sequences[request.seq] = Sequence(state)
+        self.counters.sequences_opened += 1
+        log.info("open seq=%s", request.seq)
+        return {"seq": request.seq, "length": 0}, {}
+
+    def close(self, request):
+        entry = self._sequence(request.seq, allow_failed=True)
+        del self.sequences[request.seq]
+        self.counters.sequences_closed += 1
+        log.info("close seq=%s length=%s", request.seq, entry.state.length)
+        return {"seq": request.seq, "length": entry.state.length}, {}
+
+    def forward(self, request):
+        entry = self._sequence(request.seq)
+        shard = self.shard
+        capture = request.type == MessageType.CAPTURE
+        layers = list(request.layers) if capture else []
+        bad = [layer for layer in layers if layer >= shard.config.num_layers]
+        if bad:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"capture layer {bad[0]} is outside 0..{shard.config.num_layers - 1}")
+        if request.return_logits and not shard.owns_head:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "return_logits asks for logits from a shard without the head")
+        hidden = request.hidden.to_torch() if request.hidden is not None else None
+        shard.check_forward(entry.state, request.pos, tokens=request.tokens, hidden=hidden, checkpoint=request.checkpoint)
+
+        out = shard.forward(
+            entry.state,
+            request.pos,
+            tokens=request.tokens,
+            hidden=hidden,
+            checkpoint=request.checkpoint,
+            capture_layers=[layer for layer in layers if shard.begin <= layer < shard.end],
+        )
+        n = request.n_tokens
+        counters = self.counters
+        counters.forwards += 1
+        counters.tokens_forwarded += n
+        if request.checkpoint:
+            counters.checkpointed_steps += 1
+            if shard.storage.mode == rb.CHECKPOINT:
+                counters.checkpoint_writes += n * len(shard.gdn_layers)
+            else:
+                counters.recurrence_log_tokens += n * len(shard.gdn_layers)
+        result = {"seq": request.seq, "length": entry.state.length}
+        tensors = {}
+        if out.logits is not None:
+            result["ids"] = out.logits.argmax(dim=-1).tolist()
+            if request.return_logits:
+                tensors["logits"] = WireTensor.from_torch(out.logits)
+        else:
+            tensors["hidden"] = WireTensor.from_torch(out.hidden)
+        if capture:
+            counters.captures += 1
+            counters.captured_rows += n * len(out.captured)
+            result["captured_layers"] = sorted(out.captured)
+            for layer in sorted(out.captured):
+                tensors[f"layer.{layer}"] = WireTensor.from_torch(out.captured[layer])
+        return result, tensors
+
+    def rollback(self, request):
+        entry = self._sequence(request.seq)
+        if not self.shard.storage.enabled:
+            raise ProtocolError(ErrorCode.ROLLBACK_UNAVAILABLE, "this shard was started without rollback storage (--max-verify-tokens 0)")
+        rb.check_rollback(entry.state, request.keep)
+        rb.rollback(entry.state, request.keep)
+        self.counters.rollbacks[self.shard.storage.mode] += 1
+        self.counters.rollbacks_by_keep[request.keep] += 1
+        return {"seq": request.seq, "length": entry.state.length}, {}
+
+    def snapshot(self, request):
+        entry = self._sequence(request.seq)
+        rb.snapshot(entry.state)
+        self.counters.snapshots += 1
+        return {"seq": request.seq, "length": entry.state.length}, {}
+
+    def restore(self, request):
+        entry = self._sequence(request.seq)
+        rb.restore(entry.state)
+        self.counters.restores += 1
+        return {"seq": request.seq, "length": entry.state.length}, {}
+
+    def propose(self, request):
+        raise ProtocolError(ErrorCode.NO_DRAFTER, "this shard hosts no drafter")
+
+    def stats(self, request):
+        c = self.counters
+        states = [entry.state for entry in self.sequences.values()]
+        result = {
+            "uptime_seconds": time.time() - self.started,
+            "requests": dict(c.requests),
+            "errors": dict(c.errors),
+            "forwards": c.forwards,
+            "captures": c.captures,
+            "tokens_forwarded": c.tokens_forwarded,
+            "captured_rows": c.captured_rows,
+            "checkpointed_steps": c.checkpointed_steps,
+            "checkpoint_writes": c.checkpoint_writes,
+            "recurrence_log_tokens": c.recurrence_log_tokens,
+            "rollbacks": dict(c.rollbacks),
+            "rollbacks_by_keep": {str(k): v for k, v in sorted(c.rollbacks_by_keep.items())},
+            "snapshots": c.snapshots,
+            "restores": c.restores,
+            "sequences_opened": c.sequences_opened,
+            "sequences_closed": c.sequences_closed,
+            "sequences_failed": c.sequences_failed,
+            "open_sequences": len(self.sequences),
+            "failed_sequences": sum(1 for entry in self.sequences.values() if entry.failed),
+            "state_bytes": sum(s.state_bytes() for s in states),
+            "checkpoint_bytes": sum(s.rollback_bytes() for s in states),
+            "weight_bytes": self.shard.weight_bytes(),
+            "compute_seconds": dict(c.compute_seconds),
+        }
+        return result, {}
+
+    def shutdown(self, request):
+        log.info("shutdown requested")
+        self.stopping = True
+        return {"stopping": True}, {}
+
+    # ---- the socket loop -------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        options = self.options
+        context = zmq.Context.instance()
+        socket = context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.LINGER, 1000)
+        authenticator = configure_security(context, socket, options)
+        socket.bind(options.bind)
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+
+        def stop(signum, frame):
+            log.info("signal %s: stopping", signal.Signals(signum).name)
+            self.stopping = True
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        systemd.notify(f"READY=1\nSTATUS=serving layers {self.shard.begin}:{self.shard.end} on {options.bind}")
+        log.info("ready: serving on %s", options.bind)
+        try:
+            while not self.stopping:
+                if not poller.poll(100):
+                    continue
+                frames = socket.recv_multipart(copy=False)
+                envelope, body = split_envelope(frames)
+                if not body:
+                    continue  # an identity with nothing after it: nothing to answer
+                reply = self.handle(body)
+                socket.send_multipart(envelope + reply, copy=False)
+        finally:
+            systemd.notify("STOPPING=1")
+            socket.close(linger=1000)
+            if authenticator is not None:
+                authenticator.stop()
+            if options.bind.startswith("ipc://"):
+                path = options.bind[len("ipc://") :]
+                if path and not path.startswith("@") and os.path.exists(path):
+                    os.unlink(path)
+            log.info("stopped: %d sequences were open", len(self.sequences))
+
+
+def split_envelope(frames: list) -> tuple[list, list]:
+    """ROUTER frames -> (routing envelope, request frames). REQ clients add an empty delimiter; DEALERs may not."""
+    envelope = [frames[0]]
+    body = frames[1:]
+    if body and len(body[0].buffer) == 0:
+        envelope.append(body[0])
+        body = body[1:]
+    return envelope, body
+
+
+def configure_security(context, socket, options: ServeOptions):
+    """Loopback and ipc:// binds need nothing; any other TCP bind requires CurveZMQ keys and an allow-list."""
+    if options.curve_secret_key is None:
+        if not is_loopback(options.bind):
+            raise SystemExit(
+                f"refusing to bind {options.bind} without encryption: a non-loopback bind needs "
+                "--curve-secret-key (from `shardd keygen`) and --curve-allow DIR of client public keys"
+            )
+        return None
+    if options.curve_allow_dir is None:
+        raise SystemExit("--curve-secret-key needs --curve-allow DIR (the client public keys allowed to connect)")
+    import zmq.auth
+    from zmq.auth.thread import ThreadAuthenticator
+
+    public, secret = zmq.auth.load_certificate(options.curve_secret_key)
+    if secret is None:
+        raise SystemExit(f"{options.curve_secret_key} holds no secret key")
+    authenticator = ThreadAuthenticator(context)
+    authenticator.start()
+    authenticator.configure_curve(domain="*", location=options.curve_allow_dir)
+    socket.curve_secretkey = secret
+    socket.curve_publickey = public
+    socket.curve_server = True
+    return authenticator
