@@ -20,7 +20,7 @@ import torch
 
 from protocol.errors import ErrorCode, ProtocolError
 from shardd.config import ModelConfig
-from shardd.model.delta_rule import delta_rule_step
+from shardd.model.delta_rule import chunked_delta_rule
 from shardd.model.state import GDNState, PendingStep, SequenceState
 
 CHECKPOINT = "checkpoint"
@@ -122,9 +122,10 @@ class RecurrenceLog:
 
     def restore(self, state: GDNState, keep: int) -> None:
         state.recurrent.copy_(self.recurrent0)
-        decay = self.g[:, :keep].exp()
-        for t in range(keep):
-            delta_rule_step(state.recurrent, self.key[:, t], self.value[:, t], decay[:, t], self.beta[:, t], state.recurrent)
+        if keep:  # only the recurrence, no projections: no weight is read
+            chunked_delta_rule(
+                None, self.key[:, :keep], self.value[:, :keep], self.g[:, :keep], self.beta[:, :keep], state.recurrent
+            )
         state.conv.copy_(_conv_windows(self.conv0, self.conv_inputs[:keep])[keep])
 
     def nbytes(self) -> int:

@@ -202,3 +202,25 @@ def test_deep_synthetic_stays_finite_in_bfloat16():
     assert torch.isfinite(out.logits).all()
     assert max(h.float().abs().max().item() for h in out.captured.values()) < 1e3
     assert out.logits.std().item() > 0.5  # not collapsed: the argmax is meaningful
+
+
+@pytest.mark.parametrize("n", [1, 7, 16, 70])
+def test_chunked_states_after_each_token_equal_recurrent(n):
+    g = torch.Generator().manual_seed(100 + n)
+    heads, k_dim, v_dim = 2, 8, 4
+    k = torch.nn.functional.normalize(torch.randn(heads, n, k_dim, generator=g), dim=-1)
+    v = torch.randn(heads, n, v_dim, generator=g)
+    decay_g = -torch.rand(heads, n, generator=g)
+    beta = torch.rand(heads, n, generator=g)
+    s0 = torch.randn(heads, k_dim, v_dim, generator=g)
+    slots = torch.zeros(n, heads, k_dim, v_dim)
+    state = s0.clone()
+    chunked_delta_rule(k, k, v, decay_g, beta, state, state_after_each=slots)
+    reference = s0.clone()
+    for t in range(n):
+        recurrent_delta_rule(k[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], decay_g[:, t : t + 1], beta[:, t : t + 1], reference)
+        assert (slots[t] - reference).abs().max().item() <= 1e-5
+    assert torch.equal(state, slots[-1])
+    no_query = s0.clone()
+    assert chunked_delta_rule(None, k, v, decay_g, beta, no_query) is None
+    assert (no_query - reference).abs().max().item() <= 1e-5

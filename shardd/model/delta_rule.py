@@ -4,10 +4,11 @@ Per value head, with state S [k_dim, v_dim], decay a_t = exp(g_t) and write stre
 
     S_t = a_t S_{t-1} + k_t (beta_t (v_t - a_t S_{t-1}^T k_t))^T        o_t = S_t^T q_t
 
-`recurrent_delta_rule` walks the tokens one by one (short inputs, and every checkpointed step, since it
-yields the state after each token). `chunked_delta_rule` solves each chunk with a triangular system
-(long prefills). Shapes: q, k [heads, n, k_dim] (l2-normalised, q already scaled), v [heads, n, v_dim],
-g, beta [heads, n]; all float32.
+`recurrent_delta_rule` walks the tokens one by one (single-token decode). `chunked_delta_rule` solves
+each chunk with a triangular system (prefill, verify blocks); it can also write the state after every
+token (the `checkpoint` rollback mode) and run without queries (the `replay-ssm` rollback).
+Shapes: q, k [heads, n, k_dim] (l2-normalised, q already scaled), v [heads, n, v_dim], g, beta [heads, n];
+all float32.
 """
 
 from __future__ import annotations
@@ -18,16 +19,13 @@ CHUNK_SIZE = 64
 
 
 def delta_rule_step(
-    state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, out: torch.Tensor
+    state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor
 ) -> None:
-    """One token: writes S_t into `out` (which may be `state` itself). key [H, K], value [H, V], decay/beta [H].
-
-    The replay-ssm rollback calls this same function, so a replayed state is bit-identical to a forwarded one.
-    """
-    torch.mul(state, decay[:, None, None], out=out)
-    predicted = torch.bmm(key[:, None, :], out).squeeze(1)  # [H, V]: what the decayed state recalls for k_t
+    """One token, in place. key [H, K], value [H, V], decay/beta [H]."""
+    state.mul_(decay[:, None, None])
+    predicted = torch.bmm(key[:, None, :], state).squeeze(1)  # [H, V]: what the decayed state recalls for k_t
     delta = (value - predicted) * beta[:, None]
-    out.baddbmm_(key[:, :, None], delta[:, None, :])
+    state.baddbmm_(key[:, :, None], delta[:, None, :])
 
 
 def recurrent_delta_rule(
@@ -37,48 +35,40 @@ def recurrent_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
-    state_after_each: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Token-by-token form; updates `state` in place and returns o [H, n, V].
-
-    With `state_after_each` ([n, H, K, V]) the state after token i is written to slot i: these are the
-    per-token checkpoints of the `checkpoint` rollback mode.
-    """
+    """Token-by-token form; updates `state` in place and returns o [H, n, V]."""
     heads, n, _ = key.shape
     out = torch.empty((heads, n, value.shape[-1]), dtype=torch.float32, device=value.device)
     decay = g.exp()
-    current = state
     for t in range(n):
-        target = state_after_each[t] if state_after_each is not None else state
-        delta_rule_step(current, key[:, t], value[:, t], decay[:, t], beta[:, t], target)
-        current = target
-        out[:, t] = torch.bmm(query[:, t, None, :], current).squeeze(1)
-    if state_after_each is not None:
-        state.copy_(current)
+        delta_rule_step(state, key[:, t], value[:, t], decay[:, t], beta[:, t])
+        out[:, t] = torch.bmm(query[:, t, None, :], state).squeeze(1)
     return out
 
 
 def chunked_delta_rule(
-    query: torch.Tensor,
+    query: torch.Tensor | None,
     key: torch.Tensor,
     value: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
     chunk_size: int = CHUNK_SIZE,
-) -> torch.Tensor:
-    """Chunked form; updates `state` in place and returns o [H, n, V].
+    state_after_each: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Chunked form; updates `state` in place and returns o [H, n, V] (None when `query` is None).
 
     Inside a chunk with cumulative log-decay G_t, the state is S_t = e^{G_t} S_0 + sum_{j<=t} e^{G_t-G_j} k_j u_j^T,
     where the corrected values u solve the unit lower-triangular system (I + A) u = beta v - beta e^{G} K S_0,
-    A_tj = beta_t e^{G_t-G_j} k_t.k_j for j < t.
+    A_tj = beta_t e^{G_t-G_j} k_t.k_j for j < t. With `state_after_each` ([n, H, K, V]) every S_t is written
+    there in a few batched ops: the per-token checkpoints of the `checkpoint` rollback mode.
     """
     heads, n, k_dim = key.shape
-    out = torch.empty((heads, n, value.shape[-1]), dtype=torch.float32, device=value.device)
+    out = None if query is None else torch.empty((heads, n, value.shape[-1]), dtype=torch.float32, device=value.device)
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
         size = end - start
-        q, k, v = query[:, start:end], key[:, start:end], value[:, start:end]
+        k, v = key[:, start:end], value[:, start:end]
         b = beta[:, start:end]
         cum = g[:, start:end].cumsum(-1)  # [H, c]
         causal = torch.ones(size, size, dtype=torch.bool, device=key.device).tril()
@@ -91,8 +81,18 @@ def chunked_delta_rule(
             system, (b * cum.exp())[:, :, None] * k, upper=False, unitriangular=True
         )
         u = u_values - u_state @ state  # [H, c, V]
-        scores = (q @ k.transpose(-1, -2)) * pair_decay
-        out[:, start:end] = (q * cum.exp()[:, :, None]) @ state + scores @ u
-        to_end = (cum[:, -1:] - cum).exp()  # e^{G_c - G_j}
-        state.mul_(cum[:, -1].exp()[:, None, None]).add_((k * to_end[:, :, None]).transpose(-1, -2) @ u)
+        if out is not None:
+            q = query[:, start:end]
+            scores = (q @ k.transpose(-1, -2)) * pair_decay
+            out[:, start:end] = (q * cum.exp()[:, :, None]) @ state + scores @ u
+        if state_after_each is not None:
+            # S_t for every t: [H, c, c, K] decayed keys, summed against u -> [H, c, K, V]
+            decayed_keys = pair_decay[:, :, :, None] * k[:, None, :, :]
+            states = decayed_keys.transpose(-1, -2) @ u[:, None]
+            states += cum.exp()[:, :, None, None] * state[:, None]
+            state_after_each[start:end].copy_(states.transpose(0, 1))
+            state.copy_(state_after_each[end - 1])
+        else:
+            to_end = (cum[:, -1:] - cum).exp()  # e^{G_c - G_j}
+            state.mul_(cum[:, -1].exp()[:, None, None]).add_((k * to_end[:, :, None]).transpose(-1, -2) @ u)
     return out

@@ -11,8 +11,9 @@ from shardd.model.delta_rule import chunked_delta_rule, recurrent_delta_rule
 from shardd.model.norm import gated_rms_norm
 from shardd.model.state import GDNState
 
-# Up to this many tokens the token-by-token form is used; it is also used for every checkpointed step.
-RECURRENT_MAX_TOKENS = 16
+# Single-token decode steps use the token-by-token form; anything longer (prefill, verify blocks,
+# replays) uses the chunked form, whose few batched ops suit a GPU better than a loop over tokens.
+RECURRENT_MAX_TOKENS = 1
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -69,7 +70,7 @@ class GatedDeltaNet:
         g = (self.neg_decay_rate * F.softplus(a.float() + self.dt_bias)).t()
 
         if recorder is not None:
-            core = recurrent_delta_rule(
+            core = chunked_delta_rule(
                 query, key, value, g, beta, state.recurrent, state_after_each=recorder.state_slots(n)
             )
             recorder.record_recurrence(key, value, g, beta)
