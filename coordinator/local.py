@@ -1,0 +1,90 @@
+"""The `Target` in one process: the same `ShardModel`s the daemons run, no sockets.
+
+It is the single-process reference the tests compare the pipeline with (plain greedy
+decoding of the same model in one process), and a way to run a small model without
+daemons. Errors are the shards' own `ProtocolError`s; a rollback that cannot be done
+raises `RollbackFailed`, as the pipeline does.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from coordinator.target import RollbackFailed
+from protocol import ErrorCode, ProtocolError
+from shardd import rollback as rb
+from shardd.loading import ModelSource, build_shard
+from shardd.model.state import SequenceState
+from shardd.rollback import RollbackStorage
+
+DEFAULT_MAX_CONTEXT = 4096
+
+
+class LocalTarget:
+    def __init__(
+        self,
+        source: ModelSource,
+        splits: Optional[Sequence[tuple[int, int]]] = None,
+        storage: RollbackStorage = RollbackStorage(rb.CHECKPOINT, 16),
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        max_context: Optional[int] = None,
+    ) -> None:
+        config = source.config()
+        splits = [tuple(split) for split in (splits or [(0, config.num_layers)])]
+        expected = [0] + [end for _, end in splits]
+        if [begin for begin, _ in splits] != expected[:-1] or expected[-1] != config.num_layers:
+            raise ValueError(f"splits {splits} must cover 0:{config.num_layers} in order, without gaps or overlaps")
+        self.config = config
+        self.shards = [build_shard(source, b, e, dtype=dtype, device=device, storage=storage) for b, e in splits]
+        self.max_context = max_context or min(config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+        self.states: dict[int, list[SequenceState]] = {}
+
+    def _states(self, seq: int) -> list[SequenceState]:
+        if seq not in self.states:
+            raise ProtocolError(ErrorCode.NO_SUCH_SEQUENCE, f"sequence {seq} is not open")
+        return self.states[seq]
+
+    def open(self, seq: int) -> None:
+        if seq in self.states:
+            raise ProtocolError(ErrorCode.SEQUENCE_EXISTS, f"sequence {seq} is already open")
+        self.states[seq] = [shard.new_state(self.max_context) for shard in self.shards]
+
+    def close(self, seq: int) -> None:
+        self.states.pop(seq, None)
+
+    def forward(self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False) -> list[int]:
+        ids, _ = self.capture(seq, pos, tokens, (), checkpoint=checkpoint)
+        return ids
+
+    @torch.inference_mode()
+    def capture(
+        self, seq: int, pos: int, tokens: list[int], layers: Sequence[int], *, checkpoint: bool = False
+    ) -> tuple[list[int], dict[int, torch.Tensor]]:
+        """A forward that also returns the output of each decoder layer in `layers`."""
+        states = self._states(seq)
+        hidden, captured = None, {}
+        for shard, state in zip(self.shards, states):
+            inputs = {"tokens": list(tokens)} if shard.owns_embedding else {"hidden": hidden}
+            out = shard.forward(state, pos, checkpoint=checkpoint, capture_layers=tuple(layers), **inputs)
+            captured.update(out.captured)
+            hidden = out.hidden
+        return out.logits.argmax(dim=-1).tolist(), captured
+
+    def rollback(self, seq: int, keep: int) -> None:
+        for state in self._states(seq):
+            try:
+                rb.rollback(state, keep)
+            except ProtocolError as error:
+                raise RollbackFailed(str(error)) from error
+
+    def snapshot(self, seq: int) -> None:
+        for state in self._states(seq):
+            rb.snapshot(state)
+
+    def restore(self, seq: int) -> None:
+        for state in self._states(seq):
+            rb.restore(state)
