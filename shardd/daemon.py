@@ -134,7 +134,11 @@ class ShardDaemon:
             return self._error(request.id, request.type, ErrorCode.INTERNAL, message, seq=seq)
         finally:
             self.counters.compute_seconds[request.type.value] += time.perf_counter() - started
-        return encode_reply(request.id, request.type, result, tensors)
+        try:
+            return encode_reply(request.id, request.type, result, tensors)
+        except Exception as exc:  # a result that cannot be encoded is our bug, not the client's
+            log.error("cannot encode reply seq=%s type=%s: %s", seq, request.type.value, exc)
+            return self._error(request.id, request.type, ErrorCode.INTERNAL, f"cannot encode reply: {exc}", seq=seq)
 
     def _error(self, request_id, mtype, code: ErrorCode, message: str, seq) -> list:
         self.counters.errors[ErrorCode(code).value] += 1
@@ -322,6 +326,8 @@ class ShardDaemon:
         context = zmq.Context.instance()
         socket = context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 1000)
+        # libzmq drops oversized frames before they reach Python memory; decode_request reports the rest.
+        socket.setsockopt(zmq.MAXMSGSIZE, max(self.limits.max_frame_bytes, self.limits.max_header_bytes))
         authenticator = configure_security(context, socket, options)
         socket.bind(options.bind)
         poller = zmq.Poller()
