@@ -1,0 +1,189 @@
+"""A client for one shard daemon: a ZeroMQ DEALER socket speaking protocol v1.
+
+One request is in flight at a time; replies are matched by id, so a reply that arrives
+after its request timed out is recognised as stale and dropped. Tensor frames are relayed
+as `WireTensor`s over the received frames (no copy, no torch), so a hidden state goes
+from one shard's reply to the next shard's request without being decoded.
+
+A `ShardClient` (its socket) belongs to one thread at a time: ZeroMQ sockets are not
+thread-safe. Threads that talk to the same daemon each build their own client.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Any, Optional
+
+import zmq
+
+from protocol import (
+    Capture,
+    Close,
+    ErrorCode,
+    Forward,
+    Hello,
+    Open,
+    ProtocolError,
+    RemoteError,
+    Reply,
+    Request,
+    Restore,
+    Rollback,
+    Shutdown,
+    Snapshot,
+    Stats,
+    WireTensor,
+    decode_reply,
+    encode_request,
+    pure_chain,
+)
+
+
+class ShardError(RemoteError):
+    """The daemon at `endpoint` answered `ok: false` with `code` (an ErrorCode)."""
+
+    def __init__(self, code: ErrorCode | str, message: str, endpoint: str) -> None:
+        super().__init__(code, message)
+        self.endpoint = endpoint
+        # Exception.__str__ shows args[0]: put the endpoint in front of "CODE: message".
+        self.args = (f"{endpoint}: {self.code.value}: {self.message}",)
+
+
+class ShardTimeout(TimeoutError):
+    """No reply from the daemon at `endpoint` within the timeout."""
+
+    def __init__(self, endpoint: str, what: str, timeout_s: float) -> None:
+        super().__init__(f"{endpoint}: no reply to {what} within {timeout_s:g} s (is the daemon running?)")
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+
+
+class ShardClient:
+    def __init__(self, endpoint: str, timeout_s: float = 120.0, name: Optional[str] = None) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.name = name or endpoint
+        self._ids = itertools.count(1)
+        self._socket = zmq.Context.instance().socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(endpoint)
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+
+    # ---- transport -----------------------------------------------------------------------
+
+    def request(self, record: Request, timeout_s: Optional[float] = None) -> Reply:
+        """Send `record` (its id replaced by this client's next id) and return the reply.
+
+        Raises ShardError for `ok: false`, ShardTimeout when nothing comes back in time,
+        ProtocolError for a reply that is not valid protocol v1."""
+        if self._socket.closed:
+            raise RuntimeError(f"{self.name}: client is closed")
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        record = dataclasses.replace(record, id=next(self._ids))
+        frames = encode_request(record)
+        what = f"{record.type.value} (id {record.id})"
+        deadline = time.monotonic() + timeout_s
+        try:
+            # A DEALER queues the message even before the daemon has bound its socket.
+            self._socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            raise ShardTimeout(self.endpoint, what, timeout_s) from None
+        while True:
+            remaining_ms = (deadline - time.monotonic()) * 1000
+            if remaining_ms <= 0 or not self._poller.poll(max(1, int(remaining_ms))):
+                raise ShardTimeout(self.endpoint, what, timeout_s)
+            frames = self._socket.recv_multipart(copy=False)
+            try:
+                reply = decode_reply(frames)
+            except ProtocolError as error:
+                raise ProtocolError(error.code, f"{self.name}: malformed reply to {what}: {error.message}") from error
+            # id None: the daemon could not read our id, so this error answers the one request in flight.
+            if reply.id is not None and reply.id != record.id:
+                continue  # stale: the answer to a request that timed out earlier
+            if not reply.ok:
+                raise ShardError(reply.error_code, reply.error_message, self.endpoint)
+            if reply.type is not record.type:
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST, f"{self.name}: reply to {what} has type {reply.type}"
+                )
+            return reply
+
+    def close(self, seq: Optional[int] = None) -> Optional[dict]:
+        """`close(seq)` sends CLOSE for that sequence; `close()` closes this client's socket."""
+        if seq is not None:
+            return self.request(Close(id=0, seq=seq)).result
+        if not self._socket.closed:
+            self._poller.unregister(self._socket)
+            self._socket.close(linger=0)
+        return None
+
+    @property
+    def closed(self) -> bool:
+        return self._socket.closed
+
+    def __enter__(self) -> "ShardClient":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ShardClient({self.endpoint!r})"
+
+    # ---- one method per message type -----------------------------------------------------
+
+    def hello(self, timeout_s: Optional[float] = None) -> dict:
+        return self.request(Hello(id=0), timeout_s).result
+
+    def open(self, seq: int) -> dict:
+        return self.request(Open(id=0, seq=seq)).result
+
+    def forward(
+        self,
+        seq: int,
+        pos: int,
+        tokens: Optional[list[int]] = None,
+        hidden: Optional[WireTensor] = None,
+        checkpoint: bool = False,
+        return_logits: bool = False,
+    ) -> Reply:
+        return self.request(Forward(id=0, seq=seq, pos=pos, **_forward_fields(tokens, hidden, checkpoint), return_logits=return_logits))
+
+    def capture(
+        self,
+        seq: int,
+        pos: int,
+        layers: list[int],
+        tokens: Optional[list[int]] = None,
+        hidden: Optional[WireTensor] = None,
+        checkpoint: bool = False,
+    ) -> Reply:
+        return self.request(Capture(id=0, seq=seq, pos=pos, **_forward_fields(tokens, hidden, checkpoint), layers=list(layers)))
+
+    def rollback(self, seq: int, keep: int) -> dict:
+        return self.request(Rollback(id=0, seq=seq, keep=keep)).result
+
+    def snapshot(self, seq: int) -> dict:
+        return self.request(Snapshot(id=0, seq=seq)).result
+
+    def restore(self, seq: int) -> dict:
+        return self.request(Restore(id=0, seq=seq)).result
+
+    def stats(self) -> dict:
+        return self.request(Stats(id=0)).result
+
+    def shutdown(self) -> dict:
+        return self.request(Shutdown(id=0)).result
+
+
+def _forward_fields(tokens: Optional[list[int]], hidden: Optional[WireTensor], checkpoint: bool) -> dict:
+    n = len(tokens) if tokens is not None else (hidden.shape[0] if hidden is not None else 0)
+    return {
+        "tokens": None if tokens is None else list(tokens),
+        "hidden": hidden,
+        "checkpoint": checkpoint,
+        "parents": pure_chain(n) if checkpoint else None,
+    }

@@ -1,0 +1,368 @@
+"""The `Target` over shard daemons: token ids in at the first shard, each shard's hidden
+state relayed as-is to the next, argmax ids back from the head shard.
+
+Construction says HELLO to every shard and refuses a set that would compute something
+other than the model: layer ranges that leave a gap or overlap, different weights
+(fingerprints), protocol versions or activation dtypes. Every error names the shard.
+
+Threads: a `Pipeline` (its `ShardClient` sockets) belongs to one thread. To decode
+several sequences at once through the same daemons, each thread builds its own
+`Pipeline.connect(endpoints)` and uses its own `seq` ids; the daemons keep the
+sequences apart and serve requests in arrival order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+from coordinator.client import ShardClient, ShardError, ShardTimeout
+from coordinator.target import RollbackFailed
+from protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, Reply, WireTensor
+
+CHECKPOINTED_MODES = ("checkpoint", "replay-ssm")  # rollback modes the shards do themselves
+SHARD_FAILURES = (ShardError, ShardTimeout, ProtocolError)
+
+
+class PipelineError(RuntimeError):
+    """The shard set cannot serve a request as asked; the message names the shard(s)."""
+
+
+class CheckpointUnavailable(PipelineError):
+    """A checkpointed step the shard set cannot hold (no rollback storage, or too many tokens).
+    Raised before any shard sees the request, so no state changed."""
+
+
+class SequenceInconsistent(PipelineError):
+    """A forward failed part-way down the pipeline and could not be undone: the shards now
+    disagree on the sequence's length. Close it and re-fill it from the committed history."""
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """A shard as its HELLO describes it."""
+
+    endpoint: str
+    hello: dict
+
+    @property
+    def begin(self) -> int:
+        return self.hello["layers"][0]
+
+    @property
+    def end(self) -> int:
+        return self.hello["layers"][1]
+
+    @property
+    def layers(self) -> str:
+        return f"{self.begin}:{self.end}"
+
+    @property
+    def model(self) -> dict:
+        return self.hello["model"]
+
+    @property
+    def owns_head(self) -> bool:
+        return bool(self.hello["owns_head"])
+
+    @property
+    def rollback_mode(self) -> Optional[str]:
+        return self.hello["rollback"]["mode"]
+
+    @property
+    def max_verify_tokens(self) -> int:
+        return self.hello["rollback"]["max_verify_tokens"]
+
+    @property
+    def max_tokens_per_request(self) -> int:
+        return self.hello["limits"]["max_tokens_per_request"]
+
+    @property
+    def has_gdn_layers(self) -> bool:
+        types = self.model["layer_types"][self.begin:self.end]
+        return any(kind == "linear_attention" for kind in types)
+
+    def __str__(self) -> str:
+        return f"{self.endpoint} (layers {self.layers})"
+
+
+def order_shards(shards: Sequence[ShardInfo]) -> list[ShardInfo]:
+    """The shards in layer order, or PipelineError listing every reason the set cannot
+    form the model: protocol version, fingerprint, dtype, gaps and overlaps."""
+    if not shards:
+        raise PipelineError("no shards given")
+    problems = []
+    for shard in shards:
+        if shard.hello.get("protocol_version") != PROTOCOL_VERSION:
+            problems.append(
+                f"{shard.endpoint} speaks protocol version {shard.hello.get('protocol_version')!r}, "
+                f"this coordinator speaks {PROTOCOL_VERSION}"
+            )
+    for what, key in (("model fingerprints", lambda s: s.model["fingerprint"]), ("dtypes", lambda s: s.hello["dtype"])):
+        groups: dict[str, list[str]] = {}
+        for shard in shards:
+            groups.setdefault(str(key(shard)), []).append(shard.endpoint)
+        if len(groups) > 1:
+            listed = "; ".join(f"{value}: {', '.join(endpoints)}" for value, endpoints in groups.items())
+            problems.append(f"shards disagree on {what} ({listed})")
+    if problems:
+        raise PipelineError("refusing this shard set: " + "; ".join(problems))
+
+    ordered = sorted(shards, key=lambda s: (s.begin, s.end))
+    num_layers = ordered[0].model["num_layers"]
+    covered, previous = 0, None
+    for shard in ordered:
+        if shard.begin > covered:
+            after = f" (after {previous})" if previous else ""
+            problems.append(f"gap: no shard serves layers {covered}:{shard.begin}{after}, before {shard}")
+        elif shard.begin < covered:
+            problems.append(
+                f"overlap: {previous} and {shard} both serve layers {shard.begin}:{min(covered, shard.end)}"
+            )
+        if shard.end > covered:
+            covered, previous = shard.end, shard
+    if covered < num_layers:
+        problems.append(f"gap: no shard serves layers {covered}:{num_layers} (after {previous})")
+    if problems:
+        raise PipelineError(f"refusing this shard set for a {num_layers}-layer model: " + "; ".join(problems))
+    return ordered
+
+
+class Pipeline:
+    """Implements `coordinator.target.Target` over shard daemons, in layer order."""
+
+    def __init__(self, clients: Sequence[ShardClient]) -> None:
+        clients = list(clients)
+        infos = [ShardInfo(client.endpoint, client.hello()) for client in clients]
+        self.shards = order_shards(infos)
+        by_endpoint = {id(info): client for info, client in zip(infos, clients)}
+        self.clients = [by_endpoint[id(info)] for info in self.shards]
+        self.num_layers = self.shards[0].model["num_layers"]
+        self.hidden_size = self.shards[0].model["hidden_size"]
+        self.vocab_size = self.shards[0].model["vocab_size"]
+        # Longer non-checkpointed inputs are split into chunks of this many tokens.
+        self.max_tokens_per_request = min(s.max_tokens_per_request for s in self.shards)
+        # Every shard sees every checkpointed step, so the smallest storage decides.
+        self.max_verify_tokens = min(min(s.max_verify_tokens for s in self.shards), self.max_tokens_per_request)
+
+    @classmethod
+    def connect(cls, endpoints: Iterable[str], timeout_s: float = 120.0) -> "Pipeline":
+        clients = [ShardClient(endpoint, timeout_s=timeout_s) for endpoint in endpoints]
+        try:
+            return cls(clients)
+        except BaseException:
+            for client in clients:
+                client.close()
+            raise
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [shard.endpoint for shard in self.shards]
+
+    def disconnect(self) -> None:
+        """Close the sockets (the daemons' sequences stay as they are)."""
+        for client in self.clients:
+            client.close()
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.disconnect()
+
+    # ---- what the shard set can do -------------------------------------------------------
+
+    def check_speculation(self, rollback: str, block_size: int) -> None:
+        """PipelineError unless these shards can verify blocks of `block_size` tokens with
+        `rollback` ("checkpoint", "replay-ssm": done by the shards; "replay": by the
+        coordinator, which works on any shard set)."""
+        if rollback == "replay":
+            return
+        if rollback not in CHECKPOINTED_MODES:
+            raise PipelineError(f"unknown rollback mode {rollback!r}")
+        without = [str(s) for s in self.shards if s.max_verify_tokens == 0]
+        if without:
+            raise PipelineError(
+                f"--rollback {rollback} needs rollback storage on every shard, but {', '.join(without)} "
+                f"were started without it (--max-verify-tokens 0); use --rollback replay, or restart them "
+                f"with --max-verify-tokens {block_size} --rollback-mode {rollback}"
+            )
+        # Shards without GDN layers roll back by truncating their KV cache, whatever their mode.
+        other = [f"{s} uses {s.rollback_mode}" for s in self.shards if s.has_gdn_layers and s.rollback_mode != rollback]
+        if other:
+            raise PipelineError(
+                f"--rollback {rollback} was asked but {'; '.join(other)}: the rollback mode is a daemon "
+                f"setting (--rollback-mode); ask for that mode or restart the shards"
+            )
+        small = [f"{s} holds {s.max_verify_tokens}" for s in self.shards if s.max_verify_tokens < block_size]
+        if small:
+            raise PipelineError(
+                f"--block-size {block_size} is larger than a checkpointed step can be: {'; '.join(small)} "
+                f"tokens (--max-verify-tokens); use a smaller block"
+            )
+        if block_size > self.max_tokens_per_request:
+            raise PipelineError(
+                f"--block-size {block_size} exceeds the shards' max_tokens_per_request {self.max_tokens_per_request}"
+            )
+
+    def _check_checkpointed(self, n: int) -> None:
+        if n > self.max_verify_tokens:
+            limits = ", ".join(
+                f"{s}: {s.max_verify_tokens} (max_tokens_per_request {s.max_tokens_per_request})" for s in self.shards
+            )
+            raise CheckpointUnavailable(f"a checkpointed step of {n} tokens does not fit every shard ({limits})")
+
+    # ---- Target --------------------------------------------------------------------------
+
+    def open(self, seq: int) -> None:
+        opened = []
+        try:
+            for client in self.clients:
+                client.open(seq)
+                opened.append(client)
+        except BaseException:
+            for client in opened:
+                _close_quietly(client, seq)
+            raise
+
+    def close(self, seq: int) -> None:
+        """Close on every shard, whatever state each is in; a shard that does not know the
+        sequence is fine. Other failures are raised after every shard was tried."""
+        failures = []
+        for client in self.clients:
+            try:
+                client.close(seq)
+            except ShardError as error:
+                if error.code is not ErrorCode.NO_SUCH_SEQUENCE:
+                    failures.append(error)
+            except (ShardTimeout, ProtocolError) as error:
+                failures.append(error)
+        if failures:
+            raise PipelineError(f"closing sequence {seq} failed: " + "; ".join(map(str, failures)))
+
+    def forward(self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False) -> list[int]:
+        tokens = list(tokens)
+        if not tokens:
+            raise ValueError("forward needs at least one token")
+        if checkpoint:
+            self._check_checkpointed(len(tokens))
+            ids, _ = self._relay(seq, pos, tokens, checkpoint=True)
+            return ids
+        ids = []
+        step = self.max_tokens_per_request
+        for start in range(0, len(tokens), step):
+            chunk_ids, _ = self._relay(seq, pos + start, tokens[start:start + step], checkpoint=False)
+            ids.extend(chunk_ids)
+        return ids
+
+    def capture(
+        self, seq: int, pos: int, tokens: list[int], layers: Sequence[int], *, checkpoint: bool = False
+    ) -> tuple[list[int], dict[int, WireTensor]]:
+        """A forward that also returns the output of each decoder layer in `layers`
+        (`WireTensor` [n, hidden_size] in the shards' dtype), for feature drafters."""
+        tokens = list(tokens)
+        layers = sorted(set(layers))
+        if not layers or not all(0 <= layer < self.num_layers for layer in layers):
+            raise ValueError(f"capture layers must be a non-empty subset of 0..{self.num_layers - 1}, got {layers}")
+        if len(tokens) > self.max_tokens_per_request:
+            raise PipelineError(f"a capture of {len(tokens)} tokens exceeds max_tokens_per_request {self.max_tokens_per_request}")
+        if checkpoint:
+            self._check_checkpointed(len(tokens))
+        return self._relay(seq, pos, tokens, checkpoint=checkpoint, capture=layers)
+
+    def rollback(self, seq: int, keep: int) -> None:
+        failures, lengths = [], set()
+        for client in self.clients:
+            try:
+                lengths.add(client.rollback(seq, keep)["length"])
+            except SHARD_FAILURES as error:
+                failures.append(error)
+        if failures:
+            raise RollbackFailed(f"rollback of sequence {seq} to keep={keep} failed: " + "; ".join(map(str, failures)))
+        if len(lengths) > 1:
+            raise RollbackFailed(f"after rollback the shards disagree on the length of sequence {seq}: {sorted(lengths)}")
+
+    def snapshot(self, seq: int) -> None:
+        for client in self.clients:
+            client.snapshot(seq)
+
+    def restore(self, seq: int) -> None:
+        lengths = {client.endpoint: client.restore(seq)["length"] for client in self.clients}
+        if len(set(lengths.values())) > 1:
+            raise SequenceInconsistent(f"after RESTORE the shards disagree on the length of sequence {seq}: {lengths}")
+
+    # ---- operations ----------------------------------------------------------------------
+
+    def stats(self) -> list[dict]:
+        """Each shard's STATS result, in layer order."""
+        return [client.stats() for client in self.clients]
+
+    # ---- the relay -----------------------------------------------------------------------
+
+    def _relay(
+        self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool, capture: Optional[list[int]] = None
+    ) -> tuple[list[int], dict[int, WireTensor]]:
+        n = len(tokens)
+        hidden: Optional[WireTensor] = None
+        captured: dict[int, WireTensor] = {}
+        ids: list[int] = []
+        for index, (shard, client) in enumerate(zip(self.shards, self.clients)):
+            inputs = {"tokens": tokens} if index == 0 else {"hidden": hidden}
+            try:
+                if capture:
+                    reply = client.capture(seq, pos, capture, checkpoint=checkpoint, **inputs)
+                else:
+                    reply = client.forward(seq, pos, checkpoint=checkpoint, **inputs)
+                hidden = self._check_reply(reply, shard, seq, pos + n, n)
+            except SHARD_FAILURES as error:
+                if index > 0:
+                    self._undo(seq, pos, index, checkpoint, error)
+                raise
+            if capture:
+                for layer in reply.result.get("captured_layers", []):
+                    captured[layer] = reply.tensors[f"layer.{layer}"]
+            if shard.owns_head:
+                ids = list(reply.result["ids"])
+        return ids, captured
+
+    def _check_reply(self, reply: Reply, shard: ShardInfo, seq: int, length: int, n: int) -> Optional[WireTensor]:
+        """The next shard's input; ProtocolError when the reply is not what this step needs."""
+        result = reply.result
+        if result.get("length") != length:
+            raise ProtocolError(
+                ErrorCode.INTERNAL, f"{shard} reports length {result.get('length')} for sequence {seq}, expected {length}"
+            )
+        if shard.owns_head:
+            ids = result.get("ids")
+            if not isinstance(ids, list) or len(ids) != n:
+                raise ProtocolError(ErrorCode.INTERNAL, f"{shard} returned {ids!r} as ids for {n} tokens")
+            return None
+        hidden = reply.tensors.get("hidden")
+        if hidden is None or hidden.shape != (n, self.hidden_size):
+            shape = None if hidden is None else list(hidden.shape)
+            raise ProtocolError(ErrorCode.INTERNAL, f"{shard} returned hidden {shape}, expected [{n}, {self.hidden_size}]")
+        return hidden
+
+    def _undo(self, seq: int, pos: int, failed: int, checkpoint: bool, error: Exception) -> None:
+        """Shards before `failed` took the step; put them back so every shard is at `pos`.
+        Only a checkpointed step can be taken back (ROLLBACK keep=0), and only when the
+        failed shard itself changed nothing: an error reply other than INTERNAL. After a
+        timeout, an INTERNAL error or a malformed reply the sequence is inconsistent."""
+        if checkpoint and isinstance(error, ShardError) and error.code is not ErrorCode.INTERNAL:
+            try:
+                for client in self.clients[:failed]:
+                    client.rollback(seq, 0)
+                return
+            except SHARD_FAILURES:
+                pass
+        raise SequenceInconsistent(
+            f"{error}; sequence {seq} is now inconsistent across shards ({', '.join(map(str, self.shards[:failed]))} "
+            f"took the tokens at {pos}): close it and re-fill it from the committed history"
+        ) from error
+
+
+def _close_quietly(client: ShardClient, seq: int) -> None:
+    try:
+        client.close(seq)
+    except SHARD_FAILURES:
+        pass
