@@ -80,41 +80,54 @@ class ShardProcess:
         return "\n".join(text.rstrip().splitlines()[-lines:]) or "(empty log)"
 
 
-def _child_env(threads_hint: Optional[int]) -> dict:
+def child_env(threads_hint: Optional[int] = None) -> dict:
+    """Environment for a child that imports this checkout (daemons, `shardctl` runs)."""
     env = dict(os.environ)
-    # The children import this checkout's shardd, installed or not.
+    # The children import this checkout's packages, installed or not.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
     if threads_hint and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(threads_hint)
     return env
 
 
-def start_shards(
-    source_args: Sequence[str],
-    splits: Sequence[tuple[int, int]],
-    *,
-    transport: str = "tcp",
-    extra_args: Sequence[str] = (),
-    devices: Optional[Sequence[str]] = None,
-    shard_args: Optional[Sequence[Sequence[str]]] = None,
-    run_dir: Path,
-) -> list[ShardProcess]:
-    """Spawn one daemon per split (not yet ready). `devices` and `shard_args` are per
-    shard; `extra_args` go to every daemon. Logs and ipc sockets live in `run_dir`."""
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-    devices = list(devices) if devices else ["cpu"] * len(splits)
-    if len(devices) != len(splits):
-        raise ValueError(f"{len(devices)} devices for {len(splits)} shards; give one device per shard")
-    shard_args = list(shard_args) if shard_args else [()] * len(splits)
-    # CPU daemons on one machine share its cores; without a hint each would take them all.
-    cpu_shards = sum(1 for device in devices if device == "cpu")
-    threads = max(1, (os.cpu_count() or 1) // cpu_shards) if cpu_shards else None
+@dataclass(frozen=True)
+class ShardSet:
+    """Daemons for one model: one per split. `devices` and `shard_args` are per shard
+    (`devices` may also name one device for all); `extra_args` go to every daemon."""
+
+    source_args: tuple[str, ...]
+    splits: tuple[tuple[int, int], ...]
+    transport: str = "tcp"
+    extra_args: tuple[str, ...] = ()
+    devices: Optional[tuple[str, ...]] = None
+    shard_args: Optional[tuple[tuple[str, ...], ...]] = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "source_args", tuple(self.source_args))
+        object.__setattr__(self, "splits", tuple(tuple(split) for split in self.splits))
+        object.__setattr__(self, "extra_args", tuple(self.extra_args))
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        devices = tuple(self.devices) if self.devices else ("cpu",)
+        if len(devices) == 1:
+            devices *= len(self.splits)
+        if len(devices) != len(self.splits):
+            raise ValueError(f"{len(devices)} devices for {len(self.splits)} shards; give one device, or one per shard")
+        object.__setattr__(self, "devices", devices)
+        shard_args = tuple(tuple(args) for args in self.shard_args) if self.shard_args else ((),) * len(self.splits)
+        if len(shard_args) != len(self.splits):
+            raise ValueError(f"{len(shard_args)} shard argument lists for {len(self.splits)} shards")
+        object.__setattr__(self, "shard_args", shard_args)
+
+
+def start_shards(shard_set: ShardSet, run_dir: Path, threads_hint: Optional[int] = None, ports: Optional[set] = None) -> list[ShardProcess]:
+    """Spawn the set's daemons (not yet ready). Logs and ipc sockets live in `run_dir`."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ports = set() if ports is None else ports
     shards: list[ShardProcess] = []
-    ports: set[int] = set()
     try:
-        for index, ((begin, end), device) in enumerate(zip(splits, devices)):
-            if transport == "tcp":
+        for index, ((begin, end), device) in enumerate(zip(shard_set.splits, shard_set.devices)):
+            if shard_set.transport == "tcp":
                 port = free_tcp_port()
                 while port in ports:  # the OS may hand a just-probed port out again
                     port = free_tcp_port()
@@ -123,15 +136,15 @@ def start_shards(
             else:
                 endpoint = f"ipc://{run_dir / f'shard{index}.sock'}"
             command = [
-                sys.executable, "-m", "shardd", "serve", *source_args,
+                sys.executable, "-m", "shardd", "serve", *shard_set.source_args,
                 "--layers", f"{begin}:{end}", "--bind", endpoint, "--device", device,
-                *extra_args, *shard_args[index],
+                *shard_set.extra_args, *shard_set.shard_args[index],
             ]
             log_path = run_dir / f"shard{index}-{begin}-{end}.log"
             with open(log_path, "wb") as log:
                 process = subprocess.Popen(
                     command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    env=_child_env(threads if device == "cpu" else None),
+                    env=child_env(threads_hint if device == "cpu" else None),
                 )
             shards.append(ShardProcess(endpoint, (begin, end), process, log_path))
     except BaseException:
@@ -187,57 +200,48 @@ def stop_shards(shards: Sequence[ShardProcess], timeout_s: float = 10.0) -> None
 
 
 @contextlib.contextmanager
+def launched_sets(
+    shard_sets: Sequence[ShardSet],
+    *,
+    ready_timeout_s: float = 300.0,
+    progress: Optional[Progress] = None,
+    keep_logs: bool = False,
+) -> Iterator[list[list[ShardProcess]]]:
+    """Start every set's daemons at once (they load in parallel), wait until all serve,
+    yield the `ShardProcess`es per set, stop them all on exit. Logs are removed with the
+    run directory unless `keep_logs` or something failed (error messages point at them)."""
+    # Short prefix under the temp dir: an ipc:// path must fit a unix socket address (~107 bytes).
+    run_dir = Path(tempfile.mkdtemp(prefix="shardd-"))
+    # CPU daemons started together share this machine's cores; unhinted, each would take them all.
+    cpu_shards = sum(device == "cpu" for shard_set in shard_sets for device in shard_set.devices)
+    threads_hint = max(1, (os.cpu_count() or 1) // cpu_shards) if cpu_shards else None
+    started: list[list[ShardProcess]] = []
+    failed = True
+    try:
+        ports: set[int] = set()
+        for index, shard_set in enumerate(shard_sets):
+            started.append(start_shards(shard_set, run_dir / f"set{index}", threads_hint, ports))
+        wait_ready([shard for shards in started for shard in shards], ready_timeout_s, progress)
+        yield started
+        failed = False
+    finally:
+        stop_shards([shard for shards in started for shard in shards])
+        if not keep_logs and not failed:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def launched_shards(
     source_args: Sequence[str],
     splits: Sequence[tuple[int, int]],
     transport: str = "tcp",
     extra_args: Sequence[str] = (),
-    *,
-    devices: Optional[Sequence[str]] = None,
-    shard_args: Optional[Sequence[Sequence[str]]] = None,
-    ready_timeout_s: float = 300.0,
-    progress: Optional[Progress] = None,
-    keep_logs: bool = False,
+    **options,
 ) -> Iterator[list[str]]:
     """Daemons for `splits` of the model named by `source_args` (`["--synthetic", "tiny"]`
-    or `["--model", DIR]`), ready to serve; yields their endpoints in split order and
-    stops them on exit. Logs are removed with the run directory unless `keep_logs` or
-    something failed."""
-    with launched_shard_processes(
-        source_args, splits, transport, extra_args, devices=devices, shard_args=shard_args,
-        ready_timeout_s=ready_timeout_s, progress=progress, keep_logs=keep_logs,
-    ) as shards:
+    or `["--model", DIR]`), ready to serve; yields their endpoints in split order and stops
+    them on exit. `options`: `devices`, `shard_args` (see ShardSet) and those of `launched_sets`."""
+    set_options = {key: options.pop(key) for key in ("devices", "shard_args") if key in options}
+    shard_set = ShardSet(tuple(source_args), tuple(splits), transport, tuple(extra_args), **set_options)
+    with launched_sets([shard_set], **options) as (shards,):
         yield [shard.endpoint for shard in shards]
-
-
-@contextlib.contextmanager
-def launched_shard_processes(
-    source_args: Sequence[str],
-    splits: Sequence[tuple[int, int]],
-    transport: str = "tcp",
-    extra_args: Sequence[str] = (),
-    *,
-    devices: Optional[Sequence[str]] = None,
-    shard_args: Optional[Sequence[Sequence[str]]] = None,
-    ready_timeout_s: float = 300.0,
-    progress: Optional[Progress] = None,
-    keep_logs: bool = False,
-) -> Iterator[list[ShardProcess]]:
-    """As `launched_shards`, yielding the `ShardProcess`es (endpoint, process, log path)."""
-    # Short prefix and /tmp: an ipc:// path must fit in a unix socket address (~107 bytes).
-    run_dir = Path(tempfile.mkdtemp(prefix="shardd-"))
-    shards: list[ShardProcess] = []
-    failed = True
-    try:
-        shards = start_shards(
-            source_args, splits, transport=transport, extra_args=extra_args, devices=devices,
-            shard_args=shard_args, run_dir=run_dir,
-        )
-        wait_ready(shards, ready_timeout_s, progress)
-        yield shards
-        failed = False
-    finally:
-        stop_shards(shards)
-        # After a failure the logs stay: error messages point at them.
-        if not keep_logs and not failed:
-            shutil.rmtree(run_dir, ignore_errors=True)
