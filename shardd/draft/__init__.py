@@ -1,0 +1,1 @@
+"""DFlash block drafter (z-lab/dflash `DFlashDraftModel`): config, weights, model, synthetic drafters."""

@@ -1,0 +1,368 @@
+"""DFlash drafter: block logits against a from-the-formulas reference, incremental context, crop, config, loader."""
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from shardd.config import ConfigError
+from shardd.draft.config import build_target_layer_ids, draft_config_from_dict, load_draft_config
+from shardd.draft.model import DFlashDrafter
+from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights, write_draft_checkpoint
+from shardd.draft.weights import draft_shapes, load_draft_weights
+from shardd.synthetic import preset_config, synthetic_weights
+from shardd.weights import WeightError
+
+TOLERANCE = 1e-4
+
+
+# ---- the reference, written from the DFlash formulas: no cache, plain matmuls, one head at a time ----------
+
+
+def _rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x, positions, theta):
+    """x [n, heads, d]: rotate channel pairs (i, i + d/2) by positions * theta^(-2i/d)."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-2.0 * torch.arange(half, dtype=torch.float64) / x.shape[-1])
+    angle = positions.double()[:, None] * inv_freq[None, :]
+    cos, sin = angle.cos().float()[:, None, :], angle.sin().float()[:, None, :]
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+def reference_block_logits(cfg, w, embed, lm_head, features, last_token, block_size):
+    """Logits [block_size - 1, vocab] of the mask rows, all context rows given at once."""
+    eps, heads, kv_heads, d = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    n = features.shape[0]
+    context = _rms(features @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
+    x = embed[[last_token] + [cfg.mask_token_id] * (block_size - 1)]
+    block_pos = torch.arange(n, n + block_size)
+    key_pos = torch.arange(n + block_size)  # context rows, then the block's own rows
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        h = _rms(x, w[p + "input_layernorm.weight"], eps)
+        sources = torch.cat([context, h])  # the context rows skip the layer norm
+        a = p + "self_attn."
+        q = _rms((h @ w[a + "q_proj.weight"].T).view(block_size, heads, d), w[a + "q_norm.weight"], eps)
+        k = _rms((sources @ w[a + "k_proj.weight"].T).view(-1, kv_heads, d), w[a + "k_norm.weight"], eps)
+        q, k = _rope(q, block_pos, cfg.rope_theta), _rope(k, key_pos, cfg.rope_theta)
+        v = (sources @ w[a + "v_proj.weight"].T).view(-1, kv_heads, d)
+        window = cfg.layer_window(i)
+        outputs = []
+        for head in range(heads):
+            kv = head // (heads // kv_heads)
+            scores = q[:, head] @ k[:, kv].T / math.sqrt(d)  # [block, context + block], no causal mask
+            if window is not None:
+                scores = scores.masked_fill((block_pos[:, None] - key_pos[None, :]).abs() >= window, float("-inf"))
+            outputs.append(torch.softmax(scores, dim=-1) @ v[:, kv])
+        x = x + torch.cat(outputs, dim=-1) @ w[a + "o_proj.weight"].T
+        h = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
+        gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+        x = x + (gate * torch.sigmoid(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    x = _rms(x, w["norm.weight"], eps)
+    return (x @ lm_head.T)[1:]
+
+
+# ---- fixtures ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target():
+    config = preset_config("tiny")
+    weights = synthetic_weights(config, 0, config.num_layers, seed=0)
+    return config, weights["embed_tokens.weight"], weights["lm_head.weight"]
+
+
+DRAFTS = {
+    "two-layers": dict(num_layers=2, block_size=8),
+    "one-layer-default-ids": dict(num_layers=1, block_size=6),
+    "windowed": dict(num_layers=2, block_size=8, target_layer_ids=[0, 2, 4], sliding_window=5, sliding_layers=(0,)),
+}
+
+
+def make(target, name, seed=1):
+    config, embed, lm_head = target
+    draft = synthetic_draft_config(config, **DRAFTS[name])
+    weights = synthetic_draft_weights(draft, seed)
+    return DFlashDrafter(draft, weights, target_embed=embed, target_lm_head=lm_head), weights
+
+
+def features(draft, n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, draft.config.feature_size, generator=gen)
+
+
+# ---- the model ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", DRAFTS)
+def test_block_logits_match_reference(target, name):
+    _, embed, lm_head = target
+    drafter, weights = make(target, name)
+    feats = features(drafter, 13, seed=2)
+    state = drafter.new_state(32)
+    drafter.add_context(state, feats)
+    block = drafter.config.block_size
+    ids, logits = drafter.propose(state, 42, block)
+    expected = reference_block_logits(drafter.config, weights, embed, lm_head, feats, 42, block)
+    assert logits.dtype == torch.float32 and logits.shape == (block - 1, embed.shape[0])
+    assert (logits - expected).abs().max() <= TOLERANCE
+    assert torch.equal(ids, expected.argmax(dim=-1))
+    assert state.length == 13  # proposing changes nothing
+
+
+def test_window_masks_far_context(target):
+    """The windowed layer must see less than full attention would (13 context rows, window 5)."""
+    _, embed, lm_head = target
+    drafter, weights = make(target, "windowed")
+    feats = features(drafter, 13, seed=2)
+    state = drafter.new_state(32)
+    drafter.add_context(state, feats)
+    _, logits = drafter.propose(state, 42, 8)
+    unwindowed = DRAFTS["windowed"] | {"sliding_window": None, "sliding_layers": ()}
+    full = synthetic_draft_config(target[0], **unwindowed)
+    full_logits = reference_block_logits(full, weights, embed, lm_head, feats, 42, 8)
+    assert (logits - full_logits).abs().max() > 1e-2
+
+
+def test_one_layer_default_ids_pick_the_middle_layer(target):
+    drafter, _ = make(target, "one-layer-default-ids")
+    assert drafter.config.target_layer_ids == (3,)
+
+
+@pytest.mark.parametrize("name", ["two-layers", "windowed"])
+def test_incremental_context_equals_all_at_once(target, name):
+    _, embed, lm_head = target
+    drafter, weights = make(target, name)
+    feats = features(drafter, 14, seed=3)
+    state = drafter.new_state(32)
+    added = 0
+    for piece in (5, 1, 4, 3, 1):
+        drafter.add_context(state, feats[added : added + piece])
+        added += piece
+        token = 7 + added
+        _, logits = drafter.propose(state, token, 8)
+        expected = reference_block_logits(drafter.config, weights, embed, lm_head, feats[:added], token, 8)
+        assert (logits - expected).abs().max() <= TOLERANCE, f"after {added} rows"
+    whole = drafter.new_state(32)
+    drafter.add_context(whole, feats)
+    assert torch.allclose(drafter.propose(whole, token, 8)[1], logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["two-layers", "windowed"])
+def test_crop_then_readd_equals_never_added(target, name):
+    drafter, _ = make(target, name)
+    first, replacement = features(drafter, 12, seed=4), features(drafter, 5, seed=5)
+    state = drafter.new_state(32)
+    drafter.add_context(state, first)
+    _, before = drafter.propose(state, 9, 8)
+    drafter.crop(state, 7)
+    assert state.length == 7
+    drafter.add_context(state, replacement)
+
+    clean = drafter.new_state(32)
+    drafter.add_context(clean, torch.cat([first[:7], replacement]))
+    _, after_crop = drafter.propose(state, 9, 8)
+    _, expected = drafter.propose(clean, 9, 8)
+    assert torch.allclose(after_crop, expected, atol=1e-5)
+    assert (after_crop - before).abs().max() > 1e-3  # the rows dropped did matter
+
+
+def test_crop_to_zero_restarts(target):
+    drafter, _ = make(target, "two-layers")
+    state, fresh = drafter.new_state(16), drafter.new_state(16)
+    drafter.add_context(state, features(drafter, 6, seed=6))
+    drafter.crop(state, 0)
+    rows = features(drafter, 3, seed=7)
+    drafter.add_context(state, rows)
+    drafter.add_context(fresh, rows)
+    assert torch.equal(drafter.propose(state, 1, 4)[1], drafter.propose(fresh, 1, 4)[1])
+
+
+def test_bad_requests_change_nothing(target):
+    drafter, _ = make(target, "two-layers")
+    state = drafter.new_state(10)
+    drafter.add_context(state, features(drafter, 8, seed=8))
+    _, before = drafter.propose(state, 3, 8)
+    with pytest.raises(ValueError, match="context limit 10"):
+        drafter.add_context(state, features(drafter, 3, seed=9))
+    with pytest.raises(ValueError, match=r"\[n >= 1, 128\]"):
+        drafter.add_context(state, torch.zeros(2, 64))
+    with pytest.raises(ValueError, match="crop"):
+        drafter.crop(state, 9)
+    with pytest.raises(ValueError, match="vocabulary"):
+        drafter.propose(state, 320, 8)
+    with pytest.raises(ValueError, match="block_size"):
+        drafter.propose(state, 3, 0)
+    assert state.length == 8
+    assert torch.equal(drafter.propose(state, 3, 8)[1], before)
+
+
+def test_state_bytes(target):
+    drafter, _ = make(target, "windowed")
+    state = drafter.new_state(40)
+    assert sum(c.nbytes() for c in state.kv) == drafter.state_bytes_per_sequence(40)
+
+
+def test_drafter_rejects_a_wrong_head(target):
+    config, embed, lm_head = target
+    draft = synthetic_draft_config(config, num_layers=1)
+    weights = synthetic_draft_weights(draft, 1)
+    with pytest.raises(ValueError, match="target_lm_head"):
+        DFlashDrafter(draft, weights, target_embed=embed, target_lm_head=torch.ones(config.hidden_size))
+    del weights["layers.0.self_attn.k_norm.weight"]
+    with pytest.raises(WeightError, match="layers.0.self_attn.k_norm.weight"):
+        DFlashDrafter(draft, weights, target_embed=embed, target_lm_head=lm_head)
+
+
+# ---- config ------------------------------------------------------------------------------------------------
+
+
+def _raw(**changes):
+    raw = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 320,
+        "num_target_layers": 6,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000,
+        "dflash_config": {"block_size": 16, "mask_token_id": 319, "target_layer_ids": [1, 3]},
+    }
+    raw.update(changes)
+    return raw
+
+
+def test_config_dflash_config_form():
+    cfg = draft_config_from_dict(_raw())
+    assert (cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids) == (16, 319, (1, 3))
+    assert cfg.feature_size == 128 and cfg.rope_theta == 1e6
+    assert cfg.layer_window(0) is None and cfg.layer_window(1) is None
+
+
+def test_config_top_level_block_size():
+    cfg = draft_config_from_dict(_raw(block_size=10, dflash_config={"mask_token_id": 5, "target_layer_ids": [2]}))
+    assert (cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids) == (10, 5, (2,))
+    with pytest.raises(ConfigError, match="'dflash_config.block_size' \\(16\\) and 'block_size' \\(8\\)"):
+        draft_config_from_dict(_raw(block_size=8))
+    with pytest.raises(ConfigError, match="block_size"):
+        draft_config_from_dict(_raw(dflash_config={"mask_token_id": 5}))
+
+
+def test_default_target_layer_ids():
+    assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert build_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+    assert build_target_layer_ids(28, 1) == [14]
+    assert build_target_layer_ids(10, 5) == [1, 2, 4, 6, 7]  # Python's round: halves go to even
+    no_ids = {"block_size": 16, "mask_token_id": 1}
+    cfg = draft_config_from_dict(_raw(num_target_layers=36, num_hidden_layers=5, dflash_config=no_ids))
+    assert cfg.target_layer_ids == (1, 9, 17, 25, 33) and cfg.feature_size == 5 * 64
+    with pytest.raises(ConfigError, match="'num_target_layers' is missing"):
+        draft_config_from_dict(_raw(num_target_layers=None, dflash_config=no_ids))
+
+
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        (dict(dflash_config={"block_size": 16, "target_layer_ids": [1]}), "dflash_config.mask_token_id"),
+        (dict(dflash_config={"block_size": 16, "mask_token_id": 1, "target_layer_ids": [6]}), "dflash_config.target_layer_ids"),
+        (dict(dflash_config={"block_size": 16, "mask_token_id": 1, "target_layer_ids": []}), "dflash_config.target_layer_ids"),
+        (dict(dflash_config={"block_size": 0, "mask_token_id": 1}), "dflash_config.block_size"),
+        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "rope_parameters.rope_type"),
+        (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+        (dict(num_attention_heads=3), "num_attention_heads"),
+        (dict(hidden_size=None), "hidden_size"),
+        (dict(layer_types=["full_attention"]), "layer_types"),
+        (dict(layer_types=["full_attention", "linear_attention"]), "layer_types[1]"),
+        (dict(architectures=["DFlash2DraftModel"]), "architectures"),
+    ],
+)
+def test_config_errors_name_the_field(changes, field):
+    with pytest.raises(ConfigError, match=re.escape(f"'{field}'")):
+        draft_config_from_dict(_raw(**changes))
+
+
+def test_config_sliding_window_as_qwen3config():
+    sliding = ["sliding_attention", "full_attention"]
+    cfg = draft_config_from_dict(_raw(use_sliding_window=True, sliding_window=2048, layer_types=sliding))
+    assert (cfg.layer_window(0), cfg.layer_window(1)) == (2048, None)
+    # Qwen3Config drops the window unless use_sliding_window is set; the layer types alone do not make one.
+    cfg = draft_config_from_dict(_raw(sliding_window=2048, layer_types=sliding))
+    assert (cfg.layer_window(0), cfg.layer_window(1)) == (None, None)
+    cfg = draft_config_from_dict(_raw(use_sliding_window=True, sliding_window=64, max_window_layers=1))
+    assert cfg.layer_types == ("full_attention", "sliding_attention") and cfg.layer_window(1) == 64
+
+
+def test_config_checks_the_target(target):
+    config = target[0]
+    draft = draft_config_from_dict(_raw())
+    draft.check_target(config)
+    with pytest.raises(ConfigError, match="'hidden_size'"):
+        draft_config_from_dict(_raw(hidden_size=32, head_dim=8)).check_target(config)
+    with pytest.raises(ConfigError, match="'num_target_layers'"):
+        draft_config_from_dict(_raw(num_target_layers=8)).check_target(config)
+    layer_six = {"block_size": 4, "mask_token_id": 1, "target_layer_ids": [6]}
+    unbounded = draft_config_from_dict(_raw(num_target_layers=None, dflash_config=layer_six))
+    with pytest.raises(ConfigError, match="names layer 6, outside the target's 0..5"):
+        unbounded.check_target(config)
+    outside = draft_config_from_dict(_raw(dflash_config={"block_size": 4, "mask_token_id": 320, "target_layer_ids": [1]}))
+    with pytest.raises(ConfigError, match="'dflash_config.mask_token_id'"):
+        outside.check_target(config)
+
+
+# ---- checkpoint --------------------------------------------------------------------------------------------
+
+
+def test_checkpoint_round_trip(target, tmp_path):
+    drafter, weights = make(target, "windowed")
+    out = write_draft_checkpoint(tmp_path / "draft", drafter.config, seed=1)
+    assert load_draft_config(out) == drafter.config
+    loaded = load_draft_weights(out, drafter.config)
+    assert loaded.keys() == weights.keys() and all(torch.equal(loaded[k], weights[k]) for k in weights)
+    assert set(loaded) >= {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_norm.weight"}
+
+
+def test_checkpoint_with_index(target, tmp_path):
+    drafter, weights = make(target, "two-layers")
+    out = tmp_path / "draft"
+    out.mkdir()
+    names = sorted(weights)
+    halves = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2 :]}
+    for filename, keys in halves.items():
+        save_file({k: weights[k] for k in keys}, str(out / filename))
+    index = {"weight_map": {k: filename for filename, keys in halves.items() for k in keys}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    loaded = load_draft_weights(out, drafter.config)
+    assert all(torch.equal(loaded[k], weights[k]) for k in weights)
+
+
+def test_loader_errors_name_the_key(target, tmp_path):
+    drafter, weights = make(target, "two-layers")
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    save_file({k: v for k, v in weights.items() if k != "layers.1.mlp.up_proj.weight"}, str(missing / "model.safetensors"))
+    with pytest.raises(WeightError, match=r"missing tensor 'layers.1.mlp.up_proj.weight' \(expected shape \[128, 64\]"):
+        load_draft_weights(missing, drafter.config)
+
+    misshaped = tmp_path / "misshaped"
+    misshaped.mkdir()
+    save_file({**weights, "fc.weight": torch.zeros(64, 192)}, str(misshaped / "model.safetensors"))
+    with pytest.raises(WeightError, match=r"'fc.weight' .* has shape \[64, 192\], expected \[64, 128\]"):
+        load_draft_weights(misshaped, drafter.config)
+    assert draft_shapes(drafter.config)["fc.weight"] == (64, 128)
+
+
+def test_missing_config_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_draft_config(tmp_path)
