@@ -441,17 +441,21 @@ def launch(model_dir, synthetic, split, layer_spec, devices, transport, ready_ti
                 click.echo(f"\n--shards {','.join(endpoints)}")
             sys.stdout.flush()
             progress("serving; Ctrl-C stops every shard")
-            while True:
-                for shard in shards:
-                    code = shard.process.poll()
-                    if code is not None:
-                        raise LaunchError(
-                            f"shard {shard.layers[0]}:{shard.layers[1]} at {shard.endpoint} exited with code {code}; "
-                            f"stopping the others. Its log ends:\n{shard.log_tail()}"
-                        )
-                time.sleep(0.5)
-    except (KeyboardInterrupt, _Stop):
+            try:
+                while True:
+                    for shard in shards:
+                        code = shard.process.poll()
+                        if code is not None:
+                            raise LaunchError(
+                                f"shard {shard.layers[0]}:{shard.layers[1]} at {shard.endpoint} exited with code "
+                                f"{code}; stopping the others. Its log ends:\n{shard.log_tail()}"
+                            )
+                    time.sleep(0.5)
+            except (KeyboardInterrupt, _Stop):
+                pass  # a requested stop: leave the block normally so the logs go too
         progress("stopped all shards")
+    except (KeyboardInterrupt, _Stop):
+        progress("interrupted while starting; stopped all shards")
     finally:
         signal.signal(signal.SIGTERM, previous)
 

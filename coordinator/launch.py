@@ -228,6 +228,8 @@ def launched_sets(
         stop_shards([shard for shards in started for shard in shards])
         if not keep_logs and not failed:
             shutil.rmtree(run_dir, ignore_errors=True)
+        elif progress is not None:
+            progress(f"shard logs kept in {run_dir}")
 
 
 @contextlib.contextmanager
