@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import click
 
 from coordinator import benchstats
-from coordinator.client import ShardClient, ShardError, ShardTimeout
+from coordinator.client import CurveKeys, ShardClient, ShardError, ShardTimeout
 from coordinator.decoding import ROLLBACK_MODES, DecodeResult, greedy_decode, speculative_decode
 from coordinator.drafters import Drafter, NgramDrafter, OracleDrafter
 from coordinator.launch import TRANSPORTS, LaunchError, ShardSet, child_env, launched_sets, parse_splits, split_layers
@@ -158,6 +158,7 @@ def make_plan(
     transport: str,
     daemon_args: Sequence[str] = (),
     allow_endpoints: bool = True,
+    curve: bool = False,
 ) -> ShardPlan:
     given = [name for name, value in (("--shards", shards), ("--model", model_dir), ("--synthetic", synthetic)) if value]
     choices = "--shards EP,EP,... or --model DIR or --synthetic PRESET" if allow_endpoints else "--model DIR or --synthetic PRESET"
@@ -167,6 +168,8 @@ def make_plan(
         if split or layer_spec or devices:
             raise click.UsageError("--split, --layers and --devices launch shards; with --shards the shards already run")
         return ShardPlan(endpoints=parse_list(shards))
+    if curve:
+        raise click.UsageError("CurveZMQ keys are for --shards off loopback; launched shards listen on loopback")
     if (split is None) == (layer_spec is None):
         raise click.UsageError("launching shards needs exactly one of --split N or --layers 0:3,3:8")
     num_layers = model_num_layers(model_dir, synthetic)
@@ -206,15 +209,39 @@ def shard_source_options(func):
         click.option("--dtype", type=click.Choice(DTYPES), default=None, help="Weight dtype of launched shards."),
         click.option("--timeout", type=click.FloatRange(0, min_open=True), default=120.0, show_default=True,
                      help="Seconds to wait for a shard's reply."),
+        *curve_options,
     ]
     for option in reversed(options):
         func = option(func)
     return func
 
 
-def connect_pipeline(endpoints: Sequence[str], timeout: float) -> Pipeline:
+curve_options = [
+    click.option("--curve-server-key", type=click.Path(exists=True, dir_okay=False), envvar="SHARDCTL_CURVE_SERVER_KEY",
+                 help="CurveZMQ: the shards' public key file (NAME.key from `shardd keygen`), for --shards off loopback."),
+    click.option("--curve-client-key", type=click.Path(exists=True, dir_okay=False), envvar="SHARDCTL_CURVE_CLIENT_KEY",
+                 help="CurveZMQ: this client's secret key file (NAME.key_secret); its public key must be allowed."),
+]
+
+
+def load_curve(server_key: Optional[str], client_key: Optional[str]) -> Optional[CurveKeys]:
+    if (server_key is None) != (client_key is None):
+        raise click.UsageError("CurveZMQ needs both --curve-server-key and --curve-client-key")
+    if server_key is None:
+        return None
     try:
-        return Pipeline.connect(endpoints, timeout_s=timeout)
+        return CurveKeys.load(server_key, client_key)
+    except (ValueError, OSError) as error:
+        raise click.UsageError(f"cannot read CurveZMQ keys: {error}") from None
+
+
+def curve_args(server_key: Optional[str], client_key: Optional[str]) -> list[str]:
+    return ["--curve-server-key", server_key, "--curve-client-key", client_key] if server_key else []
+
+
+def connect_pipeline(endpoints: Sequence[str], timeout: float, curve: Optional[CurveKeys] = None) -> Pipeline:
+    try:
+        return Pipeline.connect(endpoints, timeout_s=timeout, curve=curve)
     except PipelineError as error:
         raise click.UsageError(str(error)) from None
 
@@ -477,18 +504,19 @@ def launch(model_dir, synthetic, split, layer_spec, devices, transport, ready_ti
 @click.option("--ignore-eos", is_flag=True, help="Generate exactly --max-new-tokens tokens.")
 @click.option("--ids", "print_ids", is_flag=True, help="Stream token ids instead of text.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of streaming.")
-def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, prompt, prompt_ids,
-             tokenizer_dir, max_new_tokens, drafter, block_size, rollback, mean_commit, oracle_seed, ignore_eos,
-             print_ids, as_json):
+def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
+             curve_client_key, prompt, prompt_ids, tokenizer_dir, max_new_tokens, drafter, block_size, rollback,
+             mean_commit, oracle_seed, ignore_eos, print_ids, as_json):
     """Generate greedily, speculating with a drafter; stream the text as tokens commit."""
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     ids = parse_ids(prompt_ids, "--prompt-ids") if prompt_ids is not None else None
     speculating = drafter != "none"
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
-                     daemon_args_from(dtype=dtype))
+                     daemon_args_from(dtype=dtype), curve=curve_server_key or curve_client_key)
+    curve = load_curve(curve_server_key, curve_client_key)
     with plan.running(mode_daemon_args(rollback, block_size, speculating)) as endpoints:
-        with connect_pipeline(endpoints, timeout) as pipeline:
+        with connect_pipeline(endpoints, timeout, curve) as pipeline:
             if speculating:
                 try:
                     pipeline.check_speculation(rollback, block_size)
@@ -524,14 +552,20 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
 @click.option("--shards", metavar="EP,EP,...", required=True, help="Endpoints of running shard daemons.")
 @click.option("--timeout", type=click.FloatRange(0, min_open=True), default=5.0, show_default=True,
               help="Seconds to wait for each shard.")
+@curve_options[0]
+@curve_options[1]
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def status(shards, timeout, as_json):
+def status(shards, timeout, curve_server_key, curve_client_key, as_json):
     """Each shard's layers, device, rollback storage, memory and counters (HELLO + STATS).
     Exit 1 when a shard does not answer."""
+    curve = load_curve(curve_server_key, curve_client_key)
     entries, infos = [], []
-    for endpoint in parse_list(shards):
+    endpoints = parse_list(shards)
+    if not endpoints:
+        raise click.BadParameter("name at least one endpoint", param_hint="--shards")
+    for endpoint in endpoints:
         entry = {"endpoint": endpoint, "ok": False, "hello": None, "stats": None, "error": None}
-        with ShardClient(endpoint, timeout_s=timeout) as client:
+        with ShardClient(endpoint, timeout_s=timeout, curve=curve) as client:
             try:
                 entry["hello"] = client.hello()
                 entry["stats"] = client.stats()
@@ -631,8 +665,8 @@ def run_generate_subprocess(args: Sequence[str], timeout: Optional[float] = None
 @click.option("--prompt-ids", help="Prompt token ids (default: a fixed 32-token prompt).")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False, allow_dash=True),
               help="Write the full record to this file (- for stdout).")
-def bench(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, ab_spec, runs, drafter,
-          block_size, mean_commit, max_new_tokens, prompt, prompt_ids, json_file):
+def bench(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
+          curve_client_key, ab_spec, runs, drafter, block_size, mean_commit, max_new_tokens, prompt, prompt_ids, json_file):
     """A/B/A benchmark of two rollback modes: each run a fresh `shardctl generate --json`.
 
     Launched shards are started afresh per block with that block's rollback mode.
@@ -644,9 +678,11 @@ def bench(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
         raise click.UsageError("give at most one of --prompt and --prompt-ids")
     prompt_args = ["--prompt", prompt] if prompt is not None else ["--prompt-ids", prompt_ids or ",".join(
         str(i) for i in benchmark_prompt())]
-    plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport, daemon_args_from(dtype=dtype))
+    plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport, daemon_args_from(dtype=dtype),
+                     curve=curve_server_key or curve_client_key)
+    curve = load_curve(curve_server_key, curve_client_key)
     if not plan.launches:
-        with connect_pipeline(plan.endpoints, timeout) as pipeline:
+        with connect_pipeline(plan.endpoints, timeout, curve) as pipeline:
             for mode in modes:
                 try:
                     pipeline.check_speculation(mode, block_size)
@@ -655,6 +691,7 @@ def bench(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
     generate_args = [
         *prompt_args, "--max-new-tokens", str(max_new_tokens), "--drafter", drafter, "--block-size", str(block_size),
         "--mean-commit", str(mean_commit), "--ignore-eos", "--timeout", str(timeout),
+        *curve_args(curve_server_key, curve_client_key),
         *(["--tokenizer", plan.model_dir] if plan.model_dir else []),
     ]
     blocks = []

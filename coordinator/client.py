@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import zmq
@@ -55,19 +56,49 @@ class ShardTimeout(TimeoutError):
     """No reply from the daemon at `endpoint` within the timeout."""
 
     def __init__(self, endpoint: str, what: str, timeout_s: float) -> None:
-        super().__init__(f"{endpoint}: no reply to {what} within {timeout_s:g} s (is the daemon running?)")
+        super().__init__(
+            f"{endpoint}: no reply to {what} within {timeout_s:g} s (is the daemon running? off loopback: are the "
+            f"CurveZMQ keys right?)"
+        )
         self.endpoint = endpoint
         self.timeout_s = timeout_s
 
 
+@dataclass(frozen=True)
+class CurveKeys:
+    """CurveZMQ keys for a daemon bound off loopback: the server's public key and this
+    client's key pair (its public key must be in the daemon's --curve-allow directory)."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def load(cls, server_key_file: str, client_secret_file: str) -> "CurveKeys":
+        """From `shardd keygen` files: the server's NAME.key and the client's NAME.key_secret."""
+        import zmq.auth
+
+        server_public, _ = zmq.auth.load_certificate(server_key_file)
+        public, secret = zmq.auth.load_certificate(client_secret_file)
+        if secret is None:
+            raise ValueError(f"{client_secret_file} holds no secret key: give the client's .key_secret file")
+        return cls(server_public, public, secret)
+
+
 class ShardClient:
-    def __init__(self, endpoint: str, timeout_s: float = 120.0, name: Optional[str] = None) -> None:
+    def __init__(
+        self, endpoint: str, timeout_s: float = 120.0, name: Optional[str] = None, curve: Optional[CurveKeys] = None
+    ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.name = name or endpoint
         self._ids = itertools.count(1)
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            self._socket.curve_serverkey = curve.server_public
+            self._socket.curve_publickey = curve.public
+            self._socket.curve_secretkey = curve.secret
         self._socket.connect(endpoint)
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
-from coordinator.client import ShardClient, ShardTimeout
+from coordinator.client import CurveKeys, ShardClient, ShardTimeout
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 TRANSPORTS = ("tcp", "ipc")
@@ -153,10 +153,15 @@ def start_shards(shard_set: ShardSet, run_dir: Path, threads_hint: Optional[int]
     return shards
 
 
-def wait_ready(shards: Sequence[ShardProcess], timeout_s: float = 300.0, progress: Optional[Progress] = None) -> None:
+def wait_ready(
+    shards: Sequence[ShardProcess],
+    timeout_s: float = 300.0,
+    progress: Optional[Progress] = None,
+    curve: Optional[CurveKeys] = None,
+) -> None:
     """Until every daemon answers HELLO; LaunchError (with its log tail) if one exits or time runs out."""
     deadline = time.monotonic() + timeout_s
-    clients = {shard.endpoint: ShardClient(shard.endpoint, timeout_s=timeout_s) for shard in shards}
+    clients = {shard.endpoint: ShardClient(shard.endpoint, timeout_s=timeout_s, curve=curve) for shard in shards}
     try:
         for shard in shards:
             client = clients[shard.endpoint]
@@ -206,10 +211,12 @@ def launched_sets(
     ready_timeout_s: float = 300.0,
     progress: Optional[Progress] = None,
     keep_logs: bool = False,
+    curve: Optional[CurveKeys] = None,
 ) -> Iterator[list[list[ShardProcess]]]:
     """Start every set's daemons at once (they load in parallel), wait until all serve,
     yield the `ShardProcess`es per set, stop them all on exit. Logs are removed with the
-    run directory unless `keep_logs` or something failed (error messages point at them)."""
+    run directory unless `keep_logs` or something failed (error messages point at them).
+    `curve`: the client keys readiness checks use, for daemons started with CurveZMQ keys."""
     # Short prefix under the temp dir: an ipc:// path must fit a unix socket address (~107 bytes).
     run_dir = Path(tempfile.mkdtemp(prefix="shardd-"))
     # CPU daemons started together share this machine's cores; unhinted, each would take them all.
@@ -221,7 +228,7 @@ def launched_sets(
         ports: set[int] = set()
         for index, shard_set in enumerate(shard_sets):
             started.append(start_shards(shard_set, run_dir / f"set{index}", threads_hint, ports))
-        wait_ready([shard for shards in started for shard in shards], ready_timeout_s, progress)
+        wait_ready([shard for shards in started for shard in shards], ready_timeout_s, progress, curve)
         yield started
         failed = False
     finally:

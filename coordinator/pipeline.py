@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-from coordinator.client import ShardClient, ShardError, ShardTimeout
+from coordinator.client import CurveKeys, ShardClient, ShardError, ShardTimeout
 from coordinator.target import RollbackFailed
 from protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, Reply, WireTensor
 
@@ -146,8 +146,8 @@ class Pipeline:
         self.max_verify_tokens = min(min(s.max_verify_tokens for s in self.shards), self.max_tokens_per_request)
 
     @classmethod
-    def connect(cls, endpoints: Iterable[str], timeout_s: float = 120.0) -> "Pipeline":
-        clients = [ShardClient(endpoint, timeout_s=timeout_s) for endpoint in endpoints]
+    def connect(cls, endpoints: Iterable[str], timeout_s: float = 120.0, curve: Optional[CurveKeys] = None) -> "Pipeline":
+        clients = [ShardClient(endpoint, timeout_s=timeout_s, curve=curve) for endpoint in endpoints]
         try:
             return cls(clients)
         except BaseException:

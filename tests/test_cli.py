@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from coordinator.benchstats import tokens_digest
 from coordinator.cli import benchmark_prompt, cli
-from coordinator.client import ShardClient, ShardTimeout
+from coordinator.client import CurveKeys, ShardClient, ShardTimeout
 from coordinator.decoding import greedy_decode
 from coordinator.launch import ShardSet, child_env, launched_sets, split_layers
 from coordinator.local import LocalTarget
@@ -194,3 +194,27 @@ def test_launch_serves_until_sigterm():
     for endpoint in endpoints:  # every daemon went with it
         with ShardClient(endpoint, timeout_s=0.3) as client, pytest.raises(ShardTimeout):
             client.hello()
+
+
+def test_curve_protected_shards(tmp_path, local):
+    import zmq.auth
+
+    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
+    keys.mkdir()
+    server_public, server_secret = zmq.auth.create_certificates(str(keys), "server")
+    client_public, client_secret = zmq.auth.create_certificates(str(keys), "client")
+    allowed.mkdir()
+    shutil.copy(client_public, allowed)
+    protected = ShardSet(TINY, [(0, 6)], "tcp", ("--curve-secret-key", server_secret, "--curve-allow", str(allowed)))
+    with launched_sets([protected], curve=CurveKeys.load(server_public, client_secret)) as ((shard,),):
+        result = shardctl("generate", "--shards", shard.endpoint, "--curve-server-key", server_public,
+                          "--curve-client-key", client_secret, "--prompt", PROMPT, "--max-new-tokens", 8, "--json")
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["sha256"] == tokens_digest(greedy_ids(local, list(PROMPT.encode()), 8))
+        # Without the keys the handshake never completes: nothing is served.
+        result = shardctl("status", "--shards", shard.endpoint, "--timeout", 0.5)
+        assert result.exit_code == 1 and "DOWN" in result.stdout
+        # Keys are for shards that already run; launched ones listen on loopback without them.
+        result = shardctl("generate", "--synthetic", "tiny", "--split", 1, "--prompt", "x",
+                          "--curve-server-key", server_public, "--curve-client-key", client_secret)
+        assert result.exit_code == 2
