@@ -110,18 +110,27 @@ class ShardClient:
 
         Raises ShardError for `ok: false`, ShardTimeout when nothing comes back in time,
         ProtocolError for a reply that is not valid protocol v1."""
+        return self.receive(self.send(record), timeout_s)
+
+    def send(self, record: Request) -> Request:
+        """Send without waiting; returns the record as sent (with its id) for `receive`.
+        Lets a caller keep several daemons busy at once: one request in flight per client."""
         if self._socket.closed:
             raise RuntimeError(f"{self.name}: client is closed")
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         record = dataclasses.replace(record, id=next(self._ids))
-        frames = encode_request(record)
-        what = f"{record.type.value} (id {record.id})"
-        deadline = time.monotonic() + timeout_s
         try:
             # A DEALER queues the message even before the daemon has bound its socket.
-            self._socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            self._socket.send_multipart(encode_request(record), flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            raise ShardTimeout(self.endpoint, what, timeout_s) from None
+            raise ShardTimeout(self.endpoint, f"{_describe(record)} (send queue full)", 0) from None
+        return record
+
+    def receive(self, sent: Request, timeout_s: Optional[float] = None) -> Reply:
+        """The reply to `sent` (as `send` returned it); replies to earlier requests that
+        timed out are dropped on the way."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        what = _describe(sent)
+        deadline = time.monotonic() + timeout_s
         while True:
             remaining_ms = (deadline - time.monotonic()) * 1000
             if remaining_ms <= 0 or not self._poller.poll(max(1, int(remaining_ms))):
@@ -132,14 +141,12 @@ class ShardClient:
             except ProtocolError as error:
                 raise ProtocolError(error.code, f"{self.name}: malformed reply to {what}: {error.message}") from error
             # id None: the daemon could not read our id, so this error answers the one request in flight.
-            if reply.id is not None and reply.id != record.id:
+            if reply.id is not None and reply.id != sent.id:
                 continue  # stale: the answer to a request that timed out earlier
             if not reply.ok:
                 raise ShardError(reply.error_code, reply.error_message, self.endpoint)
-            if reply.type is not record.type:
-                raise ProtocolError(
-                    ErrorCode.BAD_REQUEST, f"{self.name}: reply to {what} has type {reply.type}"
-                )
+            if reply.type is not sent.type:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"{self.name}: reply to {what} has type {reply.type}")
             return reply
 
     def close(self, seq: Optional[int] = None) -> Optional[dict]:
@@ -181,7 +188,7 @@ class ShardClient:
         checkpoint: bool = False,
         return_logits: bool = False,
     ) -> Reply:
-        return self.request(Forward(id=0, seq=seq, pos=pos, **_forward_fields(tokens, hidden, checkpoint), return_logits=return_logits))
+        return self.request(forward_record(seq, pos, tokens, hidden, checkpoint, return_logits))
 
     def capture(
         self,
@@ -192,7 +199,7 @@ class ShardClient:
         hidden: Optional[WireTensor] = None,
         checkpoint: bool = False,
     ) -> Reply:
-        return self.request(Capture(id=0, seq=seq, pos=pos, **_forward_fields(tokens, hidden, checkpoint), layers=list(layers)))
+        return self.request(forward_record(seq, pos, tokens, hidden, checkpoint, layers=layers))
 
     def rollback(self, seq: int, keep: int) -> dict:
         return self.request(Rollback(id=0, seq=seq, keep=keep)).result
@@ -208,6 +215,26 @@ class ShardClient:
 
     def shutdown(self) -> dict:
         return self.request(Shutdown(id=0)).result
+
+
+def _describe(record: Request) -> str:
+    return f"{record.type.value} (id {record.id})"
+
+
+def forward_record(
+    seq: int,
+    pos: int,
+    tokens: Optional[list[int]] = None,
+    hidden: Optional[WireTensor] = None,
+    checkpoint: bool = False,
+    return_logits: bool = False,
+    layers: Optional[list[int]] = None,
+) -> Forward:
+    """A FORWARD (or, with `layers`, a CAPTURE) request; checkpointed ones carry the pure chain."""
+    fields = _forward_fields(tokens, hidden, checkpoint)
+    if layers is not None:
+        return Capture(id=0, seq=seq, pos=pos, **fields, layers=list(layers))
+    return Forward(id=0, seq=seq, pos=pos, **fields, return_logits=return_logits)
 
 
 def _forward_fields(tokens: Optional[list[int]], hidden: Optional[WireTensor], checkpoint: bool) -> dict:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-from coordinator.client import CurveKeys, ShardClient, ShardError, ShardTimeout
+from coordinator.client import CurveKeys, ShardClient, ShardError, ShardTimeout, forward_record
 from coordinator.target import RollbackFailed
 from protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, Reply, WireTensor
 
@@ -142,6 +142,7 @@ class Pipeline:
         self.vocab_size = self.shards[0].model["vocab_size"]
         # Longer non-checkpointed inputs are split into chunks of this many tokens.
         self.max_tokens_per_request = min(s.max_tokens_per_request for s in self.shards)
+        self.max_context = min(s.hello["limits"]["max_context"] for s in self.shards)
         # Every shard sees every checkpointed step, so the smallest storage decides.
         self.max_verify_tokens = min(min(s.max_verify_tokens for s in self.shards), self.max_tokens_per_request)
 
@@ -205,6 +206,12 @@ class Pipeline:
                 f"--block-size {block_size} exceeds the shards' max_tokens_per_request {self.max_tokens_per_request}"
             )
 
+    def _check_context(self, pos: int, n: int) -> None:
+        # Refused up front: a chunked prefill must not run into the limit half-way.
+        if pos + n > self.max_context:
+            limits = ", ".join(f"{s}: {s.hello['limits']['max_context']}" for s in self.shards)
+            raise PipelineError(f"{pos} + {n} tokens exceed the context the shards hold ({limits})")
+
     def _check_checkpointed(self, n: int) -> None:
         if n > self.max_verify_tokens:
             limits = ", ".join(
@@ -241,18 +248,19 @@ class Pipeline:
             raise PipelineError(f"closing sequence {seq} failed: " + "; ".join(map(str, failures)))
 
     def forward(self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False) -> list[int]:
+        """Longer inputs than every shard takes at once (not checkpointed) go in chunks,
+        pipelined: shard k works on chunk c while shard k+1 works on chunk c-1."""
         tokens = list(tokens)
         if not tokens:
             raise ValueError("forward needs at least one token")
+        self._check_context(pos, len(tokens))
         if checkpoint:
             self._check_checkpointed(len(tokens))
-            ids, _ = self._relay(seq, pos, tokens, checkpoint=True)
-            return ids
-        ids = []
-        step = self.max_tokens_per_request
-        for start in range(0, len(tokens), step):
-            chunk_ids, _ = self._relay(seq, pos + start, tokens[start:start + step], checkpoint=False)
-            ids.extend(chunk_ids)
+            chunks = [tokens]
+        else:
+            step = self.max_tokens_per_request
+            chunks = [tokens[start:start + step] for start in range(0, len(tokens), step)]
+        ids, _ = self._relay(seq, pos, chunks, checkpoint=checkpoint)
         return ids
 
     def capture(
@@ -266,9 +274,10 @@ class Pipeline:
             raise ValueError(f"capture layers must be a non-empty subset of 0..{self.num_layers - 1}, got {layers}")
         if len(tokens) > self.max_tokens_per_request:
             raise PipelineError(f"a capture of {len(tokens)} tokens exceeds max_tokens_per_request {self.max_tokens_per_request}")
+        self._check_context(pos, len(tokens))
         if checkpoint:
             self._check_checkpointed(len(tokens))
-        return self._relay(seq, pos, tokens, checkpoint=checkpoint, capture=layers)
+        return self._relay(seq, pos, [tokens], checkpoint=checkpoint, capture=layers)
 
     def rollback(self, seq: int, keep: int) -> None:
         failures, lengths = [], set()
@@ -300,29 +309,43 @@ class Pipeline:
     # ---- the relay -----------------------------------------------------------------------
 
     def _relay(
-        self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool, capture: Optional[list[int]] = None
+        self, seq: int, pos: int, chunks: list[list[int]], *, checkpoint: bool, capture: Optional[list[int]] = None
     ) -> tuple[list[int], dict[int, WireTensor]]:
-        n = len(tokens)
-        hidden: Optional[WireTensor] = None
-        captured: dict[int, WireTensor] = {}
+        """Every chunk through every shard, as a wavefront: at tick t shard k takes chunk
+        t-k, so all shards compute at once; each shard's hidden frame goes to the next
+        shard untouched. One chunk is the plain relay of a decode or verify step."""
+        starts = [pos + sum(len(chunk) for chunk in chunks[:c]) for c in range(len(chunks))]
+        carry: dict[int, WireTensor] = {}  # shard index -> the hidden chunk it takes next
         ids: list[int] = []
-        for index, (shard, client) in enumerate(zip(self.shards, self.clients)):
-            inputs = {"tokens": tokens} if index == 0 else {"hidden": hidden}
-            try:
-                if capture:
-                    reply = client.capture(seq, pos, capture, checkpoint=checkpoint, **inputs)
+        captured: dict[int, WireTensor] = {}
+        for tick in range(len(chunks) + len(self.clients) - 1):
+            in_flight = []
+            for index, client in enumerate(self.clients):
+                c = tick - index
+                if 0 <= c < len(chunks):
+                    inputs = {"tokens": chunks[c]} if index == 0 else {"hidden": carry.pop(index)}
+                    record = forward_record(seq, starts[c], checkpoint=checkpoint, layers=capture, **inputs)
+                    in_flight.append((index, c, client.send(record)))
+            failure = None
+            for index, c, sent in in_flight:
+                shard, n = self.shards[index], len(chunks[c])
+                try:
+                    reply = self.clients[index].receive(sent)
+                    hidden = self._check_reply(reply, shard, seq, starts[c] + n, n)
+                except SHARD_FAILURES as error:
+                    failure = failure or (index, error)  # collect the other replies of this tick first
+                    continue
+                if hidden is not None:
+                    carry[index + 1] = hidden
                 else:
-                    reply = client.forward(seq, pos, checkpoint=checkpoint, **inputs)
-                hidden = self._check_reply(reply, shard, seq, pos + n, n)
-            except SHARD_FAILURES as error:
-                if index > 0:
-                    self._undo(seq, pos, index, checkpoint, error)
-                raise
-            if capture:
-                for layer in reply.result.get("captured_layers", []):
+                    ids.extend(reply.result["ids"])
+                for layer in reply.result.get("captured_layers", []) if capture else ():
                     captured[layer] = reply.tensors[f"layer.{layer}"]
-            if shard.owns_head:
-                ids = list(reply.result["ids"])
+            if failure is not None:
+                index, error = failure
+                if tick > 0:  # shards before have taken (some of) the tokens
+                    self._undo(seq, pos, index, checkpoint and len(chunks) == 1, error)
+                raise error
         return ids, captured
 
     def _check_reply(self, reply: Reply, shard: ShardInfo, seq: int, length: int, n: int) -> Optional[WireTensor]:
@@ -343,12 +366,13 @@ class Pipeline:
             raise ProtocolError(ErrorCode.INTERNAL, f"{shard} returned hidden {shape}, expected [{n}, {self.hidden_size}]")
         return hidden
 
-    def _undo(self, seq: int, pos: int, failed: int, checkpoint: bool, error: Exception) -> None:
+    def _undo(self, seq: int, pos: int, failed: int, undoable: bool, error: Exception) -> None:
         """Shards before `failed` took the step; put them back so every shard is at `pos`.
-        Only a checkpointed step can be taken back (ROLLBACK keep=0), and only when the
-        failed shard itself changed nothing: an error reply other than INTERNAL. After a
-        timeout, an INTERNAL error or a malformed reply the sequence is inconsistent."""
-        if checkpoint and isinstance(error, ShardError) and error.code is not ErrorCode.INTERNAL:
+        Only a single checkpointed step can be taken back (ROLLBACK keep=0), and only when
+        the failed shard itself changed nothing: an error reply other than INTERNAL. After a
+        timeout, an INTERNAL error, a malformed reply or a chunk of a longer input the
+        sequence is inconsistent."""
+        if undoable and isinstance(error, ShardError) and error.code is not ErrorCode.INTERNAL:
             try:
                 for client in self.clients[:failed]:
                     client.rollback(seq, 0)
@@ -356,8 +380,8 @@ class Pipeline:
             except SHARD_FAILURES:
                 pass
         raise SequenceInconsistent(
-            f"{error}; sequence {seq} is now inconsistent across shards ({', '.join(map(str, self.shards[:failed]))} "
-            f"took the tokens at {pos}): close it and re-fill it from the committed history"
+            f"{error}; sequence {seq} is now inconsistent across shards (some took tokens from position {pos} on): "
+            f"close it and re-fill it from the committed history"
         ) from error
 
 

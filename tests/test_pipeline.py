@@ -40,8 +40,11 @@ MATRIX = [
     ("2-tcp-replay-ssm", 2, "tcp", "replay-ssm"),
     ("3-ipc-replay-ssm", 3, "ipc", "replay-ssm"),
 ]
+# One set takes at most BLOCK tokens per request: its prefill goes through the three shards in pipelined chunks.
+SMALL_REQUESTS = {"3-ipc-replay-ssm": ("--max-tokens-per-request", str(BLOCK))}
 SETS = {
-    **{name: ShardSet(TINY, split_layers(6, n), transport, ("--rollback-mode", mode)) for name, n, transport, mode in MATRIX},
+    **{name: ShardSet(TINY, split_layers(6, n), transport, ("--rollback-mode", mode, *SMALL_REQUESTS.get(name, ())))
+       for name, n, transport, mode in MATRIX},
     "seed1-tail": ShardSet(("--synthetic", "tiny:1"), [(3, 6)]),  # other weights
     # No rollback storage, and small requests so that prefill is chunked.
     "bare-tail": ShardSet(TINY, [(3, 6)], "tcp", ("--max-verify-tokens", "0", "--max-tokens-per-request", "8")),
@@ -85,6 +88,7 @@ def test_speculative_equals_single_process_greedy(shard_sets, greedy, name, n_sh
     prompt = PROMPTS["fox"]
     with Pipeline.connect(shard_sets[name]) as pipeline:
         assert [s.layers for s in pipeline.shards] == [f"{b}:{e}" for b, e in split_layers(6, n_shards)]
+        assert pipeline.max_tokens_per_request == (BLOCK if name in SMALL_REQUESTS else 4096)
         pipeline.check_speculation(mode, BLOCK)
         before = pipeline.stats()
         result = speculative_decode(
@@ -226,6 +230,18 @@ def test_long_forward_goes_in_chunks_of_the_smallest_limit(mixed, local):
         mixed.close(302)
         local.close(302)
     assert [b - a for a, b in zip(before, forwards())] == [3, 3]  # 8 + 8 + 4 on each shard
+
+
+def test_prefill_past_the_context_is_refused_before_any_shard_works(mixed):
+    assert mixed.max_context == 4096
+    forwards = [stats["forwards"] for stats in mixed.stats()]
+    mixed.open(303)
+    try:
+        with pytest.raises(PipelineError, match="exceed the context"):
+            mixed.forward(303, 0, [1] * 4097)
+    finally:
+        mixed.close(303)
+    assert [stats["forwards"] for stats in mixed.stats()] == forwards
 
 
 # ---- failures part-way down the pipeline ----------------------------------------------------
