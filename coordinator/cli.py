@@ -167,7 +167,10 @@ def make_plan(
     if shards:
         if split or layer_spec or devices:
             raise click.UsageError("--split, --layers and --devices launch shards; with --shards the shards already run")
-        return ShardPlan(endpoints=parse_list(shards))
+        endpoints = parse_list(shards)
+        if not endpoints:
+            raise click.BadParameter("name at least one endpoint", param_hint="--shards")
+        return ShardPlan(endpoints=endpoints)
     if curve:
         raise click.UsageError("CurveZMQ keys are for --shards off loopback; launched shards listen on loopback")
     if (split is None) == (layer_spec is None):
@@ -177,6 +180,9 @@ def make_plan(
         splits = split_layers(num_layers, split) if split else parse_splits(layer_spec)
     except ValueError as error:
         raise click.UsageError(str(error)) from None
+    outside = [f"{b}:{e}" for b, e in splits if e > num_layers]
+    if outside:
+        raise click.UsageError(f"layer range {outside[0]} is outside the model's {num_layers} layers")
     device_list = tuple(parse_list(devices))
     if device_list and len(device_list) not in (1, len(splits)):
         raise click.UsageError(f"--devices lists {len(device_list)} devices for {len(splits)} shards: give one, or one per shard")
@@ -278,6 +284,12 @@ class TextStream:
         click.echo("")
 
 
+def check_mean_commit(drafter: str, mean_commit: float, block_size: int) -> None:
+    # Checked before any shard starts: the oracle takes 1 .. block_size tokens per step.
+    if drafter == "oracle" and not 1 <= mean_commit <= block_size:
+        raise click.BadParameter(f"must be within [1, --block-size {block_size}], got {mean_commit:g}", param_hint="--mean-commit")
+
+
 @dataclass
 class Generation:
     result: DecodeResult
@@ -312,7 +324,10 @@ def run_generation(
         if reference is None:
             reference_result = greedy_decode(target, secrets.randbelow(1 << 62), prompt, max_new_tokens, eos_ids)
             reference = reference_result.tokens
-        chosen: Drafter = OracleDrafter.with_mean_commit(reference, len(prompt), block_size, mean_commit, oracle_seed)
+        try:
+            chosen: Drafter = OracleDrafter.with_mean_commit(reference, len(prompt), block_size, mean_commit, oracle_seed)
+        except ValueError as error:
+            raise click.BadParameter(str(error), param_hint="--mean-commit") from None
     elif drafter == "ngram":
         chosen = NgramDrafter()
     else:
@@ -511,6 +526,7 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     ids = parse_ids(prompt_ids, "--prompt-ids") if prompt_ids is not None else None
+    check_mean_commit(drafter, mean_commit, block_size)
     speculating = drafter != "none"
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
                      daemon_args_from(dtype=dtype), curve=curve_server_key or curve_client_key)
@@ -676,6 +692,7 @@ def bench(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
         raise click.BadParameter(f"expected two of {', '.join(ROLLBACK_MODES)}, e.g. replay,checkpoint", param_hint="--ab")
     if prompt is not None and prompt_ids is not None:
         raise click.UsageError("give at most one of --prompt and --prompt-ids")
+    check_mean_commit(drafter, mean_commit, block_size)
     prompt_args = ["--prompt", prompt] if prompt is not None else ["--prompt-ids", prompt_ids or ",".join(
         str(i) for i in benchmark_prompt())]
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport, daemon_args_from(dtype=dtype),
@@ -806,6 +823,7 @@ def demo_model(seed: int = 0) -> Path:
 def demo(max_new_tokens, block_size, mean_commit, transport, as_json):
     """Two local shards of a small synthetic model: greedy and speculative decoding in every
     rollback mode give identical outputs (exit 3 if not)."""
+    check_mean_commit("oracle", mean_commit, block_size)
     started = time.perf_counter()
     model_dir = demo_model()
     num_layers = model_num_layers(str(model_dir), None)
