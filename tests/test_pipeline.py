@@ -18,7 +18,7 @@ from coordinator.decoding import greedy_decode, speculative_decode
 from coordinator.drafters import NgramDrafter, OracleDrafter
 from coordinator.launch import ShardSet, launched_sets, split_layers
 from coordinator.local import LocalTarget
-from coordinator.pipeline import CheckpointUnavailable, Pipeline, PipelineError, SequenceInconsistent
+from coordinator.pipeline import CheckpointUnavailable, Pipeline, PipelineError, SequenceInconsistent, ShardInfo, order_shards
 from coordinator.target import RollbackFailed
 from protocol import ErrorCode, RemoteError
 from shardd.loading import ModelSource
@@ -326,3 +326,15 @@ def test_client_times_out_without_a_daemon():
     with ShardClient("tcp://127.0.0.1:9", timeout_s=0.2) as client:
         with pytest.raises(ShardTimeout, match="tcp://127.0.0.1:9"):
             client.hello()
+
+
+def test_mixed_protocol_versions_and_dtypes_are_refused(shard_sets):
+    # A daemon of another protocol version would fail the reply codec itself; the HELLO
+    # check names the shard. The HELLOs are real ones, one of them edited.
+    with Pipeline.connect(shard_sets["2-tcp-replay-ssm"]) as pipeline:
+        first, last = (shard.hello for shard in pipeline.shards)
+    assert [s.layers for s in order_shards([ShardInfo("b", last), ShardInfo("a", first)])] == ["0:3", "3:6"]
+    with pytest.raises(PipelineError, match="b speaks protocol version 2"):
+        order_shards([ShardInfo("a", first), ShardInfo("b", {**last, "protocol_version": 2})])
+    with pytest.raises(PipelineError, match="dtypes .*float32: a; bfloat16: b"):
+        order_shards([ShardInfo("a", first), ShardInfo("b", {**last, "dtype": "bfloat16"})])
