@@ -367,7 +367,8 @@ def split_envelope(frames: list) -> tuple[list, list]:
     """ROUTER frames -> (routing envelope, request frames). REQ clients add an empty delimiter; DEALERs may not."""
     envelope = [frames[0]]
     body = frames[1:]
-    if body and len(body[0].buffer) == 0:
+    # An empty first frame followed by more is a REQ delimiter; alone, it is an (invalid) empty header.
+    if len(body) > 1 and len(body[0].buffer) == 0:
         envelope.append(body[0])
         body = body[1:]
     return envelope, body
