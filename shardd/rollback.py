@@ -21,7 +21,7 @@ import torch
 from protocol.errors import ErrorCode, ProtocolError
 from shardd.config import ModelConfig
 from shardd.model.delta_rule import chunked_delta_rule
-from shardd.model.state import GDNState, PendingStep, SequenceState
+from shardd.model.state import GDNState, GDNStates, PendingStep, SequenceState
 
 CHECKPOINT = "checkpoint"
 REPLAY_SSM = "replay-ssm"
@@ -53,21 +53,11 @@ def _conv_windows(conv0: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
     return full.unfold(0, width, 1).permute(0, 2, 1)
 
 
-class CheckpointBuffers:
-    """Per GDN layer, per sequence: float32 state and conv window after every token of a step."""
+class _LayerCheckpoint:
+    """What one GDN layer's forward writes into the checkpoint buffers (views of that layer's rows)."""
 
-    keeps_states = True
-
-    def __init__(self, config: ModelConfig, max_tokens: int, device):
-        slots = max_tokens + 1
-        self.recurrent = torch.zeros(
-            (slots, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim),
-            dtype=torch.float32,
-            device=device,
-        )
-        self.conv = torch.zeros(
-            (slots, config.linear_conv_kernel_dim - 1, config.linear_conv_dim), dtype=torch.float32, device=device
-        )
+    def __init__(self, recurrent: torch.Tensor, conv: torch.Tensor):
+        self.recurrent, self.conv = recurrent, conv  # [T + 1, H, K, V], [T + 1, W, C]
 
     def begin(self, state: GDNState, conv_inputs: torch.Tensor) -> None:
         n = conv_inputs.shape[0]
@@ -80,53 +70,90 @@ class CheckpointBuffers:
     def record_recurrence(self, key, value, g, beta) -> None:
         pass  # the states themselves were written into the slots
 
-    def restore(self, state: GDNState, keep: int) -> None:
-        state.recurrent.copy_(self.recurrent[keep])
-        state.conv.copy_(self.conv[keep])
+
+class CheckpointBuffers:
+    """All GDN layers of a sequence: the float32 state and conv window after every token of a step.
+
+    recurrent [layers, T + 1, H, K, V], conv [layers, T + 1, W, C]; slot 0 is the state before the step.
+    Rolling back is one copy of slot `keep` over every layer at once.
+    """
+
+    def __init__(self, config: ModelConfig, layers: list[int], max_tokens: int, device):
+        slots = max_tokens + 1
+        f32 = dict(dtype=torch.float32, device=device)
+        heads, k_dim, v_dim = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+        self.recurrent = torch.zeros((len(layers), slots, heads, k_dim, v_dim), **f32)
+        self.conv = torch.zeros((len(layers), slots, config.linear_conv_kernel_dim - 1, config.linear_conv_dim), **f32)
+        self.recorders = {layer: _LayerCheckpoint(self.recurrent[row], self.conv[row]) for row, layer in enumerate(layers)}
+
+    def restore(self, states: GDNStates, keep: int) -> None:
+        states.recurrent.copy_(self.recurrent[:, keep])
+        states.conv.copy_(self.conv[:, keep])
 
     def nbytes(self) -> int:
         return self.recurrent.nbytes + self.conv.nbytes
 
 
-class RecurrenceLog:
-    """Per GDN layer, per sequence: the state before a step and each token's recurrence and conv inputs."""
+class _LayerLog:
+    """What one GDN layer's forward logs for replay-ssm (views of that layer's rows)."""
 
-    keeps_states = False
-
-    def __init__(self, config: ModelConfig, max_tokens: int, device):
-        heads, k_dim, v_dim = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
-        f32 = dict(dtype=torch.float32, device=device)
-        self.recurrent0 = torch.zeros((heads, k_dim, v_dim), **f32)
-        self.conv0 = torch.zeros((config.linear_conv_kernel_dim - 1, config.linear_conv_dim), **f32)
-        self.conv_inputs = torch.zeros((max_tokens, config.linear_conv_dim), **f32)
-        self.key = torch.zeros((heads, max_tokens, k_dim), **f32)
-        self.value = torch.zeros((heads, max_tokens, v_dim), **f32)
-        self.g = torch.zeros((heads, max_tokens), **f32)
-        self.beta = torch.zeros((heads, max_tokens), **f32)
+    def __init__(self, log: "RecurrenceLog", row: int):
+        self.log, self.row = log, row
 
     def begin(self, state: GDNState, conv_inputs: torch.Tensor) -> None:
-        n = conv_inputs.shape[0]
-        self.recurrent0.copy_(state.recurrent)
-        self.conv0.copy_(state.conv)
-        self.conv_inputs[:n].copy_(conv_inputs)
+        log, row, n = self.log, self.row, conv_inputs.shape[0]
+        log.recurrent0[row].copy_(state.recurrent)
+        log.conv0[row].copy_(state.conv)
+        log.conv_inputs[row, :n].copy_(conv_inputs)
 
     def state_slots(self, n: int) -> None:
         return None  # the recurrence runs in place; only its inputs are logged
 
     def record_recurrence(self, key, value, g, beta) -> None:
-        n = key.shape[1]
-        self.key[:, :n].copy_(key)
-        self.value[:, :n].copy_(value)
-        self.g[:, :n].copy_(g)
-        self.beta[:, :n].copy_(beta)
+        log, row, n = self.log, self.row, key.shape[1]
+        log.key[row, :, :n].copy_(key)
+        log.value[row, :, :n].copy_(value)
+        log.g[row, :, :n].copy_(g)
+        log.beta[row, :, :n].copy_(beta)
 
-    def restore(self, state: GDNState, keep: int) -> None:
-        state.recurrent.copy_(self.recurrent0)
-        if keep:  # only the recurrence, no projections: no weight is read
+
+class RecurrenceLog:
+    """All GDN layers of a sequence: the state before a step and each token's recurrence and conv inputs.
+
+    Rolling back re-runs only the recurrence for the kept tokens, every layer in one batched call
+    (layers are independent, so they stack along the head dimension). No weight is read.
+    """
+
+    def __init__(self, config: ModelConfig, layers: list[int], max_tokens: int, device):
+        n = len(layers)
+        heads, k_dim, v_dim = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+        f32 = dict(dtype=torch.float32, device=device)
+        self.recurrent0 = torch.zeros((n, heads, k_dim, v_dim), **f32)
+        self.conv0 = torch.zeros((n, config.linear_conv_kernel_dim - 1, config.linear_conv_dim), **f32)
+        self.conv_inputs = torch.zeros((n, max_tokens, config.linear_conv_dim), **f32)
+        self.key = torch.zeros((n, heads, max_tokens, k_dim), **f32)
+        self.value = torch.zeros((n, heads, max_tokens, v_dim), **f32)
+        self.g = torch.zeros((n, heads, max_tokens), **f32)
+        self.beta = torch.zeros((n, heads, max_tokens), **f32)
+        self.recorders = {layer: _LayerLog(self, row) for row, layer in enumerate(layers)}
+
+    def restore(self, states: GDNStates, keep: int) -> None:
+        states.recurrent.copy_(self.recurrent0)
+        if keep:
+            layers, heads, _, k_dim = self.key.shape
+            v_dim = self.value.shape[-1]
+            stacked = states.recurrent.view(layers * heads, k_dim, v_dim)
             chunked_delta_rule(
-                None, self.key[:, :keep], self.value[:, :keep], self.g[:, :keep], self.beta[:, :keep], state.recurrent
+                None,
+                self.key[:, :, :keep].reshape(layers * heads, keep, k_dim),
+                self.value[:, :, :keep].reshape(layers * heads, keep, v_dim),
+                self.g[:, :, :keep].reshape(layers * heads, keep),
+                self.beta[:, :, :keep].reshape(layers * heads, keep),
+                stacked,
             )
-        state.conv.copy_(_conv_windows(self.conv0, self.conv_inputs[:keep])[keep])
+        width = self.conv0.shape[1]
+        full = torch.cat([self.conv0, self.conv_inputs[:, :keep]], dim=1)  # [layers, W + keep, C]
+        states.conv.copy_(full[:, keep : keep + width])
 
     def nbytes(self) -> int:
         return sum(
@@ -134,19 +161,18 @@ class RecurrenceLog:
         )
 
 
-def allocate_storage(config: ModelConfig, gdn_layers: list[int], storage: RollbackStorage, device) -> dict | None:
-    if not storage.enabled:
+def allocate_storage(config: ModelConfig, gdn_layers: list[int], storage: RollbackStorage, device):
+    """The rollback storage of one sequence on a shard owning `gdn_layers`, or None without storage."""
+    if not storage.enabled or not gdn_layers:
         return None
     kind = CheckpointBuffers if storage.mode == CHECKPOINT else RecurrenceLog
-    return {layer: kind(config, storage.max_verify_tokens, device) for layer in gdn_layers}
+    return kind(config, gdn_layers, storage.max_verify_tokens, device)
 
 
 def storage_bytes_per_sequence(config: ModelConfig, gdn_layers: list[int], storage: RollbackStorage) -> int:
     """Bytes of rollback storage one open sequence costs on a shard owning `gdn_layers`."""
-    if not storage.enabled or not gdn_layers:
-        return 0
-    per_layer = allocate_storage(config, gdn_layers[:1], storage, "meta")[gdn_layers[0]].nbytes()
-    return per_layer * len(gdn_layers)
+    store = allocate_storage(config, gdn_layers, storage, "meta")
+    return store.nbytes() if store is not None else 0
 
 
 def check_rollback(state: SequenceState, keep: int) -> PendingStep:
@@ -165,9 +191,8 @@ def check_rollback(state: SequenceState, keep: int) -> PendingStep:
 def rollback(state: SequenceState, keep: int) -> None:
     """Keep the first `keep` tokens of the pending step; the state becomes what forwarding only those gives."""
     pending = check_rollback(state, keep)
-    if keep < pending.n:
-        for layer, store in (state.rollback_storage or {}).items():
-            store.restore(state.gdn[layer], keep)
+    if keep < pending.n and state.rollback_storage is not None:
+        state.rollback_storage.restore(state.gdn, keep)
     state.length = pending.start + keep
     state.pending = None
 
@@ -175,7 +200,7 @@ def rollback(state: SequenceState, keep: int) -> None:
 @dataclass
 class Snapshot:
     length: int
-    gdn: dict[int, GDNState]
+    gdn: GDNStates
 
 
 def snapshot(state: SequenceState) -> None:
@@ -184,13 +209,12 @@ def snapshot(state: SequenceState) -> None:
     A snapshot ends a pending step (all its tokens kept), as the next FORWARD would.
     """
     state.pending = None
-    state.snapshot = Snapshot(state.length, {layer: s.clone() for layer, s in state.gdn.items()})
+    state.snapshot = Snapshot(state.length, state.gdn.clone())
 
 
 def restore(state: SequenceState) -> None:
     if state.snapshot is None:
         raise ProtocolError(ErrorCode.NO_SNAPSHOT, "RESTORE with no snapshot taken for this sequence")
-    for layer, saved in state.snapshot.gdn.items():
-        state.gdn[layer].copy_(saved)
+    state.gdn.copy_(state.snapshot.gdn)
     state.length = state.snapshot.length
     state.pending = None

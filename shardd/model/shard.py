@@ -15,7 +15,7 @@ from shardd.model.gdn import GatedDeltaNet
 from shardd.model.mlp import MLP
 from shardd.model.norm import rms_norm
 from shardd.model.rope import RotaryEmbedding
-from shardd.model.state import GDNState, KVCache, PendingStep, SequenceState
+from shardd.model.state import GDNStates, KVCache, PendingStep, SequenceState
 
 
 @dataclass
@@ -92,17 +92,15 @@ class ShardModel:
             i: KVCache.allocate(c.num_key_value_heads, max_context, c.head_dim, self.dtype, self.device)
             for i in self.attention_layers
         }
-        gdn = {
-            i: GDNState.allocate(
-                c.linear_conv_kernel_dim - 1,
-                c.linear_conv_dim,
-                c.linear_num_value_heads,
-                c.linear_key_head_dim,
-                c.linear_value_head_dim,
-                self.device,
-            )
-            for i in self.gdn_layers
-        }
+        gdn = GDNStates.allocate(
+            self.gdn_layers,
+            c.linear_conv_kernel_dim - 1,
+            c.linear_conv_dim,
+            c.linear_num_value_heads,
+            c.linear_key_head_dim,
+            c.linear_value_head_dim,
+            self.device,
+        )
         storage = rb.allocate_storage(c, self.gdn_layers, self.storage, self.device)
         return SequenceState(max_context=max_context, kv=kv, gdn=gdn, rollback_storage=storage)
 
@@ -186,7 +184,7 @@ class ShardModel:
         wanted = set(capture_layers)
         out = ShardOutput()
         for layer in self.layers:
-            recorder = state.rollback_storage[layer.index] if checkpoint and layer.is_gdn else None
+            recorder = state.rollback_storage.recorders[layer.index] if checkpoint and layer.is_gdn else None
             x = layer(x, state, pos, self.rope, recorder)
             if layer.index in wanted:
                 out.captured[layer.index] = x

@@ -34,19 +34,51 @@ class GDNState:
     conv: torch.Tensor
     recurrent: torch.Tensor
 
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.recurrent.nbytes
+
+
+class GDNStates:
+    """The GDN states of all of a shard's GDN layers for one sequence, stacked so that a rollback,
+    snapshot or restore is one op over every layer instead of one per layer.
+
+    conv [layers, kernel - 1, conv_dim], recurrent [layers, num_v_heads, k_dim, v_dim]; `state[layer]`
+    is that layer's GDNState (views into the stack).
+    """
+
+    def __init__(self, layers: list[int], conv: torch.Tensor, recurrent: torch.Tensor):
+        self.layers = list(layers)
+        self.conv = conv
+        self.recurrent = recurrent
+        self._by_layer = {layer: GDNState(conv[row], recurrent[row]) for row, layer in enumerate(self.layers)}
+
     @classmethod
-    def allocate(cls, conv_window: int, conv_dim: int, num_v_heads: int, k_dim: int, v_dim: int, device) -> "GDNState":
+    def allocate(cls, layers, conv_window, conv_dim, num_v_heads, k_dim, v_dim, device) -> "GDNStates":
+        n = len(layers)
         return cls(
-            torch.zeros((conv_window, conv_dim), dtype=torch.float32, device=device),
-            torch.zeros((num_v_heads, k_dim, v_dim), dtype=torch.float32, device=device),
+            layers,
+            torch.zeros((n, conv_window, conv_dim), dtype=torch.float32, device=device),
+            torch.zeros((n, num_v_heads, k_dim, v_dim), dtype=torch.float32, device=device),
         )
 
-    def copy_(self, other: "GDNState") -> None:
+    def __getitem__(self, layer: int) -> GDNState:
+        return self._by_layer[layer]
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def items(self):
+        return self._by_layer.items()
+
+    def copy_(self, other: "GDNStates") -> None:
         self.conv.copy_(other.conv)
         self.recurrent.copy_(other.recurrent)
 
-    def clone(self) -> "GDNState":
-        return GDNState(self.conv.clone(), self.recurrent.clone())
+    def clone(self) -> "GDNStates":
+        return GDNStates(self.layers, self.conv.clone(), self.recurrent.clone())
 
     def nbytes(self) -> int:
         return self.conv.nbytes + self.recurrent.nbytes
@@ -66,18 +98,16 @@ class SequenceState:
 
     max_context: int
     kv: dict[int, KVCache]
-    gdn: dict[int, GDNState]
-    # Rollback storage per GDN layer (CheckpointBuffers or RecurrenceLog), None without storage.
-    rollback_storage: dict[int, object] | None = None
+    gdn: GDNStates
+    # Rollback storage of the GDN layers (CheckpointBuffers or RecurrenceLog), None without storage.
+    rollback_storage: object | None = None
     length: int = 0
     pending: PendingStep | None = None
     snapshot: object | None = None
     extra: dict = field(default_factory=dict)
 
     def state_bytes(self) -> int:
-        return sum(c.nbytes() for c in self.kv.values()) + sum(s.nbytes() for s in self.gdn.values())
+        return sum(c.nbytes() for c in self.kv.values()) + self.gdn.nbytes()
 
     def rollback_bytes(self) -> int:
-        if not self.rollback_storage:
-            return 0
-        return sum(store.nbytes() for store in self.rollback_storage.values())
+        return self.rollback_storage.nbytes() if self.rollback_storage is not None else 0
