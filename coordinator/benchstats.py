@@ -52,6 +52,6 @@ def all_identical(hashes: Iterable[str]) -> bool:
 
 
 def tokens_digest(tokens: Iterable[int]) -> str:
-    """A short stable hash of a token sequence, to compare outputs across runs."""
+    """sha256 (hex) of the token ids written as comma-joined decimals: "12,7,301". Tables show its first 16 digits."""
     data = ",".join(str(int(token)) for token in tokens).encode()
-    return hashlib.sha256(data).hexdigest()[:16]
+    return hashlib.sha256(data).hexdigest()

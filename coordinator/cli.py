@@ -345,7 +345,7 @@ def generation_record(generation: Generation, tokenizer, shards: Sequence[ShardI
     record = {
         "tokens": result.tokens,
         "text": tokenizer.decode(result.tokens),
-        # benchstats' digest: the first 16 hex digits of sha256 over the comma-joined ids.
+        # sha256 over the comma-joined decimal ids (benchstats.tokens_digest)
         "sha256": benchstats.tokens_digest(result.tokens),
         "drafter": generation.drafter,
         "rollback": generation.rollback,
@@ -375,7 +375,7 @@ def describe_generation(record: dict) -> str:
         f"prefill {fmt(record['prefill_tok_s']) or '-'} tok/s",
         f"decode {fmt(record['decode_tok_s']) or '-'} tok/s",
         f"rollbacks fast {record['rollbacks']['fast']} fallback {record['rollbacks']['fallback']} replays {record['rollbacks']['replays']}",
-        f"sha256 {record['sha256']}",
+        f"sha256 {record['sha256'][:16]}",
     ]
     return ", ".join(parts)
 
@@ -779,9 +779,9 @@ def print_bench(report: dict) -> None:
     click.echo(f"B vs A (decode tok/s): {'-' if change is None else f'{100 * change:+.1f}%'}{verdict}")
     runs = sum(1 + len(block["runs"]) for block in report["blocks"])
     if report["identical"]:
-        click.echo(f"outputs identical: yes, all {runs} runs (sha256 {report['sha256'][0]})")
+        click.echo(f"outputs identical: yes, all {runs} runs (sha256 {report['sha256'][0][:16]})")
     else:
-        click.echo(f"outputs identical: NO, {len(report['sha256'])} different outputs over {runs} runs: {', '.join(report['sha256'])}")
+        click.echo(f"outputs identical: NO, {len(report['sha256'])} different outputs over {runs} runs: {', '.join(h[:16] for h in report['sha256'])}")
     if report["drafter_note"]:
         click.echo(f"note: {report['drafter_note']}")
 
@@ -873,7 +873,7 @@ def print_demo(record: dict) -> None:
             fmt(None if run["acceptance_rate"] is None else 100 * run["acceptance_rate"], 1, "%"),
             fmt(run["avg_commit"], 2), fmt(run["decode_tok_s"]),
             f"{run['rollbacks']['fast']}/{run['rollbacks']['fallback']}/{run['rollbacks']['replays']}",
-            run["sha256"], "yes" if run["sha256"] == reference else "NO",
+            run["sha256"][:16], "yes" if run["sha256"] == reference else "NO",
         ])
     click.echo(f"model: {record['model']} (synthetic `small`: its text is noise, its tokens are what count)")
     click.echo(f"shards: {', '.join(f'{b}:{e}' for b, e in record['shards'])}; prompt: {record['prompt']!r} "

@@ -76,6 +76,10 @@ def build_shard(
 ) -> ShardModel:
     config = source.config()
     torch_dtype = DTYPES[dtype]
+    if torch_dtype == torch.float32:
+        # float32 means float32: TF32 matmuls and convs would break token-exact agreement with greedy decoding.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     if source.synthetic is not None:
         _, seed = parse_synthetic(source.synthetic)
         weights = synthetic_weights(config, begin, end, seed, dtype=torch_dtype, device=device, progress=progress)

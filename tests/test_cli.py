@@ -68,7 +68,7 @@ def test_generate_streams_text_and_ids(shards, local):
                       "--ids")
     assert result.exit_code == 0, result.output
     assert [int(x) for x in result.stdout.split()] == expected
-    assert tokens_digest(expected) in result.stderr  # the summary line
+    assert tokens_digest(expected)[:16] in result.stderr  # the summary line
 
     result = shardctl("generate", "--shards", ",".join(shards["pair"]), "--prompt-ids", "7,8,9", "--max-new-tokens", 24,
                       "--drafter", "none")
