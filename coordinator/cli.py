@@ -360,6 +360,9 @@ def generation_record(generation: Generation, tokenizer, shards: Sequence[ShardI
         if generation.reference is not None:
             reference = generation.reference.summary()
             record["reference"] = {key: reference[key] for key in ("new_tokens", "prefill_tok_s", "decode_tok_s", "wall_seconds")}
+            # The greedy pass doubles as the exactness check: speculation must reproduce it token for token.
+            record["reference"]["sha256"] = benchstats.tokens_digest(generation.reference.tokens)
+            record["matches_greedy"] = generation.reference.tokens == result.tokens
     return record
 
 

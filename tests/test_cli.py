@@ -55,6 +55,7 @@ def test_generate_json_matches_plain_greedy(shards, local):
     expected = greedy_ids(local, list(PROMPT.encode()), 32)
     assert record["tokens"] == expected
     assert record["sha256"] == tokens_digest(expected)
+    assert record["matches_greedy"] is True and record["reference"]["sha256"] == record["sha256"]
     assert record["prompt_tokens"] == len(PROMPT.encode()) and record["new_tokens"] == 32
     assert record["rollbacks"]["fast"] > 0 and record["rollbacks"]["fallback"] == 0
     assert record["steps"] < 31 and 0 < record["acceptance_rate"] < 1 and record["avg_commit"] > 1
