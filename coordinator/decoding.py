@@ -6,6 +6,10 @@ forwards the whole prompt; its last output is the first generated token.
 
 Speculative decoding must produce exactly the tokens greedy decoding produces, for every
 drafter and rollback mode; only the number of target forwards changes.
+
+The loop keeps every committed token, so when the target loses a sequence (a shard restarted,
+`SequenceLost`) or cannot roll back fast (`RollbackFailed`), it re-fills the sequence from that
+history and carries on: the output does not change.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field
 
 from coordinator.acceptance import accept_length, commit_tokens
 from coordinator.drafters import Drafter
-from coordinator.target import RollbackFailed, Target
+from coordinator.target import RollbackFailed, SequenceLost, Target
 
 ROLLBACK_MODES = ("checkpoint", "replay-ssm", "replay")
 
@@ -36,6 +40,7 @@ class DecodeResult:
     rollbacks_fast: int = 0  # Target.rollback calls that succeeded
     rollbacks_fallback: int = 0  # RollbackFailed, state re-filled from history
     replays: int = 0  # replay mode: restore plus a forward of the kept tokens
+    recoveries: int = 0  # SequenceLost (e.g. a restarted shard), state re-filled from history
     commits: list[int] = field(default_factory=list)  # tokens committed per step
 
     @property
@@ -73,6 +78,7 @@ class DecodeResult:
             "rollbacks_fast": self.rollbacks_fast,
             "rollbacks_fallback": self.rollbacks_fallback,
             "replays": self.replays,
+            "recoveries": self.recoveries,
         }
 
 
@@ -95,7 +101,12 @@ def greedy_decode(
         start = time.perf_counter()
         while not _finished(result.tokens, max_new_tokens, eos):
             pos = len(history) - 1
-            (token,) = target.forward(seq, pos, [history[-1]])
+            try:
+                (token,) = target.forward(seq, pos, [history[-1]])
+            except SequenceLost:
+                _refill(target, seq, history)
+                result.recoveries += 1
+                continue
             history.append(token)
             _record(result, [token], on_commit)
         result.decode_seconds = time.perf_counter() - start
@@ -138,25 +149,33 @@ def speculative_decode(
                 raise ValueError(f"drafter {drafter.name!r} proposed {len(drafts)} tokens, asked for {wanted}")
             block = [history[-1]] + drafts
 
-            if rollback == "replay":
-                target.snapshot(seq)
-            verified = target.forward(seq, pos, block, checkpoint=rollback != "replay")
+            try:
+                if rollback == "replay":
+                    target.snapshot(seq)
+                verified = target.forward(seq, pos, block, checkpoint=rollback != "replay")
+            except SequenceLost:  # nothing committed yet: re-fill and redo the step
+                _refill(target, seq, history)
+                result.recoveries += 1
+                continue
             accepted = accept_length(drafts, verified)
             committed, keep = commit_tokens(drafts, verified, room, eos)
             history.extend(committed)
 
             if keep < len(block):
-                if rollback == "replay":
-                    target.restore(seq)
-                    target.forward(seq, pos, block[:keep])
-                    result.replays += 1
-                else:
-                    try:
+                try:
+                    if rollback == "replay":
+                        target.restore(seq)
+                        target.forward(seq, pos, block[:keep])
+                        result.replays += 1
+                    else:
                         target.rollback(seq, keep)
                         result.rollbacks_fast += 1
-                    except RollbackFailed:
-                        _refill(target, seq, history)
-                        result.rollbacks_fallback += 1
+                except RollbackFailed:
+                    _refill(target, seq, history)
+                    result.rollbacks_fallback += 1
+                except SequenceLost:  # the commit stands; the state is rebuilt to hold it
+                    _refill(target, seq, history)
+                    result.recoveries += 1
 
             result.drafted += len(drafts)
             result.accepted += accepted
@@ -210,8 +229,21 @@ def _finished(tokens: list[int], max_new_tokens: int, eos: frozenset[int]) -> bo
     return len(tokens) >= max_new_tokens or (bool(tokens) and tokens[-1] in eos)
 
 
+REFILL_ATTEMPTS = 5
+REFILL_BACKOFF_S = 0.5
+
+
 def _refill(target: Target, seq: int, history: list[int]) -> None:
-    """Rebuild the state from the committed history after a failed fast rollback."""
-    target.close(seq)
-    target.open(seq)
-    target.forward(seq, 0, history[:-1])
+    """Rebuild the state from the committed history (everything but t0). A shard that is still
+    coming back (restarting, loading weights) gets a few tries with a growing pause."""
+    for attempt in range(REFILL_ATTEMPTS):
+        try:
+            with contextlib.suppress(Exception):  # the sequence may be gone from some shards already
+                target.close(seq)
+            target.open(seq)
+            target.forward(seq, 0, history[:-1])
+            return
+        except SequenceLost:
+            if attempt == REFILL_ATTEMPTS - 1:
+                raise
+            time.sleep(REFILL_BACKOFF_S * (attempt + 1))

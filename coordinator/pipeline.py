@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 from coordinator.client import CurveKeys, ShardClient, ShardError, ShardTimeout, forward_record
-from coordinator.target import RollbackFailed
+from coordinator.target import RollbackFailed, SequenceLost
 from protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, Reply, WireTensor
 
 CHECKPOINTED_MODES = ("checkpoint", "replay-ssm")  # rollback modes the shards do themselves
@@ -33,7 +33,7 @@ class CheckpointUnavailable(PipelineError):
     Raised before any shard sees the request, so no state changed."""
 
 
-class SequenceInconsistent(PipelineError):
+class SequenceInconsistent(PipelineError, SequenceLost):
     """A forward failed part-way down the pipeline and could not be undone: the shards now
     disagree on the sequence's length. Close it and re-fill it from the committed history."""
 
@@ -227,9 +227,11 @@ class Pipeline:
             for client in self.clients:
                 client.open(seq)
                 opened.append(client)
-        except BaseException:
+        except BaseException as error:
             for client in opened:
                 _close_quietly(client, seq)
+            if isinstance(error, ShardTimeout):  # a shard still restarting: the loop may try again
+                raise _lost(error, seq) from error
             raise
 
     def close(self, seq: int) -> None:
@@ -260,7 +262,10 @@ class Pipeline:
         else:
             step = self.max_tokens_per_request
             chunks = [tokens[start:start + step] for start in range(0, len(tokens), step)]
-        ids, _ = self._relay(seq, pos, chunks, checkpoint=checkpoint)
+        try:
+            ids, _ = self._relay(seq, pos, chunks, checkpoint=checkpoint)
+        except SHARD_FAILURES as error:
+            raise _lost(error, seq) from error
         return ids
 
     def capture(
@@ -277,7 +282,10 @@ class Pipeline:
         self._check_context(pos, len(tokens))
         if checkpoint:
             self._check_checkpointed(len(tokens))
-        return self._relay(seq, pos, [tokens], checkpoint=checkpoint, capture=layers)
+        try:
+            return self._relay(seq, pos, [tokens], checkpoint=checkpoint, capture=layers)
+        except SHARD_FAILURES as error:
+            raise _lost(error, seq) from error
 
     def rollback(self, seq: int, keep: int) -> None:
         failures, lengths = [], set()
@@ -292,11 +300,17 @@ class Pipeline:
             raise RollbackFailed(f"after rollback the shards disagree on the length of sequence {seq}: {sorted(lengths)}")
 
     def snapshot(self, seq: int) -> None:
-        for client in self.clients:
-            client.snapshot(seq)
+        try:
+            for client in self.clients:
+                client.snapshot(seq)
+        except SHARD_FAILURES as error:
+            raise _lost(error, seq) from error
 
     def restore(self, seq: int) -> None:
-        lengths = {client.endpoint: client.restore(seq)["length"] for client in self.clients}
+        try:
+            lengths = {client.endpoint: client.restore(seq)["length"] for client in self.clients}
+        except SHARD_FAILURES as error:
+            raise _lost(error, seq) from error
         if len(set(lengths.values())) > 1:
             raise SequenceInconsistent(f"after RESTORE the shards disagree on the length of sequence {seq}: {lengths}")
 
@@ -383,6 +397,17 @@ class Pipeline:
             f"{error}; sequence {seq} is now inconsistent across shards (some took tokens from position {pos} on): "
             f"close it and re-fill it from the committed history"
         ) from error
+
+
+def _lost(error: Exception, seq: int) -> Exception:
+    """A shard failure that means the sequence is gone from a shard (SequenceLost), else the error itself."""
+    if isinstance(error, ShardTimeout) or (
+        isinstance(error, ShardError) and error.code in (ErrorCode.NO_SUCH_SEQUENCE, ErrorCode.SEQUENCE_FAILED)
+    ):
+        lost = SequenceLost(f"sequence {seq}: {error}")
+        lost.__cause__ = error
+        return lost
+    return error
 
 
 def _close_quietly(client: ShardClient, seq: int) -> None:

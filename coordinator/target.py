@@ -20,6 +20,12 @@ class RollbackFailed(Exception):
     the caller re-fills it from its committed history."""
 
 
+class SequenceLost(Exception):
+    """The target no longer holds the sequence as the loop left it: a shard restarted (it answers
+    NO_SUCH_SEQUENCE), stopped answering mid-step, or the shards now disagree on its length.
+    The loop re-fills the sequence from its committed history and carries on."""
+
+
 @runtime_checkable
 class Target(Protocol):
     def open(self, seq: int) -> None:

@@ -13,7 +13,7 @@ from coordinator.acceptance import accept_length, commit_tokens
 from coordinator.benchstats import all_identical, drift, median, summarize_runs, tokens_digest
 from coordinator.decoding import ROLLBACK_MODES, greedy_decode, speculative_decode
 from coordinator.drafters import NgramDrafter, OracleDrafter
-from coordinator.target import RollbackFailed, Target
+from coordinator.target import RollbackFailed, SequenceLost, Target
 from coordinator.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 VOCAB = 50
@@ -121,6 +121,55 @@ class FlakyRollbackTarget(FakeTarget):
             self.pending.pop(seq, None)
             raise RollbackFailed("no checkpoint storage on shard 1")
         super().rollback(seq, keep)
+
+
+class RestartingTarget(FakeTarget):
+    """A shard that restarts (losing every sequence) at chosen calls, and is still coming back
+    for the first open after each restart."""
+
+    def __init__(self, crash_at: dict[str, set[int]], rule=mixing_rule):
+        super().__init__(rule)
+        self.crash_at = crash_at
+        self.restarting = False
+        self.restarts = 0
+
+    def _maybe_crash(self, kind):
+        """Before the call numbered calls[kind] + 1 runs."""
+        if self.calls[kind] + 1 in self.crash_at.get(kind, ()):
+            self.calls[kind] += 1
+            self.states.clear()
+            self.pending.clear()
+            self.snapshots.clear()
+            self.restarting = True
+            self.restarts += 1
+            raise SequenceLost(f"shard restarted during {kind}")
+
+    def _state(self, seq):
+        if seq not in self.states:
+            raise SequenceLost(f"NO_SUCH_SEQUENCE {seq}")
+        return self.states[seq]
+
+    def open(self, seq):
+        if self.restarting:
+            self.restarting = False
+            raise SequenceLost("timed out: shard still loading")
+        super().open(seq)
+
+    def close(self, seq):
+        self.calls["close"] += 1
+        self.states.pop(seq, None)
+
+    def forward(self, seq, pos, tokens, *, checkpoint=False):
+        self._maybe_crash("forward")
+        return super().forward(seq, pos, tokens, checkpoint=checkpoint)
+
+    def rollback(self, seq, keep):
+        self._maybe_crash("rollback")
+        super().rollback(seq, keep)
+
+    def restore(self, seq):
+        self._maybe_crash("restore")
+        super().restore(seq)
 
 
 def simulate_greedy(rule, prompt, n):
@@ -476,3 +525,18 @@ def test_load_tokenizer_picks_the_model_tokenizer_or_bytes(tmp_path):
     assert isinstance(load_tokenizer(str(tmp_path), 512), ByteTokenizer)
     write_word_tokenizer(tmp_path)
     assert isinstance(load_tokenizer(str(tmp_path), 5), HFTokenizer)
+
+
+@pytest.mark.parametrize("mode", [None, "checkpoint", "replay-ssm", "replay"])
+def test_a_restarted_shard_is_refilled_from_history_and_the_output_is_unchanged(mode, monkeypatch):
+    monkeypatch.setattr("coordinator.decoding.REFILL_BACKOFF_S", 0.0)
+    expected = greedy_tokens(mixing_rule, 120)
+    # Crash on the 5th and 9th forward, and on the 3rd rollback / restore where the mode has them.
+    target = RestartingTarget({"forward": {5, 9}, "rollback": {3}, "restore": {3}})
+    if mode is None:
+        result = greedy_decode(target, 2, PROMPT, 120)
+    else:
+        drafter = OracleDrafter.with_mean_commit(expected, len(PROMPT), block_size=6, mean_commit=3.0, seed=4)
+        result = speculative_decode(target, 2, PROMPT, drafter, block_size=6, rollback=mode, max_new_tokens=120)
+    assert result.tokens == expected
+    assert 2 <= result.recoveries <= target.restarts  # a crash during a re-fill is retried inside it

@@ -1,0 +1,52 @@
+"""A shard that dies and is restarted mid-generation: the coordinator re-fills it from the committed
+history and the output is exactly plain greedy decoding (DESIGN.md, "Where data flows")."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from coordinator.decoding import greedy_decode, speculative_decode
+from coordinator.drafters import OracleDrafter
+from coordinator.local import LocalTarget
+from coordinator.pipeline import Pipeline
+from shardd.loading import ModelSource
+from tests.daemons import Daemon, free_tcp_endpoint, stop_all
+
+PROMPT = list(b"restart me, then carry on: ")
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return greedy_decode(LocalTarget(ModelSource(synthetic="tiny")), 1, PROMPT, NEW_TOKENS).tokens
+
+
+@pytest.mark.parametrize("mode", ["checkpoint"])  # every mode: tests/test_decoding.py
+def test_killed_and_restarted_shard_is_refilled(tmp_path, expected, mode):
+    binds = [free_tcp_endpoint(), free_tcp_endpoint()]
+    args = [["--layers", "0:3", "--max-verify-tokens", "16"], ["--layers", "3:6", "--max-verify-tokens", "16"]]
+    daemons = [Daemon(f"shard{i}", binds[i], args[i], tmp_path) for i in range(2)]
+    try:
+        for daemon in daemons:
+            daemon.wait_ready()
+        pipeline = Pipeline.connect(binds, timeout_s=30.0)
+        commits = []
+
+        def kill_and_restart_second_shard(new_ids):
+            commits.append(new_ids)
+            if len(commits) == 3:  # mid-generation: the head shard loses every sequence
+                daemons[1].signal(signal.SIGKILL)
+                daemons[1].wait(10)
+                daemons[1] = Daemon("shard1-restarted", binds[1], args[1], tmp_path)
+                daemons[1].wait_ready()
+
+        drafter = OracleDrafter.with_mean_commit(expected, len(PROMPT), block_size=8, mean_commit=3.0, seed=1)
+        result = speculative_decode(pipeline, 7, PROMPT, drafter, block_size=8, rollback=mode,
+                                    max_new_tokens=NEW_TOKENS, on_commit=kill_and_restart_second_shard)
+        pipeline.disconnect()
+        assert result.tokens == expected
+        assert result.recoveries >= 1
+    finally:
+        stop_all(daemons)
