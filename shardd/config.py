@@ -220,12 +220,16 @@ def config_from_dict(raw: dict) -> ModelConfig:
     )
 
 
-def load_config(model_dir: str | Path) -> ModelConfig:
+def read_config_json(model_dir: str | Path) -> dict:
+    """The parsed `config.json` of a model (or draft) directory; a clear ConfigError otherwise."""
     path = Path(model_dir) / "config.json"
     try:
-        raw = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"no config.json in {model_dir}") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path} is not valid JSON: {exc}") from None
-    return config_from_dict(raw)
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    return config_from_dict(read_config_json(model_dir))

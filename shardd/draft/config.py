@@ -8,11 +8,11 @@ applies to the layers whose `layer_types` entry is `sliding_attention`.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
-from shardd.config import ConfigError, ModelConfig
+from dataclasses import dataclass
+
+from shardd.config import ConfigError, ModelConfig, read_config_json
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -260,11 +260,4 @@ def draft_config_from_dict(raw: dict) -> DraftConfig:
 
 
 def load_draft_config(draft_dir: str | Path) -> DraftConfig:
-    path = Path(draft_dir) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"no config.json in {draft_dir}") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not valid JSON: {exc}") from None
-    return draft_config_from_dict(raw)
+    return draft_config_from_dict(read_config_json(draft_dir))
