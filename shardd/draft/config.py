@@ -8,9 +8,8 @@ applies to the layers whose `layer_types` entry is `sliding_attention`.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from dataclasses import dataclass
+from pathlib import Path
 
 from shardd.config import ConfigError, ModelConfig, read_config_json
 
