@@ -99,6 +99,8 @@ REQUEST_FIELDS: dict[MessageType, tuple[FieldSpec, ...]] = {
     MessageType.RESTORE: (_SEQ,),
     MessageType.PROPOSE: (
         _SEQ,
+        FieldSpec("pos", "int", minimum=0, limit=ID_LIMIT,
+                  doc="committed length: the position of last_token; the features are the rows just before it"),
         FieldSpec("last_token", "int", minimum=0, limit=TOKEN_LIMIT, doc="last committed token"),
         FieldSpec("block_size", "int", minimum=1, limit=TOKEN_LIMIT, doc="draft tokens wanted"),
     ),
@@ -113,7 +115,7 @@ REQUEST_TENSORS: dict[MessageType, tuple[TensorSpec, ...]] = {
 REQUEST_TENSORS[MessageType.FORWARD] = (_HIDDEN,)
 REQUEST_TENSORS[MessageType.CAPTURE] = (_HIDDEN,)
 REQUEST_TENSORS[MessageType.PROPOSE] = (
-    TensorSpec("features", 2, FLOAT_DTYPES, doc="[n, F] new context features for the drafter"),
+    TensorSpec("features", 2, FLOAT_DTYPES, doc="[n, F] drafter context features of positions pos-n .. pos-1"),
 )
 
 
@@ -204,9 +206,13 @@ class Rollback:
 
 @dataclass(frozen=True)
 class Propose:
+    """Append the feature rows of positions pos-n .. pos-1 to the drafter's context (cropping rows at or past
+    pos-n first: their tokens were rolled back), then draft `block_size` tokens after `last_token` at `pos`."""
+
     type: ClassVar[MessageType] = MessageType.PROPOSE
     id: int
     seq: int
+    pos: int
     last_token: int
     block_size: int
     features: Optional[WireTensor] = None

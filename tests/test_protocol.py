@@ -96,9 +96,9 @@ ROUND_TRIP_RECORDS = [
     Forward(12, seq=(1 << 63) - 1, pos=5, hidden=wire(HIDDEN_F32)),
     Capture(13, seq=9, pos=0, tokens=[2**31 - 1], layers=[0]),
     Capture(14, seq=9, pos=7, hidden=wire(HIDDEN_BF16), checkpoint=True, parents=[-1, 0], layers=[5, 2, 40]),
-    Propose(15, seq=9, last_token=42, block_size=4),
-    Propose(16, seq=9, last_token=42, block_size=4, features=wire(torch.ones(2, 5, dtype=torch.float16))),
-    Propose(17, seq=9, last_token=0, block_size=1, features=wire(torch.empty(0, 5))),
+    Propose(15, seq=9, pos=3, last_token=42, block_size=4),
+    Propose(16, seq=9, pos=3, last_token=42, block_size=4, features=wire(torch.ones(2, 5, dtype=torch.float16))),
+    Propose(17, seq=9, pos=0, last_token=0, block_size=1, features=wire(torch.empty(0, 5))),
 ]
 
 
@@ -374,7 +374,7 @@ BAD_HEADERS = [
     ("layers repeated", {**FORWARD, "type": "CAPTURE", "layers": [1, 1]}),
     ("layers empty", {**FORWARD, "type": "CAPTURE", "layers": []}),
     ("layer negative", {**FORWARD, "type": "CAPTURE", "layers": [-1]}),
-    ("block_size zero", {"v": 1, "type": "PROPOSE", "id": 1, "seq": 0, "last_token": 1, "block_size": 0}),
+    ("block_size zero", {"v": 1, "type": "PROPOSE", "id": 1, "seq": 0, "pos": 0, "last_token": 1, "block_size": 0}),
     ("missing id", without(OPEN, "id")),
     ("missing v", without(OPEN, "v")),
     ("missing type", without(OPEN, "type")),
@@ -382,7 +382,9 @@ BAD_HEADERS = [
     ("missing pos", without(FORWARD, "pos")),
     ("missing keep", {"v": 1, "type": "ROLLBACK", "id": 1, "seq": 0}),
     ("missing layers", {**FORWARD, "type": "CAPTURE"}),
-    ("missing block_size", {"v": 1, "type": "PROPOSE", "id": 1, "seq": 0, "last_token": 1}),
+    ("missing block_size", {"v": 1, "type": "PROPOSE", "id": 1, "seq": 0, "pos": 0, "last_token": 1}),
+    ("missing PROPOSE pos", {"v": 1, "type": "PROPOSE", "id": 1, "seq": 0, "last_token": 1, "block_size": 4}),
+    ("PROPOSE pos negative", {"v": 1, "type": "PROPOSE", "id": 1, "seq": 0, "pos": -1, "last_token": 1, "block_size": 4}),
     ("tensors nil", {**OPEN, "tensors": None}),
     ("non-string map key", {**OPEN, 5: 1}),
 ]
@@ -491,7 +493,7 @@ def test_too_many_tokens():
     assert rejection(message({**FORWARD, "tokens": [1] * 5}), small).code is ErrorCode.TOO_LARGE
     decode_request(message({**FORWARD, "tokens": [1] * 4}), small)
     assert rejection(hidden_message((5, 2)), small).code is ErrorCode.TOO_LARGE
-    propose = {"v": 1, "type": "PROPOSE", "id": 1, "seq": 0, "last_token": 1, "block_size": 5}
+    propose = {"v": 1, "type": "PROPOSE", "id": 1, "seq": 0, "pos": 0, "last_token": 1, "block_size": 5}
     assert rejection(message(propose), small).code is ErrorCode.TOO_LARGE
 
 
