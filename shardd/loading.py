@@ -1,4 +1,5 @@
-"""Build a ShardModel from a checkpoint directory or a synthetic preset: the one place a shard gets weights."""
+"""Build a ShardModel, and a hosted DFlash drafter, from a checkpoint directory or a synthetic preset: the one
+place a daemon gets weights."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ from pathlib import Path
 import torch
 
 from shardd.config import ModelConfig, load_config
+from shardd.draft.config import DraftConfig, load_draft_config
+from shardd.draft.model import DFlashDrafter
+from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights
+from shardd.draft.weights import load_draft_weights
 from shardd.model.shard import ShardModel
 from shardd.rollback import RollbackStorage
-from shardd.synthetic import parse_synthetic, preset_config, synthetic_weights
-from shardd.weights import load_weights
+from shardd.synthetic import parse_synthetic, preset_config, synthetic_tensors
+from shardd.weights import embedding_and_head_shapes, head_name, load_tensors, shard_shapes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,21 +40,39 @@ class ModelSource:
             return preset_config(parse_synthetic(self.synthetic)[0])
         return load_config(self.model_dir)
 
+    @property
+    def seed(self) -> int:
+        """The synthetic seed (0 for a checkpoint directory)."""
+        return parse_synthetic(self.synthetic)[1] if self.synthetic is not None else 0
+
     def fingerprint(self, device: torch.device) -> str:
         """Identifies the weights, so a coordinator can refuse shards built from different checkpoints."""
         if self.synthetic is not None:
             preset, seed = parse_synthetic(self.synthetic)
             # The generator's device type is part of the identity: CPU and CUDA generators differ.
             return f"synthetic:{preset}:{seed}:{device.type}"
-        digest = hashlib.sha256()
-        root = Path(self.model_dir)
-        digest.update((root / "config.json").read_bytes())
-        for path in sorted(root.glob("*.safetensors")):
-            with open(path, "rb") as f:
-                (header_len,) = struct.unpack("<Q", f.read(8))
-                digest.update(path.name.encode())
-                digest.update(f.read(min(header_len, 1 << 24)))
-        return "sha256:" + digest.hexdigest()[:32]
+        return checkpoint_fingerprint(self.model_dir)
+
+    def tensors(
+        self, shapes: dict[str, tuple[int, ...]], *, dtype: torch.dtype, device: str = "cpu", progress=None
+    ) -> dict[str, torch.Tensor]:
+        """Exactly the named tensors (our names -> shapes): generated, or read from the checkpoint."""
+        if self.synthetic is not None:
+            return synthetic_tensors(self.config(), shapes, self.seed, dtype=dtype, device=device, progress=progress)
+        return load_tensors(self.model_dir, shapes, dtype=dtype, device=device, progress=progress).tensors
+
+
+def checkpoint_fingerprint(directory: str | Path) -> str:
+    """sha256 over config.json and the safetensors headers (names, dtypes, shapes, offsets) of a directory."""
+    digest = hashlib.sha256()
+    root = Path(directory)
+    digest.update((root / "config.json").read_bytes())
+    for path in sorted(root.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            digest.update(path.name.encode())
+            digest.update(f.read(min(header_len, 1 << 24)))
+    return "sha256:" + digest.hexdigest()[:32]
 
 
 def parse_layers(spec: str, num_layers: int) -> tuple[int, int]:
@@ -80,11 +103,7 @@ def build_shard(
         # float32 means float32: TF32 matmuls and convs would break token-exact agreement with greedy decoding.
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    if source.synthetic is not None:
-        _, seed = parse_synthetic(source.synthetic)
-        weights = synthetic_weights(config, begin, end, seed, dtype=torch_dtype, device=device, progress=progress)
-    else:
-        weights = load_weights(source.model_dir, config, begin, end, dtype=torch_dtype, device=device, progress=progress).tensors
+    weights = source.tensors(shard_shapes(config, begin, end), dtype=torch_dtype, device=device, progress=progress)
     shard = ShardModel(config, weights, begin, end, dtype=torch_dtype, device=device, storage=storage)
     shard.fingerprint = source.fingerprint(torch.device(device))
     return shard
@@ -92,3 +111,107 @@ def build_shard(
 
 def describe_config(config: ModelConfig) -> str:
     return json.dumps(config.describe())
+
+
+# ---- a hosted DFlash drafter -----------------------------------------------------------------------
+
+SYNTHETIC_DRAFT = "synthetic"
+DEFAULT_SYNTHETIC_DRAFT_LAYERS = 2
+
+
+def parse_draft(spec: str) -> tuple[str | None, int | None]:
+    """'DIR' -> (DIR, None); 'synthetic' or 'synthetic:N' -> (None, N draft layers)."""
+    name, _, layers = spec.partition(":")
+    if name != SYNTHETIC_DRAFT:
+        return spec, None
+    try:
+        count = int(layers) if layers else DEFAULT_SYNTHETIC_DRAFT_LAYERS
+    except ValueError:
+        raise ValueError(f"--draft synthetic:N takes a number of draft layers, got {layers!r}") from None
+    if count < 1:
+        raise ValueError(f"--draft synthetic:N needs at least one draft layer, got {count}")
+    return None, count
+
+
+@dataclass
+class HostedDrafter:
+    """A DFlash drafter as a daemon hosts it: the model, what it was built from, and the target it drafts for."""
+
+    model: DFlashDrafter
+    fingerprint: str  # the draft weights, as ModelSource.fingerprint identifies the target's
+    target: ModelConfig
+    target_fingerprint: str
+    borrowed_bytes: int  # the target embedding / head loaded for the drafter alone (not shared with a shard)
+
+    @property
+    def config(self) -> DraftConfig:
+        return self.model.config
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Draft tokens one PROPOSE may ask for: the trained block holds the last committed token too."""
+        return self.config.block_size - 1
+
+    def weight_bytes(self) -> int:
+        return self.model.weight_bytes() + self.borrowed_bytes
+
+    def describe(self, max_context: int) -> dict:
+        """HELLO's `drafter` field."""
+        c = self.config
+        return {
+            "name": "dflash",
+            "fingerprint": self.fingerprint,
+            "target_layer_ids": list(c.target_layer_ids),
+            "feature_size": c.feature_size,
+            "block_size": c.block_size,
+            "max_draft_tokens": self.max_draft_tokens,
+            "mask_token_id": c.mask_token_id,
+            "num_layers": c.num_hidden_layers,
+            "dtype": str(self.model.dtype).removeprefix("torch."),
+            "state_bytes_per_sequence": self.model.state_bytes_per_sequence(max_context),
+        }
+
+
+def build_drafter(
+    source: ModelSource,
+    draft: str,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    shard: ShardModel | None = None,
+) -> HostedDrafter:
+    """The drafter named by `draft` ('DIR' or 'synthetic[:LAYERS]') for the target `source`.
+
+    It borrows the target's embedding and lm_head: from `shard` where the shard already holds them, else read
+    (only those tensors) from `source`. A synthetic drafter takes the target's synthetic seed (0 for a directory).
+    """
+    target = source.config()
+    torch_dtype = DTYPES[dtype]
+    held: dict[str, torch.Tensor] = {}
+    if shard is not None:  # same daemon: same dtype and device
+        if shard.owns_embedding:
+            held["embed_tokens.weight"] = shard.embed_tokens
+        if shard.owns_head:
+            held[head_name(target)] = shard.lm_head
+    wanted = {name: shape for name, shape in embedding_and_head_shapes(target).items() if name not in held}
+    loaded = source.tensors(wanted, dtype=torch_dtype, device=device)
+    borrowed = {**held, **loaded}
+
+    draft_dir, layers = parse_draft(draft)
+    if draft_dir is not None:
+        config = load_draft_config(draft_dir)
+        config.check_target(target)
+        weights = load_draft_weights(draft_dir, config, dtype=torch_dtype, device=device)
+        fingerprint = checkpoint_fingerprint(draft_dir)
+    else:
+        config = synthetic_draft_config(target, num_layers=layers)
+        weights = synthetic_draft_weights(config, source.seed, dtype=torch_dtype)
+        fingerprint = f"synthetic-dflash:{layers}:{config.block_size}:{source.seed}"
+    model = DFlashDrafter(
+        config, weights, target_embed=borrowed["embed_tokens.weight"], target_lm_head=borrowed[head_name(target)],
+        device=device, dtype=torch_dtype,
+    )
+    return HostedDrafter(
+        model, fingerprint, target, source.fingerprint(torch.device(device)),
+        borrowed_bytes=sum(t.nbytes for t in {id(t): t for t in loaded.values()}.values()),
+    )

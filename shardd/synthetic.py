@@ -139,7 +139,13 @@ def synthetic_weights(
     config: ModelConfig, begin: int, end: int, seed: int, *, dtype=torch.float32, device="cpu", progress=None
 ) -> dict[str, torch.Tensor]:
     """The tensors of a shard, built in memory (on `device`, so a 27B shard never touches host memory)."""
-    shapes = shard_shapes(config, begin, end)
+    return synthetic_tensors(config, shard_shapes(config, begin, end), seed, dtype=dtype, device=device, progress=progress)
+
+
+def synthetic_tensors(
+    config: ModelConfig, shapes: dict[str, tuple[int, ...]], seed: int, *, dtype=torch.float32, device="cpu", progress=None
+) -> dict[str, torch.Tensor]:
+    """The named tensors (our names -> shapes), each the same as in the whole synthetic model."""
     weights = {}
     for i, (name, shape) in enumerate(shapes.items()):
         weights[name] = synthetic_tensor(config, name, shape, seed, device).to(dtype)

@@ -76,6 +76,11 @@ def layer_shapes(config: ModelConfig, index: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def head_name(config: ModelConfig) -> str:
+    """The tensor the lm_head reads: the embedding itself when the checkpoint ties them."""
+    return "embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+
+
 def shard_shapes(config: ModelConfig, begin: int, end: int) -> dict[str, tuple[int, ...]]:
     """Every tensor the shard owning layers [begin, end) needs, by our name, with its shape."""
     shapes: dict[str, tuple[int, ...]] = {}
@@ -86,11 +91,14 @@ def shard_shapes(config: ModelConfig, begin: int, end: int) -> dict[str, tuple[i
         shapes.update(layer_shapes(config, i))
     if end == config.num_layers:
         shapes["norm.weight"] = (config.hidden_size,)
-        if config.tie_word_embeddings:
-            shapes["embed_tokens.weight"] = embedding
-        else:
-            shapes["lm_head.weight"] = embedding
+        shapes[head_name(config)] = embedding
     return shapes
+
+
+def embedding_and_head_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The target tensors a DFlash drafter borrows: the token embedding and the lm_head (not the final norm)."""
+    embedding = (config.vocab_size, config.hidden_size)
+    return {"embed_tokens.weight": embedding, head_name(config): embedding}
 
 
 def _key_locations(model_dir: Path) -> dict[str, tuple[Path, str]]:
@@ -136,8 +144,19 @@ def load_weights(
     progress=None,
 ) -> LoadedWeights:
     """Load only the tensors of layers [begin, end) (plus embedding / head where this shard owns them)."""
+    return load_tensors(model_dir, shard_shapes(config, begin, end), dtype=dtype, device=device, progress=progress)
+
+
+def load_tensors(
+    model_dir: str | Path,
+    wanted: dict[str, tuple[int, ...]],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    progress=None,
+) -> LoadedWeights:
+    """Load exactly the `wanted` tensors (our names -> expected shapes), nothing else."""
     model_dir = Path(model_dir)
-    wanted = shard_shapes(config, begin, end)
     locations = _key_locations(model_dir)
     missing = [name for name in wanted if name not in locations]
     if missing:

@@ -145,6 +145,7 @@ class DFlashDrafter:
         if not 0 <= config.mask_token_id < target_embed.shape[0]:
             raise ValueError(f"mask_token_id {config.mask_token_id} is outside the target vocabulary of {target_embed.shape[0]}")
         weights = {name: t.to(device=self.device, dtype=dtype) for name, t in weights.items()}
+        self._weight_bytes = sum(t.nbytes for t in {id(t): t for t in weights.values()}.values())
         self.vocab_size = target_embed.shape[0]
         self.embed_tokens = target_embed.to(device=self.device, dtype=dtype)
         self.lm_head = target_lm_head.to(device=self.device, dtype=dtype)
@@ -153,6 +154,10 @@ class DFlashDrafter:
         self.norm = weights["norm.weight"]
         self.layers = [DraftLayer(config, weights, i) for i in range(config.num_hidden_layers)]
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, self.device)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the draft's own tensors (the target's embedding and lm_head are borrowed, not counted)."""
+        return self._weight_bytes
 
     # ---- sequences -------------------------------------------------------------------------------
 
