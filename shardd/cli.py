@@ -1,4 +1,4 @@
-"""`shardd` command line: `serve` a layer range, `keygen` CurveZMQ keys."""
+"""`shardd` command line: `serve` a layer range and/or a DFlash drafter, `keygen` CurveZMQ keys."""
 
 from __future__ import annotations
 
@@ -22,7 +22,11 @@ def main():
 @main.command()
 @click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), help="Checkpoint directory (HF layout).")
 @click.option("--synthetic", help="Synthetic preset instead of a checkpoint: PRESET[:SEED] (tiny, small, qwen3.5-27b).")
-@click.option("--layers", default=None, help="Layer range BEGIN:END this shard owns (default: all).")
+@click.option("--layers", default=None,
+              help="Layer range BEGIN:END this shard owns (default: all); 'none' serves only the --draft drafter.")
+@click.option("--draft", "draft", metavar="DIR|synthetic[:LAYERS]", default=None,
+              help="Also host a DFlash drafter: a draft checkpoint directory, or a synthetic one (default 2 layers) "
+                   "matched to the target. It reads the target's embedding and lm_head from --model/--synthetic.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda:N.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--bind", default="tcp://127.0.0.1:7700", show_default=True, help="ZeroMQ endpoint (tcp://127.0.0.1:PORT or ipc://PATH).")
@@ -36,16 +40,16 @@ def main():
 @click.option("--curve-allow", "curve_allow_dir", type=click.Path(exists=True, file_okay=False), help="Directory of allowed client public keys.")
 @click.option("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice).")
 @click.option("--log-level", default="INFO", show_default=True)
-def serve(model_dir, synthetic, layers, device, dtype, bind, max_verify_tokens, rollback_mode, max_sequences,
+def serve(model_dir, synthetic, layers, draft, device, dtype, bind, max_verify_tokens, rollback_mode, max_sequences,
           max_context, max_tokens_per_request, curve_secret_key, curve_allow_dir, threads, log_level):
-    """Load a layer range and serve it until SIGTERM, SIGINT or SHUTDOWN."""
+    """Load a layer range (and/or a drafter) and serve it until SIGTERM, SIGINT or SHUTDOWN."""
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s shardd[%(process)d] %(levelname)s %(message)s")
     log = logging.getLogger("shardd")
     import torch
 
     from shardd.daemon import ServeOptions, ShardDaemon, configure_security, is_loopback
-    from shardd.loading import ModelSource, build_shard, parse_layers
+    from shardd.loading import ModelSource, build_drafter, build_shard, parse_draft, parse_layers
     from shardd.rollback import RollbackStorage
 
     if (model_dir is None) == (synthetic is None):
@@ -57,10 +61,15 @@ def serve(model_dir, synthetic, layers, device, dtype, bind, max_verify_tokens, 
         )
     if threads:
         torch.set_num_threads(threads)
+    draft_only = layers == "none"
+    if draft_only and draft is None:
+        raise click.UsageError("--layers none serves only a drafter: give --draft DIR|synthetic[:LAYERS]")
     try:
         source = ModelSource(model_dir=model_dir, synthetic=synthetic)
         config = source.config()
-        begin, end = parse_layers(layers, config.num_layers) if layers else (0, config.num_layers)
+        begin, end = (0, 0) if draft_only else parse_layers(layers, config.num_layers) if layers else (0, config.num_layers)
+        if draft is not None:
+            parse_draft(draft)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     storage = RollbackStorage(rollback_mode if max_verify_tokens else None, max_verify_tokens)
@@ -68,7 +77,8 @@ def serve(model_dir, synthetic, layers, device, dtype, bind, max_verify_tokens, 
                            max_tokens_per_request=max_tokens_per_request, curve_secret_key=curve_secret_key,
                            curve_allow_dir=curve_allow_dir)
 
-    systemd.notify(f"STATUS=loading layers {begin}:{end}")
+    what = " + ".join(([] if draft_only else [f"layers {begin}:{end}"]) + ([f"drafter {draft}"] if draft else []))
+    systemd.notify(f"STATUS=loading {what}")
     started = time.perf_counter()
     last_report = [0.0]
 
@@ -80,11 +90,24 @@ def serve(model_dir, synthetic, layers, device, dtype, bind, max_verify_tokens, 
             log.info("loading weights %d/%d", done, total)
 
     try:
-        shard = build_shard(source, begin, end, dtype=dtype, device=device, storage=storage, progress=progress)
+        shard = None if draft_only else build_shard(
+            source, begin, end, dtype=dtype, device=device, storage=storage, progress=progress
+        )
+        drafter = build_drafter(source, draft, dtype=dtype, device=device, shard=shard) if draft else None
     except Exception as exc:  # noqa: BLE001 - a clear one-line reason beats a traceback for an operator
-        log.error("failed to load layers %d:%d: %s", begin, end, exc)
+        log.error("failed to load %s: %s", what, exc)
         sys.exit(1)
-    daemon = ShardDaemon(shard, options)
+    daemon = ShardDaemon(shard, options, drafter)
+    if drafter is not None:
+        c = drafter.config
+        log.info(
+            "loaded dflash drafter %s: %d layers, target layers %s, block %d, weights %.1f MiB; fingerprint %s",
+            draft, c.num_hidden_layers, list(c.target_layer_ids), c.block_size, drafter.weight_bytes() / MiB,
+            drafter.fingerprint,
+        )
+    if shard is None:
+        daemon.serve()
+        return
     log.info(
         "loaded layers %d:%d of %d (%d GDN, %d attention)%s%s dtype=%s device=%s weights=%.1f MiB in %.1fs; "
         "per sequence: state %.1f MiB (context %d), rollback storage %s %.1f MiB; fingerprint %s",

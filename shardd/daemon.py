@@ -1,4 +1,5 @@
-"""The shard daemon: a ZeroMQ ROUTER socket in front of one ShardModel and its open sequences.
+"""The shard daemon: a ZeroMQ ROUTER socket in front of one ShardModel, a hosted DFlash drafter, or both, and
+their open sequences.
 
 One table maps each message type to its handler. A handler validates everything first and only then
 mutates, so a rejected request leaves every sequence as it was. An unexpected exception during compute
@@ -33,6 +34,8 @@ from protocol import (
 )
 from shardd import rollback as rb
 from shardd import systemd
+from shardd.draft.model import DraftState
+from shardd.loading import HostedDrafter
 from shardd.model.shard import ShardModel
 from shardd.model.state import SequenceState
 
@@ -51,8 +54,13 @@ class ServeOptions:
 
 @dataclass
 class Sequence:
-    state: SequenceState
+    state: SequenceState | None  # the target layers' state; None on a drafter-only daemon
+    draft: DraftState | None = None  # the hosted drafter's context (committed rows' features only)
     failed: str | None = None  # why, after an INTERNAL error; only CLOSE is served then
+
+    @property
+    def length(self) -> int:
+        return self.state.length if self.state is not None else self.draft.length
 
 
 @dataclass
@@ -73,6 +81,11 @@ class Counters:
     sequences_opened: int = 0
     sequences_closed: int = 0
     sequences_failed: int = 0
+    proposals: int = 0
+    draft_tokens: int = 0
+    draft_context_rows: int = 0  # feature rows added to drafter contexts
+    draft_crops: int = 0  # PROPOSEs that first dropped context rows of rolled-back tokens
+    draft_rows_cropped: int = 0
     compute_seconds: Counter = field(default_factory=Counter)  # by message type
 
 
@@ -86,8 +99,20 @@ def is_loopback(endpoint: str) -> bool:
 
 
 class ShardDaemon:
-    def __init__(self, shard: ShardModel, options: ServeOptions):
+    """Serves a layer range (`shard`), a DFlash drafter (`drafter`), or both; at least one."""
+
+    def __init__(self, shard: ShardModel | None, options: ServeOptions, drafter: HostedDrafter | None = None):
+        if shard is None and drafter is None:
+            raise ValueError("a daemon serves target layers, a drafter, or both")
+        if shard is not None and drafter is not None and shard.fingerprint != drafter.target_fingerprint:
+            raise ValueError(f"the drafter was built for {drafter.target_fingerprint}, the layers are {shard.fingerprint}")
         self.shard = shard
+        self.drafter = drafter
+        # The target model this daemon belongs to: its layers' model, or the one the drafter drafts for.
+        self.config = shard.config if shard is not None else drafter.target
+        self.fingerprint = shard.fingerprint if shard is not None else drafter.target_fingerprint
+        model = shard if shard is not None else drafter.model
+        self.dtype, self.device = model.dtype, model.device
         self.options = options
         self.limits = Limits(max_tokens_per_request=options.max_tokens_per_request)
         self.sequences: dict[int, Sequence] = {}
@@ -145,6 +170,18 @@ class ShardDaemon:
         log.warning("error seq=%s type=%s code=%s: %s", seq, getattr(mtype, "value", mtype), ErrorCode(code).value, message)
         return encode_error(request_id, mtype, code, message)
 
+    def _layers(self, request) -> ShardModel:
+        if self.shard is None:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"{request.type.value}: this daemon hosts only a drafter and owns no target layers"
+            )
+        return self.shard
+
+    def _drafter(self) -> HostedDrafter:
+        if self.drafter is None:
+            raise ProtocolError(ErrorCode.NO_DRAFTER, "this shard hosts no drafter")
+        return self.drafter
+
     def _sequence(self, seq: int, *, allow_failed: bool = False) -> Sequence:
         entry = self.sequences.get(seq)
         if entry is None:
@@ -159,37 +196,44 @@ class ShardDaemon:
         return self.describe(), {}
 
     def describe(self) -> dict:
-        shard = self.shard
-        c = shard.config
+        shard, c = self.shard, self.config
+        storage = shard.storage if shard is not None else rb.RollbackStorage(None, 0)
+        state_bytes = shard.state_bytes_per_sequence(self.options.max_context) if shard is not None else 0
+        if self.drafter is not None:
+            state_bytes += self.drafter.model.state_bytes_per_sequence(self.options.max_context)
         return {
             "protocol_version": PROTOCOL_VERSION,
             "model": {
-                "fingerprint": shard.fingerprint,
+                "fingerprint": self.fingerprint,
                 "num_layers": c.num_layers,
                 "hidden_size": c.hidden_size,
                 "vocab_size": c.vocab_size,
                 "layer_types": list(c.layer_types),
                 "eos_token_ids": list(c.eos_token_ids),
             },
-            "layers": [shard.begin, shard.end],
-            "owns_embedding": shard.owns_embedding,
-            "owns_head": shard.owns_head,
-            "dtype": str(shard.dtype).removeprefix("torch."),
-            "device": str(shard.device),
+            "layers": [shard.begin, shard.end] if shard is not None else None,
+            "owns_embedding": shard is not None and shard.owns_embedding,
+            "owns_head": shard is not None and shard.owns_head,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
             "rollback": {
-                "mode": shard.storage.mode if shard.storage.enabled else None,
-                "max_verify_tokens": shard.storage.max_verify_tokens,
-                "checkpoint_bytes_per_sequence": shard.checkpoint_bytes_per_sequence(),
+                "mode": storage.mode if storage.enabled else None,
+                "max_verify_tokens": storage.max_verify_tokens,
+                "checkpoint_bytes_per_sequence": shard.checkpoint_bytes_per_sequence() if shard is not None else 0,
             },
             "limits": {
                 "max_sequences": self.options.max_sequences,
                 "max_context": self.options.max_context,
                 "max_tokens_per_request": self.options.max_tokens_per_request,
             },
-            "state_bytes_per_sequence": shard.state_bytes_per_sequence(self.options.max_context),
-            "drafter": None,
+            "state_bytes_per_sequence": state_bytes,
+            "drafter": self.drafter.describe(self.options.max_context) if self.drafter is not None else None,
             "pid": os.getpid(),
         }
+
+    def weight_bytes(self) -> int:
+        layers = self.shard.weight_bytes() if self.shard is not None else 0
+        return layers + (self.drafter.weight_bytes() if self.drafter is not None else 0)
 
     def open(self, request):
         if request.seq in self.sequences:
@@ -197,10 +241,11 @@ class ShardDaemon:
         if len(self.sequences) >= self.options.max_sequences:
             raise ProtocolError(ErrorCode.CAPACITY, f"{len(self.sequences)} sequences open, limit {self.options.max_sequences}")
         try:
-            state = self.shard.new_state(self.options.max_context)
+            state = self.shard.new_state(self.options.max_context) if self.shard is not None else None
+            draft = self.drafter.model.new_state(self.options.max_context) if self.drafter is not None else None
         except torch.OutOfMemoryError:
             raise ProtocolError(ErrorCode.CAPACITY, "out of device memory for a new sequence") from None
-        self.sequences[request.seq] = Sequence(state)
+        self.sequences[request.seq] = Sequence(state, draft)
         self.counters.sequences_opened += 1
         log.info("open seq=%s", request.seq)
         return {"seq": request.seq, "length": 0}, {}
@@ -209,12 +254,12 @@ class ShardDaemon:
         entry = self._sequence(request.seq, allow_failed=True)
         del self.sequences[request.seq]
         self.counters.sequences_closed += 1
-        log.info("close seq=%s length=%s", request.seq, entry.state.length)
-        return {"seq": request.seq, "length": entry.state.length}, {}
+        log.info("close seq=%s length=%s", request.seq, entry.length)
+        return {"seq": request.seq, "length": entry.length}, {}
 
     def forward(self, request):
+        shard = self._layers(request)
         entry = self._sequence(request.seq)
-        shard = self.shard
         capture = request.type == MessageType.CAPTURE
         layers = list(request.layers) if capture else []
         bad = [layer for layer in layers if layer >= shard.config.num_layers]
@@ -260,6 +305,7 @@ class ShardDaemon:
         return result, tensors
 
     def rollback(self, request):
+        self._layers(request)
         entry = self._sequence(request.seq)
         if not self.shard.storage.enabled:
             raise ProtocolError(ErrorCode.ROLLBACK_UNAVAILABLE, "this shard was started without rollback storage (--max-verify-tokens 0)")
@@ -270,23 +316,82 @@ class ShardDaemon:
         return {"seq": request.seq, "length": entry.state.length}, {}
 
     def snapshot(self, request):
+        self._layers(request)
         entry = self._sequence(request.seq)
         rb.snapshot(entry.state)
         self.counters.snapshots += 1
         return {"seq": request.seq, "length": entry.state.length}, {}
 
     def restore(self, request):
+        self._layers(request)
         entry = self._sequence(request.seq)
         rb.restore(entry.state)
         self.counters.restores += 1
         return {"seq": request.seq, "length": entry.state.length}, {}
 
     def propose(self, request):
-        raise ProtocolError(ErrorCode.NO_DRAFTER, "this shard hosts no drafter")
+        """Features of positions pos-n .. pos-1 into the drafter's context, then a block after `last_token`.
+
+        Context rows at or past pos-n belong to tokens rolled back since they were sent: they are cropped first
+        (the only way the context shrinks). A context shorter than pos-n misses rows: POSITION_MISMATCH.
+        The target layers' state of the sequence (on a daemon that has both) is not touched."""
+        hosted = self._drafter()
+        entry = self._sequence(request.seq)
+        draft, config = entry.draft, hosted.config
+        features = request.features
+        n = features.shape[0] if features is not None else 0
+        if features is not None:
+            if features.shape[1] != config.feature_size:
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST,
+                    f"features must be [n, {config.feature_size}] (target layers {list(config.target_layer_ids)} x "
+                    f"hidden {config.hidden_size}, side by side), got {list(features.shape)}",
+                )
+            dtype = str(hosted.model.dtype).removeprefix("torch.")
+            if features.dtype != dtype:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"features must be {dtype} like this drafter, got {features.dtype}")
+        if request.block_size > hosted.max_draft_tokens:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"block_size {request.block_size} exceeds the drafter's {hosted.max_draft_tokens} draft tokens "
+                f"(its block of {config.block_size} includes the last committed token)",
+            )
+        if request.last_token >= hosted.model.vocab_size:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"last_token {request.last_token} is outside the vocabulary 0..{hosted.model.vocab_size - 1}"
+            )
+        start = request.pos - n
+        if start < 0:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{n} feature rows cannot end at pos={request.pos}")
+        if draft.length < start:
+            raise ProtocolError(
+                ErrorCode.POSITION_MISMATCH,
+                f"the drafter's context holds {draft.length} rows but these {n} feature rows start at position {start} "
+                f"(pos {request.pos} - {n}): rows {draft.length}..{start - 1} were never sent",
+            )
+        if request.pos > draft.max_context:
+            raise ProtocolError(ErrorCode.CAPACITY, f"pos {request.pos} exceeds the context limit {draft.max_context}")
+
+        counters = self.counters
+        if draft.length > start:
+            counters.draft_crops += 1
+            counters.draft_rows_cropped += draft.length - start
+            hosted.model.crop(draft, start)
+        if n:
+            hosted.model.add_context(draft, features.to_torch())
+            counters.draft_context_rows += n
+        ids, _ = hosted.model.propose(draft, request.last_token, request.block_size + 1)
+        counters.proposals += 1
+        counters.draft_tokens += request.block_size
+        return {"seq": request.seq, "tokens": ids.tolist(), "context_length": draft.length}, {}
 
     def stats(self, request):
         c = self.counters
-        states = [entry.state for entry in self.sequences.values()]
+        states = [entry.state for entry in self.sequences.values() if entry.state is not None]
+        draft_state_bytes = (
+            self.drafter.model.state_bytes_per_sequence(self.options.max_context) * len(self.sequences)
+            if self.drafter is not None else 0
+        )
         result = {
             "uptime_seconds": time.time() - self.started,
             "requests": dict(c.requests),
@@ -307,11 +412,20 @@ class ShardDaemon:
             "sequences_failed": c.sequences_failed,
             "open_sequences": len(self.sequences),
             "failed_sequences": sum(1 for entry in self.sequences.values() if entry.failed),
-            "state_bytes": sum(s.state_bytes() for s in states),
+            "state_bytes": sum(s.state_bytes() for s in states) + draft_state_bytes,
             "checkpoint_bytes": sum(s.rollback_bytes() for s in states),
-            "weight_bytes": self.shard.weight_bytes(),
+            "weight_bytes": self.weight_bytes(),
             "compute_seconds": dict(c.compute_seconds),
         }
+        if self.drafter is not None:
+            result["drafter"] = {
+                "proposals": c.proposals,
+                "draft_tokens": c.draft_tokens,
+                "context_rows_added": c.draft_context_rows,
+                "crops": c.draft_crops,
+                "rows_cropped": c.draft_rows_cropped,
+                "context_rows": {str(seq): entry.draft.length for seq, entry in self.sequences.items()},
+            }
         return result, {}
 
     def shutdown(self, request):
@@ -320,6 +434,12 @@ class ShardDaemon:
         return {"stopping": True}, {}
 
     # ---- the socket loop -------------------------------------------------------------------------
+
+    def serving(self) -> str:
+        """What this daemon serves, in words: 'layers 0:3', 'layers 3:6 + dflash drafter', 'dflash drafter'."""
+        parts = [f"layers {self.shard.begin}:{self.shard.end}"] if self.shard is not None else []
+        parts += ["dflash drafter"] if self.drafter is not None else []
+        return " + ".join(parts)
 
     def serve(self) -> None:
         options = self.options
@@ -339,7 +459,7 @@ class ShardDaemon:
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
-        systemd.notify(f"READY=1\nSTATUS=serving layers {self.shard.begin}:{self.shard.end} on {options.bind}")
+        systemd.notify(f"READY=1\nSTATUS=serving {self.serving()} on {options.bind}")
         log.info("ready: serving on %s", options.bind)
         try:
             while not self.stopping:
