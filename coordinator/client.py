@@ -26,6 +26,7 @@ from protocol import (
     Forward,
     Hello,
     Open,
+    Propose,
     ProtocolError,
     RemoteError,
     Reply,
@@ -200,6 +201,15 @@ class ShardClient:
         checkpoint: bool = False,
     ) -> Reply:
         return self.request(forward_record(seq, pos, tokens, hidden, checkpoint, layers=layers))
+
+    def propose(
+        self, seq: int, pos: int, last_token: int, block_size: int, features: Optional[WireTensor] = None
+    ) -> dict:
+        """PROPOSE: the feature rows of positions pos-n .. pos-1 join the drafter's context; the result holds
+        `block_size` draft `tokens` after `last_token` (at `pos`) and the drafter's `context_length`."""
+        return self.request(
+            Propose(id=0, seq=seq, pos=pos, last_token=last_token, block_size=block_size, features=features)
+        ).result
 
     def rollback(self, seq: int, keep: int) -> dict:
         return self.request(Rollback(id=0, seq=seq, keep=keep)).result

@@ -1,4 +1,5 @@
-"""Start shard daemons on this machine as child processes, wait until they serve, stop them.
+"""Start shard daemons (and drafter daemons) on this machine as child processes, wait until
+they serve, stop them.
 
 Each daemon is `python -m shardd serve ...` on a free loopback TCP port (or an ipc://
 socket in a private temporary directory). Its log goes to a file, so a daemon that
@@ -68,9 +69,13 @@ def free_tcp_port() -> int:
 @dataclass
 class ShardProcess:
     endpoint: str
-    layers: tuple[int, int]
+    layers: Optional[tuple[int, int]]  # None: a drafter-only daemon
     process: subprocess.Popen
     log_path: Path
+
+    @property
+    def label(self) -> str:
+        return "drafter" if self.layers is None else f"shard {self.layers[0]}:{self.layers[1]}"
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -93,10 +98,11 @@ def child_env(threads_hint: Optional[int] = None) -> dict:
 @dataclass(frozen=True)
 class ShardSet:
     """Daemons for one model: one per split. `devices` and `shard_args` are per shard
-    (`devices` may also name one device for all); `extra_args` go to every daemon."""
+    (`devices` may also name one device for all); `extra_args` go to every daemon. A split of
+    None is a daemon without layers (`--layers none`): a drafter, see `drafter_set`."""
 
     source_args: tuple[str, ...]
-    splits: tuple[tuple[int, int], ...]
+    splits: tuple[Optional[tuple[int, int]], ...]
     transport: str = "tcp"
     extra_args: tuple[str, ...] = ()
     devices: Optional[tuple[str, ...]] = None
@@ -104,7 +110,7 @@ class ShardSet:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "source_args", tuple(self.source_args))
-        object.__setattr__(self, "splits", tuple(tuple(split) for split in self.splits))
+        object.__setattr__(self, "splits", tuple(None if split is None else tuple(split) for split in self.splits))
         object.__setattr__(self, "extra_args", tuple(self.extra_args))
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
@@ -120,13 +126,20 @@ class ShardSet:
         object.__setattr__(self, "shard_args", shard_args)
 
 
+def drafter_set(
+    source_args: Sequence[str], draft: str, transport: str = "tcp", extra_args: Sequence[str] = (), device: str = "cpu"
+) -> ShardSet:
+    """One drafter-only daemon (`--layers none --draft DRAFT`) for the model of `source_args`."""
+    return ShardSet(tuple(source_args), (None,), transport, (*extra_args, "--draft", draft), (device,))
+
+
 def start_shards(shard_set: ShardSet, run_dir: Path, threads_hint: Optional[int] = None, ports: Optional[set] = None) -> list[ShardProcess]:
     """Spawn the set's daemons (not yet ready). Logs and ipc sockets live in `run_dir`."""
     run_dir.mkdir(parents=True, exist_ok=True)
     ports = set() if ports is None else ports
     shards: list[ShardProcess] = []
     try:
-        for index, ((begin, end), device) in enumerate(zip(shard_set.splits, shard_set.devices)):
+        for index, (split, device) in enumerate(zip(shard_set.splits, shard_set.devices)):
             if shard_set.transport == "tcp":
                 port = free_tcp_port()
                 while port in ports:  # the OS may hand a just-probed port out again
@@ -135,18 +148,19 @@ def start_shards(shard_set: ShardSet, run_dir: Path, threads_hint: Optional[int]
                 endpoint = f"tcp://127.0.0.1:{port}"
             else:
                 endpoint = f"ipc://{run_dir / f'shard{index}.sock'}"
+            layers = "none" if split is None else f"{split[0]}:{split[1]}"
             command = [
                 sys.executable, "-m", "shardd", "serve", *shard_set.source_args,
-                "--layers", f"{begin}:{end}", "--bind", endpoint, "--device", device,
+                "--layers", layers, "--bind", endpoint, "--device", device,
                 *shard_set.extra_args, *shard_set.shard_args[index],
             ]
-            log_path = run_dir / f"shard{index}-{begin}-{end}.log"
+            log_path = run_dir / f"shard{index}-{layers.replace(':', '-')}.log"
             with open(log_path, "wb") as log:
                 process = subprocess.Popen(
                     command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                     env=child_env(threads_hint if device == "cpu" else None),
                 )
-            shards.append(ShardProcess(endpoint, (begin, end), process, log_path))
+            shards.append(ShardProcess(endpoint, split, process, log_path))
     except BaseException:
         stop_shards(shards)
         raise
@@ -169,12 +183,12 @@ def wait_ready(
                 code = shard.process.poll()
                 if code is not None:
                     raise LaunchError(
-                        f"shard {shard.layers[0]}:{shard.layers[1]} at {shard.endpoint} exited with code {code} "
+                        f"{shard.label} at {shard.endpoint} exited with code {code} "
                         f"before it was ready; its log ({shard.log_path}) ends:\n{shard.log_tail()}"
                     )
                 if time.monotonic() > deadline:
                     raise LaunchError(
-                        f"shard {shard.layers[0]}:{shard.layers[1]} at {shard.endpoint} did not answer HELLO "
+                        f"{shard.label} at {shard.endpoint} did not answer HELLO "
                         f"within {timeout_s:g} s; its log ({shard.log_path}) ends:\n{shard.log_tail()}"
                     )
                 try:
@@ -183,7 +197,7 @@ def wait_ready(
                 except ShardTimeout:
                     continue  # not bound yet, or still loading weights
             if progress is not None:
-                progress(f"shard {shard.layers[0]}:{shard.layers[1]} ready at {shard.endpoint}")
+                progress(f"{shard.label} ready at {shard.endpoint}")
     finally:
         for client in clients.values():
             client.close()

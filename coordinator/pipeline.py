@@ -46,6 +46,11 @@ class ShardInfo:
     hello: dict
 
     @property
+    def owns_layers(self) -> bool:
+        """False for a daemon that hosts only a drafter (HELLO `layers: null`)."""
+        return self.hello["layers"] is not None
+
+    @property
     def begin(self) -> int:
         return self.hello["layers"][0]
 
@@ -79,16 +84,21 @@ class ShardInfo:
 
     @property
     def has_gdn_layers(self) -> bool:
+        if not self.owns_layers:
+            return False
         types = self.model["layer_types"][self.begin:self.end]
         return any(kind == "linear_attention" for kind in types)
 
     def __str__(self) -> str:
+        if not self.owns_layers:
+            return f"{self.endpoint} (drafter only)"
         return f"{self.endpoint} (layers {self.layers})"
 
 
 def order_shards(shards: Sequence[ShardInfo]) -> list[ShardInfo]:
-    """The shards in layer order, or PipelineError listing every reason the set cannot
-    form the model: protocol version, fingerprint, dtype, gaps and overlaps."""
+    """The shards that own layers, in layer order, or PipelineError listing every reason the
+    set cannot form the model: protocol version, fingerprint, dtype, gaps and overlaps.
+    Drafter-only daemons must agree on version, fingerprint and dtype but cover no layers."""
     if not shards:
         raise PipelineError("no shards given")
     problems = []
@@ -108,7 +118,9 @@ def order_shards(shards: Sequence[ShardInfo]) -> list[ShardInfo]:
     if problems:
         raise PipelineError("refusing this shard set: " + "; ".join(problems))
 
-    ordered = sorted(shards, key=lambda s: (s.begin, s.end))
+    ordered = sorted((s for s in shards if s.owns_layers), key=lambda s: (s.begin, s.end))
+    if not ordered:
+        raise PipelineError(f"no shard owns target layers: {', '.join(map(str, shards))} host only a drafter")
     num_layers = ordered[0].model["num_layers"]
     covered, previous = 0, None
     for shard in ordered:
@@ -134,6 +146,12 @@ class Pipeline:
     def __init__(self, clients: Sequence[ShardClient]) -> None:
         clients = list(clients)
         infos = [ShardInfo(client.endpoint, client.hello()) for client in clients]
+        drafter_only = [str(info) for info in infos if not info.owns_layers]
+        if drafter_only:
+            raise PipelineError(
+                f"{', '.join(drafter_only)} own no target layers: a drafter daemon is not a pipeline shard "
+                f"(give it as the draft shard, e.g. shardctl generate --draft-shard)"
+            )
         self.shards = order_shards(infos)
         by_endpoint = {id(info): client for info, client in zip(infos, clients)}
         self.clients = [by_endpoint[id(info)] for info in self.shards]
@@ -252,6 +270,24 @@ class Pipeline:
     def forward(self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False) -> list[int]:
         """Longer inputs than every shard takes at once (not checkpointed) go in chunks,
         pipelined: shard k works on chunk c while shard k+1 works on chunk c-1."""
+        ids, _ = self._forward(seq, pos, tokens, checkpoint, None)
+        return ids
+
+    def capture(
+        self, seq: int, pos: int, tokens: list[int], layers: Sequence[int], *, checkpoint: bool = False
+    ) -> tuple[list[int], dict[int, WireTensor]]:
+        """A forward that also returns the output of each decoder layer in `layers`
+        (`WireTensor` [n, hidden_size] in the shards' dtype), for feature drafters. The shards
+        that own one of `layers` get CAPTURE, the others FORWARD; a long input is chunked as in
+        `forward`, and each layer's chunks are joined."""
+        layers = sorted(set(layers))
+        if not layers or not all(0 <= layer < self.num_layers for layer in layers):
+            raise ValueError(f"capture layers must be a non-empty subset of 0..{self.num_layers - 1}, got {layers}")
+        return self._forward(seq, pos, tokens, checkpoint, layers)
+
+    def _forward(
+        self, seq: int, pos: int, tokens: list[int], checkpoint: bool, capture: Optional[list[int]]
+    ) -> tuple[list[int], dict[int, WireTensor]]:
         tokens = list(tokens)
         if not tokens:
             raise ValueError("forward needs at least one token")
@@ -263,27 +299,7 @@ class Pipeline:
             step = self.max_tokens_per_request
             chunks = [tokens[start:start + step] for start in range(0, len(tokens), step)]
         try:
-            ids, _ = self._relay(seq, pos, chunks, checkpoint=checkpoint)
-        except SHARD_FAILURES as error:
-            raise _lost(error, seq) from error
-        return ids
-
-    def capture(
-        self, seq: int, pos: int, tokens: list[int], layers: Sequence[int], *, checkpoint: bool = False
-    ) -> tuple[list[int], dict[int, WireTensor]]:
-        """A forward that also returns the output of each decoder layer in `layers`
-        (`WireTensor` [n, hidden_size] in the shards' dtype), for feature drafters."""
-        tokens = list(tokens)
-        layers = sorted(set(layers))
-        if not layers or not all(0 <= layer < self.num_layers for layer in layers):
-            raise ValueError(f"capture layers must be a non-empty subset of 0..{self.num_layers - 1}, got {layers}")
-        if len(tokens) > self.max_tokens_per_request:
-            raise PipelineError(f"a capture of {len(tokens)} tokens exceeds max_tokens_per_request {self.max_tokens_per_request}")
-        self._check_context(pos, len(tokens))
-        if checkpoint:
-            self._check_checkpointed(len(tokens))
-        try:
-            return self._relay(seq, pos, [tokens], checkpoint=checkpoint, capture=layers)
+            return self._relay(seq, pos, chunks, checkpoint=checkpoint, capture=capture)
         except SHARD_FAILURES as error:
             raise _lost(error, seq) from error
 
@@ -331,14 +347,18 @@ class Pipeline:
         starts = [pos + sum(len(chunk) for chunk in chunks[:c]) for c in range(len(chunks))]
         carry: dict[int, WireTensor] = {}  # shard index -> the hidden chunk it takes next
         ids: list[int] = []
-        captured: dict[int, WireTensor] = {}
+        # Per shard, the capture layers it owns: CAPTURE there, FORWARD (None) where it owns none.
+        owned: list[Optional[list[int]]] = [None] * len(self.shards)
+        if capture:
+            owned = [[layer for layer in capture if s.begin <= layer < s.end] or None for s in self.shards]
+        parts: dict[int, list[WireTensor]] = {layer: [] for layer in capture or ()}
         for tick in range(len(chunks) + len(self.clients) - 1):
             in_flight = []
             for index, client in enumerate(self.clients):
                 c = tick - index
                 if 0 <= c < len(chunks):
                     inputs = {"tokens": chunks[c]} if index == 0 else {"hidden": carry.pop(index)}
-                    record = forward_record(seq, starts[c], checkpoint=checkpoint, layers=capture, **inputs)
+                    record = forward_record(seq, starts[c], checkpoint=checkpoint, layers=owned[index], **inputs)
                     in_flight.append((index, c, client.send(record)))
             failure = None
             for index, c, sent in in_flight:
@@ -346,6 +366,7 @@ class Pipeline:
                 try:
                     reply = self.clients[index].receive(sent)
                     hidden = self._check_reply(reply, shard, seq, starts[c] + n, n)
+                    layer_outputs = self._check_captured(reply, shard, owned[index] or (), n)
                 except SHARD_FAILURES as error:
                     failure = failure or (index, error)  # collect the other replies of this tick first
                     continue
@@ -353,14 +374,14 @@ class Pipeline:
                     carry[index + 1] = hidden
                 else:
                     ids.extend(reply.result["ids"])
-                for layer in reply.result.get("captured_layers", []) if capture else ():
-                    captured[layer] = reply.tensors[f"layer.{layer}"]
+                for layer, output in layer_outputs.items():
+                    parts[layer].append(output)
             if failure is not None:
                 index, error = failure
                 if tick > 0:  # shards before have taken (some of) the tokens
                     self._undo(seq, pos, index, checkpoint and len(chunks) == 1, error)
                 raise error
-        return ids, captured
+        return ids, {layer: join_rows(pieces) for layer, pieces in parts.items()}
 
     def _check_reply(self, reply: Reply, shard: ShardInfo, seq: int, length: int, n: int) -> Optional[WireTensor]:
         """The next shard's input; ProtocolError when the reply is not what this step needs."""
@@ -380,6 +401,16 @@ class Pipeline:
             raise ProtocolError(ErrorCode.INTERNAL, f"{shard} returned hidden {shape}, expected [{n}, {self.hidden_size}]")
         return hidden
 
+    def _check_captured(self, reply: Reply, shard: ShardInfo, layers: Sequence[int], n: int) -> dict[int, WireTensor]:
+        outputs = {}
+        for layer in layers:
+            output = reply.tensors.get(f"layer.{layer}")
+            if output is None or output.shape != (n, self.hidden_size):
+                shape = None if output is None else list(output.shape)
+                raise ProtocolError(ErrorCode.INTERNAL, f"{shard} returned layer.{layer} {shape}, expected [{n}, {self.hidden_size}]")
+            outputs[layer] = output
+        return outputs
+
     def _undo(self, seq: int, pos: int, failed: int, undoable: bool, error: Exception) -> None:
         """Shards before `failed` took the step; put them back so every shard is at `pos`.
         Only a single checkpointed step can be taken back (ROLLBACK keep=0), and only when
@@ -397,6 +428,14 @@ class Pipeline:
             f"{error}; sequence {seq} is now inconsistent across shards (some took tokens from position {pos} on): "
             f"close it and re-fill it from the committed history"
         ) from error
+
+
+def join_rows(chunks: Sequence[WireTensor]) -> WireTensor:
+    """Row chunks [n_i, H] of one tensor as one [sum n_i, H] (row-major: the bytes end to end)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    rows = sum(chunk.shape[0] for chunk in chunks)
+    return WireTensor(chunks[0].dtype, (rows, *chunks[0].shape[1:]), b"".join(chunk.data for chunk in chunks))
 
 
 def _lost(error: Exception, seq: int) -> Exception:

@@ -1,0 +1,217 @@
+"""DFlash drafting from the coordinator: target-layer features go from the shards that CAPTURE
+them to the daemon that hosts the drafter, as PROPOSE's `features`.
+
+`DFlashDrafterClient` implements `Drafter`. Its `target` is the pipeline with every forward
+turned into a capture of the drafter's target layers (prefill chunks, verify steps, replay and
+re-fill forwards alike): the shards that own one of those layers answer CAPTURE, the others
+FORWARD, and the rows wait in `CapturedRows` by position. `propose(history, n)` knows the
+committed length (`len(history) - 1`), so it sends exactly the rows committed since its last
+call; rows of rejected tokens are never sent, and the next forward at their position drops
+them. The speculative loop itself is unchanged.
+
+Feature rows travel as one `features` tensor [n, k * H], the k layers side by side in
+`target_layer_ids` order (PROTOCOL.md), built here by copying rows of the k captured frames
+into one buffer (pure Python, no torch). That copy is n * k * H * itemsize bytes per step:
+a few hundred KiB for a 27B verify step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from coordinator.client import ShardClient, ShardError
+from coordinator.pipeline import Pipeline, PipelineError
+from protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, WireTensor
+
+
+@dataclass
+class _Segment:
+    """Rows captured by one forward: `parts[j]` holds layer_ids[j]'s output for positions base.. ."""
+
+    base: int
+    lo: int  # positions [lo, hi) are still wanted
+    hi: int
+    parts: list[WireTensor]
+
+
+class CapturedRows:
+    """One sequence's captured target-layer outputs by position, until the drafter takes them."""
+
+    def __init__(self, layer_ids: Sequence[int]) -> None:
+        self.layer_ids = list(layer_ids)
+        self.segments: list[_Segment] = []
+
+    def record(self, pos: int, captured: dict[int, WireTensor]) -> None:
+        """The outputs of a forward at `pos`. Rows from `pos` on that an earlier forward left
+        belong to tokens that were rolled back: they are dropped."""
+        missing = [layer for layer in self.layer_ids if layer not in captured]
+        if missing:
+            raise ValueError(f"capture lacks target layer {missing[0]}")
+        parts = [captured[layer] for layer in self.layer_ids]
+        n = parts[0].shape[0]
+        self._keep(lambda segment: (segment.lo, min(segment.hi, pos)))
+        self.segments.append(_Segment(pos, pos, pos + n, parts))
+
+    def take(self, begin: int, end: int) -> WireTensor:
+        """Features [end - begin, k * H] of positions begin .. end-1; rows before `end` are then dropped."""
+        if not self.segments:
+            raise ValueError(f"features of positions {begin}..{end - 1} were never captured")
+        first = self.segments[0].parts[0]
+        dtype, row = first.dtype, first.shape[1] * first.itemsize
+        k = len(self.layer_ids)
+        out = bytearray((end - begin) * k * row)
+        at = begin
+        for segment in self.segments:
+            lo, hi = max(segment.lo, at), min(segment.hi, end)
+            if lo >= hi:
+                continue
+            if lo != at:
+                break
+            for position in range(lo, hi):
+                source = (position - segment.base) * row
+                target = (position - begin) * k * row
+                for j, part in enumerate(segment.parts):
+                    out[target + j * row:target + (j + 1) * row] = part.data[source:source + row]
+            at = hi
+        if at != end:
+            raise ValueError(f"features of positions {at}..{end - 1} were never captured")
+        self._keep(lambda segment: (max(segment.lo, end), segment.hi))
+        return WireTensor(dtype, (end - begin, k * first.shape[1]), out)
+
+    def _keep(self, bounds) -> None:
+        kept = []
+        for segment in self.segments:
+            segment.lo, segment.hi = bounds(segment)
+            if segment.lo < segment.hi:
+                kept.append(segment)
+        self.segments = kept
+
+
+class DFlashDrafterClient:
+    """A DFlash drafter hosted by a daemon (`shardd serve --draft`), fed with features the
+    pipeline captures. Decode with `speculative_decode(drafter.target, seq, prompt, drafter)`.
+
+    One sequence at a time (as a Pipeline belongs to one thread). When the drafter daemon is one
+    of the pipeline's shards, the pipeline's OPEN and CLOSE open and close the drafter state too."""
+
+    name = "dflash"
+
+    def __init__(self, client: ShardClient, pipeline: Pipeline) -> None:
+        hello = client.hello()
+        info = hello.get("drafter")
+        where = client.endpoint
+        if not info or info.get("name") != "dflash":
+            raise PipelineError(f"{where} hosts no dflash drafter (its HELLO says drafter: {info!r})")
+        if hello.get("protocol_version") != PROTOCOL_VERSION:
+            raise PipelineError(f"{where} speaks protocol version {hello.get('protocol_version')!r}, not {PROTOCOL_VERSION}")
+        target = pipeline.shards[0]
+        problems = []
+        if hello["model"]["fingerprint"] != target.model["fingerprint"]:
+            problems.append(f"it drafts for {hello['model']['fingerprint']}, the shards are {target.model['fingerprint']}")
+        if hello["dtype"] != target.hello["dtype"]:
+            problems.append(f"its dtype is {hello['dtype']}, the shards' {target.hello['dtype']}")
+        outside = [layer for layer in info["target_layer_ids"] if not 0 <= layer < pipeline.num_layers]
+        if outside:
+            problems.append(f"it reads target layer {outside[0]}, outside 0..{pipeline.num_layers - 1}")
+        if problems:
+            raise PipelineError(f"refusing the drafter at {where}: " + "; ".join(problems))
+        self.client = client
+        self.pipeline = pipeline
+        self.layer_ids: list[int] = list(info["target_layer_ids"])
+        self.max_draft_tokens: int = info["max_draft_tokens"]
+        self.max_rows_per_request: int = hello["limits"]["max_tokens_per_request"]
+        # The drafter lives on a pipeline shard: its sequence opens and closes with the pipeline's.
+        self.shares_pipeline_daemon = where in pipeline.endpoints
+        self.target = FeatureCapture(pipeline, self)
+        self.seq: Optional[int] = None
+        self.rows = CapturedRows(self.layer_ids)
+        self.context_length = 0  # rows the daemon's drafter context holds (its PROPOSE replies say so)
+
+    @property
+    def max_block_size(self) -> int:
+        """The largest verify block (last committed token + drafts) this drafter fills."""
+        return self.max_draft_tokens + 1
+
+    def propose(self, history: list[int], n: int) -> list[int]:
+        if n <= 0:
+            return []
+        if n > self.max_draft_tokens:
+            raise ValueError(f"the dflash drafter drafts at most {self.max_draft_tokens} tokens per block, asked for {n}")
+        if self.seq is None:
+            raise RuntimeError("propose before the target opened a sequence")
+        committed = len(history) - 1  # the target's state holds history[:-1]
+        begin = self.context_length
+        while True:
+            # A drafter takes at most max_rows_per_request rows at once: earlier chunks ask for one
+            # throw-away draft token at their own end position.
+            end = min(committed, begin + self.max_rows_per_request)
+            features = self.rows.take(begin, end) if end > begin else None
+            last = end == committed
+            result = self.client.propose(self.seq, end, history[end], n if last else 1, features)
+            if result.get("context_length") != end:
+                raise ProtocolError(
+                    ErrorCode.INTERNAL,
+                    f"{self.client.endpoint}: drafter context holds {result.get('context_length')} rows, expected {end}",
+                )
+            self.context_length = end
+            if last:
+                return list(result["tokens"])
+            begin = end
+
+    # ---- driven by FeatureCapture ----------------------------------------------------------
+
+    def opened(self, seq: int) -> None:
+        if self.seq is not None and self.seq != seq:
+            raise RuntimeError(f"the dflash drafter serves sequence {self.seq}; sequence {seq} needs its own client")
+        if not self.shares_pipeline_daemon:
+            self.client.open(seq)
+        self.seq, self.rows, self.context_length = seq, CapturedRows(self.layer_ids), 0
+
+    def closed(self, seq: int) -> None:
+        self.seq = None
+        self.rows = CapturedRows(self.layer_ids)
+        if not self.shares_pipeline_daemon:
+            with contextlib.suppress(ShardError):  # already gone (a restarted daemon) is closed enough
+                self.client.close(seq)
+
+    def captured(self, pos: int, outputs: dict[int, WireTensor]) -> None:
+        self.rows.record(pos, outputs)
+
+
+class FeatureCapture:
+    """The pipeline as a `Target` whose every forward captures the drafter's target layers."""
+
+    def __init__(self, pipeline: Pipeline, drafter: DFlashDrafterClient) -> None:
+        self.pipeline = pipeline
+        self.drafter = drafter
+
+    def open(self, seq: int) -> None:
+        self.pipeline.open(seq)
+        try:
+            self.drafter.opened(seq)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.pipeline.close(seq)
+            raise
+
+    def close(self, seq: int) -> None:
+        try:
+            self.pipeline.close(seq)
+        finally:
+            self.drafter.closed(seq)
+
+    def forward(self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False) -> list[int]:
+        ids, outputs = self.pipeline.capture(seq, pos, tokens, self.drafter.layer_ids, checkpoint=checkpoint)
+        self.drafter.captured(pos, outputs)
+        return ids
+
+    def rollback(self, seq: int, keep: int) -> None:
+        self.pipeline.rollback(seq, keep)
+
+    def snapshot(self, seq: int) -> None:
+        self.pipeline.snapshot(seq)
+
+    def restore(self, seq: int) -> None:
+        self.pipeline.restore(seq)
