@@ -27,15 +27,25 @@ import click
 from coordinator import benchstats
 from coordinator.client import CurveKeys, ShardClient, ShardError, ShardTimeout
 from coordinator.decoding import ROLLBACK_MODES, DecodeResult, greedy_decode, speculative_decode
+from coordinator.dflash import DFlashDrafterClient
 from coordinator.drafters import Drafter, NgramDrafter, OracleDrafter
-from coordinator.launch import TRANSPORTS, LaunchError, ShardSet, child_env, launched_sets, parse_splits, split_layers
+from coordinator.launch import (
+    TRANSPORTS,
+    LaunchError,
+    ShardSet,
+    child_env,
+    drafter_set,
+    launched_sets,
+    parse_splits,
+    split_layers,
+)
 from coordinator.pipeline import Pipeline, PipelineError, ShardInfo, order_shards
 from coordinator.target import Target
 from coordinator.tokenizer import load_tokenizer
 from protocol import ProtocolError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_DIFFER = 0, 1, 2, 3
-DRAFTERS = ("none", "ngram", "oracle")
+DRAFTERS = ("none", "ngram", "oracle", "dflash")
 DTYPES = ("float32", "bfloat16", "float16")
 PRESETS = ("tiny", "small", "qwen3.5-27b")  # shardd.synthetic.PRESETS, without importing torch
 ORACLE_NOTE = (
@@ -114,6 +124,8 @@ class ShardPlan:
     transport: str = "tcp"
     devices: tuple[str, ...] = ()
     daemon_args: tuple[str, ...] = ()
+    draft_endpoint: Optional[str] = None  # a running drafter daemon (--draft-shard)
+    draft: Optional[str] = None  # the drafter daemon to launch: DIR or synthetic[:LAYERS] (--draft)
 
     @property
     def launches(self) -> bool:
@@ -122,17 +134,32 @@ class ShardPlan:
     def shard_set(self, mode_args: Sequence[str] = ()) -> ShardSet:
         return ShardSet(self.source_args, self.splits, self.transport, (*self.daemon_args, *mode_args), self.devices or None)
 
+    def drafter_set(self, draft: str) -> ShardSet:
+        """A drafter-only daemon for this model, on the last shard's device."""
+        return drafter_set(self.source_args, draft, self.transport, self.daemon_args, self.devices[-1] if self.devices else "cpu")
+
     @contextlib.contextmanager
     def running(self, mode_args: Sequence[str] = ()) -> Iterator[list[str]]:
         """The endpoints to talk to: the given ones, or freshly launched daemons (stopped on exit)."""
+        with self.running_with_drafter(mode_args) as (endpoints, _):
+            yield endpoints
+
+    @contextlib.contextmanager
+    def running_with_drafter(self, mode_args: Sequence[str] = ()) -> Iterator[tuple[list[str], Optional[str]]]:
+        """The shard endpoints and the drafter daemon's endpoint (None without a drafter). Launched
+        shards get a drafter-only daemon beside them when the plan names a --draft."""
         if not self.launches:
-            yield list(self.endpoints)
+            yield list(self.endpoints), self.draft_endpoint
             return
-        progress(f"launching {len(self.splits)} shard(s) {', '.join(f'{b}:{e}' for b, e in self.splits)} ({' '.join(self.source_args)})")
+        sets = [self.shard_set(mode_args)] + ([self.drafter_set(self.draft)] if self.draft is not None else [])
+        drafter_note = f" and a drafter ({self.draft})" if self.draft is not None else ""
+        progress(f"launching {len(self.splits)} shard(s) {', '.join(f'{b}:{e}' for b, e in self.splits)}{drafter_note} "
+                 f"({' '.join(self.source_args)})")
         started = time.perf_counter()
-        with launched_sets([self.shard_set(mode_args)], progress=progress) as (shards,):
+        with launched_sets(sets, progress=progress) as started_sets:
             progress(f"shards ready in {time.perf_counter() - started:.1f} s")
-            yield [shard.endpoint for shard in shards]
+            draft_endpoint = started_sets[1][0].endpoint if self.draft is not None else None
+            yield [shard.endpoint for shard in started_sets[0]], draft_endpoint
 
 
 def model_num_layers(model_dir: Optional[str], synthetic: Optional[str]) -> int:
@@ -312,9 +339,11 @@ def run_generation(
     oracle_seed: int = 0,
     on_commit: Optional[Callable[[list[int]], None]] = None,
     reference: Optional[list[int]] = None,
+    draft_client: Optional[ShardClient] = None,
 ) -> Generation:
     """One generation through `target` with fresh random sequence ids. `oracle` first
-    decodes greedily through the same target, unless `reference` (those ids) is given."""
+    decodes greedily through the same target, unless `reference` (those ids) is given.
+    `dflash` drafts on the daemon behind `draft_client`; `target` is then a Pipeline."""
     seq = secrets.randbelow(1 << 62)
     if drafter == "none":
         result = greedy_decode(target, seq, prompt, max_new_tokens, eos_ids, on_commit)
@@ -330,6 +359,19 @@ def run_generation(
             raise click.BadParameter(str(error), param_hint="--mean-commit") from None
     elif drafter == "ngram":
         chosen = NgramDrafter()
+    elif drafter == "dflash":
+        if draft_client is None:
+            raise click.UsageError("--drafter dflash needs a drafter daemon (--draft-shard, or --draft when launching)")
+        try:
+            chosen = DFlashDrafterClient(draft_client, target)
+        except PipelineError as error:
+            raise click.UsageError(str(error)) from None
+        if block_size > chosen.max_block_size:
+            raise click.BadParameter(
+                f"the dflash drafter fills blocks of at most {chosen.max_block_size} tokens, got {block_size}",
+                param_hint="--block-size",
+            )
+        target = chosen.target  # every forward captures the drafter's target layers
     else:
         raise click.BadParameter(f"unknown drafter {drafter!r}", param_hint="--drafter")
     result = speculative_decode(
@@ -396,19 +438,25 @@ def cli():
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
 @click.option("--force", is_flag=True, help="Overwrite a model already in --out.")
+@click.option("--with-drafter", is_flag=True, help="Also write a matched synthetic DFlash drafter to OUT/draft/.")
+@click.option("--draft-layers", type=click.IntRange(1), default=None, help="Layers of that drafter (default 2).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def make_model(preset, out_dir, seed, dtype, force, as_json):
-    """Write a synthetic checkpoint (config.json, *.safetensors, index) in the Qwen3.5 layout."""
+def make_model(preset, out_dir, seed, dtype, force, with_drafter, draft_layers, as_json):
+    """Write a synthetic checkpoint (config.json, *.safetensors, index) in the Qwen3.5 layout;
+    with --with-drafter also a DFlash draft checkpoint in OUT/draft/ (`--draft OUT/draft`)."""
+    if draft_layers is not None and not with_drafter:
+        raise click.UsageError("--draft-layers goes with --with-drafter")
     out = Path(out_dir)
     if (out / "config.json").exists() and not force:
         raise click.UsageError(f"{out} already holds a model (config.json); pass --force to overwrite it")
     progress(f"writing synthetic {preset} (seed {seed}, {dtype}) to {out}")
     started = time.perf_counter()
     path = write_synthetic_model(preset, seed, dtype, out)
-    files = sorted(p.name for p in path.iterdir())
+    draft = write_synthetic_drafter(path, preset, seed, dtype, draft_layers) if with_drafter else None
+    files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
     size = sum((path / name).stat().st_size for name in files)
     record = {"path": str(path), "preset": preset, "seed": seed, "dtype": dtype, "files": files, "bytes": size,
-              "seconds": time.perf_counter() - started}
+              "draft": None if draft is None else str(draft), "seconds": time.perf_counter() - started}
     if as_json:
         emit_json(record)
     else:
@@ -421,6 +469,18 @@ def write_synthetic_model(preset: str, seed: int, dtype: str, out: Path) -> Path
     from shardd.synthetic import preset_config, write_checkpoint
 
     return write_checkpoint(out, preset_config(preset), seed, dtype=getattr(torch, dtype))
+
+
+def write_synthetic_drafter(model_dir: Path, preset: str, seed: int, dtype: str, layers: Optional[int]) -> Path:
+    """MODEL/draft/: the drafter `--draft synthetic[:LAYERS]` builds in memory for this model, on disk."""
+    import torch
+
+    from shardd.draft.synthetic import synthetic_draft_config, write_draft_checkpoint
+    from shardd.loading import DEFAULT_SYNTHETIC_DRAFT_LAYERS
+    from shardd.synthetic import preset_config
+
+    config = synthetic_draft_config(preset_config(preset), num_layers=layers or DEFAULT_SYNTHETIC_DRAFT_LAYERS)
+    return write_draft_checkpoint(model_dir / "draft", config, seed, dtype=getattr(torch, dtype))
 
 
 def daemon_options(func):
@@ -447,6 +507,28 @@ def daemon_args_from(**values) -> list[str]:
     return args
 
 
+def dflash_daemon(plan: ShardPlan, draft_shard: Optional[str], draft: Optional[str], model_dir: Optional[str]):
+    """(running drafter endpoint, drafter to launch) for --drafter dflash; one of them is None."""
+    if not plan.launches:
+        if draft:
+            raise click.UsageError("--draft launches a drafter daemon; with --shards give the running one as --draft-shard")
+        if not draft_shard:
+            raise click.UsageError("--drafter dflash with --shards needs --draft-shard EP (a daemon started with --draft)")
+        return draft_shard, None
+    if draft_shard:
+        raise click.UsageError("--draft-shard names a running drafter daemon; launched shards get one from --draft")
+    if draft is None:
+        if model_dir is not None:
+            if not (Path(model_dir) / "draft" / "config.json").is_file():
+                raise click.UsageError(
+                    f"{model_dir} has no draft/ (shardctl make-model --with-drafter writes one): give --draft DIR|synthetic"
+                )
+            draft = str(Path(model_dir) / "draft")
+        else:
+            draft = "synthetic"
+    return None, draft
+
+
 class _Stop(Exception):
     pass
 
@@ -459,31 +541,39 @@ class _Stop(Exception):
 @click.option("--devices", metavar="DEV,DEV,...", help="Device of each shard (one value: all). Default cpu.")
 @click.option("--transport", type=click.Choice(TRANSPORTS), default="tcp", show_default=True)
 @daemon_options
+@click.option("--draft", metavar="DIR|synthetic[:LAYERS]", help="Also start a drafter-only daemon hosting this DFlash drafter.")
 @click.option("--ready-timeout", type=click.FloatRange(0, min_open=True), default=600.0, show_default=True,
               help="Seconds to wait for the shards to load.")
 @click.option("--json", "as_json", is_flag=True, help="Print the endpoints as JSON once ready.")
-def launch(model_dir, synthetic, split, layer_spec, devices, transport, ready_timeout, as_json, **daemon_values):
-    """Start shard daemons on this machine, print their endpoints, stop them on Ctrl-C."""
+def launch(model_dir, synthetic, split, layer_spec, devices, transport, draft, ready_timeout, as_json, **daemon_values):
+    """Start shard daemons (and a drafter daemon with --draft) on this machine, print their
+    endpoints, stop them on Ctrl-C."""
     plan = make_plan(None, model_dir, synthetic, split, layer_spec, devices, transport, daemon_args_from(**daemon_values),
                      allow_endpoints=False)
+    sets = [plan.shard_set()] + ([plan.drafter_set(draft)] if draft is not None else [])
 
     def stop(signum, frame):
         raise _Stop()
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
-        with launched_sets([plan.shard_set()], ready_timeout_s=ready_timeout, progress=progress) as (shards,):
-            endpoints = [shard.endpoint for shard in shards]
+        with launched_sets(sets, ready_timeout_s=ready_timeout, progress=progress) as started_sets:
+            layer_shards = started_sets[0]
+            drafters = started_sets[1] if draft is not None else []
+            shards = layer_shards + drafters
+            endpoints = [shard.endpoint for shard in layer_shards]
             if as_json:
-                emit_json({"endpoints": endpoints, "shards": [
-                    {"endpoint": s.endpoint, "layers": list(s.layers), "pid": s.process.pid, "log": str(s.log_path)}
+                emit_json({"endpoints": endpoints, "draft_endpoint": drafters[0].endpoint if drafters else None, "shards": [
+                    {"endpoint": s.endpoint, "layers": None if s.layers is None else list(s.layers), "pid": s.process.pid,
+                     "log": str(s.log_path)}
                     for s in shards]})
             else:
                 click.echo(format_table(
                     ["LAYERS", "ENDPOINT", "PID", "LOG"],
-                    [[f"{s.layers[0]}:{s.layers[1]}", s.endpoint, s.process.pid, s.log_path] for s in shards],
+                    [["drafter" if s.layers is None else f"{s.layers[0]}:{s.layers[1]}", s.endpoint, s.process.pid, s.log_path]
+                     for s in shards],
                 ))
-                click.echo(f"\n--shards {','.join(endpoints)}")
+                click.echo(f"\n--shards {','.join(endpoints)}" + (f" --draft-shard {drafters[0].endpoint}" if drafters else ""))
             sys.stdout.flush()
             progress("serving; Ctrl-C stops every shard")
             try:
@@ -492,7 +582,7 @@ def launch(model_dir, synthetic, split, layer_spec, devices, transport, ready_ti
                         code = shard.process.poll()
                         if code is not None:
                             raise LaunchError(
-                                f"shard {shard.layers[0]}:{shard.layers[1]} at {shard.endpoint} exited with code "
+                                f"{shard.label} at {shard.endpoint} exited with code "
                                 f"{code}; stopping the others. Its log ends:\n{shard.log_tail()}"
                             )
                     time.sleep(0.5)
@@ -513,7 +603,12 @@ def launch(model_dir, synthetic, split, layer_spec, devices, transport, ready_ti
               help="Directory with tokenizer.json (default: --model's).")
 @click.option("--max-new-tokens", type=click.IntRange(0), default=64, show_default=True)
 @click.option("--drafter", type=click.Choice(DRAFTERS), default="ngram", show_default=True,
-              help="none: plain greedy; ngram: prompt lookup; oracle: benchmark drafter.")
+              help="none: plain greedy; ngram: prompt lookup; oracle: benchmark drafter; dflash: the DFlash "
+                   "block drafter on a drafter daemon, fed with features the shards capture.")
+@click.option("--draft-shard", metavar="EP", help="dflash with --shards: endpoint of the daemon hosting the drafter.")
+@click.option("--draft", metavar="DIR|synthetic[:LAYERS]",
+              help="dflash when launching shards: the drafter daemon to launch beside them "
+                   "(default: MODEL/draft for --model when it exists, synthetic for --synthetic).")
 @click.option("--block-size", type=click.IntRange(2), default=16, show_default=True, help="Tokens per verify step.")
 @click.option("--rollback", type=click.Choice(ROLLBACK_MODES), default="checkpoint", show_default=True)
 @click.option("--mean-commit", type=float, default=6.0, show_default=True,
@@ -523,8 +618,8 @@ def launch(model_dir, synthetic, split, layer_spec, devices, transport, ready_ti
 @click.option("--ids", "print_ids", is_flag=True, help="Stream token ids instead of text.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of streaming.")
 def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
-             curve_client_key, prompt, prompt_ids, tokenizer_dir, max_new_tokens, drafter, block_size, rollback,
-             mean_commit, oracle_seed, ignore_eos, print_ids, as_json):
+             curve_client_key, prompt, prompt_ids, tokenizer_dir, max_new_tokens, drafter, draft_shard, draft, block_size,
+             rollback, mean_commit, oracle_seed, ignore_eos, print_ids, as_json):
     """Generate greedily, speculating with a drafter; stream the text as tokens commit."""
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
@@ -533,8 +628,16 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
     speculating = drafter != "none"
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
                      daemon_args_from(dtype=dtype), curve=curve_server_key or curve_client_key)
+    if drafter == "dflash":
+        plan.draft_endpoint, plan.draft = dflash_daemon(plan, draft_shard, draft, model_dir)
+    elif draft_shard or draft:
+        raise click.UsageError("--draft-shard and --draft go with --drafter dflash")
     curve = load_curve(curve_server_key, curve_client_key)
-    with plan.running(mode_daemon_args(rollback, block_size, speculating)) as endpoints:
+    with plan.running_with_drafter(mode_daemon_args(rollback, block_size, speculating)) as (endpoints, draft_endpoint), \
+            contextlib.ExitStack() as stack:
+        draft_client = None
+        if draft_endpoint is not None:
+            draft_client = stack.enter_context(ShardClient(draft_endpoint, timeout_s=timeout, curve=curve))
         with connect_pipeline(endpoints, timeout, curve) as pipeline:
             if speculating:
                 try:
@@ -557,7 +660,7 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
             generation = run_generation(
                 pipeline, ids, drafter=drafter, rollback=rollback, block_size=block_size,
                 max_new_tokens=max_new_tokens, eos_ids=eos_ids, mean_commit=mean_commit, oracle_seed=oracle_seed,
-                on_commit=stream,
+                on_commit=stream, draft_client=draft_client,
             )
             record = generation_record(generation, tokenizer, pipeline.shards)
     if as_json:
@@ -597,8 +700,10 @@ def status(shards, timeout, curve_server_key, curve_client_key, as_json):
     if infos and len(infos) == len(entries):
         try:
             ordered = order_shards(infos)
+            drafters = sum(1 for info in infos if not info.owns_layers)
             pipeline = {"ok": True, "message": f"{len(ordered)} shard(s) cover all {ordered[0].model['num_layers']} layers "
-                                               f"of {ordered[0].model['fingerprint']}"}
+                                               f"of {ordered[0].model['fingerprint']}"
+                                               + (f"; {drafters} drafter-only daemon(s)" if drafters else "")}
         except PipelineError as error:
             pipeline = {"ok": False, "message": str(error)}
     if as_json:
@@ -620,7 +725,7 @@ def print_status(entries: list[dict], pipeline: dict) -> None:
         limits = hello.get("limits") or {}
         rows.append([
             entry["endpoint"],
-            f"{hello['layers'][0]}:{hello['layers'][1]}" + ("+head" if hello.get("owns_head") else ""),
+            serving_label(hello),
             hello.get("device"),
             hello.get("dtype"),
             f"{storage.get('mode') or 'none'}/{storage.get('max_verify_tokens')}",
@@ -644,6 +749,14 @@ def print_status(entries: list[dict], pipeline: dict) -> None:
         counters = ", ".join(f"{key}={_compact(value)}" for key, value in stats.items() if value not in ({}, None))
         click.echo(f"\n{entry['endpoint']}: {counters}")
     click.echo(f"\npipeline: {'ok' if pipeline['ok'] else 'NOT USABLE'}: {pipeline['message']}")
+
+
+def serving_label(hello: dict) -> str:
+    """'0:3', '3:6+head', '3:6+head+dflash', 'dflash' (a drafter-only daemon)."""
+    parts = [] if hello.get("layers") is None else [f"{hello['layers'][0]}:{hello['layers'][1]}"]
+    parts += ["head"] if hello.get("owns_head") else []
+    parts += [hello["drafter"].get("name", "drafter")] if hello.get("drafter") else []
+    return "+".join(parts)
 
 
 def _compact(value) -> str:
@@ -824,8 +937,9 @@ def demo_model(seed: int = 0) -> Path:
 @click.option("--transport", type=click.Choice(TRANSPORTS), default="tcp", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def demo(max_new_tokens, block_size, mean_commit, transport, as_json):
-    """Two local shards of a small synthetic model: greedy and speculative decoding in every
-    rollback mode give identical outputs (exit 3 if not)."""
+    """Two local shards of a small synthetic model: greedy and speculative decoding with every
+    drafter (ngram, oracle, and dflash on a drafter daemon) in every rollback mode give identical
+    outputs (exit 3 if not). The synthetic drafter is untrained: its acceptance is near zero."""
     check_mean_commit("oracle", mean_commit, block_size)
     started = time.perf_counter()
     model_dir = demo_model()
@@ -835,23 +949,27 @@ def demo(max_new_tokens, block_size, mean_commit, transport, as_json):
     # The rollback mode is a daemon setting: one shard pair per mode that the shards do.
     sets = [ShardSet(source, splits, transport, tuple(mode_daemon_args(mode, block_size, True)))
             for mode in ("checkpoint", "replay-ssm")]
-    progress(f"launching 2 x 2 shards ({', '.join(f'{b}:{e}' for b, e in splits)}) for checkpoint and replay-ssm")
+    sets.append(drafter_set(source, "synthetic", transport))
+    progress(f"launching 2 x 2 shards ({', '.join(f'{b}:{e}' for b, e in splits)}) for checkpoint and replay-ssm, "
+             f"and a dflash drafter daemon")
     tokenizer = load_tokenizer(str(model_dir), 256)
     prompt = tokenizer.encode(DEMO_PROMPT)
     rows = []
-    with launched_sets(sets, progress=progress) as (checkpoint_shards, ssm_shards):
+    with launched_sets(sets, progress=progress) as (checkpoint_shards, ssm_shards, (drafter_daemon,)):
         with Pipeline.connect([s.endpoint for s in checkpoint_shards]) as checkpointing, \
-                Pipeline.connect([s.endpoint for s in ssm_shards]) as logging_ssm:
+                Pipeline.connect([s.endpoint for s in ssm_shards]) as logging_ssm, \
+                ShardClient(drafter_daemon.endpoint) as draft_client:
             progress("greedy decoding (the reference)")
             greedy = run_generation(checkpointing, prompt, drafter="none", rollback="replay", block_size=block_size,
                                     max_new_tokens=max_new_tokens)
             rows.append(generation_record(greedy, tokenizer, checkpointing.shards))
-            for drafter in ("ngram", "oracle"):
+            for drafter in ("ngram", "oracle", "dflash"):
                 for mode, pipeline in (("checkpoint", checkpointing), ("replay-ssm", logging_ssm), ("replay", checkpointing)):
                     progress(f"{drafter} drafter, {mode} rollback")
                     generation = run_generation(
                         pipeline, prompt, drafter=drafter, rollback=mode, block_size=block_size,
                         max_new_tokens=max_new_tokens, mean_commit=mean_commit, reference=greedy.result.tokens,
+                        draft_client=draft_client,
                     )
                     rows.append(generation_record(generation, tokenizer, pipeline.shards))
     identical = benchstats.all_identical(row["sha256"] for row in rows)

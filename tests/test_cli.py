@@ -146,7 +146,8 @@ def test_demo_outputs_are_identical(tmp_path):
     record = json.loads(result.stdout)
     assert record["identical"]
     runs = {(run["drafter"], run["rollback"]): run for run in record["runs"]}
-    assert set(runs) == {("none", None)} | {(d, m) for d in ("ngram", "oracle") for m in ("checkpoint", "replay-ssm", "replay")}
+    assert set(runs) == {("none", None)} | {
+        (d, m) for d in ("ngram", "oracle", "dflash") for m in ("checkpoint", "replay-ssm", "replay")}
     assert len({run["sha256"] for run in record["runs"]}) == 1
     assert runs[("oracle", "checkpoint")]["rollbacks"]["fast"] > 0 and runs[("oracle", "replay")]["rollbacks"]["replays"] > 0
     assert (tmp_path / "shardd" / "small-seed0" / "config.json").is_file()  # cached for the next demo
@@ -179,14 +180,16 @@ def test_make_model_writes_a_loadable_checkpoint(tmp_path):
 def test_launch_serves_until_sigterm():
     process = subprocess.Popen(
         [sys.executable, "-c", "from coordinator.cli import main; main()", "launch", "--synthetic", "tiny",
-         "--layers", "0:1,1:6", "--json"],
+         "--layers", "0:1,1:6", "--draft", "synthetic", "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
     )
     try:
-        endpoints = json.loads(process.stdout.readline())["endpoints"]
-        assert len(endpoints) == 2
+        launched = json.loads(process.stdout.readline())
+        endpoints = launched["endpoints"] + [launched["draft_endpoint"]]
+        assert len(endpoints) == 3
         result = shardctl("status", "--shards", ",".join(endpoints), "--json")
         assert result.exit_code == 0 and json.loads(result.stdout)["pipeline"]["ok"]
+        assert json.loads(result.stdout)["shards"][2]["hello"]["drafter"]["name"] == "dflash"
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0
     finally:
