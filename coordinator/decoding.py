@@ -144,7 +144,12 @@ def speculative_decode(
             pos = len(history) - 1  # the state holds history[:-1]
             # A block of T commits at most T tokens: never verify past the budget.
             wanted = min(block_size, room) - 1
-            drafts = drafter.propose(history, wanted)
+            try:
+                drafts = drafter.propose(history, wanted)
+            except SequenceLost:  # a drafter that keeps per-sequence state lost it: re-fill, draft again
+                _refill(target, seq, history)
+                result.recoveries += 1
+                continue
             if len(drafts) != wanted:
                 raise ValueError(f"drafter {drafter.name!r} proposed {len(drafts)} tokens, asked for {wanted}")
             block = [history[-1]] + drafts

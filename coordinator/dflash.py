@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from coordinator.client import ShardClient, ShardError
-from coordinator.pipeline import Pipeline, PipelineError
+from coordinator.pipeline import SHARD_FAILURES, Pipeline, PipelineError, as_sequence_lost
 from protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, WireTensor
 
 
@@ -149,7 +149,10 @@ class DFlashDrafterClient:
             end = min(committed, begin + self.max_rows_per_request)
             features = self.rows.take(begin, end) if end > begin else None
             last = end == committed
-            result = self.client.propose(self.seq, end, history[end], n if last else 1, features)
+            try:
+                result = self.client.propose(self.seq, end, history[end], n if last else 1, features)
+            except SHARD_FAILURES as error:  # a restarted drafter daemon: the loop re-fills, which resets us
+                raise as_sequence_lost(error, self.seq) from error
             if result.get("context_length") != end:
                 raise ProtocolError(
                     ErrorCode.INTERNAL,

@@ -249,7 +249,7 @@ class Pipeline:
             for client in opened:
                 _close_quietly(client, seq)
             if isinstance(error, ShardTimeout):  # a shard still restarting: the loop may try again
-                raise _lost(error, seq) from error
+                raise as_sequence_lost(error, seq) from error
             raise
 
     def close(self, seq: int) -> None:
@@ -301,7 +301,7 @@ class Pipeline:
         try:
             return self._relay(seq, pos, chunks, checkpoint=checkpoint, capture=capture)
         except SHARD_FAILURES as error:
-            raise _lost(error, seq) from error
+            raise as_sequence_lost(error, seq) from error
 
     def rollback(self, seq: int, keep: int) -> None:
         failures, lengths = [], set()
@@ -320,13 +320,13 @@ class Pipeline:
             for client in self.clients:
                 client.snapshot(seq)
         except SHARD_FAILURES as error:
-            raise _lost(error, seq) from error
+            raise as_sequence_lost(error, seq) from error
 
     def restore(self, seq: int) -> None:
         try:
             lengths = {client.endpoint: client.restore(seq)["length"] for client in self.clients}
         except SHARD_FAILURES as error:
-            raise _lost(error, seq) from error
+            raise as_sequence_lost(error, seq) from error
         if len(set(lengths.values())) > 1:
             raise SequenceInconsistent(f"after RESTORE the shards disagree on the length of sequence {seq}: {lengths}")
 
@@ -438,7 +438,7 @@ def join_rows(chunks: Sequence[WireTensor]) -> WireTensor:
     return WireTensor(chunks[0].dtype, (rows, *chunks[0].shape[1:]), b"".join(chunk.data for chunk in chunks))
 
 
-def _lost(error: Exception, seq: int) -> Exception:
+def as_sequence_lost(error: Exception, seq: int) -> Exception:
     """A shard failure that means the sequence is gone from a shard (SequenceLost), else the error itself."""
     if isinstance(error, ShardTimeout) or (
         isinstance(error, ShardError) and error.code in (ErrorCode.NO_SUCH_SEQUENCE, ErrorCode.SEQUENCE_FAILED)

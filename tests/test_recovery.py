@@ -50,3 +50,36 @@ def test_killed_and_restarted_shard_is_refilled(tmp_path, expected, mode):
         assert result.recoveries >= 1
     finally:
         stop_all(daemons)
+
+
+def test_killed_and_restarted_drafter_daemon_is_refilled(tmp_path, expected):
+    """A separate DFlash drafter daemon restarts: PROPOSE answers NO_SUCH_SEQUENCE, the loop re-fills
+    target and drafter from the history, and the output is unchanged."""
+    from coordinator.client import ShardClient
+    from coordinator.dflash import DFlashDrafterClient
+
+    binds = [free_tcp_endpoint(), free_tcp_endpoint()]
+    shard_args = ["--layers", "0:6", "--max-verify-tokens", "16"]
+    drafter_args = ["--layers", "none", "--draft", "synthetic"]
+    daemons = [Daemon("shard", binds[0], shard_args, tmp_path), Daemon("drafter", binds[1], drafter_args, tmp_path)]
+    try:
+        for daemon in daemons:
+            daemon.wait_ready()
+        commits = []
+
+        def kill_and_restart_drafter(new_ids):
+            commits.append(new_ids)
+            if len(commits) == 3:
+                daemons[1].signal(signal.SIGKILL)
+                daemons[1].wait(10)
+                daemons[1] = Daemon("drafter-restarted", binds[1], drafter_args, tmp_path)
+                daemons[1].wait_ready()
+
+        with Pipeline.connect(binds[:1], timeout_s=30.0) as pipeline, ShardClient(binds[1], timeout_s=30.0) as client:
+            drafter = DFlashDrafterClient(client, pipeline)
+            result = speculative_decode(drafter.target, 9, PROMPT, drafter, block_size=8, rollback="checkpoint",
+                                        max_new_tokens=NEW_TOKENS, on_commit=kill_and_restart_drafter)
+        assert result.tokens == expected
+        assert result.recoveries >= 1
+    finally:
+        stop_all(daemons)
