@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -43,9 +44,22 @@ def main():
 def serve(model_dir, synthetic, layers, draft, device, dtype, bind, max_verify_tokens, rollback_mode, max_sequences,
           max_context, max_tokens_per_request, curve_secret_key, curve_allow_dir, threads, log_level):
     """Load a layer range (and/or a drafter) and serve it until SIGTERM, SIGINT or SHUTDOWN."""
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s shardd[%(process)d] %(levelname)s %(message)s")
+    # Our own logger only: torch's loggers stay at their defaults instead of chattering at INFO.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s shardd[%(process)d] %(levelname)s %(message)s"))
     log = logging.getLogger("shardd")
+    log.addHandler(handler)
+    log.setLevel(log_level.upper())
+    log.propagate = False
+
+    def stop_while_loading(signum, frame):
+        # Until the daemon's loop takes over the signals (imports, weights): stop now, cleanly, and tell systemd so.
+        log.info("signal %s while loading: stopping", signal.Signals(signum).name)
+        systemd.notify("STOPPING=1")
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop_while_loading)
+    signal.signal(signal.SIGINT, stop_while_loading)
     import torch
 
     from shardd.daemon import ServeOptions, ShardDaemon, configure_security, is_loopback

@@ -243,8 +243,11 @@ class ShardDaemon:
         try:
             state = self.shard.new_state(self.options.max_context) if self.shard is not None else None
             draft = self.drafter.model.new_state(self.options.max_context) if self.drafter is not None else None
-        except torch.OutOfMemoryError:
-            raise ProtocolError(ErrorCode.CAPACITY, "out of device memory for a new sequence") from None
+        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
+            # torch.OutOfMemoryError on a GPU; on the CPU a failed allocation is a plain RuntimeError.
+            if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)) and "memory" not in str(exc).lower():
+                raise
+            raise ProtocolError(ErrorCode.CAPACITY, f"out of memory for a new sequence: {exc}") from None
         self.sequences[request.seq] = Sequence(state, draft)
         self.counters.sequences_opened += 1
         log.info("open seq=%s", request.seq)
@@ -447,7 +450,9 @@ class ShardDaemon:
         socket = context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 1000)
         # libzmq drops oversized frames before they reach Python memory; decode_request reports the rest.
-        socket.setsockopt(zmq.MAXMSGSIZE, max(self.limits.max_frame_bytes, self.limits.max_header_bytes))
+        # Frames up to max_total_bytes are read and answered (TOO_LARGE past max_frame_bytes); a frame beyond
+        # that would only fill memory, so libzmq drops the connection instead (PROTOCOL.md, "Limits").
+        socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_total_bytes)
         authenticator = configure_security(context, socket, options)
         socket.bind(options.bind)
         poller = zmq.Poller()
