@@ -252,19 +252,3 @@ def launched_sets(
         elif progress is not None:
             progress(f"shard logs kept in {run_dir}")
 
-
-@contextlib.contextmanager
-def launched_shards(
-    source_args: Sequence[str],
-    splits: Sequence[tuple[int, int]],
-    transport: str = "tcp",
-    extra_args: Sequence[str] = (),
-    **options,
-) -> Iterator[list[str]]:
-    """Daemons for `splits` of the model named by `source_args` (`["--synthetic", "tiny"]`
-    or `["--model", DIR]`), ready to serve; yields their endpoints in split order and stops
-    them on exit. `options`: `devices`, `shard_args` (see ShardSet) and those of `launched_sets`."""
-    set_options = {key: options.pop(key) for key in ("devices", "shard_args") if key in options}
-    shard_set = ShardSet(tuple(source_args), tuple(splits), transport, tuple(extra_args), **set_options)
-    with launched_sets([shard_set], **options) as (shards,):
-        yield [shard.endpoint for shard in shards]

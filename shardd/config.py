@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 LINEAR_ATTENTION = "linear_attention"
@@ -98,9 +98,6 @@ class ModelConfig:
             "attention_bias": False,
             "eos_token_id": list(self.eos_token_ids) or None,
         }
-
-    def describe(self) -> dict:
-        return asdict(self)
 
 
 _REQUIRED_INTS = (

@@ -4,7 +4,6 @@ place a daemon gets weights."""
 from __future__ import annotations
 
 import hashlib
-import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,10 +106,6 @@ def build_shard(
     shard = ShardModel(config, weights, begin, end, dtype=torch_dtype, device=device, storage=storage)
     shard.fingerprint = source.fingerprint(torch.device(device))
     return shard
-
-
-def describe_config(config: ModelConfig) -> str:
-    return json.dumps(config.describe())
 
 
 # ---- a hosted DFlash drafter -----------------------------------------------------------------------

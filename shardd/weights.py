@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,7 +13,6 @@ from shardd.config import ModelConfig
 
 _IGNORED_PREFIXES = ("mtp.", "model.visual.", "visual.")
 _KEY_PREFIXES = ("model.language_model.", "model.")
-_LAYER_KEY = re.compile(r"^layers\.(\d+)\.")
 
 
 class WeightError(ValueError):
@@ -130,7 +128,6 @@ def _key_locations(model_dir: Path) -> dict[str, tuple[Path, str]]:
 class LoadedWeights:
     tensors: dict[str, torch.Tensor]
     keys_read: list[str] = field(default_factory=list)  # checkpoint keys whose data was read
-    bytes_read: int = 0
 
 
 def load_weights(
@@ -175,13 +172,7 @@ def load_tensors(
                     raise WeightError(f"tensor {key!r} in {path.name} has shape {list(shape)}, expected {list(wanted[name])}")
                 tensor = f.get_tensor(key)
                 loaded.keys_read.append(key)
-                loaded.bytes_read += tensor.nbytes
                 loaded.tensors[name] = tensor.to(device=device, dtype=dtype)
                 if progress is not None:
                     progress(len(loaded.keys_read), len(wanted))
     return loaded
-
-
-def layer_of(name: str) -> int | None:
-    match = _LAYER_KEY.match(name)
-    return int(match.group(1)) if match else None
