@@ -35,7 +35,7 @@ from protocol import (
 from shardd import rollback as rb
 from shardd import systemd
 from shardd.draft.model import DraftState
-from shardd.loading import HostedDrafter
+from shardd.loading import HostedDrafter, dtype_name
 from shardd.model.shard import ShardModel
 from shardd.model.state import SequenceState
 
@@ -214,7 +214,7 @@ class ShardDaemon:
             "layers": [shard.begin, shard.end] if shard is not None else None,
             "owns_embedding": shard is not None and shard.owns_embedding,
             "owns_head": shard is not None and shard.owns_head,
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": dtype_name(self.dtype),
             "device": str(self.device),
             "rollback": {
                 "mode": storage.mode if storage.enabled else None,
@@ -271,9 +271,7 @@ class ShardDaemon:
         if request.return_logits and not shard.owns_head:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "return_logits asks for logits from a shard without the head")
         hidden = request.hidden.to_torch() if request.hidden is not None else None
-        shard.check_forward(entry.state, request.pos, tokens=request.tokens, hidden=hidden, checkpoint=request.checkpoint)
-
-        out = shard.forward(
+        out = shard.forward(  # validates everything (shard.check_forward) before it changes the state
             entry.state,
             request.pos,
             tokens=request.tokens,
@@ -312,8 +310,7 @@ class ShardDaemon:
         entry = self._sequence(request.seq)
         if not self.shard.storage.enabled:
             raise ProtocolError(ErrorCode.ROLLBACK_UNAVAILABLE, "this shard was started without rollback storage (--max-verify-tokens 0)")
-        rb.check_rollback(entry.state, request.keep)
-        rb.rollback(entry.state, request.keep)
+        rb.rollback(entry.state, request.keep)  # validates (rb.check_rollback) before it changes the state
         self.counters.rollbacks[self.shard.storage.mode] += 1
         self.counters.rollbacks_by_keep[request.keep] += 1
         return {"seq": request.seq, "length": entry.state.length}, {}
@@ -350,7 +347,7 @@ class ShardDaemon:
                     f"features must be [n, {config.feature_size}] (target layers {list(config.target_layer_ids)} x "
                     f"hidden {config.hidden_size}, side by side), got {list(features.shape)}",
                 )
-            dtype = str(hosted.model.dtype).removeprefix("torch.")
+            dtype = dtype_name(hosted.model.dtype)
             if features.dtype != dtype:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"features must be {dtype} like this drafter, got {features.dtype}")
         if request.block_size > hosted.max_draft_tokens:
@@ -449,7 +446,6 @@ class ShardDaemon:
         context = zmq.Context.instance()
         socket = context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 1000)
-        # libzmq drops oversized frames before they reach Python memory; decode_request reports the rest.
         # Frames up to max_total_bytes are read and answered (TOO_LARGE past max_frame_bytes); a frame beyond
         # that would only fill memory, so libzmq drops the connection instead (PROTOCOL.md, "Limits").
         socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_total_bytes)

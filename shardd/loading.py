@@ -23,6 +23,11 @@ from shardd.weights import embedding_and_head_shapes, head_name, load_tensors, s
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> 'bfloat16', the name the CLI and the wire use."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class ModelSource:
     """Where weights come from: a checkpoint directory, or `synthetic` = 'PRESET[:SEED]'."""
@@ -162,7 +167,7 @@ class HostedDrafter:
             "max_draft_tokens": self.max_draft_tokens,
             "mask_token_id": c.mask_token_id,
             "num_layers": c.num_hidden_layers,
-            "dtype": str(self.model.dtype).removeprefix("torch."),
+            "dtype": dtype_name(self.model.dtype),
             "state_bytes_per_sequence": self.model.state_bytes_per_sequence(max_context),
         }
 

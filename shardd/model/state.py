@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -104,7 +104,6 @@ class SequenceState:
     length: int = 0
     pending: PendingStep | None = None
     snapshot: object | None = None
-    extra: dict = field(default_factory=dict)
 
     def state_bytes(self) -> int:
         return sum(c.nbytes() for c in self.kv.values()) + self.gdn.nbytes()
