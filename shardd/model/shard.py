@@ -16,6 +16,7 @@ from shardd.model.mlp import MLP
 from shardd.model.norm import rms_norm
 from shardd.model.rope import RotaryEmbedding
 from shardd.model.state import GDNStates, KVCache, PendingStep, SequenceState
+from shardd.weights import head_name
 
 
 @dataclass
@@ -79,7 +80,7 @@ class ShardModel:
         self.embed_tokens = weights.get("embed_tokens.weight") if self.owns_embedding else None
         if self.owns_head:
             self.norm = weights["norm.weight"]
-            self.lm_head = weights["embed_tokens.weight"] if config.tie_word_embeddings else weights["lm_head.weight"]
+            self.lm_head = weights[head_name(config)]
 
     def weight_bytes(self) -> int:
         return self._weight_bytes
