@@ -38,8 +38,19 @@ class LocalTarget:
         expected = [0] + [end for _, end in splits]
         if [begin for begin, _ in splits] != expected[:-1] or expected[-1] != config.num_layers:
             raise ValueError(f"splits {splits} must cover 0:{config.num_layers} in order, without gaps or overlaps")
+        shards = [build_shard(source, b, e, dtype=dtype, device=device, storage=storage) for b, e in splits]
+        self._init(config, shards, max_context)
+
+    @classmethod
+    def from_shards(cls, shards: Sequence, max_context: Optional[int] = None) -> "LocalTarget":
+        """Over shards already built (ShardModels or FastShards), in layer order."""
+        target = cls.__new__(cls)
+        target._init(shards[0].config, list(shards), max_context)
+        return target
+
+    def _init(self, config, shards, max_context) -> None:
         self.config = config
-        self.shards = [build_shard(source, b, e, dtype=dtype, device=device, storage=storage) for b, e in splits]
+        self.shards = shards
         self.max_context = max_context or min(config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
         self.states: dict[int, list[SequenceState]] = {}
 
@@ -54,7 +65,8 @@ class LocalTarget:
         self.states[seq] = [shard.new_state(self.max_context) for shard in self.shards]
 
     def close(self, seq: int) -> None:
-        self.states.pop(seq, None)
+        for shard, state in zip(self.shards, self.states.pop(seq, [])):
+            shard.release_state(state)
 
     def forward(self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False) -> list[int]:
         ids, _ = self.capture(seq, pos, tokens, (), checkpoint=checkpoint)
@@ -69,10 +81,10 @@ class LocalTarget:
         hidden, captured = None, {}
         for shard, state in zip(self.shards, states):
             inputs = {"tokens": list(tokens)} if shard.owns_embedding else {"hidden": hidden}
-            out = shard.forward(state, pos, checkpoint=checkpoint, capture_layers=tuple(layers), **inputs)
+            out = shard.forward(state, pos, checkpoint=checkpoint, capture_layers=tuple(layers), return_logits=False, **inputs)
             captured.update(out.captured)
             hidden = out.hidden
-        return out.logits.argmax(dim=-1).tolist(), captured
+        return out.ids.tolist(), captured
 
     def rollback(self, seq: int, keep: int) -> None:
         for state in self._states(seq):

@@ -1,39 +1,23 @@
 #!/usr/bin/env bash
-# One device call that checks and times the GPU path; results land in $OUT (the device tool brings them back).
-#   1. environment; 2. cuda vs cpu parity and rollback exactness (scripts/check_cuda.py);
-#   3. rollback cost side by side on the 27B shape, bf16, one GPU (scripts/bench_rollback.py);
-#   4. end to end over two daemons on two GPUs: shardctl bench, A/B/A, for each pair given as arguments.
-# Usage: scripts/gpu_session.sh [--skip-checks] [AB ...]   (default AB: replay,checkpoint)
-#   E2E_DTYPE (default bfloat16), E2E_TOKENS (default 128), E2E_RUNS (default 2) tune step 4.
+# One device call that checks and times the GPU fast path; results land in $OUT (the device tool brings them
+# back) and in bench/results/h200/.
+#   1. environment; 2. the GPU tests (kernels and graph step against the reference, bf16 greedy vs every mode);
+#   3. scripts/bench_gpu.py (one process, transformers baseline, and two daemons when two GPUs are there).
+# Wheels carried in .whl/: pyzmq (the daemons), fla-core (the GPU prefill), installed apart so the
+# transformers baseline runs as a plain install would (without fla).
+# Usage: scripts/gpu_session.sh [bench_gpu.py arguments]
 set -uo pipefail
-skip_checks=0
-if [ "${1:-}" = "--skip-checks" ]; then skip_checks=1; shift; fi
-pairs=("$@"); [ ${#pairs[@]} -eq 0 ] && pairs=(replay,checkpoint)
 OUT=${OUT:-bench/results/gpu}
-mkdir -p "$OUT"
+mkdir -p "$OUT" bench/results/h200
 export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
-ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, zmq; print("torch", torch.__version__, "zmq", zmq.__version__)'; } | tee "$OUT/env.txt"
-
-if [ $skip_checks -eq 0 ]; then
-echo "== check_cuda"
-timeout 120 python3 scripts/check_cuda.py cuda:0 | tee "$OUT/check_cuda.json"
-
-echo "== bench_rollback 27B bf16"
-timeout 200 python3 scripts/bench_rollback.py --synthetic qwen3.5-27b --device cuda:0 --dtype bfloat16 \
-    --prompt-len 512 --steps 24 --rounds 2 --json "$OUT/rollback_27b_h200.json" 2>&1 | tail -8
-fi
-
-if [ "$ngpu" -ge 2 ]; then devices=cuda:0,cuda:1; else devices=cuda:0; fi
-for ab in "${pairs[@]}"; do
-    echo "== shardctl bench $ab on $devices"
-    timeout ${E2E_TIMEOUT:-330} python3 -m coordinator.cli bench --synthetic qwen3.5-27b --split 2 --devices "$devices" --dtype "${E2E_DTYPE:-bfloat16}" \
-        --ab "$ab" --runs "${E2E_RUNS:-2}" --drafter oracle --mean-commit 6 --max-new-tokens "${E2E_TOKENS:-128}" --timeout 600 \
-        --json "$OUT/e2e_${E2E_DTYPE:-bfloat16}_${ab/,/_vs_}.json" 2>"$OUT/e2e_${E2E_DTYPE:-bfloat16}_${ab/,/_vs_}.log" | tail -12
+for wheel in .whl/*.whl; do
+    case "$wheel" in *fla_core*) target=/tmp/fla-site ;; *) target=/tmp/site ;; esac
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$wheel" || exit 1
 done
+export PYTHONPATH=/tmp/site:/tmp/fla-site:$PWD
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, triton, zmq; print("torch", torch.__version__, "triton", triton.__version__, "zmq", zmq.__version__)'; } | tee "$OUT/env.txt"
+echo "== GPU tests"
+timeout 300 python3 -m pytest -q tests/test_fast_path.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
+echo "== bench_gpu"
+timeout 560 python3 scripts/bench_gpu.py --json "$OUT/gpu_bench.json" "$@" 2>&1 | tail -60
+cp "$OUT"/gpu_bench.json "$OUT"/gpu_tests.txt "$OUT"/env.txt bench/results/h200/ 2>/dev/null

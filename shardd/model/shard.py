@@ -23,6 +23,7 @@ from shardd.weights import head_name
 class ShardOutput:
     hidden: torch.Tensor | None = None  # [n, hidden] on a shard without the head
     logits: torch.Tensor | None = None  # [n, vocab] float32 on the head shard
+    ids: torch.Tensor | None = None  # [n] argmax of the logits, on the head shard
     captured: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> its output [n, hidden]
 
 
@@ -105,6 +106,9 @@ class ShardModel:
         storage = rb.allocate_storage(c, self.gdn_layers, self.storage, self.device)
         return SequenceState(max_context=max_context, kv=kv, gdn=gdn, rollback_storage=storage)
 
+    def release_state(self, state: SequenceState) -> None:
+        """A closed sequence's state; nothing to give back here (a pooled shard returns its slot)."""
+
     def checkpoint_bytes_per_sequence(self) -> int:
         return rb.storage_bytes_per_sequence(self.config, self.gdn_layers, self.storage)
 
@@ -173,8 +177,12 @@ class ShardModel:
         hidden: torch.Tensor | None = None,
         checkpoint: bool = False,
         capture_layers: tuple[int, ...] | list[int] = (),
+        return_logits: bool = True,
     ) -> ShardOutput:
-        """Append n tokens at `pos` (== committed length). With `checkpoint` the step stays pending for one rollback."""
+        """Append n tokens at `pos` (== committed length). With `checkpoint` the step stays pending for one rollback.
+
+        The head shard always returns logits here (`return_logits` matters to the GPU step, which copies them
+        off the device only when asked)."""
         n = self.check_forward(state, pos, tokens=tokens, hidden=hidden, checkpoint=checkpoint)
         if self.owns_embedding:
             x = F.embedding(torch.tensor(tokens, dtype=torch.long, device=self.device), self.embed_tokens)
@@ -194,6 +202,7 @@ class ShardModel:
             state.pending = PendingStep(start=pos, n=n)
         if self.owns_head:
             out.logits = F.linear(rms_norm(x, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+            out.ids = out.logits.argmax(dim=-1)
         else:
             out.hidden = x
         return out

@@ -104,6 +104,7 @@ class SequenceState:
     length: int = 0
     pending: PendingStep | None = None
     snapshot: object | None = None
+    slot: int | None = None  # the pool slot holding this state, on a shard whose states live in pools (shardd/fast)
 
     def state_bytes(self) -> int:
         return sum(c.nbytes() for c in self.kv.values()) + self.gdn.nbytes()

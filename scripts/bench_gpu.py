@@ -1,0 +1,432 @@
+#!/usr/bin/env python3
+"""The GPU fast path, measured: one command on the GPU machine, one JSON out.
+
+    python3 scripts/bench_gpu.py --json bench/results/h200/gpu_bench.json          # every part that fits
+    python3 scripts/bench_gpu.py --part local --preset small --tokens 32           # one part, quick
+
+Parts, each in its own process (so one part's memory never weighs on the next):
+- `local`: one process, one GPU, the whole model as one FastShard (bf16, CUDA graphs): the copy
+  bandwidth and the weight-read floor, greedy decode, each rollback mode with the `oracle` drafter at a
+  mean commit near 7 of 16 after a 512-token prompt (A/B/A order), the step and rollback alone, prefill of
+  a 1024-token prompt, a step at a 32k-token context, and the top kernels of one step (profile).
+- `transformers`: `transformers`' greedy decode on the same synthetic weights, in its own process.
+- `e2e`: with two GPUs, two `shardd serve` daemons (layers 0:L/2 and L/2:L) and the same decoding over
+  the pipeline; skipped with one GPU.
+
+Every output (greedy, each mode, one process and two daemons) is hashed: `outputs_identical` says
+whether they are all the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MODES = ("checkpoint", "replay-ssm", "replay")
+BLOCK = 16
+MEAN_COMMIT = 7.0
+
+
+def token_hash(tokens: list[int]) -> str:
+    return hashlib.sha256(",".join(map(str, tokens)).encode()).hexdigest()[:16]
+
+
+def median_ms(samples: list[float]) -> float:
+    return round(statistics.median(samples) * 1e3, 3)
+
+
+# ---- local: one process, one GPU ------------------------------------------------------------------------
+
+
+def copy_bandwidth(torch, device) -> float:
+    """Bytes per second of a large device-to-device copy, counting bytes read plus written."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
+    dst = [torch.empty_like(src) for _ in range(2)]
+    for i in range(3):
+        dst[i % 2].copy_(src)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for i in range(10):
+        start.record()
+        dst[i % 2].copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * (1 << 30) / statistics.median(times)
+
+
+def matmul_peak(torch, device) -> float:
+    """bf16 FLOP/s of an 8192^3 product on random data."""
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize(device)
+    return 10 * 2 * 8192**3 / (time.perf_counter() - start)
+
+
+def profile_top(torch, fn, repeats: int, top: int = 12) -> list[dict]:
+    """The kernels that take most of the device time of fn(), per call."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for event in profiler.key_averages():
+        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if device_us:
+            rows.append((device_us / repeats / 1e3, event.count // repeats, event.key[:90]))
+    rows.sort(reverse=True)
+    total = sum(ms for ms, _, _ in rows)
+    return [{"ms_per_call": round(ms, 3), "launches": count, "kernel": name} for ms, count, name in rows[:top]] + [
+        {"ms_per_call": round(total, 3), "launches": sum(c for _, c, _ in rows), "kernel": "(all kernels)"}]
+
+
+def run_local(args) -> dict:
+    import torch
+
+    from coordinator.decoding import greedy_decode, speculative_decode
+    from coordinator.drafters import OracleDrafter
+    from coordinator.local import LocalTarget
+    from shardd import rollback as rb
+    from shardd.fast.shard import FastShard
+    from shardd.model.shard import ShardModel
+    from shardd.synthetic import preset_config, synthetic_weights
+
+    device = torch.device("cuda:0")
+    torch.cuda.set_device(device)
+    config = preset_config(args.preset)
+    out: dict = {"preset": args.preset, "dtype": "bfloat16", "block": BLOCK, "device": torch.cuda.get_device_name(device)}
+    bandwidth = copy_bandwidth(torch, device)
+    peak = matmul_peak(torch, device)
+    out["copy_bandwidth_tb_s"] = round(bandwidth / 1e12, 3)
+    out["bf16_matmul_tflop_s"] = round(peak / 1e12, 1)
+
+    t0 = time.perf_counter()
+    weights = synthetic_weights(config, 0, config.num_layers, args.seed, dtype=torch.bfloat16, device=device)
+    model = ShardModel(config, weights, 0, config.num_layers, dtype=torch.bfloat16, device=device,
+                       storage=rb.RollbackStorage(rb.CHECKPOINT, BLOCK))
+    del weights
+    weight_bytes = model.weight_bytes()
+    context = args.long_context + 2 * BLOCK
+    shards = {rb.CHECKPOINT: FastShard(model, max_sequences=2, max_context=context)}
+    shards[rb.REPLAY_SSM] = shards[rb.CHECKPOINT].sharing_weights(rb.RollbackStorage(rb.REPLAY_SSM, BLOCK))
+    out["build_s"] = round(time.perf_counter() - t0, 1)
+    out["weight_bytes"] = weight_bytes
+    out["floor_ms"] = round(weight_bytes / bandwidth * 1e3, 3)
+    out["checkpoint_bytes_per_sequence"] = shards[rb.CHECKPOINT].checkpoint_bytes_per_sequence()
+    out["replay_ssm_bytes_per_sequence"] = shards[rb.REPLAY_SSM].checkpoint_bytes_per_sequence()
+    print(f"built {args.preset} in {out['build_s']} s; floor {out['floor_ms']} ms", flush=True)
+
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+
+    # greedy: the reference output, and its speed (a short warm-up run captures the graphs first)
+    for shard in shards.values():  # warm-up: compiles the kernels and captures the graphs of each shard
+        greedy_decode(LocalTarget.from_shards([shard], context), 99, prompt[:32], 4)
+    target = LocalTarget.from_shards([shards[rb.CHECKPOINT]], context)
+    greedy = greedy_decode(target, 1, prompt, args.tokens)
+    out["greedy_ms_per_token"] = round(greedy.decode_seconds / len(greedy.tokens) * 1e3, 3)
+    out["greedy_tok_s"] = round(len(greedy.tokens) / greedy.decode_seconds, 2)
+    hashes = {"greedy": token_hash(greedy.tokens)}
+    print(f"greedy {out['greedy_ms_per_token']} ms/token", flush=True)
+
+    # speculative decoding with the oracle drafter, each mode, A/B/A
+    tok_s: dict[str, list[float]] = {mode: [] for mode in MODES}
+    commits: dict[str, float] = {}
+    for mode in (*MODES, *reversed(MODES)):
+        shard = shards[rb.CHECKPOINT if mode == "replay" else mode]
+        target = LocalTarget.from_shards([shard], context)
+        drafter = OracleDrafter.with_mean_commit(greedy.tokens, len(prompt), block_size=BLOCK, mean_commit=MEAN_COMMIT)
+        result = speculative_decode(target, 2, prompt, drafter, block_size=BLOCK, rollback=mode, max_new_tokens=args.tokens)
+        tok_s[mode].append(len(result.tokens) / result.decode_seconds)
+        commits[mode] = result.avg_commit
+        hashes[f"local/{mode}"] = token_hash(result.tokens)
+        print(f"{mode}: {tok_s[mode][-1]:.1f} tok/s, mean commit {result.avg_commit:.2f}", flush=True)
+    out["tok_s"] = {mode: round(statistics.median(v), 2) for mode, v in tok_s.items()}
+    out["tok_s_runs"] = {mode: [round(x, 2) for x in v] for mode, v in tok_s.items()}
+    out["mean_commit"] = {mode: round(v, 2) for mode, v in commits.items()}
+
+    # the step and the rollback alone
+    def timed(fn, repeats):
+        samples = []
+        for _ in range(repeats):
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize(device)
+            samples.append(time.perf_counter() - start)
+        return samples
+
+    def device_timed(fn, repeats):
+        """Device time of fn's work, by events on the stream (what the next step waits for)."""
+        samples = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        return samples
+
+    block = torch.randint(0, config.vocab_size, (BLOCK,), generator=generator).tolist()
+    step_ms, rollback_ms, rollback_wall_ms = {}, {}, {}
+    for mode in (rb.CHECKPOINT, rb.REPLAY_SSM):
+        shard = shards[mode]
+        state = shard.new_state(context)
+        shard.forward(state, 0, tokens=prompt)
+        pos = state.length
+        forwards, rollbacks, walls = [], [], []
+        for i in range(args.repeats):
+            forwards += timed(lambda: shard.forward(state, pos, tokens=block, checkpoint=True, return_logits=False), 1)
+            measure = device_timed if i % 2 == 0 else timed
+            (rollbacks if i % 2 == 0 else walls).extend(measure(lambda: rb.rollback(state, int(MEAN_COMMIT)), 1))
+            state.length = pos  # timing only: the next step goes to the same position
+        step_ms[mode], rollback_ms[mode], rollback_wall_ms[mode] = median_ms(forwards), median_ms(rollbacks), median_ms(walls)
+        shard.release_state(state)
+    # replay: snapshot, verify, restore, forward the kept tokens again
+    shard = shards[rb.CHECKPOINT]
+    state = shard.new_state(context)
+    shard.forward(state, 0, tokens=prompt)
+    pos = state.length
+
+    def replay_step():
+        rb.snapshot(state)
+        shard.forward(state, pos, tokens=block, return_logits=False)
+        rb.restore(state)
+        shard.forward(state, pos, tokens=block[: int(MEAN_COMMIT)], return_logits=False)
+        state.length = pos
+
+    step_ms["replay"] = median_ms(timed(replay_step, args.repeats))
+    def greedy_step():
+        shard.forward(state, pos, tokens=block[:1], return_logits=False)
+        state.length = pos
+
+    out["greedy_step_ms"] = median_ms(timed(greedy_step, args.repeats))
+    shard.release_state(state)
+    out["step_ms"] = step_ms
+    out["rollback_ms"] = rollback_ms  # device time: what the next step waits for
+    out["rollback_wall_ms"] = rollback_wall_ms  # host call plus a synchronize
+    out["floor_ratio_step"] = {mode: round(ms / out["floor_ms"], 3) for mode, ms in step_ms.items()}
+    out["floor_ratio_greedy"] = round(out["greedy_ms_per_token"] / out["floor_ms"], 3)
+    out["rollback_share_of_step"] = {mode: round(rollback_ms[mode] / step_ms[mode], 4) for mode in rollback_ms}
+    print(f"step {step_ms} rollback {rollback_ms}", flush=True)
+
+    # prefill of a 1024-token prompt (the reference model's chunked path, over the pooled state)
+    long_prompt = torch.randint(0, config.vocab_size, (1024,), generator=generator).tolist()
+    state = shard.new_state(context)
+
+    def prefill():
+        state.length = 0
+        shard.forward(state, 0, tokens=long_prompt, return_logits=False)
+
+    prefill()
+    seconds = statistics.median(timed(prefill, 3))
+    out["prefill_path"] = "fla + flash attention" if shard.prefill_kernels else "reference model code"
+    out["profile_prefill_top"] = profile_top(torch, prefill, 1)
+    out["prefill_tok_s"] = round(1024 / seconds, 1)
+    out["prefill_tflop_s"] = round(2 * weight_bytes / 2 * 1024 / seconds / 1e12, 1)
+    out["prefill_share_of_peak"] = round(out["prefill_tflop_s"] * 1e12 / peak, 3)
+
+    # a step at a 32k-token context: the cache is synthetic (what it holds does not change the work)
+    pos = args.long_context
+    state.length = pos
+    shard.forward(state, pos, tokens=block, checkpoint=True, return_logits=False)
+    rb.rollback(state, 0)
+    samples = []
+    for _ in range(args.repeats):
+        samples += timed(lambda: shard.forward(state, pos, tokens=block, checkpoint=True, return_logits=False), 1)
+        rb.rollback(state, 0)
+    out["step_ms_at_32k_context"] = median_ms(samples)
+    out["floor_ratio_step_at_32k"] = round(out["step_ms_at_32k_context"] / out["floor_ms"], 3)
+
+    def long_step():
+        shard.forward(state, pos, tokens=block, checkpoint=True, return_logits=False)
+        rb.rollback(state, 0)
+
+    out["profile_step_at_32k_top"] = profile_top(torch, long_step, 5)
+
+    # where one step's time goes: the top kernels
+    state.length = pos = 600
+    out["profile_step_top"] = profile_top(torch, long_step, 5)
+    shard.release_state(state)
+    out["hashes"] = hashes
+    return out
+
+
+# ---- transformers: the baseline on the same weights -------------------------------------------------------
+
+
+def run_transformers(args) -> dict:
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from shardd.synthetic import preset_config, synthetic_tensor
+
+    device = torch.device("cuda:0")
+    config = preset_config(args.preset)
+    hf = config.to_hf_dict()
+    fields = {k: v for k, v in hf.items() if k not in ("architectures", "model_type")}
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(device):
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**fields)).eval()
+    torch.set_default_dtype(torch.float32)
+    with torch.no_grad():
+        for key, tensor in model.state_dict().items():
+            name = key if key == "lm_head.weight" else key.removeprefix("model.")
+            tensor.copy_(synthetic_tensor(config, name, tuple(tensor.shape), args.seed, device).to(tensor.dtype))
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator)[None].to(device)
+
+    def generate(new_tokens):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            ids = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        torch.cuda.synchronize(device)
+        return time.perf_counter() - start, ids[0, prompt.shape[1]:].tolist()
+
+    generate(2)
+    short, _ = generate(1)
+    new = min(args.tokens, 32)
+    full, tokens = generate(new + 1)
+    try:
+        import fla  # noqa: F401
+        with_fla = True
+    except ImportError:
+        with_fla = False
+    return {"transformers_ms_per_token": round((full - short) / new * 1e3, 3), "transformers_tokens": new,
+            "transformers_with_fla": with_fla,
+            "transformers_version": __import__("transformers").__version__}
+
+
+# ---- e2e: two daemons on two GPUs ------------------------------------------------------------------------
+
+
+def run_e2e(args) -> dict:
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        return {"e2e_skipped": "one GPU: the two-daemon run needs two"}
+    from coordinator.decoding import greedy_decode, speculative_decode
+    from coordinator.drafters import OracleDrafter
+    from coordinator.launch import ShardSet, launched
+    from coordinator.pipeline import Pipeline
+    from shardd.synthetic import preset_config
+
+    config = preset_config(args.preset)
+    half = config.num_layers // 2
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+    out: dict = {"e2e_layers": [[0, half], [half, config.num_layers]]}
+    hashes, tok_s, step_ms = {}, {}, {}
+    for storage_mode in ("checkpoint", "replay-ssm"):
+        shard_set = ShardSet.synthetic(
+            f"{args.preset}:{args.seed}", [(0, half), (half, config.num_layers)], devices=["cuda:0", "cuda:1"],
+            extra_args=["--dtype", "bfloat16", "--rollback-mode", storage_mode, "--max-verify-tokens", str(BLOCK),
+                        "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK), "--max-sequences", "2"],
+        )
+        with launched(shard_set, ready_timeout=900) as endpoints:
+            pipeline = Pipeline.connect(endpoints, timeout=600)
+            if storage_mode == "checkpoint":
+                greedy_decode(pipeline, 98, prompt[:32], 4)
+                greedy = greedy_decode(pipeline, 1, prompt, args.tokens)
+                hashes["e2e/greedy"] = token_hash(greedy.tokens)
+                out["e2e_greedy_ms_per_token"] = round(greedy.decode_seconds / len(greedy.tokens) * 1e3, 3)
+                reference = greedy.tokens
+                modes = ("checkpoint", "replay", "checkpoint")
+            else:
+                modes = ("replay-ssm",)
+            for mode in modes:
+                drafter = OracleDrafter.with_mean_commit(reference, len(prompt), block_size=BLOCK, mean_commit=MEAN_COMMIT)
+                result = speculative_decode(pipeline, 2, prompt, drafter, block_size=BLOCK, rollback=mode, max_new_tokens=args.tokens)
+                tok_s.setdefault(mode, []).append(len(result.tokens) / result.decode_seconds)
+                step_ms.setdefault(mode, []).append(result.decode_seconds / result.steps * 1e3)
+                hashes[f"e2e/{mode}"] = token_hash(result.tokens)
+                print(f"e2e {mode}: {tok_s[mode][-1]:.1f} tok/s", flush=True)
+            pipeline.close()
+    out["e2e_tok_s"] = {mode: round(statistics.median(v), 2) for mode, v in tok_s.items()}
+    out["e2e_step_ms"] = {mode: round(statistics.median(v), 3) for mode, v in step_ms.items()}
+    out["hashes"] = hashes
+    return out
+
+
+# ---- the whole run ---------------------------------------------------------------------------------------
+
+PARTS = {"local": run_local, "transformers": run_transformers, "e2e": run_e2e}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=sorted(PARTS), help="Run one part in this process.")
+    parser.add_argument("--parts", default="local,transformers,e2e")
+    parser.add_argument("--preset", default="qwen3.5-27b")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=128, help="New tokens per decode.")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--long-context", type=int, default=32768)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    if args.part:
+        result = PARTS[args.part](args)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n") if args.json else print(json.dumps(result, indent=2))
+        return 0
+
+    merged: dict = {"hashes": {}}
+    for part in args.parts.split(","):
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
+            path = handle.name
+        command = [sys.executable, __file__, "--part", part, "--json", path, "--preset", args.preset, "--seed", str(args.seed),
+                   "--prompt-len", str(args.prompt_len), "--tokens", str(args.tokens), "--repeats", str(args.repeats),
+                   "--long-context", str(args.long_context)]
+        print(f"== {part}", flush=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if part == "transformers":  # the baseline as a plain install runs it: without flash-linear-attention
+            env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if "fla" not in p)
+        done = subprocess.run(command, cwd=ROOT, env=env)
+        if done.returncode != 0:
+            merged.setdefault("failed_parts", []).append(part)
+            continue
+        result = json.loads(Path(path).read_text())
+        merged["hashes"].update(result.pop("hashes", {}))
+        merged.update(result)
+    if "transformers_ms_per_token" in merged and "tok_s" in merged:
+        best = max(merged["tok_s"].values())
+        merged["vs_transformers"] = round(best * merged["transformers_ms_per_token"] / 1e3, 2)
+        merged["greedy_vs_transformers"] = round(merged["transformers_ms_per_token"] / merged["greedy_ms_per_token"], 2)
+    if "e2e_step_ms" in merged and "step_ms" in merged:
+        local_step = {m: 1e3 / (merged["tok_s"][m] / merged["mean_commit"][m]) for m in merged["e2e_step_ms"] if m in merged["tok_s"]}
+        merged["relay_ms_per_step"] = {m: round(merged["e2e_step_ms"][m] - local_step[m], 3) for m in local_step}
+        merged["e2e_vs_local"] = {m: round(merged["e2e_tok_s"][m] / merged["tok_s"][m], 3) for m in merged["e2e_tok_s"]}
+    merged["outputs_identical"] = len(set(merged["hashes"].values())) == 1
+    text = json.dumps(merged, indent=2) + "\n"
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text)
+    print(text)
+    return 0 if merged["outputs_identical"] and "failed_parts" not in merged else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

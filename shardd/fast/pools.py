@@ -1,0 +1,142 @@
+"""Every open sequence's state in pointer-stable slots, so one captured step serves any sequence by index.
+
+A slot holds the KV cache of each attention layer, the conv window and recurrent state of each GDN layer,
+the step's recurrence inputs (q, k, v, g, beta: what `gdn_recurrence` reads, and what a replay-ssm
+rollback re-runs), and the rollback storage of the shard's mode. A `SequenceState` handed to the daemon is
+made of views into its slot, so the reference path (prefill) and the step share one state. The last slot
+is scratch for warm-up and graph capture; it never holds a sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardd.config import ModelConfig
+from shardd.model.state import GDNStates, KVCache, SequenceState
+from shardd import rollback as rb
+from shardd.kernels import gdn as gdn_kernels
+
+
+class SlotCheckpoints:
+    """checkpoint mode, one slot: the float32 state and conv window after every token of the step."""
+
+    def __init__(self, recurrent: torch.Tensor, conv: torch.Tensor):
+        self.recurrent, self.conv = recurrent, conv  # [L, T + 1, H, K, V], [L, T + 1, W, C]
+
+    def restore(self, states: GDNStates, keep: int) -> None:
+        states.recurrent.copy_(self.recurrent[:, keep])
+        states.conv.copy_(self.conv[:, keep])
+
+    def nbytes(self) -> int:
+        return self.recurrent.nbytes + self.conv.nbytes
+
+
+class SlotRecurrenceLog:
+    """replay-ssm mode, one slot: the state before the step, its conv inputs, and the recurrence inputs the
+    step left in the pool. A rollback re-runs the step's own recurrence kernel over the kept tokens."""
+
+    def __init__(self, pools: "StatePools", slot: int):
+        self.pools, self.slot = pools, slot
+
+    def restore(self, states: GDNStates, keep: int) -> None:
+        pools, slot = self.pools, self.slot
+        if keep:  # the recurrence kernel reads the saved state and leaves the state after `keep` tokens
+            control = pools.replay_control
+            control.copy_(torch.tensor([slot, keep, 0, gdn_kernels.SAVE_NOTHING, 0], dtype=torch.int32))
+            gdn_kernels.gdn_recurrence(
+                pools.recurrence_inputs, pools.recurrent, pools.recurrent0, pools.replay_out, control,
+                layer0=0, layers=len(pools.gdn_layers), rows=pools.rows, num_k_heads=pools.config.linear_num_key_heads,
+                initial=pools.recurrent0,
+            )
+        else:
+            states.recurrent.copy_(pools.recurrent0[slot, :, 0])
+        width = pools.conv0.shape[-2]
+        full = torch.cat([pools.conv0[slot], pools.conv_inputs[slot, :, :keep]], dim=1)  # [L, W + keep, C]
+        states.conv.copy_(full[:, keep : keep + width])
+
+    def nbytes(self) -> int:
+        p, s = self.pools, self.slot
+        return sum(t[s].nbytes for t in (p.recurrent0, p.conv0, p.conv_inputs, *p.recurrence_inputs))
+
+
+class StatePools:
+    def __init__(self, config: ModelConfig, attention_layers: list[int], gdn_layers: list[int], *, sequences: int,
+                 max_context: int, rows: int, storage: rb.RollbackStorage, dtype: torch.dtype, device: torch.device):
+        c = config
+        self.config, self.rows, self.storage = c, rows, storage
+        self.max_context = max_context
+        self.attention_layers, self.gdn_layers = list(attention_layers), list(gdn_layers)
+        slots = sequences + 1
+        self.scratch_slot = sequences
+        self.free = list(range(sequences))
+        act = dict(dtype=dtype, device=device)
+        f32 = dict(dtype=torch.float32, device=device)
+        kv_shape = (slots, c.num_key_value_heads, max_context, c.head_dim)
+        self.keys = {i: torch.zeros(kv_shape, **act) for i in attention_layers}
+        self.values = {i: torch.zeros(kv_shape, **act) for i in attention_layers}
+        layers, heads = len(gdn_layers), c.linear_num_value_heads
+        k_dim, v_dim, k_heads = c.linear_key_head_dim, c.linear_value_head_dim, c.linear_num_key_heads
+        width, conv_dim = c.linear_conv_kernel_dim - 1, c.linear_conv_dim
+        self.conv = torch.zeros((slots, layers, width, conv_dim), **f32)
+        self.recurrent = torch.zeros((slots, layers, heads, k_dim, v_dim), **f32)
+        # q, k, v, g, beta of the last step, per layer
+        self.recurrence_inputs = (
+            torch.zeros((slots, layers, rows, k_heads, k_dim), **f32),
+            torch.zeros((slots, layers, rows, k_heads, k_dim), **f32),
+            torch.zeros((slots, layers, rows, heads, v_dim), **f32),
+            torch.zeros((slots, layers, rows, heads), **f32),
+            torch.zeros((slots, layers, rows, heads), **f32),
+        )
+        # stand-ins for the storage a mode lacks: the kernels take a pointer but never touch it
+        self.none = torch.zeros(1, **f32)
+        self.windows = self.conv0 = self.conv_inputs = self.none
+        self.saved = torch.zeros((1, 1, 1, 1, 1, 1), **f32)
+        mode = storage.mode if storage.enabled else None
+        if mode == rb.CHECKPOINT:
+            self.saved = torch.zeros((slots, layers, rows + 1, heads, k_dim, v_dim), **f32)
+            self.windows = torch.zeros((slots, layers, rows + 1, width, conv_dim), **f32)
+        elif mode == rb.REPLAY_SSM:
+            self.recurrent0 = torch.zeros((slots, layers, 1, heads, k_dim, v_dim), **f32)
+            self.saved = self.recurrent0
+            self.conv0 = torch.zeros((slots, layers, width, conv_dim), **f32)
+            self.conv_inputs = torch.zeros((slots, layers, rows, conv_dim), **f32)
+            self.replay_out = torch.zeros((max(layers, 1), rows, heads, v_dim), **f32)
+            self.replay_control = torch.zeros(5, dtype=torch.int32, device=device)
+        self.mode = mode
+
+    # ---- slots -------------------------------------------------------------------------------------
+
+    def acquire(self) -> SequenceState:
+        if not self.free:
+            raise MemoryError(f"all {self.scratch_slot} sequence slots of this shard are in use")
+        slot = self.free.pop(0)
+        return self.state_of(slot)
+
+    def release(self, state: SequenceState) -> None:
+        if state.slot is not None and state.slot not in self.free and state.slot != self.scratch_slot:
+            self.free.append(state.slot)
+            self.free.sort()
+            state.slot = None
+
+    def state_of(self, slot: int) -> SequenceState:
+        kv = {i: KVCache(self.keys[i][slot], self.values[i][slot]) for i in self.attention_layers}
+        gdn = GDNStates(self.gdn_layers, self.conv[slot], self.recurrent[slot])
+        gdn.conv.zero_()
+        gdn.recurrent.zero_()
+        storage = None
+        if self.gdn_layers and self.mode == rb.CHECKPOINT:
+            storage = SlotCheckpoints(self.saved[slot], self.windows[slot])
+        elif self.gdn_layers and self.mode == rb.REPLAY_SSM:
+            storage = SlotRecurrenceLog(self, slot)
+        return SequenceState(max_context=self.max_context, kv=kv, gdn=gdn, rollback_storage=storage, slot=slot)
+
+    def layer_views(self, row: int) -> dict:
+        """What the step's GDN kernels take for GDN layer `row` (its index among the shard's GDN layers)."""
+        checkpoint, replay_ssm = self.mode == rb.CHECKPOINT, self.mode == rb.REPLAY_SSM
+        return {
+            "conv_state": self.conv[:, row],
+            "windows": self.windows[:, row] if checkpoint else self.none,
+            "log_conv0": self.conv0[:, row] if replay_ssm else self.none,
+            "log_in": self.conv_inputs[:, row] if replay_ssm else self.none,
+            "rin": tuple(t[:, row] for t in self.recurrence_inputs),
+        }

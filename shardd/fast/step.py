@@ -1,0 +1,120 @@
+"""The fixed-shape step: T rows through a shard's layers, from static input buffers to static outputs.
+
+Written once, run eagerly (tests under TRITON_INTERPRET=1, warm-up) or replayed as a CUDA graph
+(graph.py). It reads the sequence's slot, the number of real rows n, the position and what to save from
+the device tensor `control`, so it never syncs with the host and never slices by a Python int.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shardd.fast.pools import StatePools
+from shardd.fast.weights import FusedAttention, FusedLayer
+from shardd.kernels import attention as attention_kernels
+from shardd.kernels import elementwise
+from shardd.kernels import gdn as gdn_kernels
+from shardd.model.shard import ShardModel
+
+# control: int32 [slot, n, pos, save, n_save]
+SLOT, ROWS, POS, SAVE, N_SAVE = range(5)
+
+
+class StepBuffers:
+    """The step's static inputs and outputs, and the scratch its kernels write."""
+
+    def __init__(self, model: ShardModel, rows: int, max_context: int):
+        c, device, dtype = model.config, model.device, model.dtype
+        self.control = torch.zeros(5, dtype=torch.int32, device=device)
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        self.hidden_in = torch.zeros((rows, c.hidden_size), dtype=dtype, device=device)
+        self.hidden = torch.zeros((rows, c.hidden_size), dtype=dtype, device=device)  # the residual stream
+        self.normed = torch.zeros((rows, c.hidden_size), dtype=dtype, device=device)
+        self.core = torch.zeros((1, rows, c.linear_num_value_heads, c.linear_value_head_dim), dtype=torch.float32, device=device)
+        self.gdn_out = torch.zeros((rows, c.linear_value_dim), dtype=dtype, device=device)
+        self.query = torch.zeros((rows, c.num_attention_heads, c.head_dim), dtype=dtype, device=device)
+        self.attn_out = torch.zeros((rows, c.num_attention_heads * c.head_dim), dtype=dtype, device=device)
+        splits = attention_kernels.num_splits(max_context)
+        heads = c.num_attention_heads
+        self.partials = (
+            torch.zeros((rows, heads, splits), dtype=torch.float32, device=device),
+            torch.zeros((rows, heads, splits), dtype=torch.float32, device=device),
+            torch.zeros((rows, heads, splits, c.head_dim), dtype=torch.float32, device=device),
+        )
+        self.act = torch.zeros((rows, c.intermediate_size), dtype=dtype, device=device)
+        self.ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.logits = torch.zeros((rows, c.vocab_size), dtype=torch.float32, device=device) if model.owns_head else None
+        # cos / sin of every position a row can take (padding rows run up to max_context + rows - 1)
+        positions = torch.arange(max_context + rows, device=device)
+        self.cos, self.sin = (t.contiguous() for t in model.rope.cos_sin(positions, dtype))
+
+
+def run_step(model: ShardModel, layers: list[FusedLayer], pools: StatePools, buffers: StepBuffers,
+             captured: dict[int, torch.Tensor]) -> None:
+    """One T-row step: buffers.tokens / hidden_in -> buffers.hidden (or logits and ids on the head shard);
+    the output of each layer in `captured` is copied into its buffer."""
+    c, b = model.config, buffers
+    rows = b.tokens.shape[0]
+    eps = c.rms_norm_eps
+    if model.owns_embedding:
+        b.hidden.copy_(F.embedding(b.tokens, model.embed_tokens))
+    else:
+        b.hidden.copy_(b.hidden_in)
+    delta = None  # the last branch's output, added to the residual stream by the next norm
+    gdn_row = {layer: row for row, layer in enumerate(pools.gdn_layers)}
+    for layer in layers:
+        _add_norm(b, delta, layer.input_layernorm, eps)
+        if isinstance(layer.mixer, FusedAttention):
+            delta = _attention(model, layer, pools, b, rows)
+        else:
+            delta = _gdn(model, layer, gdn_row[layer.index], pools, b, rows)
+        _add_norm(b, delta, layer.post_attention_layernorm, eps)
+        delta = F.linear(elementwise.silu_mul(F.linear(b.normed, layer.gate_up), b.act), layer.down)
+        if layer.index in captured:
+            torch.add(b.hidden, delta, out=captured[layer.index])
+    if model.owns_head:
+        _add_norm(b, delta, model.norm, eps)
+        b.logits.copy_(F.linear(b.normed, model.lm_head))
+        torch.argmax(b.logits, dim=-1, out=b.ids)
+    else:
+        b.hidden.add_(delta)
+
+
+def _add_norm(b: StepBuffers, delta, weight, eps) -> None:
+    """hidden += delta (rounded as the reference's residual add), normed = rms_norm(hidden)."""
+    if delta is None:
+        elementwise.add_rms_norm(b.hidden, weight, eps, out=b.normed)
+    else:
+        elementwise.add_rms_norm(b.hidden, weight, eps, delta=delta, sum_out=b.hidden, out=b.normed)
+
+
+def _gdn(model, layer: FusedLayer, row: int, pools: StatePools, b: StepBuffers, rows: int) -> torch.Tensor:
+    c, mixer = model.config, layer.mixer
+    proj = F.linear(b.normed, mixer.in_proj)  # [T, conv_dim + value_dim + 2 * v_heads]
+    views = pools.layer_views(row)
+    gdn_kernels.gdn_prepare(
+        proj, mixer.conv_weight, mixer.neg_decay, mixer.dt_bias, views["conv_state"], views["windows"],
+        views["log_conv0"], views["log_in"], views["rin"], b.control,
+        num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
+        k_dim=c.linear_key_head_dim, v_dim=c.linear_value_head_dim, rows=rows,
+    )
+    gdn_kernels.gdn_recurrence(
+        pools.recurrence_inputs, pools.recurrent, pools.saved, b.core, b.control,
+        layer0=row, layers=1, rows=rows, num_k_heads=c.linear_num_key_heads,
+    )
+    z = proj[:, c.linear_conv_dim : c.linear_conv_dim + c.linear_value_dim]
+    elementwise.gated_rms_norm(b.core[0], z, mixer.norm, c.rms_norm_eps, b.gdn_out)
+    return F.linear(b.gdn_out, mixer.out_proj)
+
+
+def _attention(model, layer: FusedLayer, pools: StatePools, b: StepBuffers, rows: int) -> torch.Tensor:
+    c, mixer = model.config, layer.mixer
+    qkv = F.linear(b.normed, mixer.qkv)
+    attention_kernels.attention_step(
+        qkv, mixer.q_norm, mixer.k_norm, b.cos, b.sin, pools.keys[layer.index], pools.values[layer.index],
+        b.query, b.partials, b.attn_out, b.control,
+        num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+        rotary_dim=c.rotary_dim, eps=c.rms_norm_eps, rows=rows,
+    )
+    return F.linear(b.attn_out, mixer.o_proj)

@@ -1,0 +1,8 @@
+"""Triton kernels of the GPU step (shardd/fast/), one op per module, each tested against the readable
+reference in shardd/model/ (tests/test_kernels.py).
+
+Every kernel computes a row (a token) the same way whatever the other rows of its launch hold and
+however many of them are real: that is what makes a token's result independent of how many tokens
+shared its step. Importing this package does not import triton; each module does, so only a GPU
+shard (or a test under TRITON_INTERPRET=1) loads it.
+"""

@@ -1,0 +1,174 @@
+"""The attention layer's step kernels: q/k RMSNorm + partial RoPE + the KV-cache append, attention over
+the cache in fixed-size key chunks (split-KV), and the merge of the chunks with the sigmoid output gate
+(the math of shardd/model/attention.py).
+
+A row's keys are cut into chunks of CHUNK positions that do not depend on the step: a token's output
+is the same whichever row of whichever step it is in. Chunks past the step's last position cost one
+early exit, so the cost grows with the real context, not the preallocated one.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 1024  # key positions per split; fixed, so a row's reduction order never depends on its step
+BLOCK_N = 32
+
+
+@triton.jit
+def _qk_norm_rope_append_kernel(
+    qkv_ptr, qkv_stride, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, query_ptr,
+    k_cache_ptr, v_cache_ptr, cache_slot_stride, cache_head_stride,
+    control_ptr, HQ, HKV, D, ROT, eps, DP: tl.constexpr,
+):
+    t = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(control_ptr + 0).to(tl.int64)
+    n = tl.load(control_ptr + 1)
+    pos = tl.load(control_ptr + 2)
+    is_query = head < HQ
+    kv_head = head - HQ
+    # q_proj gives per head [query D | gate D]; then k (HKV * D), then v (HKV * D)
+    col0 = tl.where(is_query, head * 2 * D, 2 * HQ * D + kv_head * D)
+    lanes = tl.arange(0, DP)
+    mask = lanes < D
+    half = ROT // 2
+    partner = tl.where(lanes < half, lanes + half, lanes - half)
+    row_ptr = qkv_ptr + t * qkv_stride + col0
+    x = tl.load(row_ptr + lanes, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(row_ptr + partner, mask=mask & (lanes < ROT), other=0.0).to(tl.float32)
+    norm_ptr = tl.where(is_query, q_norm_ptr, k_norm_ptr)
+    w = 1.0 + tl.load(norm_ptr + lanes, mask=mask, other=0.0).to(tl.float32)
+    wp = 1.0 + tl.load(norm_ptr + partner, mask=mask & (lanes < ROT), other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    dtype = query_ptr.dtype.element_ty
+    y = (x * rstd * w).to(dtype).to(tl.float32)
+    yp = (xp * rstd * wp).to(dtype).to(tl.float32)
+    position = pos + t
+    cos = tl.load(cos_ptr + position * ROT + lanes, mask=mask & (lanes < ROT), other=1.0).to(tl.float32)
+    sin = tl.load(sin_ptr + position * ROT + lanes, mask=mask & (lanes < ROT), other=0.0).to(tl.float32)
+    rotated_half = tl.where(lanes < half, -yp, yp)
+    roped = ((y * cos).to(dtype).to(tl.float32) + (rotated_half * sin).to(dtype).to(tl.float32)).to(dtype)
+    out = tl.where(lanes < ROT, roped, y.to(dtype))
+    if is_query:
+        tl.store(query_ptr + (t * HQ + head) * D + lanes, out, mask=mask)
+    else:
+        if t < n:  # padding rows never touch the cache
+            cache = slot * cache_slot_stride + kv_head * cache_head_stride + position.to(tl.int64) * D + lanes
+            tl.store(k_cache_ptr + cache, out, mask=mask)
+            value = tl.load(qkv_ptr + t * qkv_stride + 2 * HQ * D + HKV * D + kv_head * D + lanes, mask=mask)
+            tl.store(v_cache_ptr + cache, value, mask=mask)
+
+
+@triton.jit
+def _attention_split_kernel(
+    query_ptr, k_cache_ptr, v_cache_ptr, cache_slot_stride, cache_head_stride, max_context,
+    m_ptr, l_ptr, acc_ptr, num_splits, control_ptr, HQ, HKV, D, scale,
+    T: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, DP: tl.constexpr, CHUNK_: tl.constexpr,
+    BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # one program: one kv head's chunk of keys against the T rows of each of its G query heads,
+    # so every key and value is read once; row r is (query head g = r // T, token t = r % T)
+    kv_head = tl.program_id(0)
+    split = tl.program_id(1)
+    slot = tl.load(control_ptr + 0).to(tl.int64)
+    pos = tl.load(control_ptr + 2)
+    start = split * CHUNK_
+    if start <= pos + T - 1:  # else: the whole chunk lies past this step's last position
+        rows = tl.arange(0, ROWS)
+        t = rows % T
+        head = kv_head * G + rows // T
+        rmask = rows < G * T
+        lanes = tl.arange(0, DP)
+        dmask = lanes < D
+        query = tl.load(query_ptr + (t[:, None] * HQ + head[:, None]) * D + lanes[None, :],
+                        mask=rmask[:, None] & dmask[None, :], other=0.0)
+        limit = pos + t  # token t sees keys 0 .. pos + t
+        m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, DP], dtype=tl.float32)
+        cache = slot * cache_slot_stride + kv_head * cache_head_stride
+        for block in tl.static_range(0, CHUNK_, BLOCK):
+            if start + block <= pos + T - 1:
+                keys_at = start + block + tl.arange(0, BLOCK)
+                kmask = (keys_at[:, None] < max_context) & dmask[None, :]
+                key = tl.load(k_cache_ptr + cache + keys_at[:, None].to(tl.int64) * D + lanes[None, :], mask=kmask, other=0.0)
+                value = tl.load(v_cache_ptr + cache + keys_at[:, None].to(tl.int64) * D + lanes[None, :], mask=kmask, other=0.0)
+                scores = tl.dot(query, tl.trans(key), input_precision=PRECISION) * scale
+                scores = tl.where(keys_at[None, :] <= limit[:, None], scores, float("-inf"))
+                m_new = tl.maximum(m, tl.max(scores, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp(scores - m_safe[:, None])
+                alpha = tl.exp(m - m_safe)
+                l = l * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(value.dtype), value, input_precision=PRECISION)
+                m = m_new
+        part = (t * HQ + head) * num_splits + split
+        tl.store(m_ptr + part, m, mask=rmask)
+        tl.store(l_ptr + part, l, mask=rmask)
+        tl.store(acc_ptr + part[:, None].to(tl.int64) * D + lanes[None, :], acc, mask=rmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _attention_merge_kernel(
+    m_ptr, l_ptr, acc_ptr, qkv_ptr, qkv_stride, out_ptr, control_ptr, HQ, D,
+    NUM_SPLITS: tl.constexpr, DP: tl.constexpr, CHUNK_: tl.constexpr,
+):
+    t = tl.program_id(0)
+    head = tl.program_id(1)
+    pos = tl.load(control_ptr + 2)
+    lanes = tl.arange(0, DP)
+    dmask = lanes < D
+    own_splits = (pos + t) // CHUNK_ + 1  # the chunks holding this row's keys, merged in order
+    m = tl.zeros([], dtype=tl.float32) - float("inf")
+    l = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([DP], dtype=tl.float32)
+    part = (t * HQ + head) * NUM_SPLITS
+    for split in range(0, NUM_SPLITS):
+        if split < own_splits:
+            m_split = tl.load(m_ptr + part + split)
+            m_new = tl.maximum(m, m_split)
+            a = tl.exp(m - m_new)
+            b = tl.exp(m_split - m_new)
+            l = l * a + tl.load(l_ptr + part + split) * b
+            acc = acc * a + tl.load(acc_ptr + (part + split).to(tl.int64) * D + lanes, mask=dmask, other=0.0) * b
+            m = m_new
+    dtype = out_ptr.dtype.element_ty
+    attended = (acc / l).to(dtype).to(tl.float32)
+    gate = tl.load(qkv_ptr + t * qkv_stride + head * 2 * D + D + lanes, mask=dmask, other=0.0).to(tl.float32)
+    gate = (1.0 / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + t * HQ * D + head * D + lanes, (attended * gate).to(dtype), mask=dmask)
+
+
+def num_splits(max_context: int) -> int:
+    return triton.cdiv(max_context, CHUNK)
+
+
+def attention_step(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, query, partials, out, control, *,
+                   num_heads, num_kv_heads, head_dim, rotary_dim, eps, rows):
+    """One attention layer's step for `rows` (= T) rows: norms, RoPE, the cache append of control.n rows at
+    control.pos, attention of row t over keys 0 .. pos + t, merged and gated into out [T, heads * D].
+
+    qkv [T, 2 * H * D + 2 * HKV * D], k/v_cache [S, HKV, max_context, D], query [T, H, D] scratch,
+    partials = (m [T, H, splits], l [T, H, splits], acc [T, H, splits, D]) float32 scratch."""
+    d_block = triton.next_power_of_2(head_dim)
+    _qk_norm_rope_append_kernel[(rows, num_heads + num_kv_heads)](
+        qkv, qkv.stride(0), q_norm, k_norm, cos, sin, query, k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
+        control, num_heads, num_kv_heads, head_dim, rotary_dim, eps, DP=d_block,
+    )
+    m, l, acc = partials
+    splits = m.shape[-1]
+    group = num_heads // num_kv_heads
+    _attention_split_kernel[(num_kv_heads, splits)](
+        query, k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.shape[2], m, l, acc, splits,
+        control, num_heads, num_kv_heads, head_dim, head_dim**-0.5,
+        T=rows, G=group, ROWS=max(16, triton.next_power_of_2(group * rows)), DP=d_block, CHUNK_=CHUNK, BLOCK=BLOCK_N,
+        num_warps=8,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # float32 means float32, as in the reference
+    )
+    _attention_merge_kernel[(rows, num_heads)](
+        m, l, acc, qkv, qkv.stride(0), out, control, num_heads, head_dim, NUM_SPLITS=splits, DP=d_block, CHUNK_=CHUNK,
+    )
+    return out

@@ -1,0 +1,191 @@
+"""The GPU step (shardd/fast, shardd/kernels) against the reference model code.
+
+On a CUDA machine this runs the real Triton kernels and CUDA graphs, in float32 and bf16. Without
+one it runs the same kernels under Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py) on
+the CPU, in float32, on the tiny preset cut to 3 layers: slow, so the schedules are short.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="the fast path's kernels need triton")
+
+from coordinator.decoding import greedy_decode, speculative_decode  # noqa: E402
+from coordinator.drafters import OracleDrafter  # noqa: E402
+from coordinator.local import LocalTarget  # noqa: E402
+from shardd import rollback as rb  # noqa: E402
+from shardd.fast.shard import FastShard  # noqa: E402
+from shardd.model.shard import ShardModel  # noqa: E402
+from shardd.config import config_from_dict  # noqa: E402
+from shardd.synthetic import PRESETS, preset_config, synthetic_weights  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+if CUDA:  # float32 means float32 on both paths (as build_shard sets for a float32 shard)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+DEVICE = "cuda" if CUDA else "cpu"
+ROWS = 4
+CONTEXT = 96
+gpu_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+def model_config(preset: str):
+    """`micro` is the tiny preset cut to 3 layers (GDN, GDN, attention): the interpreter runs each op in Python."""
+    if preset == "micro":
+        return config_from_dict({**PRESETS["tiny"], "num_hidden_layers": 3})
+    return preset_config(preset)
+
+
+def shard(mode: str | None, *, preset="micro", dtype=torch.float32, begin=0, end=None, rows=ROWS) -> ShardModel:
+    config = model_config(preset)
+    end = config.num_layers if end is None else end
+    weights = synthetic_weights(config, begin, end, seed=0, dtype=dtype, device=DEVICE)
+    storage = rb.RollbackStorage(mode, rows) if mode else rb.RollbackStorage(None, 0)
+    return ShardModel(config, weights, begin, end, dtype=dtype, device=DEVICE, storage=storage)
+
+
+def fast(mode: str | None, **kwargs) -> FastShard:
+    return FastShard(shard(mode, **kwargs), max_sequences=2, max_context=CONTEXT)
+
+
+def ids(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("mode", [rb.CHECKPOINT, rb.REPLAY_SSM])
+def test_step_and_rollback_match_the_reference(mode):
+    """float32: logits of every step, and the GDN state after every rollback, agree with the reference model
+    code within rounding; the prefill (longer than T) is the reference path itself."""
+    reference, step = shard(mode), fast(mode)
+    step.prefill_kernels = False  # the step alone: the GPU prefill has a test of its own
+    vocab = reference.config.vocab_size
+    ref_state, fast_state = reference.new_state(CONTEXT), step.new_state(CONTEXT)
+    prompt = ids(9, vocab, 0)
+    a = reference.forward(ref_state, 0, tokens=prompt)
+    b = step.forward(fast_state, 0, tokens=prompt)
+    assert torch.equal(a.logits.cpu(), b.logits.cpu())
+    pos = len(prompt)
+    for keep in (1, ROWS - 1, 0):
+        block = ids(ROWS, vocab, pos)
+        a = reference.forward(ref_state, pos, tokens=block, checkpoint=True)
+        b = step.forward(fast_state, pos, tokens=block, checkpoint=True)
+        torch.testing.assert_close(b.logits.cpu(), a.logits.cpu(), rtol=1e-4, atol=1e-4)
+        assert b.ids.tolist() == a.ids.tolist()
+        rb.rollback(ref_state, keep)
+        rb.rollback(fast_state, keep)
+        assert fast_state.length == ref_state.length == pos + keep
+        torch.testing.assert_close(fast_state.gdn.recurrent, ref_state.gdn.recurrent, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(fast_state.gdn.conv, ref_state.gdn.conv, rtol=1e-4, atol=1e-5)
+        pos += keep
+        a = reference.forward(ref_state, pos, tokens=[7])
+        b = step.forward(fast_state, pos, tokens=[7])
+        torch.testing.assert_close(b.logits.cpu(), a.logits.cpu(), rtol=1e-4, atol=1e-4)
+        pos += 1
+
+
+def test_checkpoint_and_replay_ssm_states_are_bit_identical():
+    """replay-ssm re-runs the step's own recurrence kernel over the kept tokens: the state it leaves is
+    bit for bit the checkpoint mode's saved slot."""
+    shards = {mode: fast(mode) for mode in (rb.CHECKPOINT, rb.REPLAY_SSM)}
+    vocab = shards[rb.CHECKPOINT].config.vocab_size
+    states = {mode: s.new_state(CONTEXT) for mode, s in shards.items()}
+    pos = 0
+    for keep in (2, 0, ROWS):
+        block = ids(ROWS, vocab, 100 + pos)
+        for mode, s in shards.items():
+            s.forward(states[mode], pos, tokens=block, checkpoint=True)
+            rb.rollback(states[mode], keep)
+        a, b = states[rb.CHECKPOINT], states[rb.REPLAY_SSM]
+        assert torch.equal(a.gdn.recurrent, b.gdn.recurrent)
+        assert torch.equal(a.gdn.conv, b.gdn.conv)
+        pos += keep
+
+
+def test_padding_rows_change_nothing():
+    """A step of n < T real rows leaves exactly the state of the same n rows in a step of their own."""
+    one, other = fast(rb.CHECKPOINT), fast(rb.CHECKPOINT)
+    vocab = one.config.vocab_size
+    a, b = one.new_state(CONTEXT), other.new_state(CONTEXT)
+    block = ids(ROWS, vocab, 5)
+    out_a = one.forward(a, 0, tokens=block[:2])
+    out_b = [other.forward(b, 0, tokens=block[:1]), other.forward(b, 1, tokens=block[1:2])]
+    assert out_a.ids.tolist() == [out_b[0].ids.item(), out_b[1].ids.item()]
+    assert torch.equal(a.gdn.recurrent, b.gdn.recurrent) and torch.equal(a.gdn.conv, b.gdn.conv)
+    layer = one.attention_layers[0]
+    assert torch.equal(a.kv[layer].key[:, :2], b.kv[layer].key[:, :2])
+
+
+def test_a_slot_is_reused_after_release_and_starts_empty():
+    step = fast(rb.CHECKPOINT)
+    state = step.new_state(CONTEXT)
+    step.forward(state, 0, tokens=[1, 2, 3])
+    slot = state.slot
+    step.release_state(state)
+    again = step.new_state(CONTEXT)
+    assert again.slot == slot and again.length == 0
+    assert not again.gdn.recurrent.any()
+
+
+def _speculative_outputs(dtype, preset, rows, prompt_len, new_tokens, split=None, context=CONTEXT):
+    config = model_config(preset)
+    shards = {}
+    for mode in (rb.CHECKPOINT, rb.REPLAY_SSM):
+        ranges = [(0, config.num_layers)] if split is None else [(0, split), (split, config.num_layers)]
+        shards[mode] = [FastShard(shard(mode, preset=preset, dtype=dtype, begin=b, end=e, rows=rows),
+                                  max_sequences=2, max_context=context) for b, e in ranges]
+    prompt = ids(prompt_len, config.vocab_size, 1)
+    greedy = greedy_decode(LocalTarget.from_shards(shards[rb.CHECKPOINT], context), 1, prompt, new_tokens).tokens
+    outputs = {"greedy": greedy}
+    for mode in (rb.CHECKPOINT, rb.REPLAY_SSM, "replay"):
+        target = LocalTarget.from_shards(shards[rb.CHECKPOINT if mode == "replay" else mode], context)
+        drafter = OracleDrafter.with_mean_commit(greedy, len(prompt), block_size=rows, mean_commit=rows / 2)
+        result = speculative_decode(target, 2, prompt, drafter, block_size=rows, rollback=mode, max_new_tokens=new_tokens)
+        outputs[mode] = result.tokens
+    return outputs
+
+
+def test_speculative_output_equals_greedy_through_the_step():
+    outputs = _speculative_outputs(torch.float32, "micro", ROWS, 6, 8)
+    assert all(tokens == outputs["greedy"] for tokens in outputs.values()), outputs
+
+
+@gpu_only
+@pytest.mark.parametrize("split", [None, 4])
+def test_bf16_speculative_output_is_byte_identical_to_greedy(split):
+    """bf16 on the GPU, graphs on: every mode gives exactly the greedy tokens (one shard and two)."""
+    outputs = _speculative_outputs(torch.bfloat16, "small", 16, 40, 64, split=split, context=256)
+    assert all(tokens == outputs["greedy"] for tokens in outputs.values()), outputs
+
+
+@gpu_only
+def test_graph_replay_equals_the_eager_step():
+    graphs, eager = fast(rb.CHECKPOINT, preset="small", dtype=torch.bfloat16), fast(rb.CHECKPOINT, preset="small", dtype=torch.bfloat16)
+    eager.runner.use_graphs = False
+    vocab = graphs.config.vocab_size
+    a, b = graphs.new_state(CONTEXT), eager.new_state(CONTEXT)
+    for pos in range(0, 3 * ROWS, ROWS):
+        block = ids(ROWS, vocab, pos)
+        out_a = graphs.forward(a, pos, tokens=block, return_logits=True)
+        out_b = eager.forward(b, pos, tokens=block, return_logits=True)
+        torch.testing.assert_close(out_a.logits, out_b.logits, rtol=2e-2, atol=2e-2)
+
+
+@gpu_only
+def test_gpu_prefill_matches_the_reference():
+    """Inputs longer than T take the fla + flash-attention prefill; state and logits agree with the reference."""
+    pytest.importorskip("fla", reason="the GPU prefill uses flash-linear-attention (the `cuda` extra)")
+    reference, step = shard(rb.CHECKPOINT, preset="small"), fast(rb.CHECKPOINT, preset="small")
+    assert step.prefill_kernels
+    vocab = reference.config.vocab_size
+    a_state, b_state = reference.new_state(CONTEXT), step.new_state(CONTEXT)
+    relative = lambda x, ref: ((x.float() - ref.float()).norm() / ref.float().norm()).item()  # noqa: E731
+    for pos, n in ((0, 40), (40, 9)):
+        block = ids(n, vocab, pos)
+        a = reference.forward(a_state, pos, tokens=block)
+        b = step.forward(b_state, pos, tokens=block, return_logits=True)
+        assert relative(b.logits, a.logits) < 1e-2  # fla's chunk kernel multiplies in tf32
+        assert b.ids.tolist() == a.ids.tolist()
+    assert relative(b_state.gdn.recurrent, a_state.gdn.recurrent) < 1e-2
+    torch.testing.assert_close(b_state.gdn.conv, a_state.gdn.conv, rtol=1e-4, atol=1e-4)
