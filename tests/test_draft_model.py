@@ -58,8 +58,9 @@ def reference_block_logits(cfg, w, embed, lm_head, features, last_token, block_s
         for head in range(heads):
             kv = head // (heads // kv_heads)
             scores = q[:, head] @ k[:, kv].T / math.sqrt(d)  # [block, context + block], no causal mask
-            if window is not None:
-                scores = scores.masked_fill((block_pos[:, None] - key_pos[None, :]).abs() >= window, float("-inf"))
+            if window is not None:  # sliding layer: causal, the w keys ending at the query's own position
+                distance = block_pos[:, None] - key_pos[None, :]
+                scores = scores.masked_fill((distance < 0) | (distance >= window), float("-inf"))
             outputs.append(torch.softmax(scores, dim=-1) @ v[:, kv])
         x = x + torch.cat(outputs, dim=-1) @ w[a + "o_proj.weight"].T
         h = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
@@ -79,10 +80,14 @@ def target():
     return config, weights["embed_tokens.weight"], weights["lm_head.weight"]
 
 
+# Windows shorter than the 13-14 context rows the tests add; "windowed" also shorter than its block.
 DRAFTS = {
     "two-layers": dict(num_layers=2, block_size=8),
     "one-layer-default-ids": dict(num_layers=1, block_size=6),
     "windowed": dict(num_layers=2, block_size=8, target_layer_ids=[0, 2, 4], sliding_window=5, sliding_layers=(0,)),
+    # z-lab's Qwen3.6 drafters: sliding layers first, the last layer full
+    "sliding-then-full": dict(num_layers=3, block_size=6, sliding_window=11, sliding_layers=(0, 1)),
+    "all-sliding": dict(num_layers=2, block_size=8, sliding_window=6, sliding_layers=(0, 1)),
 }
 
 
@@ -131,12 +136,24 @@ def test_window_masks_far_context(target):
     assert (logits - full_logits).abs().max() > 1e-2
 
 
+def test_sliding_layers_do_not_see_later_block_rows(target):
+    """Sliding layers are causal: with every layer sliding, a mask row's logits do not depend on the rows after it,
+    so a shorter block gives the same logits for the rows it has. Full-attention layers see the whole block."""
+    for name, causal in (("all-sliding", True), ("two-layers", False)):
+        drafter, _ = make(target, name)
+        state = drafter.new_state(32)
+        drafter.add_context(state, features(drafter, 13, seed=2))
+        long, short = drafter.propose(state, 42, 8)[1], drafter.propose(state, 42, 4)[1]
+        difference = (long[:3] - short).abs().max()
+        assert difference <= 1e-5 if causal else difference > 1e-3, name
+
+
 def test_one_layer_default_ids_pick_the_middle_layer(target):
     drafter, _ = make(target, "one-layer-default-ids")
     assert drafter.config.target_layer_ids == (3,)
 
 
-@pytest.mark.parametrize("name", ["two-layers", "windowed"])
+@pytest.mark.parametrize("name", ["two-layers", "windowed", "sliding-then-full"])
 def test_incremental_context_equals_all_at_once(target, name):
     _, embed, lm_head = target
     drafter, weights = make(target, name)
@@ -155,7 +172,7 @@ def test_incremental_context_equals_all_at_once(target, name):
     assert torch.allclose(drafter.propose(whole, token, 8)[1], logits, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["two-layers", "windowed"])
+@pytest.mark.parametrize("name", ["two-layers", "windowed", "sliding-then-full"])
 def test_crop_then_readd_equals_never_added(target, name):
     drafter, _ = make(target, name)
     first, replacement = features(drafter, 12, seed=4), features(drafter, 5, seed=5)
