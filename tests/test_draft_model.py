@@ -277,6 +277,34 @@ def test_config_top_level_block_size():
         draft_config_from_dict(_raw(dflash_config={"mask_token_id": 5}))
 
 
+def test_config_dflash_fields_at_either_level():
+    """SGLang reads these from dflash_config first and the top level second; a config may hold them in both."""
+    top = _raw(block_size=16, num_target_layers=None, mask_token_id=319, target_layer_ids=[1, 3], dflash_config={})
+    inner = _raw(num_target_layers=None, dflash_config={
+        "block_size": 16, "mask_token_id": 319, "target_layer_ids": [1, 3], "num_target_layers": 6,
+    })
+    both = _raw(block_size=16, mask_token_id=319, dflash_config=inner["dflash_config"])
+    configs = [draft_config_from_dict(raw) for raw in (top, inner, both)]
+    assert [(c.block_size, c.mask_token_id, c.target_layer_ids) for c in configs] == [(16, 319, (1, 3))] * 3
+    assert [c.num_target_layers for c in configs] == [None, 6, 6]
+    for name, other in (("mask_token_id", 5), ("target_layer_ids", [1, 2]), ("num_target_layers", 8)):
+        with pytest.raises(ConfigError, match=f"'dflash_config.{name}' .* and '{name}' .* disagree"):
+            draft_config_from_dict({**both, name: other})
+    with pytest.raises(ConfigError, match="'target_layer_ids' names layer 7"):
+        draft_config_from_dict({**top, "num_target_layers": 6, "target_layer_ids": [1, 7]})
+
+
+def test_config_rope_theta_at_either_place():
+    assert draft_config_from_dict(_raw(rope_theta=5e5)).rope_theta == 5e5
+    legacy = _raw(rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": 2e6})
+    assert draft_config_from_dict(legacy).rope_theta == 2e6
+    assert draft_config_from_dict({**legacy, "rope_theta": 2e6}).rope_theta == 2e6
+    with pytest.raises(ConfigError, match="'rope_parameters.rope_theta' .* and 'rope_theta' .* disagree"):
+        draft_config_from_dict({**legacy, "rope_theta": 1e6})
+    with pytest.raises(ConfigError, match="'rope_theta' is missing"):
+        draft_config_from_dict(_raw(rope_theta=None))
+
+
 def test_default_target_layer_ids():
     assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert build_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
@@ -314,11 +342,16 @@ def test_config_sliding_window_as_qwen3config():
     sliding = ["sliding_attention", "full_attention"]
     cfg = draft_config_from_dict(_raw(use_sliding_window=True, sliding_window=2048, layer_types=sliding))
     assert (cfg.layer_window(0), cfg.layer_window(1)) == (2048, None)
-    # Qwen3Config drops the window unless use_sliding_window is set; the layer types alone do not make one.
-    cfg = draft_config_from_dict(_raw(sliding_window=2048, layer_types=sliding))
-    assert (cfg.layer_window(0), cfg.layer_window(1)) == (None, None)
     cfg = draft_config_from_dict(_raw(use_sliding_window=True, sliding_window=64, max_window_layers=1))
     assert cfg.layer_types == ("full_attention", "sliding_attention") and cfg.layer_window(1) == 64
+    # Qwen3Config drops the window unless use_sliding_window is set; without layer_types that leaves full layers,
+    cfg = draft_config_from_dict(_raw(sliding_window=2048, max_window_layers=0))
+    assert cfg.layer_types == ("full_attention", "full_attention") and cfg.sliding_window is None
+    # but sliding layers left without a window are refused, as vLLM and SGLang refuse them.
+    with pytest.raises(ConfigError, match=r"'layer_types' makes layers \[0\] sliding_attention, but 'use_sliding_window'"):
+        draft_config_from_dict(_raw(sliding_window=2048, layer_types=sliding))
+    with pytest.raises(ConfigError, match="'sliding_window' is null"):
+        draft_config_from_dict(_raw(use_sliding_window=True, sliding_window=None, layer_types=sliding))
 
 
 def test_config_checks_the_target(target):

@@ -1,7 +1,10 @@
 """DFlash drafter configuration, read from the draft checkpoint's `config.json` (a Qwen3 config plus DFlash fields).
 
-The draft is `model_type: qwen3` with `num_target_layers` and a `dflash_config` map holding `target_layer_ids`,
-`mask_token_id` and (in newer checkpoints) `block_size`; older checkpoints keep `block_size` at the top level.
+The draft is `model_type: qwen3` with `num_target_layers`, `rope_theta` and a `dflash_config` map holding
+`target_layer_ids` and `mask_token_id`. z-lab's published configs keep `block_size` at the top level (their loaders
+read `config.block_size`), newer ones also inside `dflash_config`; SGLang reads `dflash_config` first and the top
+level second, and so do we for `block_size`, `num_target_layers`, `mask_token_id` and `target_layer_ids`, refusing a
+config where the two places disagree.
 Sliding windows follow transformers' Qwen3Config: the window exists only with `use_sliding_window: true`, and
 applies to the layers whose `layer_types` entry is `sliding_attention`.
 """
@@ -21,7 +24,6 @@ DRAFT_ARCHITECTURE = "DFlashDraftModel"
 _QWEN3_HEAD_DIM = 128
 _QWEN3_SLIDING_WINDOW = 4096
 _QWEN3_MAX_WINDOW_LAYERS = 28
-_QWEN3_ROPE_THETA = 10_000.0
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -50,7 +52,7 @@ class DraftConfig:
     num_target_layers: int | None = None
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
-    rope_theta: float = _QWEN3_ROPE_THETA
+    rope_theta: float = 10_000.0
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 32_768
 
@@ -118,15 +120,34 @@ class DraftConfig:
         }
 
 
-def _int(raw: dict, name: str, *, default: int | None = None, minimum: int = 1, where: str = "") -> int:
-    value = raw.get(name, default)
-    field = f"{where}{name}"
+def _checked_int(value, field: str, minimum: int = 1) -> int:
     if value is None:
         raise ConfigError(f"draft config field {field!r} is missing")
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         raise ConfigError(f"draft config field {field!r} must be {kind}, got {value!r}")
     return value
+
+
+def _int(raw: dict, name: str, *, default: int | None = None, minimum: int = 1, where: str = "") -> int:
+    return _checked_int(raw.get(name, default), f"{where}{name}", minimum)
+
+
+def _dflash_field(raw: dict, dflash: dict, name: str) -> tuple[object, str]:
+    """(value, field name) of a DFlash field kept in `dflash_config` or at the top level; None when in neither."""
+    inner, outer = dflash.get(name), raw.get(name)
+    if inner is not None and outer is not None and inner != outer:
+        raise ConfigError(f"draft config fields 'dflash_config.{name}' ({inner!r}) and '{name}' ({outer!r}) disagree")
+    if inner is None and outer is not None:
+        return outer, name
+    return inner, f"dflash_config.{name}"
+
+
+def _dflash_int(raw: dict, dflash: dict, name: str, *, minimum: int = 1) -> int:
+    value, field = _dflash_field(raw, dflash, name)
+    if value is None:
+        raise ConfigError(f"draft config field 'dflash_config.{name}' is missing (nor is there a top-level {name!r})")
+    return _checked_int(value, field, minimum)
 
 
 def _rope_theta(raw: dict) -> float:
@@ -140,9 +161,17 @@ def _rope_theta(raw: dict) -> float:
     if factor != 1.0:
         # The reference rotates q and k whole (Qwen3 apply_rotary_pos_emb); a partial rotary draft does not exist.
         raise ConfigError(f"draft config field 'partial_rotary_factor' = {factor!r} is not supported (only 1.0)")
-    theta = params.get("rope_theta", raw.get("rope_theta", _QWEN3_ROPE_THETA))
+    inner, outer = params.get("rope_theta"), raw.get("rope_theta")
+    if inner is not None and outer is not None and inner != outer:
+        raise ConfigError(
+            f"draft config fields 'rope_parameters.rope_theta' ({inner!r}) and 'rope_theta' ({outer!r}) disagree"
+        )
+    theta, field = (outer, "rope_theta") if inner is None else (inner, "rope_parameters.rope_theta")
+    if theta is None:
+        # No default: transformers' Qwen3Config assumes 10000, vLLM's DFlash loader 1000000.
+        raise ConfigError("draft config field 'rope_theta' is missing (nor is there a 'rope_parameters.rope_theta')")
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-        raise ConfigError(f"draft config field 'rope_parameters.rope_theta' must be positive, got {theta!r}")
+        raise ConfigError(f"draft config field {field!r} must be positive, got {theta!r}")
     return float(theta)
 
 
@@ -151,7 +180,9 @@ def _sliding(raw: dict, num_layers: int) -> tuple[tuple[str, ...], int | None]:
     use_window = raw.get("use_sliding_window", False)
     if not isinstance(use_window, bool):
         raise ConfigError(f"draft config field 'use_sliding_window' must be a boolean, got {use_window!r}")
-    window = _int(raw, "sliding_window", default=_QWEN3_SLIDING_WINDOW) if use_window else None
+    window = raw.get("sliding_window", _QWEN3_SLIDING_WINDOW) if use_window else None
+    if window is not None:
+        window = _checked_int(window, "sliding_window")
     types = raw.get("layer_types")
     if types is None:
         first_window_layer = _int(raw, "max_window_layers", default=_QWEN3_MAX_WINDOW_LAYERS, minimum=0)
@@ -167,25 +198,20 @@ def _sliding(raw: dict, num_layers: int) -> tuple[tuple[str, ...], int | None]:
             raise ConfigError(
                 f"draft config field 'layer_types[{i}]' = {kind!r} is not one of {FULL_ATTENTION!r}, {SLIDING_ATTENTION!r}"
             )
+    sliding = [i for i, kind in enumerate(types) if kind == SLIDING_ATTENTION]
+    if sliding and window is None:
+        # Qwen3Config drops the window here; vLLM and SGLang then refuse the drafter rather than run those layers
+        # unwindowed, and so do we.
+        reason = "'sliding_window' is null" if use_window else "'use_sliding_window' is not true"
+        raise ConfigError(
+            f"draft config field 'layer_types' makes layers {sliding} sliding_attention, but {reason}, so there is "
+            f"no window for them"
+        )
     return tuple(types), window
 
 
-def _block_size(raw: dict, dflash: dict) -> int:
-    inner = dflash.get("block_size")
-    outer = raw.get("block_size")
-    if inner is not None and outer is not None and inner != outer:
-        raise ConfigError(
-            f"draft config fields 'dflash_config.block_size' ({inner!r}) and 'block_size' ({outer!r}) disagree"
-        )
-    if inner is not None:
-        return _int(dflash, "block_size", where="dflash_config.")
-    if outer is not None:
-        return _int(raw, "block_size")
-    raise ConfigError("draft config field 'dflash_config.block_size' is missing (nor is there a top-level 'block_size')")
-
-
-def _target_layer_ids(dflash: dict, num_target_layers: int | None, num_layers: int) -> tuple[int, ...]:
-    ids = dflash.get("target_layer_ids")
+def _target_layer_ids(raw: dict, dflash: dict, num_target_layers: int | None, num_layers: int) -> tuple[int, ...]:
+    ids, field = _dflash_field(raw, dflash, "target_layer_ids")
     if ids is None:
         if num_target_layers is None:
             raise ConfigError(
@@ -194,14 +220,13 @@ def _target_layer_ids(dflash: dict, num_target_layers: int | None, num_layers: i
             )
         return tuple(build_target_layer_ids(num_target_layers, num_layers))
     if not isinstance(ids, list) or not ids:
-        raise ConfigError(f"draft config field 'dflash_config.target_layer_ids' must be a non-empty list, got {ids!r}")
+        raise ConfigError(f"draft config field {field!r} must be a non-empty list, got {ids!r}")
     for i in ids:
         if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-            raise ConfigError(f"draft config field 'dflash_config.target_layer_ids' holds {i!r}, not a layer index")
+            raise ConfigError(f"draft config field {field!r} holds {i!r}, not a layer index")
         if num_target_layers is not None and i >= num_target_layers:
             raise ConfigError(
-                f"draft config field 'dflash_config.target_layer_ids' names layer {i}, but "
-                f"'num_target_layers' is {num_target_layers}"
+                f"draft config field {field!r} names layer {i}, but 'num_target_layers' is {num_target_layers}"
             )
     return tuple(ids)
 
@@ -231,9 +256,9 @@ def draft_config_from_dict(raw: dict) -> DraftConfig:
     head_dim = _int(raw, "head_dim", default=_QWEN3_HEAD_DIM)
     if head_dim % 2:
         raise ConfigError(f"draft config field 'head_dim' must be even for rotary embedding, got {head_dim}")
-    num_target_layers = raw.get("num_target_layers")
+    num_target_layers, field = _dflash_field(raw, dflash, "num_target_layers")
     if num_target_layers is not None:
-        num_target_layers = _int(raw, "num_target_layers")
+        num_target_layers = _checked_int(num_target_layers, field)
     eps = raw.get("rms_norm_eps", 1e-6)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
         raise ConfigError(f"draft config field 'rms_norm_eps' must be positive, got {eps!r}")
@@ -246,9 +271,9 @@ def draft_config_from_dict(raw: dict) -> DraftConfig:
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         vocab_size=_int(raw, "vocab_size"),
-        target_layer_ids=_target_layer_ids(dflash, num_target_layers, num_layers),
-        mask_token_id=_int(dflash, "mask_token_id", minimum=0, where="dflash_config."),
-        block_size=_block_size(raw, dflash),
+        target_layer_ids=_target_layer_ids(raw, dflash, num_target_layers, num_layers),
+        mask_token_id=_dflash_int(raw, dflash, "mask_token_id", minimum=0),
+        block_size=_dflash_int(raw, dflash, "block_size"),
         num_target_layers=num_target_layers,
         layer_types=layer_types,
         sliding_window=window,
