@@ -383,6 +383,27 @@ def test_checkpoint_round_trip(target, tmp_path):
     assert set(loaded) >= {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_norm.weight"}
 
 
+def test_written_config_has_the_published_shape(target, tmp_path):
+    """z-lab's loaders read our config.json: its torch model takes a transformers Qwen3Config and reads
+    `config.block_size`, `layer_types`, `sliding_window` and `dflash_config`; its MLX loader indexes the keys below."""
+    from transformers import Qwen3Config
+
+    drafter, _ = make(target, "sliding-then-full")
+    raw = json.loads((write_draft_checkpoint(tmp_path / "draft", drafter.config, seed=1) / "config.json").read_text())
+    c = drafter.config
+    mlx_keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta", "max_position_embeddings",
+                "block_size", "num_target_layers")
+    assert all(raw[key] is not None for key in mlx_keys)
+    assert (raw["block_size"], raw["rope_theta"], raw["dflash_config"]["block_size"]) == (6, c.rope_theta, 6)
+    assert (raw["dflash_config"]["mask_token_id"], raw["dflash_config"]["target_layer_ids"]) == (
+        c.mask_token_id, list(c.target_layer_ids))
+    hf = Qwen3Config(**raw)
+    assert (hf.block_size, hf.sliding_window, hf.rope_parameters["rope_theta"]) == (6, 11, c.rope_theta)
+    assert hf.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
+    assert draft_config_from_dict(hf.to_dict()) == c  # and transformers' re-save reads back the same
+
+
 def test_checkpoint_with_index(target, tmp_path):
     drafter, weights = make(target, "two-layers")
     out = tmp_path / "draft"

@@ -91,7 +91,8 @@ class DraftConfig:
             )
 
     def to_hf_dict(self) -> dict:
-        """The draft `config.json` this config reads back from (the `dflash_config` form)."""
+        """The draft `config.json` this config reads back from, in the shape z-lab publishes: `block_size` and
+        `rope_theta` at the top level, where z-lab's loaders read them, and `block_size` in `dflash_config` as well."""
         return {
             "architectures": [DRAFT_ARCHITECTURE],
             "model_type": "qwen3",
@@ -107,11 +108,13 @@ class DraftConfig:
             "layer_types": list(self.layer_types),
             "use_sliding_window": self.sliding_window is not None,
             "sliding_window": self.sliding_window,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
             "rms_norm_eps": self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings,
             "attention_bias": False,
             "tie_word_embeddings": False,
+            "block_size": self.block_size,
             "dflash_config": {
                 "block_size": self.block_size,
                 "mask_token_id": self.mask_token_id,
