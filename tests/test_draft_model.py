@@ -277,6 +277,71 @@ def test_config_top_level_block_size():
         draft_config_from_dict(_raw(dflash_config={"mask_token_id": 5}))
 
 
+# The shape of z-lab's published config.json (which keys, and where), values for illustration. Its Qwen3 drafters
+# (e.g. z-lab/Qwen3-8B-DFlash-b16): block_size and rope_theta at the top level, dflash_config with the mask id and
+# target layers, and the rest of a transformers 4 Qwen3Config alongside ...
+PUBLISHED_QWEN3 = {
+    "architectures": ["DFlashDraftModel"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+    "block_size": 16,
+    "bos_token_id": 151643,
+    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+    "dtype": "bfloat16",
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 12288,
+    "layer_types": ["full_attention"] * 5,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 5,
+    "model_type": "qwen3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 5,
+    "num_key_value_heads": 8,
+    "num_target_layers": 36,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "transformers_version": "4.57.1",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+# ... and its Qwen3.6 drafters: four sliding layers then a full one, window 2048 (z-lab/dflash issue #126 and the
+# projects serving z-lab/Qwen3.6-27B-DFlash), and block_size in dflash_config too, as newer drafters carry it.
+PUBLISHED_QWEN36 = {
+    **PUBLISHED_QWEN3,
+    "dflash_config": {"block_size": 16, "mask_token_id": 248077, "target_layer_ids": [1, 16, 31, 46, 61]},
+    "hidden_size": 5120,
+    "intermediate_size": 17408,
+    "layer_types": ["sliding_attention"] * 4 + ["full_attention"],
+    "num_target_layers": 64,
+    "rope_theta": 10000000,
+    "sliding_window": 2048,
+    "use_sliding_window": True,
+    "vocab_size": 248320,
+}
+
+
+def test_config_in_the_published_shape():
+    qwen3, qwen36 = draft_config_from_dict(PUBLISHED_QWEN3), draft_config_from_dict(PUBLISHED_QWEN36)
+    assert (qwen3.block_size, qwen3.mask_token_id, qwen3.rope_theta) == (16, 151669, 1e6)
+    assert qwen3.target_layer_ids == (1, 9, 17, 25, 33) and qwen3.feature_size == 5 * 4096
+    assert [qwen3.layer_window(i) for i in range(5)] == [None] * 5
+    assert (qwen36.block_size, qwen36.mask_token_id, qwen36.rope_theta, qwen36.num_target_layers) == (16, 248077, 1e7, 64)
+    assert [qwen36.layer_window(i) for i in range(5)] == [2048] * 4 + [None]
+    # YaRN (z-lab's MLX loader passes rope_scaling through) is not implemented: refused by name.
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    with pytest.raises(ConfigError, match="'rope_scaling.rope_type' = 'yarn'"):
+        draft_config_from_dict({**PUBLISHED_QWEN36, "rope_scaling": yarn})
+
+
 def test_config_dflash_fields_at_either_level():
     """SGLang reads these from dflash_config first and the top level second; a config may hold them in both."""
     top = _raw(block_size=16, num_target_layers=None, mask_token_id=319, target_layer_ids=[1, 3], dflash_config={})
@@ -352,6 +417,67 @@ def test_config_sliding_window_as_qwen3config():
         draft_config_from_dict(_raw(sliding_window=2048, layer_types=sliding))
     with pytest.raises(ConfigError, match="'sliding_window' is null"):
         draft_config_from_dict(_raw(use_sliding_window=True, sliding_window=None, layer_types=sliding))
+
+
+# (field, a value shardd refuses, values it accepts because they change nothing) for each field we do not implement
+UNIMPLEMENTED = [
+    ("dflash_config.input_embedding_scale", 2.0, [1.0, 1]),
+    ("dflash_config.output_multiplier", 0.5, [1.0]),
+    ("dflash_config.output_multiplier", True, []),  # not 1.0, whatever Python's True == 1.0 says
+    ("dflash_config.final_logit_softcapping", 30.0, [None, 0]),
+    ("final_logit_softcapping", 30.0, [None]),
+    ("logit_scale", 2.0, [1.0]),
+    ("dflash_config.attention_sink_bias", True, [False, None]),
+    ("add_swa_attention_sink_bias", True, [False]),
+    ("dflash_config.attention_value_scale", 0.707, [None, 1.0]),
+    ("dflash_config.causal", True, [None, False]),  # every layer of _raw() is full attention, which is non-causal
+    ("is_causal", True, [False]),
+    ("dflash_config.use_swa", True, [False]),
+    ("dflash_config.swa_window_size", 2048, [None]),
+    ("dflash_config.conv_kernel_size", 2, [0]),
+    ("dflash_config.conv_group_size", 16, [0]),
+    ("dflash_config.selector_rank", 256, [0]),
+    ("dflash_config.selector_top_k", 16, [0]),
+    ("dflash_config.projector_type", "domino", [None]),
+    ("dflash_config.sample_from_anchor", False, [True]),
+    ("dflash_config.use_aux_hidden_state", False, [True]),
+    ("use_aux_hidden_state", False, [True]),
+    ("target_hidden_size", 32, [64, None]),
+    ("draft_vocab_size", 100, [320]),
+    ("is_neox_style", False, [True]),
+    ("rope_is_neox_style", False, [True]),
+    ("has_embed_tokens", True, [False]),
+    ("has_lm_head", True, [False]),
+    ("dflash_config.causal_head", True, []),  # a dflash_config key shardd does not know at all
+]
+
+
+def _with_field(raw, field, value):
+    if field.startswith("dflash_config."):
+        return {**raw, "dflash_config": {**raw["dflash_config"], field.removeprefix("dflash_config."): value}}
+    return {**raw, field: value}
+
+
+@pytest.mark.parametrize("field,refused,accepted", UNIMPLEMENTED)
+def test_unimplemented_fields_are_refused_by_name(field, refused, accepted):
+    with pytest.raises(ConfigError, match=re.escape(f"draft config field '{field}' = {json.dumps(refused)} is not")):
+        draft_config_from_dict(_with_field(_raw(), field, refused))
+    for value in accepted:
+        assert draft_config_from_dict(_with_field(_raw(), field, value)) == draft_config_from_dict(_raw())
+
+
+def test_causality_and_window_switches_are_accepted_where_they_agree():
+    mixed = _raw(use_sliding_window=True, sliding_window=64, layer_types=["sliding_attention", "full_attention"])
+    all_sliding = {**mixed, "layer_types": ["sliding_attention"] * 2}
+    for raw, agreeing, refused in ((mixed, [None], [True, False]), (all_sliding, [None, True], [False])):
+        for value in agreeing:
+            draft_config_from_dict(_with_field(raw, "dflash_config.causal", value))
+        for value in refused:
+            with pytest.raises(ConfigError, match="'dflash_config.causal'"):
+                draft_config_from_dict(_with_field(raw, "dflash_config.causal", value))
+    assert draft_config_from_dict(_with_field(mixed, "dflash_config.swa_window_size", 64)).layer_window(0) == 64
+    with pytest.raises(ConfigError, match="'dflash_config.swa_window_size' = 32 .* accepts only null or 64"):
+        draft_config_from_dict(_with_field(mixed, "dflash_config.swa_window_size", 32))
 
 
 def test_config_checks_the_target(target):

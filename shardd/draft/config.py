@@ -7,10 +7,15 @@ level second, and so do we for `block_size`, `num_target_layers`, `mask_token_id
 config where the two places disagree.
 Sliding windows follow transformers' Qwen3Config: the window exists only with `use_sliding_window: true`, and
 applies to the layers whose `layer_types` entry is `sliding_attention`.
+Fields other implementations read for computations we do not implement (`_UNIMPLEMENTED`: logit and embedding
+scales, soft-capping, attention sinks, causality and window switches, ...) are refused by name unless they hold a
+value that changes nothing, and so is any `dflash_config` key we do not know.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,6 +128,103 @@ class DraftConfig:
         }
 
 
+# ---- fields we do not implement ---------------------------------------------------------------------------------
+# Each changes what a drafter computes in the implementation that reads it, so a config that needs one is refused by
+# name rather than drafted from wrongly. Each is accepted at the values that change nothing (absent always is);
+# `neutral` gives them for the config at hand.
+
+
+@dataclass(frozen=True)
+class _Unimplemented:
+    field: str  # "dflash_config.<key>" or a top-level key
+    effect: str  # what it does, and where
+    neutral: Callable[[DraftConfig], tuple]
+
+
+def _agreeing_causality(config: DraftConfig) -> tuple:
+    """The forced causality (vLLM's `is_causal` / `dflash_config.causal`) that matches ours on every layer."""
+    sliding = [config.layer_window(i) is not None for i in range(config.num_hidden_layers)]
+    return (None,) + ((True,) if all(sliding) else ()) + ((False,) if not any(sliding) else ())
+
+
+def _window_in_effect(config: DraftConfig) -> tuple:
+    slides = any(config.layer_window(i) is not None for i in range(config.num_hidden_layers))
+    return (None, config.sliding_window) if slides else (None,)
+
+
+_UNIMPLEMENTED = (
+    _Unimplemented("dflash_config.input_embedding_scale", "scales the block's embeddings (vLLM DFlash2)",
+                   lambda c: (1.0,)),
+    _Unimplemented("dflash_config.output_multiplier", "scales the draft logits (SGLang)", lambda c: (1.0,)),
+    # SGLang reads 0 as no cap; vLLM divides by the top-level value whenever it is not null.
+    _Unimplemented("dflash_config.final_logit_softcapping", "tanh-caps the draft logits (SGLang)",
+                   lambda c: (None, 0)),
+    _Unimplemented("final_logit_softcapping", "tanh-caps the draft logits (vLLM)", lambda c: (None,)),
+    _Unimplemented("logit_scale", "scales the draft logits (vLLM)", lambda c: (1.0,)),
+    _Unimplemented("dflash_config.attention_sink_bias", "adds a learned per-head sink logit to attention "
+                   "(vLLM, SGLang)", lambda c: (None, False)),
+    _Unimplemented("add_swa_attention_sink_bias", "adds a learned per-head sink logit to attention (vLLM)",
+                   lambda c: (None, False)),
+    _Unimplemented("dflash_config.attention_value_scale", "scales V before attention (SGLang)",
+                   lambda c: (None, 1.0)),
+    _Unimplemented("dflash_config.causal", "forces every layer causal or non-causal (vLLM)", _agreeing_causality),
+    _Unimplemented("is_causal", "forces every layer causal or non-causal (vLLM)", _agreeing_causality),
+    _Unimplemented("dflash_config.use_swa", "puts a sliding window on every layer (vLLM)", lambda c: (None, False)),
+    _Unimplemented("dflash_config.swa_window_size", "replaces 'sliding_window' for the sliding layers (vLLM)",
+                   _window_in_effect),
+    _Unimplemented("dflash_config.conv_kernel_size", "adds a grouped convolution (SGLang DFlash2)", lambda c: (None, 0)),
+    _Unimplemented("dflash_config.conv_group_size", "adds a grouped convolution (SGLang DFlash2)", lambda c: (None, 0)),
+    _Unimplemented("dflash_config.selector_rank", "adds a candidate selector (SGLang DFlash2)", lambda c: (None, 0)),
+    _Unimplemented("dflash_config.selector_top_k", "adds a candidate selector (SGLang DFlash2)", lambda c: (None, 0)),
+    _Unimplemented("dflash_config.projector_type", "swaps the feature projector (SGLang Domino)", lambda c: (None,)),
+    _Unimplemented("dflash_config.sample_from_anchor", "changes which block rows are drafted (SGLang)",
+                   lambda c: (True,)),
+    _Unimplemented("dflash_config.use_aux_hidden_state", "drops fc and the target features when false (vLLM)",
+                   lambda c: (True,)),
+    _Unimplemented("use_aux_hidden_state", "drops fc and the target features when false (vLLM)", lambda c: (True,)),
+    _Unimplemented("target_hidden_size", "takes target features of another width (vLLM)",
+                   lambda c: (None, c.hidden_size)),
+    _Unimplemented("draft_vocab_size", "drafts over a reduced vocabulary mapped by d2t (vLLM)",
+                   lambda c: (None, c.vocab_size)),
+    _Unimplemented("is_neox_style", "rotates interleaved pairs when false (vLLM)", lambda c: (True,)),
+    _Unimplemented("rope_is_neox_style", "rotates interleaved pairs when false (SGLang)", lambda c: (True,)),
+    _Unimplemented("has_embed_tokens", "gives the draft its own token embedding (SGLang)", lambda c: (None, False)),
+    _Unimplemented("has_lm_head", "gives the draft its own head (SGLang)", lambda c: (None, False)),
+)
+# The dflash_config keys we read ('mask_token' names the mask for a tokenizer; 'mask_token_id' is what we use).
+_DFLASH_KEYS = {"block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "mask_token"}
+_DFLASH_KEYS |= {f.field.removeprefix("dflash_config.") for f in _UNIMPLEMENTED if f.field.startswith("dflash_config.")}
+
+
+def _equal(value, neutral) -> bool:
+    """value == neutral, without Python's True == 1 == 1.0."""
+    if isinstance(value, bool) or isinstance(neutral, bool) or value is None or neutral is None:
+        return value is neutral
+    return value == neutral
+
+
+def _refuse_unimplemented(raw: dict, dflash: dict, config: DraftConfig) -> None:
+    unknown = sorted(set(dflash) - _DFLASH_KEYS)
+    if unknown:  # every dflash_config key is DFlash behaviour: one we do not know, we do not implement either
+        key = unknown[0]
+        raise ConfigError(
+            f"draft config field 'dflash_config.{key}' = {json.dumps(dflash[key])} is not supported: shardd does "
+            f"not know what it changes"
+        )
+    for entry in _UNIMPLEMENTED:
+        key = entry.field.removeprefix("dflash_config.")
+        where = dflash if entry.field.startswith("dflash_config.") else raw
+        if key not in where:
+            continue
+        value, neutral = where[key], entry.neutral(config)
+        if not any(_equal(value, n) for n in neutral):
+            accepted = " or ".join(json.dumps(n) for n in neutral)
+            raise ConfigError(
+                f"draft config field {entry.field!r} = {json.dumps(value)} is not supported: it {entry.effect}; "
+                f"shardd accepts only {accepted}"
+            )
+
+
 def _checked_int(value, field: str, minimum: int = 1) -> int:
     if value is None:
         raise ConfigError(f"draft config field {field!r} is missing")
@@ -154,22 +256,21 @@ def _dflash_int(raw: dict, dflash: dict, name: str, *, minimum: int = 1) -> int:
 
 
 def _rope_theta(raw: dict) -> float:
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    where = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"  # transformers 5 / 4 spelling
+    params = raw.get(where) or {}
     if not isinstance(params, dict):
-        raise ConfigError(f"draft config field 'rope_parameters' must be a mapping, got {params!r}")
+        raise ConfigError(f"draft config field {where!r} must be a mapping, got {params!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
-        raise ConfigError(f"draft config field 'rope_parameters.rope_type' = {rope_type!r} is not supported (only 'default')")
+        raise ConfigError(f"draft config field '{where}.rope_type' = {rope_type!r} is not supported (only 'default')")
     factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if factor != 1.0:
         # The reference rotates q and k whole (Qwen3 apply_rotary_pos_emb); a partial rotary draft does not exist.
         raise ConfigError(f"draft config field 'partial_rotary_factor' = {factor!r} is not supported (only 1.0)")
     inner, outer = params.get("rope_theta"), raw.get("rope_theta")
     if inner is not None and outer is not None and inner != outer:
-        raise ConfigError(
-            f"draft config fields 'rope_parameters.rope_theta' ({inner!r}) and 'rope_theta' ({outer!r}) disagree"
-        )
-    theta, field = (outer, "rope_theta") if inner is None else (inner, "rope_parameters.rope_theta")
+        raise ConfigError(f"draft config fields '{where}.rope_theta' ({inner!r}) and 'rope_theta' ({outer!r}) disagree")
+    theta, field = (outer, "rope_theta") if inner is None else (inner, f"{where}.rope_theta")
     if theta is None:
         # No default: transformers' Qwen3Config assumes 10000, vLLM's DFlash loader 1000000.
         raise ConfigError("draft config field 'rope_theta' is missing (nor is there a 'rope_parameters.rope_theta')")
@@ -266,7 +367,7 @@ def draft_config_from_dict(raw: dict) -> DraftConfig:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
         raise ConfigError(f"draft config field 'rms_norm_eps' must be positive, got {eps!r}")
     layer_types, window = _sliding(raw, num_layers)
-    return DraftConfig(
+    config = DraftConfig(
         hidden_size=_int(raw, "hidden_size"),
         intermediate_size=_int(raw, "intermediate_size"),
         num_hidden_layers=num_layers,
@@ -284,6 +385,8 @@ def draft_config_from_dict(raw: dict) -> DraftConfig:
         rms_norm_eps=float(eps),
         max_position_embeddings=_int(raw, "max_position_embeddings", default=32_768),
     )
+    _refuse_unimplemented(raw, dflash, config)
+    return config
 
 
 def load_draft_config(draft_dir: str | Path) -> DraftConfig:
