@@ -58,8 +58,9 @@ def reference_block_logits(cfg, w, embed, lm_head, features, last_token, block_s
         for head in range(heads):
             kv = head // (heads // kv_heads)
             scores = q[:, head] @ k[:, kv].T / math.sqrt(d)  # [block, context + block], no causal mask
-            if window is not None:
-                scores = scores.masked_fill((block_pos[:, None] - key_pos[None, :]).abs() >= window, float("-inf"))
+            if window is not None:  # sliding layer: causal, the w keys ending at the query's own position
+                distance = block_pos[:, None] - key_pos[None, :]
+                scores = scores.masked_fill((distance < 0) | (distance >= window), float("-inf"))
             outputs.append(torch.softmax(scores, dim=-1) @ v[:, kv])
         x = x + torch.cat(outputs, dim=-1) @ w[a + "o_proj.weight"].T
         h = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
@@ -79,10 +80,14 @@ def target():
     return config, weights["embed_tokens.weight"], weights["lm_head.weight"]
 
 
+# Windows shorter than the 13-14 context rows the tests add; "windowed" also shorter than its block.
 DRAFTS = {
     "two-layers": dict(num_layers=2, block_size=8),
     "one-layer-default-ids": dict(num_layers=1, block_size=6),
     "windowed": dict(num_layers=2, block_size=8, target_layer_ids=[0, 2, 4], sliding_window=5, sliding_layers=(0,)),
+    # z-lab's Qwen3.6 drafters: sliding layers first, the last layer full
+    "sliding-then-full": dict(num_layers=3, block_size=6, sliding_window=11, sliding_layers=(0, 1)),
+    "all-sliding": dict(num_layers=2, block_size=8, sliding_window=6, sliding_layers=(0, 1)),
 }
 
 
@@ -131,12 +136,24 @@ def test_window_masks_far_context(target):
     assert (logits - full_logits).abs().max() > 1e-2
 
 
+def test_sliding_layers_do_not_see_later_block_rows(target):
+    """Sliding layers are causal: with every layer sliding, a mask row's logits do not depend on the rows after it,
+    so a shorter block gives the same logits for the rows it has. Full-attention layers see the whole block."""
+    for name, causal in (("all-sliding", True), ("two-layers", False)):
+        drafter, _ = make(target, name)
+        state = drafter.new_state(32)
+        drafter.add_context(state, features(drafter, 13, seed=2))
+        long, short = drafter.propose(state, 42, 8)[1], drafter.propose(state, 42, 4)[1]
+        difference = (long[:3] - short).abs().max()
+        assert difference <= 1e-5 if causal else difference > 1e-3, name
+
+
 def test_one_layer_default_ids_pick_the_middle_layer(target):
     drafter, _ = make(target, "one-layer-default-ids")
     assert drafter.config.target_layer_ids == (3,)
 
 
-@pytest.mark.parametrize("name", ["two-layers", "windowed"])
+@pytest.mark.parametrize("name", ["two-layers", "windowed", "sliding-then-full"])
 def test_incremental_context_equals_all_at_once(target, name):
     _, embed, lm_head = target
     drafter, weights = make(target, name)
@@ -155,7 +172,7 @@ def test_incremental_context_equals_all_at_once(target, name):
     assert torch.allclose(drafter.propose(whole, token, 8)[1], logits, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["two-layers", "windowed"])
+@pytest.mark.parametrize("name", ["two-layers", "windowed", "sliding-then-full"])
 def test_crop_then_readd_equals_never_added(target, name):
     drafter, _ = make(target, name)
     first, replacement = features(drafter, 12, seed=4), features(drafter, 5, seed=5)
@@ -260,6 +277,99 @@ def test_config_top_level_block_size():
         draft_config_from_dict(_raw(dflash_config={"mask_token_id": 5}))
 
 
+# The shape of z-lab's published config.json (which keys, and where), values for illustration. Its Qwen3 drafters
+# (e.g. z-lab/Qwen3-8B-DFlash-b16): block_size and rope_theta at the top level, dflash_config with the mask id and
+# target layers, and the rest of a transformers 4 Qwen3Config alongside ...
+PUBLISHED_QWEN3 = {
+    "architectures": ["DFlashDraftModel"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+    "block_size": 16,
+    "bos_token_id": 151643,
+    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+    "dtype": "bfloat16",
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 12288,
+    "layer_types": ["full_attention"] * 5,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 5,
+    "model_type": "qwen3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 5,
+    "num_key_value_heads": 8,
+    "num_target_layers": 36,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "transformers_version": "4.57.1",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+# ... and its Qwen3.6 drafters: four sliding layers then a full one, window 2048 (z-lab/dflash issue #126 and the
+# projects serving z-lab/Qwen3.6-27B-DFlash), and block_size in dflash_config too, as newer drafters carry it.
+PUBLISHED_QWEN36 = {
+    **PUBLISHED_QWEN3,
+    "dflash_config": {"block_size": 16, "mask_token_id": 248077, "target_layer_ids": [1, 16, 31, 46, 61]},
+    "hidden_size": 5120,
+    "intermediate_size": 17408,
+    "layer_types": ["sliding_attention"] * 4 + ["full_attention"],
+    "num_target_layers": 64,
+    "rope_theta": 10000000,
+    "sliding_window": 2048,
+    "use_sliding_window": True,
+    "vocab_size": 248320,
+}
+
+
+def test_config_in_the_published_shape():
+    qwen3, qwen36 = draft_config_from_dict(PUBLISHED_QWEN3), draft_config_from_dict(PUBLISHED_QWEN36)
+    assert (qwen3.block_size, qwen3.mask_token_id, qwen3.rope_theta) == (16, 151669, 1e6)
+    assert qwen3.target_layer_ids == (1, 9, 17, 25, 33) and qwen3.feature_size == 5 * 4096
+    assert [qwen3.layer_window(i) for i in range(5)] == [None] * 5
+    assert (qwen36.block_size, qwen36.mask_token_id, qwen36.rope_theta, qwen36.num_target_layers) == (16, 248077, 1e7, 64)
+    assert [qwen36.layer_window(i) for i in range(5)] == [2048] * 4 + [None]
+    # YaRN (z-lab's MLX loader passes rope_scaling through) is not implemented: refused by name.
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    with pytest.raises(ConfigError, match="'rope_scaling.rope_type' = 'yarn'"):
+        draft_config_from_dict({**PUBLISHED_QWEN36, "rope_scaling": yarn})
+
+
+def test_config_dflash_fields_at_either_level():
+    """SGLang reads these from dflash_config first and the top level second; a config may hold them in both."""
+    top = _raw(block_size=16, num_target_layers=None, mask_token_id=319, target_layer_ids=[1, 3], dflash_config={})
+    inner = _raw(num_target_layers=None, dflash_config={
+        "block_size": 16, "mask_token_id": 319, "target_layer_ids": [1, 3], "num_target_layers": 6,
+    })
+    both = _raw(block_size=16, mask_token_id=319, dflash_config=inner["dflash_config"])
+    configs = [draft_config_from_dict(raw) for raw in (top, inner, both)]
+    assert [(c.block_size, c.mask_token_id, c.target_layer_ids) for c in configs] == [(16, 319, (1, 3))] * 3
+    assert [c.num_target_layers for c in configs] == [None, 6, 6]
+    for name, other in (("mask_token_id", 5), ("target_layer_ids", [1, 2]), ("num_target_layers", 8)):
+        with pytest.raises(ConfigError, match=f"'dflash_config.{name}' .* and '{name}' .* disagree"):
+            draft_config_from_dict({**both, name: other})
+    with pytest.raises(ConfigError, match="'target_layer_ids' names layer 7"):
+        draft_config_from_dict({**top, "num_target_layers": 6, "target_layer_ids": [1, 7]})
+
+
+def test_config_rope_theta_at_either_place():
+    assert draft_config_from_dict(_raw(rope_theta=5e5)).rope_theta == 5e5
+    legacy = _raw(rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": 2e6})
+    assert draft_config_from_dict(legacy).rope_theta == 2e6
+    assert draft_config_from_dict({**legacy, "rope_theta": 2e6}).rope_theta == 2e6
+    with pytest.raises(ConfigError, match="'rope_parameters.rope_theta' .* and 'rope_theta' .* disagree"):
+        draft_config_from_dict({**legacy, "rope_theta": 1e6})
+    with pytest.raises(ConfigError, match="'rope_theta' is missing"):
+        draft_config_from_dict(_raw(rope_theta=None))
+
+
 def test_default_target_layer_ids():
     assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert build_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
@@ -297,11 +407,77 @@ def test_config_sliding_window_as_qwen3config():
     sliding = ["sliding_attention", "full_attention"]
     cfg = draft_config_from_dict(_raw(use_sliding_window=True, sliding_window=2048, layer_types=sliding))
     assert (cfg.layer_window(0), cfg.layer_window(1)) == (2048, None)
-    # Qwen3Config drops the window unless use_sliding_window is set; the layer types alone do not make one.
-    cfg = draft_config_from_dict(_raw(sliding_window=2048, layer_types=sliding))
-    assert (cfg.layer_window(0), cfg.layer_window(1)) == (None, None)
     cfg = draft_config_from_dict(_raw(use_sliding_window=True, sliding_window=64, max_window_layers=1))
     assert cfg.layer_types == ("full_attention", "sliding_attention") and cfg.layer_window(1) == 64
+    # Qwen3Config drops the window unless use_sliding_window is set; without layer_types that leaves full layers,
+    cfg = draft_config_from_dict(_raw(sliding_window=2048, max_window_layers=0))
+    assert cfg.layer_types == ("full_attention", "full_attention") and cfg.sliding_window is None
+    # but sliding layers left without a window are refused, as vLLM and SGLang refuse them.
+    with pytest.raises(ConfigError, match=r"'layer_types' makes layers \[0\] sliding_attention, but 'use_sliding_window'"):
+        draft_config_from_dict(_raw(sliding_window=2048, layer_types=sliding))
+    with pytest.raises(ConfigError, match="'sliding_window' is null"):
+        draft_config_from_dict(_raw(use_sliding_window=True, sliding_window=None, layer_types=sliding))
+
+
+# (field, a value shardd refuses, values it accepts because they change nothing) for each field we do not implement
+UNIMPLEMENTED = [
+    ("dflash_config.input_embedding_scale", 2.0, [1.0, 1]),
+    ("dflash_config.output_multiplier", 0.5, [1.0]),
+    ("dflash_config.output_multiplier", True, []),  # not 1.0, whatever Python's True == 1.0 says
+    ("dflash_config.final_logit_softcapping", 30.0, [None, 0]),
+    ("final_logit_softcapping", 30.0, [None]),
+    ("logit_scale", 2.0, [1.0]),
+    ("dflash_config.attention_sink_bias", True, [False, None]),
+    ("add_swa_attention_sink_bias", True, [False]),
+    ("dflash_config.attention_value_scale", 0.707, [None, 1.0]),
+    ("dflash_config.causal", True, [None, False]),  # every layer of _raw() is full attention, which is non-causal
+    ("is_causal", True, [False]),
+    ("dflash_config.use_swa", True, [False]),
+    ("dflash_config.swa_window_size", 2048, [None]),
+    ("dflash_config.conv_kernel_size", 2, [0]),
+    ("dflash_config.conv_group_size", 16, [0]),
+    ("dflash_config.selector_rank", 256, [0]),
+    ("dflash_config.selector_top_k", 16, [0]),
+    ("dflash_config.projector_type", "domino", [None]),
+    ("dflash_config.sample_from_anchor", False, [True]),
+    ("dflash_config.use_aux_hidden_state", False, [True]),
+    ("use_aux_hidden_state", False, [True]),
+    ("target_hidden_size", 32, [64, None]),
+    ("draft_vocab_size", 100, [320]),
+    ("is_neox_style", False, [True]),
+    ("rope_is_neox_style", False, [True]),
+    ("has_embed_tokens", True, [False]),
+    ("has_lm_head", True, [False]),
+    ("dflash_config.causal_head", True, []),  # a dflash_config key shardd does not know at all
+]
+
+
+def _with_field(raw, field, value):
+    if field.startswith("dflash_config."):
+        return {**raw, "dflash_config": {**raw["dflash_config"], field.removeprefix("dflash_config."): value}}
+    return {**raw, field: value}
+
+
+@pytest.mark.parametrize("field,refused,accepted", UNIMPLEMENTED)
+def test_unimplemented_fields_are_refused_by_name(field, refused, accepted):
+    with pytest.raises(ConfigError, match=re.escape(f"draft config field '{field}' = {json.dumps(refused)} is not")):
+        draft_config_from_dict(_with_field(_raw(), field, refused))
+    for value in accepted:
+        assert draft_config_from_dict(_with_field(_raw(), field, value)) == draft_config_from_dict(_raw())
+
+
+def test_causality_and_window_switches_are_accepted_where_they_agree():
+    mixed = _raw(use_sliding_window=True, sliding_window=64, layer_types=["sliding_attention", "full_attention"])
+    all_sliding = {**mixed, "layer_types": ["sliding_attention"] * 2}
+    for raw, agreeing, refused in ((mixed, [None], [True, False]), (all_sliding, [None, True], [False])):
+        for value in agreeing:
+            draft_config_from_dict(_with_field(raw, "dflash_config.causal", value))
+        for value in refused:
+            with pytest.raises(ConfigError, match="'dflash_config.causal'"):
+                draft_config_from_dict(_with_field(raw, "dflash_config.causal", value))
+    assert draft_config_from_dict(_with_field(mixed, "dflash_config.swa_window_size", 64)).layer_window(0) == 64
+    with pytest.raises(ConfigError, match="'dflash_config.swa_window_size' = 32 .* accepts only null or 64"):
+        draft_config_from_dict(_with_field(mixed, "dflash_config.swa_window_size", 32))
 
 
 def test_config_checks_the_target(target):
@@ -331,6 +507,27 @@ def test_checkpoint_round_trip(target, tmp_path):
     loaded = load_draft_weights(out, drafter.config)
     assert loaded.keys() == weights.keys() and all(torch.equal(loaded[k], weights[k]) for k in weights)
     assert set(loaded) >= {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_norm.weight"}
+
+
+def test_written_config_has_the_published_shape(target, tmp_path):
+    """z-lab's loaders read our config.json: its torch model takes a transformers Qwen3Config and reads
+    `config.block_size`, `layer_types`, `sliding_window` and `dflash_config`; its MLX loader indexes the keys below."""
+    from transformers import Qwen3Config
+
+    drafter, _ = make(target, "sliding-then-full")
+    raw = json.loads((write_draft_checkpoint(tmp_path / "draft", drafter.config, seed=1) / "config.json").read_text())
+    c = drafter.config
+    mlx_keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta", "max_position_embeddings",
+                "block_size", "num_target_layers")
+    assert all(raw[key] is not None for key in mlx_keys)
+    assert (raw["block_size"], raw["rope_theta"], raw["dflash_config"]["block_size"]) == (6, c.rope_theta, 6)
+    assert (raw["dflash_config"]["mask_token_id"], raw["dflash_config"]["target_layer_ids"]) == (
+        c.mask_token_id, list(c.target_layer_ids))
+    hf = Qwen3Config(**raw)
+    assert (hf.block_size, hf.sliding_window, hf.rope_parameters["rope_theta"]) == (6, 11, c.rope_theta)
+    assert hf.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
+    assert draft_config_from_dict(hf.to_dict()) == c  # and transformers' re-save reads back the same
 
 
 def test_checkpoint_with_index(target, tmp_path):

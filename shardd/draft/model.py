@@ -7,6 +7,12 @@ Context rows are the target's captured features (the outputs of `target_layer_id
 runs the layers with the block's own K/V appended after the context K/V (never stored), applies the draft's
 `norm` and reads logits with the target's `lm_head` over the B-1 mask rows. The target's final norm is not used.
 
+Full-attention layers attend without a mask. Sliding-window layers (`layer_types[i] == "sliding_attention"`, the
+first four of z-lab's Qwen3.6 drafters) are causal: the query at position q sees the keys at q-w+1 .. q, context and
+block rows alike. That is how vLLM (`model_executor/models/qwen3_dflash.py`: sliding layers causal, flash-attn window
+(w-1, 0)) and SGLang (`srt/models/dflash.py`: AttentionType.DECODER, window_left w-1) run them, and z-lab serves its
+sliding drafters through those two (its README installs vLLM PR #40898 "to support interleaved SWA").
+
 Norms here are Qwen3's plain `w * x` RMSNorm, not Qwen3.5's zero-centred `(1 + w)`.
 """
 
@@ -45,7 +51,7 @@ class DraftState:
 
 
 class DraftAttention:
-    """Qwen3 attention (q/k RMSNorm per head, full RoPE, GQA) without a causal mask, optionally windowed."""
+    """Qwen3 attention (q/k RMSNorm per head, full RoPE, GQA): unmasked, or with `window` a causal sliding window."""
 
     def __init__(self, config: DraftConfig, weights: dict[str, torch.Tensor], prefix: str, window: int | None):
         self.num_heads = config.num_attention_heads
@@ -86,10 +92,11 @@ class DraftAttention:
         values = torch.cat([cache.value[:, first:context_len], value.transpose(0, 1)], dim=1)
         mask = None
         if self.window is not None:
-            # Symmetric window |q - k| < window, as flash-attn's window_size=(w-1, w-1) in the non-causal reference.
+            # Causal window of w keys ending at the query itself: 0 <= q - k < w (flash-attn window_size (w-1, 0)).
             query_pos = torch.arange(context_len, context_len + block, device=x.device)
             key_pos = torch.arange(first, context_len + block, device=x.device)
-            mask = (query_pos[:, None] - key_pos[None, :]).abs() < self.window
+            distance = query_pos[:, None] - key_pos[None, :]  # [B, S]
+            mask = (distance >= 0) & (distance < self.window)
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1)[None],  # [1, heads, B, head_dim]
             keys[None],
