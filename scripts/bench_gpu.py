@@ -125,7 +125,7 @@ def run_local(args) -> dict:
                        storage=rb.RollbackStorage(rb.CHECKPOINT, BLOCK))
     del weights
     weight_bytes = model.weight_bytes()
-    context = args.long_context + 2 * BLOCK
+    context = 4096  # the shards' cache length; the 32k step runs on a shard built for 32k (see attention's launch)
     shards = {rb.CHECKPOINT: FastShard(model, max_sequences=2, max_context=context)}
     shards[rb.REPLAY_SSM] = shards[rb.CHECKPOINT].sharing_weights(rb.RollbackStorage(rb.REPLAY_SSM, BLOCK))
     out["build_s"] = round(time.perf_counter() - t0, 1)
@@ -247,7 +247,12 @@ def run_local(args) -> dict:
     out["prefill_tflop_s"] = round(2 * weight_bytes / 2 * 1024 / seconds / 1e12, 1)
     out["prefill_share_of_peak"] = round(out["prefill_tflop_s"] * 1e12 / peak, 3)
 
-    # a step at a 32k-token context: the cache is synthetic (what it holds does not change the work)
+    shard.release_state(state)
+    # a step at a 32k-token context, on a shard built for it: the cache is synthetic (what it holds does not
+    # change the work)
+    shard = shards[rb.CHECKPOINT].sharing_weights(rb.RollbackStorage(rb.CHECKPOINT, BLOCK), max_sequences=1,
+                                                  max_context=args.long_context + 2 * BLOCK)
+    state = shard.new_state(args.long_context + 2 * BLOCK)
     pos = args.long_context
     state.length = pos
     shard.forward(state, pos, tokens=block, checkpoint=True, return_logits=False)
@@ -259,15 +264,18 @@ def run_local(args) -> dict:
     out["step_ms_at_32k_context"] = median_ms(samples)
     out["floor_ratio_step_at_32k"] = round(out["step_ms_at_32k_context"] / out["floor_ms"], 3)
 
-    def long_step():
+    def step_and_back():
         shard.forward(state, pos, tokens=block, checkpoint=True, return_logits=False)
         rb.rollback(state, 0)
 
-    out["profile_step_at_32k_top"] = profile_top(torch, long_step, 5)
+    out["profile_step_at_32k_top"] = profile_top(torch, step_and_back, 5)
+    shard.release_state(state)
 
     # where one step's time goes: the top kernels
+    shard = shards[rb.CHECKPOINT]
+    state = shard.new_state(context)
     state.length = pos = 600
-    out["profile_step_top"] = profile_top(torch, long_step, 5)
+    out["profile_step_top"] = profile_top(torch, step_and_back, 5)
     shard.release_state(state)
     out["hashes"] = hashes
     return out
@@ -322,6 +330,35 @@ def run_transformers(args) -> dict:
 # ---- e2e: two daemons on two GPUs ------------------------------------------------------------------------
 
 
+def start_daemons(args, ranges, mode: str, run_dir: Path) -> tuple[list, list[str]]:
+    """`shardd serve` per range, one GPU each, on ipc:// endpoints; returns (processes, endpoints) once all are ready."""
+    from coordinator.client import ShardClient, ShardTimeout
+
+    processes, endpoints = [], []
+    for index, (begin, end) in enumerate(ranges):
+        endpoint = f"ipc://{run_dir}/shard{index}-{mode}.sock"
+        log = open(run_dir / f"shard{index}-{mode}.log", "w")
+        command = [sys.executable, "-m", "shardd", "serve", "--synthetic", f"{args.preset}:{args.seed}",
+                   "--layers", f"{begin}:{end}", "--device", f"cuda:{index}", "--dtype", "bfloat16", "--bind", endpoint,
+                   "--rollback-mode", mode, "--max-verify-tokens", str(BLOCK), "--max-sequences", "2",
+                   "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK)]
+        processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+        endpoints.append(endpoint)
+    deadline = time.monotonic() + 600
+    for process, endpoint in zip(processes, endpoints):
+        client = ShardClient(endpoint, timeout_s=1.0)
+        while True:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{endpoint} did not come up: " + (run_dir / f"{Path(endpoint).stem}.log").read_text()[-2000:])
+            try:
+                client.hello(timeout_s=0.5)
+                break
+            except ShardTimeout:
+                continue
+        client.close()
+    return processes, endpoints
+
+
 def run_e2e(args) -> dict:
     import torch
 
@@ -329,41 +366,45 @@ def run_e2e(args) -> dict:
         return {"e2e_skipped": "one GPU: the two-daemon run needs two"}
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafters import OracleDrafter
-    from coordinator.launch import ShardSet, launched
     from coordinator.pipeline import Pipeline
     from shardd.synthetic import preset_config
 
     config = preset_config(args.preset)
     half = config.num_layers // 2
+    ranges = [(0, half), (half, config.num_layers)]
     generator = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
-    out: dict = {"e2e_layers": [[0, half], [half, config.num_layers]]}
-    hashes, tok_s, step_ms = {}, {}, {}
-    for storage_mode in ("checkpoint", "replay-ssm"):
-        shard_set = ShardSet.synthetic(
-            f"{args.preset}:{args.seed}", [(0, half), (half, config.num_layers)], devices=["cuda:0", "cuda:1"],
-            extra_args=["--dtype", "bfloat16", "--rollback-mode", storage_mode, "--max-verify-tokens", str(BLOCK),
-                        "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK), "--max-sequences", "2"],
-        )
-        with launched(shard_set, ready_timeout=900) as endpoints:
-            pipeline = Pipeline.connect(endpoints, timeout=600)
-            if storage_mode == "checkpoint":
-                greedy_decode(pipeline, 98, prompt[:32], 4)
-                greedy = greedy_decode(pipeline, 1, prompt, args.tokens)
-                hashes["e2e/greedy"] = token_hash(greedy.tokens)
-                out["e2e_greedy_ms_per_token"] = round(greedy.decode_seconds / len(greedy.tokens) * 1e3, 3)
-                reference = greedy.tokens
-                modes = ("checkpoint", "replay", "checkpoint")
-            else:
-                modes = ("replay-ssm",)
-            for mode in modes:
-                drafter = OracleDrafter.with_mean_commit(reference, len(prompt), block_size=BLOCK, mean_commit=MEAN_COMMIT)
-                result = speculative_decode(pipeline, 2, prompt, drafter, block_size=BLOCK, rollback=mode, max_new_tokens=args.tokens)
-                tok_s.setdefault(mode, []).append(len(result.tokens) / result.decode_seconds)
-                step_ms.setdefault(mode, []).append(result.decode_seconds / result.steps * 1e3)
-                hashes[f"e2e/{mode}"] = token_hash(result.tokens)
-                print(f"e2e {mode}: {tok_s[mode][-1]:.1f} tok/s", flush=True)
-            pipeline.close()
+    out: dict = {"e2e_layers": [list(r) for r in ranges]}
+    hashes: dict = {}
+    tok_s: dict = {}
+    step_ms: dict = {}
+    reference = None
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
+    for storage_mode, modes in (("checkpoint", ("checkpoint", "replay", "checkpoint")), ("replay-ssm", ("replay-ssm", "replay-ssm"))):
+        processes, endpoints = start_daemons(args, ranges, storage_mode, run_dir)
+        try:
+            with Pipeline.connect(endpoints, timeout_s=600) as pipeline:
+                out.setdefault("e2e_engine", [info.hello.get("engine") for info in pipeline.shards])
+                if reference is None:
+                    greedy_decode(pipeline, 98, prompt[:32], 4)
+                    greedy = greedy_decode(pipeline, 1, prompt, args.tokens)
+                    hashes["e2e/greedy"] = token_hash(greedy.tokens)
+                    out["e2e_greedy_ms_per_token"] = round(greedy.decode_seconds / len(greedy.tokens) * 1e3, 3)
+                    reference = greedy.tokens
+                else:
+                    greedy_decode(pipeline, 98, prompt[:32], 4)  # warm-up: capture this pair's graphs
+                for mode in modes:
+                    drafter = OracleDrafter.with_mean_commit(reference, len(prompt), block_size=BLOCK, mean_commit=MEAN_COMMIT)
+                    result = speculative_decode(pipeline, 2, prompt, drafter, block_size=BLOCK, rollback=mode, max_new_tokens=args.tokens)
+                    tok_s.setdefault(mode, []).append(len(result.tokens) / result.decode_seconds)
+                    step_ms.setdefault(mode, []).append(result.decode_seconds / result.steps * 1e3)
+                    hashes[f"e2e/{mode}"] = token_hash(result.tokens)
+                    print(f"e2e {mode}: {tok_s[mode][-1]:.1f} tok/s", flush=True)
+        finally:
+            for process in processes:
+                process.terminate()
+            for process in processes:
+                process.wait(timeout=60)
     out["e2e_tok_s"] = {mode: round(statistics.median(v), 2) for mode, v in tok_s.items()}
     out["e2e_step_ms"] = {mode: round(statistics.median(v), 3) for mode, v in step_ms.items()}
     out["hashes"] = hashes
@@ -407,25 +448,33 @@ def main() -> int:
         done = subprocess.run(command, cwd=ROOT, env=env)
         if done.returncode != 0:
             merged.setdefault("failed_parts", []).append(part)
-            continue
-        result = json.loads(Path(path).read_text())
-        merged["hashes"].update(result.pop("hashes", {}))
-        merged.update(result)
-    if "transformers_ms_per_token" in merged and "tok_s" in merged:
-        best = max(merged["tok_s"].values())
-        merged["vs_transformers"] = round(best * merged["transformers_ms_per_token"] / 1e3, 2)
-        merged["greedy_vs_transformers"] = round(merged["transformers_ms_per_token"] / merged["greedy_ms_per_token"], 2)
-    if "e2e_step_ms" in merged and "step_ms" in merged:
-        local_step = {m: 1e3 / (merged["tok_s"][m] / merged["mean_commit"][m]) for m in merged["e2e_step_ms"] if m in merged["tok_s"]}
-        merged["relay_ms_per_step"] = {m: round(merged["e2e_step_ms"][m] - local_step[m], 3) for m in local_step}
-        merged["e2e_vs_local"] = {m: round(merged["e2e_tok_s"][m] / merged["tok_s"][m], 3) for m in merged["e2e_tok_s"]}
-    merged["outputs_identical"] = len(set(merged["hashes"].values())) == 1
-    text = json.dumps(merged, indent=2) + "\n"
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text)
+        else:
+            result = json.loads(Path(path).read_text())
+            merged["hashes"].update(result.pop("hashes", {}))
+            merged.update(result)
+        summarize(merged)
+        text = json.dumps(merged, indent=2) + "\n"
+        if args.json:  # after every part, so a later part's failure loses nothing
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(text)
     print(text)
     return 0 if merged["outputs_identical"] and "failed_parts" not in merged else 1
+
+
+def summarize(merged: dict) -> None:
+    """The ratios the targets are stated in, from the parts run so far."""
+    if "transformers_ms_per_token" in merged and "tok_s" in merged:
+        best = max(merged["tok_s"].values())
+        merged["transformers_tok_s"] = round(1e3 / merged["transformers_ms_per_token"], 2)
+        merged["vs_transformers"] = round(best * merged["transformers_ms_per_token"] / 1e3, 2)
+        merged["greedy_vs_transformers"] = round(merged["transformers_ms_per_token"] / merged["greedy_ms_per_token"], 2)
+    if "e2e_step_ms" in merged and "tok_s" in merged:
+        # relay: the two-daemon step's wall time beyond the one-process step's (same mode, same schedule)
+        local_step = {m: 1e3 * merged["mean_commit"][m] / merged["tok_s"][m] for m in merged["e2e_step_ms"] if m in merged["tok_s"]}
+        merged["relay_ms_per_step"] = {m: round(merged["e2e_step_ms"][m] - local_step[m], 3) for m in local_step}
+        merged["relay_share_of_step"] = {m: round(merged["relay_ms_per_step"][m] / merged["e2e_step_ms"][m], 3) for m in local_step}
+        merged["e2e_vs_local"] = {m: round(merged["e2e_tok_s"][m] / merged["tok_s"][m], 3) for m in merged["e2e_tok_s"] if m in merged["tok_s"]}
+    merged["outputs_identical"] = len(set(merged["hashes"].values())) == 1
 
 
 if __name__ == "__main__":

@@ -49,10 +49,12 @@ class FastShard:
         self._hidden = torch.zeros((self.rows, model.config.hidden_size), dtype=model.dtype, pin_memory=pin)
         self._ids = torch.zeros(self.rows, dtype=torch.long, pin_memory=pin)
 
-    def sharing_weights(self, storage: rb.RollbackStorage) -> "FastShard":
-        """Another FastShard over the same model and fused weights, with its own pools for `storage`."""
-        return FastShard(self.model, max_sequences=self.pools.scratch_slot, max_context=self.pools.max_context,
-                         use_graphs=self.runner.use_graphs, storage=storage, layers=self.layers)
+    def sharing_weights(self, storage: rb.RollbackStorage, *, max_sequences: int | None = None,
+                        max_context: int | None = None) -> "FastShard":
+        """Another FastShard over the same model and fused weights, with pools of its own."""
+        return FastShard(self.model, max_sequences=max_sequences or self.pools.scratch_slot,
+                         max_context=max_context or self.pools.max_context, use_graphs=self.runner.use_graphs,
+                         storage=storage, layers=self.layers)
 
     # everything else a daemon reads of its shard (config, layer range, dtype, ...) is the model's
     def __getattr__(self, name):

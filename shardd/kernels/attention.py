@@ -9,12 +9,21 @@ early exit, so the cost grows with the real context, not the preallocated one.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 CHUNK = 1024  # key positions per split; fixed, so a row's reduction order never depends on its step
-BLOCK_N = 32
+# Launch shape of the split kernel: (query heads of one GQA group per program, keys per inner block, warps),
+# by the cache length a shard was built for (fixed per shard, so every token of it takes the same kernel).
+# On an H200 (scripts/tune_kernels.py, bench/results/h200/tune_kernels.json): one head per program is the
+# fastest at short contexts (46 us per layer at 600 tokens vs 95 for three); three heads, which read each
+# key once for three, at long ones (164 us per layer at 32k vs 279).
+LONG_CONTEXT = 8192
+SHORT_LAUNCH = (1, 64, 4)
+LONG_LAUNCH = (3, 32, 4)
 
 
 @triton.jit
@@ -66,12 +75,11 @@ def _qk_norm_rope_append_kernel(
 def _attention_split_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, cache_slot_stride, cache_head_stride, max_context,
     m_ptr, l_ptr, acc_ptr, num_splits, control_ptr, HQ, HKV, D, scale,
-    T: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, DP: tl.constexpr, CHUNK_: tl.constexpr,
+    T: tl.constexpr, G: tl.constexpr, HG: tl.constexpr, ROWS: tl.constexpr, DP: tl.constexpr, CHUNK_: tl.constexpr,
     BLOCK: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # one program: one kv head's chunk of keys against the T rows of each of its G query heads,
-    # so every key and value is read once; row r is (query head g = r // T, token t = r % T)
-    kv_head = tl.program_id(0)
+    # one program: a chunk of keys against the T rows of HG query heads that share a kv head (HG divides
+    # the GQA group G), so each key and value is read once per HG heads; row r is (head r // T, token r % T)
     split = tl.program_id(1)
     slot = tl.load(control_ptr + 0).to(tl.int64)
     pos = tl.load(control_ptr + 2)
@@ -79,8 +87,9 @@ def _attention_split_kernel(
     if start <= pos + T - 1:  # else: the whole chunk lies past this step's last position
         rows = tl.arange(0, ROWS)
         t = rows % T
-        head = kv_head * G + rows // T
-        rmask = rows < G * T
+        head = tl.program_id(0) * HG + rows // T
+        kv_head = (tl.program_id(0) * HG) // G
+        rmask = rows < HG * T
         lanes = tl.arange(0, DP)
         dmask = lanes < D
         query = tl.load(query_ptr + (t[:, None] * HQ + head[:, None]) * D + lanes[None, :],
@@ -161,11 +170,13 @@ def attention_step(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, query, parti
     m, l, acc = partials
     splits = m.shape[-1]
     group = num_heads // num_kv_heads
-    _attention_split_kernel[(num_kv_heads, splits)](
+    heads, block_n, warps = LONG_LAUNCH if k_cache.shape[2] >= LONG_CONTEXT else SHORT_LAUNCH
+    heads_per_program = math.gcd(group, heads)
+    _attention_split_kernel[(num_heads // heads_per_program, splits)](
         query, k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.shape[2], m, l, acc, splits,
         control, num_heads, num_kv_heads, head_dim, head_dim**-0.5,
-        T=rows, G=group, ROWS=max(16, triton.next_power_of_2(group * rows)), DP=d_block, CHUNK_=CHUNK, BLOCK=BLOCK_N,
-        num_warps=8,
+        T=rows, G=group, HG=heads_per_program, ROWS=max(16, triton.next_power_of_2(heads_per_program * rows)),
+        DP=d_block, CHUNK_=CHUNK, BLOCK=block_n, num_warps=warps,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # float32 means float32, as in the reference
     )
     _attention_merge_kernel[(rows, num_heads)](

@@ -190,6 +190,12 @@ def gdn_prepare(proj, conv_weight, neg_decay, dt_bias, conv_state, windows, log_
     )
 
 
+# Launch shape of the recurrence (scripts/tune_kernels.py times the alternatives). Both rollback modes and the
+# replay-ssm rollback use the same one: the same compiled kernel is what makes their states bit-identical.
+RECURRENCE_BLOCK_V = 16
+RECURRENCE_WARPS = 2
+
+
 def gdn_recurrence(rin, state, saved, out, control, *, layer0, layers, rows, num_k_heads, initial=None):
     """The gated delta rule over control.n tokens of `layers` GDN layers from `layer0`, token by token.
 
@@ -200,9 +206,9 @@ def gdn_recurrence(rin, state, saved, out, control, *, layer0, layers, rows, num
     _, layers_total, num_v_heads, k_dim, v_dim = state.shape
     initial = state if initial is None else initial
     assert initial.stride()[:2] == state.stride()[:2] and initial[0, 0].numel() == state[0, 0].numel()
-    block_v = min(32, triton.next_power_of_2(v_dim))
+    block_v = min(RECURRENCE_BLOCK_V, triton.next_power_of_2(v_dim))
     _gdn_recurrence_kernel[(num_v_heads, triton.cdiv(v_dim, block_v), layers)](
         q, k, v, g, beta, initial, state, saved, saved.shape[2], out, control,
         layer0, layers_total, k_dim, v_dim, num_k_heads, num_v_heads,
-        T=rows, KP=triton.next_power_of_2(k_dim), BV=block_v,
+        T=rows, KP=triton.next_power_of_2(k_dim), BV=block_v, num_warps=RECURRENCE_WARPS,
     )
