@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from shardd import systemd
+from shardd.engine import ENGINES
 
 MiB = 1 << 20
 
@@ -34,6 +35,9 @@ def main():
 @click.option("--max-verify-tokens", type=click.IntRange(0, 1024), default=16, show_default=True,
               help="Rollback storage: most tokens one checkpointed step may carry (0 = no rollback storage).")
 @click.option("--rollback-mode", type=click.Choice(["checkpoint", "replay-ssm"]), default="checkpoint", show_default=True)
+@click.option("--engine", type=click.Choice(ENGINES), default="auto", show_default=True,
+              help="Step implementation: fast (fixed-shape step, Triton + CUDA graphs; CUDA only), reference, "
+                   "or auto (fast on a CUDA device).")
 @click.option("--max-sequences", type=click.IntRange(1, 65536), default=8, show_default=True)
 @click.option("--max-context", type=click.IntRange(1, 1 << 22), default=4096, show_default=True, help="Tokens per sequence.")
 @click.option("--max-tokens-per-request", type=click.IntRange(1, 1 << 20), default=4096, show_default=True)
@@ -41,7 +45,7 @@ def main():
 @click.option("--curve-allow", "curve_allow_dir", type=click.Path(exists=True, file_okay=False), help="Directory of allowed client public keys.")
 @click.option("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice).")
 @click.option("--log-level", default="INFO", show_default=True)
-def serve(model_dir, synthetic, layers, draft, device, dtype, bind, max_verify_tokens, rollback_mode, max_sequences,
+def serve(model_dir, synthetic, layers, draft, device, dtype, bind, max_verify_tokens, rollback_mode, engine, max_sequences,
           max_context, max_tokens_per_request, curve_secret_key, curve_allow_dir, threads, log_level):
     """Load a layer range (and/or a drafter) and serve it until SIGTERM, SIGINT or SHUTDOWN."""
     # Our own logger only: torch's loggers stay at their defaults instead of chattering at INFO.
@@ -64,6 +68,7 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, max_verify_t
 
     from shardd.daemon import ServeOptions, ShardDaemon, configure_security, is_loopback
     from shardd.loading import ModelSource, build_drafter, build_shard, parse_draft, parse_layers
+    from shardd.engine import resolve_engine, serve_with
     from shardd.rollback import RollbackStorage
 
     if (model_dir is None) == (synthetic is None):
@@ -84,6 +89,7 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, max_verify_t
         begin, end = (0, 0) if draft_only else parse_layers(layers, config.num_layers) if layers else (0, config.num_layers)
         if draft is not None:
             parse_draft(draft)
+        engine = resolve_engine(engine, device)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     storage = RollbackStorage(rollback_mode if max_verify_tokens else None, max_verify_tokens)
@@ -104,9 +110,9 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, max_verify_t
             log.info("loading weights %d/%d", done, total)
 
     try:
-        shard = None if draft_only else build_shard(
+        shard = None if draft_only else serve_with(engine, build_shard(
             source, begin, end, dtype=dtype, device=device, storage=storage, progress=progress
-        )
+        ), max_sequences=max_sequences, max_context=max_context)
         drafter = build_drafter(source, draft, dtype=dtype, device=device, shard=shard) if draft else None
     except Exception as exc:  # noqa: BLE001 - a clear one-line reason beats a traceback for an operator
         log.error("failed to load %s: %s", what, exc)

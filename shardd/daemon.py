@@ -216,6 +216,9 @@ class ShardDaemon:
             "owns_head": shard is not None and shard.owns_head,
             "dtype": dtype_name(self.dtype),
             "device": str(self.device),
+            # the step implementation; `step_rows` is the fast engine's T (inputs up to it take the fixed step)
+            "engine": shard.engine if shard is not None else None,
+            "step_rows": shard.step_rows if shard is not None else None,
             "rollback": {
                 "mode": storage.mode if storage.enabled else None,
                 "max_verify_tokens": storage.max_verify_tokens,
@@ -256,6 +259,8 @@ class ShardDaemon:
     def close(self, request):
         entry = self._sequence(request.seq, allow_failed=True)
         del self.sequences[request.seq]
+        if self.shard is not None and entry.state is not None:
+            self.shard.release_state(entry.state)
         self.counters.sequences_closed += 1
         log.info("close seq=%s length=%s", request.seq, entry.length)
         return {"seq": request.seq, "length": entry.length}, {}
@@ -278,6 +283,7 @@ class ShardDaemon:
             hidden=hidden,
             checkpoint=request.checkpoint,
             capture_layers=[layer for layer in layers if shard.begin <= layer < shard.end],
+            return_logits=request.return_logits,
         )
         n = request.n_tokens
         counters = self.counters
@@ -291,8 +297,8 @@ class ShardDaemon:
                 counters.recurrence_log_tokens += n * len(shard.gdn_layers)
         result = {"seq": request.seq, "length": entry.state.length}
         tensors = {}
-        if out.logits is not None:
-            result["ids"] = out.logits.argmax(dim=-1).tolist()
+        if out.ids is not None:
+            result["ids"] = out.ids.tolist()
             if request.return_logits:
                 tensors["logits"] = WireTensor.from_torch(out.logits)
         else:

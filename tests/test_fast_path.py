@@ -189,3 +189,50 @@ def test_gpu_prefill_matches_the_reference():
         assert b.ids.tolist() == a.ids.tolist()
     assert relative(b_state.gdn.recurrent, a_state.gdn.recurrent) < 1e-2
     torch.testing.assert_close(b_state.gdn.conv, a_state.gdn.conv, rtol=1e-4, atol=1e-4)
+
+
+def test_daemons_serve_the_fast_engine(tmp_path):
+    """`shardd serve --engine fast` over real sockets (two daemons, tcp and ipc): HELLO names the engine and its T,
+    and speculative decoding through them gives exactly their greedy output (on the CPU under Triton's
+    interpreter: one short schedule)."""
+    from coordinator.pipeline import Pipeline
+    from tests.daemons import free_tcp_endpoint, start_daemons, stop_all
+
+    device = "cuda:0" if CUDA else "cpu"
+    common = ["--engine", "fast", "--device", device, "--max-verify-tokens", str(ROWS), "--max-context", "64",
+              "--max-sequences", "2"]
+    specs = {
+        "first": (free_tcp_endpoint(), ["--layers", "0:3", *common]),
+        "second": (f"ipc://{tmp_path}/second.sock", ["--layers", "3:6", *common]),
+    }
+    daemons = start_daemons(specs, tmp_path)
+    try:
+        assert {d.hello["engine"] for d in daemons.values()} == {"fast"}
+        assert {d.hello["step_rows"] for d in daemons.values()} == {ROWS}
+        with Pipeline.connect([bind for bind, _ in specs.values()], timeout_s=600) as pipeline:
+            prompt = ids(6, preset_config("tiny").vocab_size, 3)
+            greedy = greedy_decode(pipeline, 1, prompt, 6).tokens
+            drafter = OracleDrafter.with_mean_commit(greedy, len(prompt), block_size=ROWS, mean_commit=2)
+            result = speculative_decode(pipeline, 2, prompt, drafter, block_size=ROWS, rollback=rb.CHECKPOINT,
+                                        max_new_tokens=6)
+            assert result.tokens == greedy
+            assert result.rollbacks_fast > 0
+    finally:
+        stop_all(daemons.values())
+
+
+def test_engine_choice_is_checked_before_loading():
+    from shardd.engine import resolve_engine
+
+    assert resolve_engine("reference", "cpu") == "reference"
+    assert resolve_engine("auto", "cpu") == "reference"
+    if not CUDA:
+        import os
+
+        interpreted = os.environ.pop("TRITON_INTERPRET", None)
+        try:
+            with pytest.raises(ValueError, match="needs a CUDA device"):
+                resolve_engine("fast", "cpu")
+        finally:
+            if interpreted is not None:
+                os.environ["TRITON_INTERPRET"] = interpreted

@@ -24,6 +24,7 @@ DEFAULT_ROWS = 16  # T of a shard without rollback storage
 
 
 class FastShard:
+    engine = "fast"
     def __init__(self, model: ShardModel, *, max_sequences: int, max_context: int, use_graphs: bool | None = None,
                  storage: rb.RollbackStorage | None = None, layers=None):
         """`storage` and `layers` let a second FastShard share a model and its fused weights with another
@@ -55,6 +56,10 @@ class FastShard:
         return FastShard(self.model, max_sequences=max_sequences or self.pools.scratch_slot,
                          max_context=max_context or self.pools.max_context, use_graphs=self.runner.use_graphs,
                          storage=storage, layers=self.layers)
+
+    @property
+    def step_rows(self) -> int:
+        return self.rows
 
     # everything else a daemon reads of its shard (config, layer range, dtype, ...) is the model's
     def __getattr__(self, name):

@@ -53,6 +53,9 @@ class DecoderLayer:
 class ShardModel:
     """Owns layers [begin, end); the embedding when begin == 0; final norm and lm_head when end == num_layers."""
 
+    engine = "reference"  # the readable path (shardd/fast/ has the GPU step, FastShard)
+    step_rows = None  # any number of tokens per forward takes the same path
+
     def __init__(
         self,
         config: ModelConfig,

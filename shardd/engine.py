@@ -1,0 +1,48 @@
+"""Which implementation of the step a daemon serves a shard with.
+
+- `reference`: the readable model code of shardd/model/ (any device; the CPU path).
+- `fast`: shardd/fast/, the fixed-shape T-row step with Triton kernels and CUDA graphs (a CUDA device), which
+  makes a token's result independent of how many tokens shared its step: bf16 speculative output equals greedy.
+- `auto` (the default): `fast` on a CUDA device where Triton is installed, else `reference`.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENGINES = ("auto", "reference", "fast")
+
+
+def _interpreted() -> bool:
+    """Triton's interpreter runs the fast path's kernels on the CPU (tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve_engine(engine: str, device) -> str:
+    import torch
+
+    device = torch.device(device)
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    try:
+        import triton  # noqa: F401
+        has_triton = True
+    except ImportError:
+        has_triton = False
+    if engine == "auto":
+        return "fast" if device.type == "cuda" and has_triton else "reference"
+    if engine == "fast":
+        if not has_triton:
+            raise ValueError("--engine fast needs triton (installed with torch on CUDA machines)")
+        if device.type != "cuda" and not _interpreted():
+            raise ValueError(f"--engine fast needs a CUDA device, got {device} (use --engine reference)")
+    return engine
+
+
+def serve_with(engine: str, shard, *, max_sequences: int, max_context: int):
+    """The shard as the daemon serves it: itself, or a FastShard over it (state pools sized here)."""
+    if engine != "fast":
+        return shard
+    from shardd.fast.shard import FastShard
+
+    return FastShard(shard, max_sequences=max_sequences, max_context=max_context)
