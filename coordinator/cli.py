@@ -43,11 +43,12 @@ from coordinator.pipeline import Pipeline, PipelineError, ShardInfo, order_shard
 from coordinator.target import Target
 from coordinator.tokenizer import load_tokenizer
 from protocol import ProtocolError
+from shardd.config import load_config
+from shardd.presets import PRESETS, parse_synthetic, preset_config
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_DIFFER = 0, 1, 2, 3
 DRAFTERS = ("none", "ngram", "oracle", "dflash")
 DTYPES = ("float32", "bfloat16", "float16")
-PRESETS = ("tiny", "small", "qwen3.5-27b")  # shardd.synthetic.PRESETS, without importing torch
 ORACLE_NOTE = (
     "oracle is a benchmark drafter: it was handed the target's own greedy continuation, "
     "computed first through the same shards, and errs on a seeded schedule"
@@ -165,11 +166,7 @@ class ShardPlan:
 def model_num_layers(model_dir: Optional[str], synthetic: Optional[str]) -> int:
     try:
         if model_dir is not None:
-            from shardd.config import load_config  # no torch
-
             return load_config(model_dir).num_layers
-        from shardd.synthetic import parse_synthetic, preset_config
-
         return preset_config(parse_synthetic(synthetic)[0]).num_layers
     except ValueError as error:
         raise click.UsageError(str(error)) from None
@@ -433,7 +430,7 @@ def cli():
 
 
 @cli.command("make-model")
-@click.option("--preset", type=click.Choice(PRESETS), required=True, help="Model shape.")
+@click.option("--preset", type=click.Choice(tuple(PRESETS)), required=True, help="Model shape.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Directory to write.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
@@ -466,7 +463,7 @@ def make_model(preset, out_dir, seed, dtype, force, with_drafter, draft_layers, 
 def write_synthetic_model(preset: str, seed: int, dtype: str, out: Path) -> Path:
     import torch
 
-    from shardd.synthetic import preset_config, write_checkpoint
+    from shardd.synthetic import write_checkpoint
 
     return write_checkpoint(out, preset_config(preset), seed, dtype=getattr(torch, dtype))
 
@@ -477,7 +474,6 @@ def write_synthetic_drafter(model_dir: Path, preset: str, seed: int, dtype: str,
 
     from shardd.draft.synthetic import synthetic_draft_config, write_draft_checkpoint
     from shardd.loading import DEFAULT_SYNTHETIC_DRAFT_LAYERS
-    from shardd.synthetic import preset_config
 
     config = synthetic_draft_config(preset_config(preset), num_layers=layers or DEFAULT_SYNTHETIC_DRAFT_LAYERS)
     return write_draft_checkpoint(model_dir / "draft", config, seed, dtype=getattr(torch, dtype))
