@@ -33,7 +33,6 @@ from protocol import (
     Request,
     Restore,
     Rollback,
-    Shutdown,
     Snapshot,
     Stats,
     WireTensor,
@@ -187,20 +186,8 @@ class ShardClient:
         tokens: Optional[list[int]] = None,
         hidden: Optional[WireTensor] = None,
         checkpoint: bool = False,
-        return_logits: bool = False,
     ) -> Reply:
-        return self.request(forward_record(seq, pos, tokens, hidden, checkpoint, return_logits))
-
-    def capture(
-        self,
-        seq: int,
-        pos: int,
-        layers: list[int],
-        tokens: Optional[list[int]] = None,
-        hidden: Optional[WireTensor] = None,
-        checkpoint: bool = False,
-    ) -> Reply:
-        return self.request(forward_record(seq, pos, tokens, hidden, checkpoint, layers=layers))
+        return self.request(forward_record(seq, pos, tokens, hidden, checkpoint))
 
     def propose(
         self, seq: int, pos: int, last_token: int, block_size: int, features: Optional[WireTensor] = None
@@ -223,9 +210,6 @@ class ShardClient:
     def stats(self) -> dict:
         return self.request(Stats(id=0)).result
 
-    def shutdown(self) -> dict:
-        return self.request(Shutdown(id=0)).result
-
 
 def _describe(record: Request) -> str:
     return f"{record.type.value} (id {record.id})"
@@ -237,21 +221,16 @@ def forward_record(
     tokens: Optional[list[int]] = None,
     hidden: Optional[WireTensor] = None,
     checkpoint: bool = False,
-    return_logits: bool = False,
     layers: Optional[list[int]] = None,
 ) -> Forward:
     """A FORWARD (or, with `layers`, a CAPTURE) request; checkpointed ones carry the pure chain."""
-    fields = _forward_fields(tokens, hidden, checkpoint)
-    if layers is not None:
-        return Capture(id=0, seq=seq, pos=pos, **fields, layers=list(layers))
-    return Forward(id=0, seq=seq, pos=pos, **fields, return_logits=return_logits)
-
-
-def _forward_fields(tokens: Optional[list[int]], hidden: Optional[WireTensor], checkpoint: bool) -> dict:
     n = len(tokens) if tokens is not None else (hidden.shape[0] if hidden is not None else 0)
-    return {
+    fields = {
         "tokens": None if tokens is None else list(tokens),
         "hidden": hidden,
         "checkpoint": checkpoint,
         "parents": pure_chain(n) if checkpoint else None,
     }
+    if layers is not None:
+        return Capture(id=0, seq=seq, pos=pos, **fields, layers=list(layers))
+    return Forward(id=0, seq=seq, pos=pos, **fields)

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from coordinator.acceptance import accept_length, commit_tokens
-from coordinator.benchstats import all_identical, drift, median, summarize_runs, tokens_digest
+from coordinator.benchstats import all_identical, drift, summarize_runs, tokens_digest
 from coordinator.decoding import ROLLBACK_MODES, greedy_decode, speculative_decode
 from coordinator.drafters import NgramDrafter, OracleDrafter
 from coordinator.target import ReplayTarget, RollbackFailed, SequenceLost, Target
@@ -467,13 +467,6 @@ def test_result_rates_and_summary():
 
 
 # --- benchmark statistics -------------------------------------------------------------
-
-
-def test_median():
-    assert median([3, 1, 2]) == 2
-    assert median([4, 1, 3, 2]) == 2.5
-    with pytest.raises(ValueError):
-        median([])
 
 
 def test_summarize_runs_takes_medians_and_keeps_missing_acceptance_missing():
