@@ -16,9 +16,9 @@ from coordinator.cli import benchmark_prompt, cli
 from coordinator.client import CurveKeys, ShardClient, ShardTimeout
 from coordinator.decoding import greedy_decode
 from coordinator.launch import ShardSet, child_env, launched_sets, split_layers
-from coordinator.local import LocalTarget
 from shardd.loading import ModelSource
 from shardd.rollback import RollbackStorage
+from tests.local import LocalTarget
 
 TINY = ("--synthetic", "tiny")
 PROMPT = "Shards hand hidden states along; shards hand hidden states"

@@ -17,12 +17,12 @@ from coordinator.client import ShardClient, ShardError, ShardTimeout
 from coordinator.decoding import greedy_decode, speculative_decode
 from coordinator.drafters import NgramDrafter, OracleDrafter
 from coordinator.launch import ShardSet, launched_sets, split_layers
-from coordinator.local import LocalTarget
 from coordinator.pipeline import CheckpointUnavailable, Pipeline, PipelineError, SequenceInconsistent, ShardInfo, order_shards
 from coordinator.target import RollbackFailed
 from protocol import ErrorCode, RemoteError
 from shardd.loading import ModelSource
 from shardd.rollback import RollbackStorage
+from tests.local import LocalTarget
 
 TINY = ("--synthetic", "tiny")
 NEW_TOKENS = 40
