@@ -26,23 +26,24 @@ import click
 
 from coordinator import benchstats
 from coordinator.client import CurveKeys, ShardClient, ShardError, ShardTimeout
-from coordinator.decoding import ROLLBACK_MODES, DecodeResult, greedy_decode, speculative_decode
+from coordinator.decoding import DecodeResult, greedy_decode, speculative_decode
 from coordinator.dflash import DFlashDrafterClient
 from coordinator.drafters import Drafter, NgramDrafter, OracleDrafter
-from coordinator.launch import (
-    TRANSPORTS,
-    LaunchError,
-    ShardSet,
-    child_env,
-    drafter_set,
-    launched_sets,
-    parse_splits,
-    split_layers,
-)
+from coordinator.launch import TRANSPORTS, LaunchError, ShardSet, child_env, drafter_set, launched_sets
 from coordinator.pipeline import Pipeline, PipelineError, ShardInfo, order_shards
 from coordinator.target import Target
 from coordinator.tokenizer import load_tokenizer
 from protocol import ProtocolError
+from protocol.layout import (
+    CHECKPOINT,
+    REPLAY,
+    REPLAY_SSM,
+    ROLLBACK_MODES,
+    SHARD_ROLLBACK_MODES,
+    check_layer_range,
+    even_split,
+    parse_layer_ranges,
+)
 from shardd.config import load_config
 from shardd.presets import PRESETS, parse_synthetic, preset_config
 
@@ -201,12 +202,11 @@ def make_plan(
         raise click.UsageError("launching shards needs exactly one of --split N or --layers 0:3,3:8")
     num_layers = model_num_layers(model_dir, synthetic)
     try:
-        splits = split_layers(num_layers, split) if split else parse_splits(layer_spec)
+        splits = even_split(num_layers, split) if split else parse_layer_ranges(layer_spec)
+        for begin, end in splits:  # coverage is the pipeline's to check: `shardctl launch` may start part of a model
+            check_layer_range(begin, end, num_layers)
     except ValueError as error:
         raise click.UsageError(str(error)) from None
-    outside = [f"{b}:{e}" for b, e in splits if e > num_layers]
-    if outside:
-        raise click.UsageError(f"layer range {outside[0]} is outside the model's {num_layers} layers")
     device_list = tuple(parse_list(devices))
     if device_list and len(device_list) not in (1, len(splits)):
         raise click.UsageError(f"--devices lists {len(device_list)} devices for {len(splits)} shards: give one, or one per shard")
@@ -219,7 +219,7 @@ def make_plan(
 
 def mode_daemon_args(rollback: str, block_size: int, speculating: bool) -> list[str]:
     """Daemon options a launched shard set needs for this rollback mode."""
-    if speculating and rollback != "replay":
+    if speculating and rollback != REPLAY:
         return ["--rollback-mode", rollback, "--max-verify-tokens", str(max(16, block_size))]
     return ["--max-verify-tokens", "0"]  # replay (and plain greedy) needs no rollback storage
 
@@ -485,7 +485,7 @@ def daemon_options(func):
         click.option("--dtype", type=click.Choice(DTYPES), default=None, help="Weight dtype."),
         click.option("--max-verify-tokens", type=click.IntRange(0), default=None,
                      help="Rollback storage per sequence, in tokens (0: none)."),
-        click.option("--rollback-mode", type=click.Choice(["checkpoint", "replay-ssm"]), default=None),
+        click.option("--rollback-mode", type=click.Choice(SHARD_ROLLBACK_MODES), default=None),
         click.option("--max-sequences", type=click.IntRange(1), default=None),
         click.option("--max-context", type=click.IntRange(1), default=None),
         click.option("--max-tokens-per-request", type=click.IntRange(1), default=None),
@@ -606,7 +606,7 @@ def launch(model_dir, synthetic, split, layer_spec, devices, transport, draft, r
               help="dflash when launching shards: the drafter daemon to launch beside them "
                    "(default: MODEL/draft for --model when it exists, synthetic for --synthetic).")
 @click.option("--block-size", type=click.IntRange(2), default=16, show_default=True, help="Tokens per verify step.")
-@click.option("--rollback", type=click.Choice(ROLLBACK_MODES), default="checkpoint", show_default=True)
+@click.option("--rollback", type=click.Choice(ROLLBACK_MODES), default=CHECKPOINT, show_default=True)
 @click.option("--mean-commit", type=float, default=6.0, show_default=True,
               help="oracle: tokens committed per step on average.")
 @click.option("--oracle-seed", type=int, default=0, show_default=True, help="oracle: seed of its error schedule.")
@@ -781,7 +781,7 @@ def run_generate_subprocess(args: Sequence[str], timeout: Optional[float] = None
 
 @cli.command()
 @shard_source_options
-@click.option("--ab", "ab_spec", default="replay,checkpoint", show_default=True, metavar="A,B",
+@click.option("--ab", "ab_spec", default=f"{REPLAY},{CHECKPOINT}", show_default=True, metavar="A,B",
               help="The two rollback modes to compare, run in blocks A1, B, A2.")
 @click.option("--runs", type=click.IntRange(1), default=3, show_default=True,
               help="Measured runs per block (plus one discarded warm-up).")
@@ -940,11 +940,11 @@ def demo(max_new_tokens, block_size, mean_commit, transport, as_json):
     started = time.perf_counter()
     model_dir = demo_model()
     num_layers = model_num_layers(str(model_dir), None)
-    splits = split_layers(num_layers, 2)
+    splits = even_split(num_layers, 2)
     source = ("--model", str(model_dir))
     # The rollback mode is a daemon setting: one shard pair per mode that the shards do.
     sets = [ShardSet(source, splits, transport, tuple(mode_daemon_args(mode, block_size, True)))
-            for mode in ("checkpoint", "replay-ssm")]
+            for mode in SHARD_ROLLBACK_MODES]
     sets.append(drafter_set(source, "synthetic", transport))
     progress(f"launching 2 x 2 shards ({', '.join(f'{b}:{e}' for b, e in splits)}) for checkpoint and replay-ssm, "
              f"and a dflash drafter daemon")
@@ -956,11 +956,11 @@ def demo(max_new_tokens, block_size, mean_commit, transport, as_json):
                 Pipeline.connect([s.endpoint for s in ssm_shards]) as logging_ssm, \
                 ShardClient(drafter_daemon.endpoint) as draft_client:
             progress("greedy decoding (the reference)")
-            greedy = run_generation(checkpointing, prompt, drafter="none", rollback="replay", block_size=block_size,
+            greedy = run_generation(checkpointing, prompt, drafter="none", rollback=REPLAY, block_size=block_size,
                                     max_new_tokens=max_new_tokens)
             rows.append(generation_record(greedy, tokenizer, checkpointing.shards))
             for drafter in ("ngram", "oracle", "dflash"):
-                for mode, pipeline in (("checkpoint", checkpointing), ("replay-ssm", logging_ssm), ("replay", checkpointing)):
+                for mode, pipeline in ((CHECKPOINT, checkpointing), (REPLAY_SSM, logging_ssm), (REPLAY, checkpointing)):
                     progress(f"{drafter} drafter, {mode} rollback")
                     generation = run_generation(
                         pipeline, prompt, drafter=drafter, rollback=mode, block_size=block_size,

@@ -32,34 +32,6 @@ class LaunchError(RuntimeError):
     """A daemon could not be started or did not become ready."""
 
 
-def split_layers(num_layers: int, n: int) -> list[tuple[int, int]]:
-    """`n` contiguous ranges covering [0, num_layers), sizes differing by at most one
-    (the earlier shards take the extra layers: the last one also carries the head)."""
-    if not 1 <= n <= num_layers:
-        raise ValueError(f"cannot split {num_layers} layers into {n} shards (need 1 <= shards <= layers)")
-    size, extra = divmod(num_layers, n)
-    splits, begin = [], 0
-    for index in range(n):
-        end = begin + size + (1 if index < extra else 0)
-        splits.append((begin, end))
-        begin = end
-    return splits
-
-
-def parse_splits(spec: str) -> list[tuple[int, int]]:
-    """'0:3,3:8' -> [(0, 3), (3, 8)] (coverage is the pipeline's to check)."""
-    splits = []
-    for part in spec.split(","):
-        try:
-            begin, end = (int(x) for x in part.split(":"))
-        except ValueError:
-            raise ValueError(f"layer ranges look like 0:3,3:8; got {spec!r}") from None
-        if not 0 <= begin < end:
-            raise ValueError(f"layer range {part!r} must have 0 <= BEGIN < END")
-        splits.append((begin, end))
-    return splits
-
-
 def free_tcp_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))

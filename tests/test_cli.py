@@ -15,7 +15,8 @@ from coordinator.benchstats import tokens_digest
 from coordinator.cli import benchmark_prompt, cli
 from coordinator.client import CurveKeys, ShardClient, ShardTimeout
 from coordinator.decoding import greedy_decode
-from coordinator.launch import ShardSet, child_env, launched_sets, split_layers
+from coordinator.launch import ShardSet, child_env, launched_sets
+from protocol.layout import even_split
 from shardd.loading import ModelSource
 from shardd.rollback import RollbackStorage
 from tests.local import LocalTarget
@@ -27,7 +28,7 @@ PROMPT = "Shards hand hidden states along; shards hand hidden states"
 @pytest.fixture(scope="module")
 def shards():
     sets = [
-        ShardSet(TINY, split_layers(6, 2), "tcp"),
+        ShardSet(TINY, even_split(6, 2), "tcp"),
         ShardSet(TINY, [(3, 6)], "ipc", ("--max-verify-tokens", "0")),
     ]
     with launched_sets(sets, ready_timeout_s=120) as (pair, bare):

@@ -16,10 +16,11 @@ import torch
 from coordinator.client import ShardClient, ShardError, ShardTimeout
 from coordinator.decoding import greedy_decode, speculative_decode
 from coordinator.drafters import NgramDrafter, OracleDrafter
-from coordinator.launch import ShardSet, launched_sets, split_layers
+from coordinator.launch import ShardSet, launched_sets
 from coordinator.pipeline import CheckpointUnavailable, Pipeline, PipelineError, SequenceInconsistent, ShardInfo, order_shards
 from coordinator.target import RollbackFailed
 from protocol import ErrorCode, RemoteError
+from protocol.layout import even_split
 from shardd.loading import ModelSource
 from shardd.rollback import RollbackStorage
 from tests.local import LocalTarget
@@ -43,7 +44,7 @@ MATRIX = [
 # One set takes at most BLOCK tokens per request: its prefill goes through the three shards in pipelined chunks.
 SMALL_REQUESTS = {"3-ipc-replay-ssm": ("--max-tokens-per-request", str(BLOCK))}
 SETS = {
-    **{name: ShardSet(TINY, split_layers(6, n), transport, ("--rollback-mode", mode, *SMALL_REQUESTS.get(name, ())))
+    **{name: ShardSet(TINY, even_split(6, n), transport, ("--rollback-mode", mode, *SMALL_REQUESTS.get(name, ())))
        for name, n, transport, mode in MATRIX},
     "seed1-tail": ShardSet(("--synthetic", "tiny:1"), [(3, 6)]),  # other weights
     # No rollback storage, and small requests so that prefill is chunked.
@@ -87,7 +88,7 @@ def test_speculative_equals_single_process_greedy(shard_sets, greedy, name, n_sh
     mode = daemon_mode if own_mode else "replay"
     prompt = PROMPTS["fox"]
     with Pipeline.connect(shard_sets[name]) as pipeline:
-        assert [s.layers for s in pipeline.shards] == [f"{b}:{e}" for b, e in split_layers(6, n_shards)]
+        assert [s.layers for s in pipeline.shards] == [f"{b}:{e}" for b, e in even_split(6, n_shards)]
         assert pipeline.max_tokens_per_request == (BLOCK if name in SMALL_REQUESTS else 4096)
         pipeline.check_speculation(mode, BLOCK)
         before = pipeline.stats()
