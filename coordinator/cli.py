@@ -27,8 +27,8 @@ import click
 from coordinator import benchstats
 from coordinator.client import CurveKeys, ShardClient, ShardError, ShardTimeout
 from coordinator.decoding import DecodeResult, greedy_decode, speculative_decode
-from coordinator.dflash import DFlashDrafterClient
-from coordinator.drafters import Drafter, NgramDrafter, OracleDrafter
+from coordinator.drafters import DRAFTERS as DRAFTER_NAMES
+from coordinator.drafters import make_drafter
 from coordinator.launch import TRANSPORTS, LaunchError, ShardSet, child_env, drafter_set, launched_sets
 from coordinator.pipeline import Pipeline, PipelineError, ShardInfo, order_shards
 from coordinator.target import Target
@@ -48,7 +48,7 @@ from shardd.config import load_config
 from shardd.presets import PRESETS, parse_synthetic, preset_config
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_DIFFER = 0, 1, 2, 3
-DRAFTERS = ("none", "ngram", "oracle", "dflash")
+DRAFTERS = ("none", *DRAFTER_NAMES)
 DTYPES = ("float32", "bfloat16", "float16")
 ORACLE_NOTE = (
     "oracle is a benchmark drafter: it was handed the target's own greedy continuation, "
@@ -346,31 +346,25 @@ def run_generation(
         result = greedy_decode(target, seq, prompt, max_new_tokens, eos_ids, on_commit)
         return Generation(result, None, drafter, None, None)
     reference_result = None
-    if drafter == "oracle":
-        if reference is None:
-            reference_result = greedy_decode(target, secrets.randbelow(1 << 62), prompt, max_new_tokens, eos_ids)
-            reference = reference_result.tokens
-        try:
-            chosen: Drafter = OracleDrafter.with_mean_commit(reference, len(prompt), block_size, mean_commit, oracle_seed)
-        except ValueError as error:
-            raise click.BadParameter(str(error), param_hint="--mean-commit") from None
-    elif drafter == "ngram":
-        chosen = NgramDrafter()
-    elif drafter == "dflash":
-        if draft_client is None:
-            raise click.UsageError("--drafter dflash needs a drafter daemon (--draft-shard, or --draft when launching)")
-        try:
-            chosen = DFlashDrafterClient(draft_client, target)
-        except PipelineError as error:
-            raise click.UsageError(str(error)) from None
+    if drafter == "oracle" and reference is None:
+        reference_result = greedy_decode(target, secrets.randbelow(1 << 62), prompt, max_new_tokens, eos_ids)
+        reference = reference_result.tokens
+    if drafter == "dflash" and draft_client is None:
+        raise click.UsageError("--drafter dflash needs a drafter daemon (--draft-shard, or --draft when launching)")
+    try:
+        chosen = make_drafter(drafter, prompt_len=len(prompt), reference=reference, block_size=block_size,
+                              mean_commit=mean_commit, seed=oracle_seed, draft_client=draft_client, pipeline=target)
+    except PipelineError as error:  # a drafter daemon that does not fit these shards
+        raise click.UsageError(str(error)) from None
+    except ValueError as error:  # the oracle's schedule
+        raise click.BadParameter(str(error), param_hint="--mean-commit") from None
+    if drafter == "dflash":
         if block_size > chosen.max_block_size:
             raise click.BadParameter(
                 f"the dflash drafter fills blocks of at most {chosen.max_block_size} tokens, got {block_size}",
                 param_hint="--block-size",
             )
         target = chosen.target  # every forward captures the drafter's target layers
-    else:
-        raise click.BadParameter(f"unknown drafter {drafter!r}", param_hint="--drafter")
     result = speculative_decode(
         target, seq, prompt, chosen, block_size=block_size, rollback=rollback,
         max_new_tokens=max_new_tokens, eos_ids=eos_ids, on_commit=on_commit,
@@ -959,7 +953,7 @@ def demo(max_new_tokens, block_size, mean_commit, transport, as_json):
             greedy = run_generation(checkpointing, prompt, drafter="none", rollback=REPLAY, block_size=block_size,
                                     max_new_tokens=max_new_tokens)
             rows.append(generation_record(greedy, tokenizer, checkpointing.shards))
-            for drafter in ("ngram", "oracle", "dflash"):
+            for drafter in DRAFTER_NAMES:
                 for mode, pipeline in ((CHECKPOINT, checkpointing), (REPLAY_SSM, logging_ssm), (REPLAY, checkpointing)):
                     progress(f"{drafter} drafter, {mode} rollback")
                     generation = run_generation(

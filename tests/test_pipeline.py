@@ -15,7 +15,7 @@ import torch
 
 from coordinator.client import ShardClient, ShardError, ShardTimeout
 from coordinator.decoding import greedy_decode, speculative_decode
-from coordinator.drafters import NgramDrafter, OracleDrafter
+from coordinator.drafters import make_drafter
 from coordinator.launch import ShardSet, launched_sets
 from coordinator.pipeline import CheckpointUnavailable, Pipeline, PipelineError, SequenceInconsistent, ShardInfo, order_shards
 from coordinator.target import RollbackFailed
@@ -69,10 +69,8 @@ def greedy(local):
     return {name: greedy_decode(local, 1, prompt, NEW_TOKENS).tokens for name, prompt in PROMPTS.items()}
 
 
-def make_drafter(name, greedy_tokens, prompt):
-    if name == "ngram":
-        return NgramDrafter()
-    return OracleDrafter.with_mean_commit(greedy_tokens, len(prompt), BLOCK, mean_commit=3.0, seed=1)
+def drafter_for(name, greedy_tokens, prompt):
+    return make_drafter(name, prompt_len=len(prompt), reference=greedy_tokens, block_size=BLOCK, mean_commit=3.0, seed=1)
 
 
 def test_reference_is_not_degenerate(greedy):
@@ -93,7 +91,7 @@ def test_speculative_equals_single_process_greedy(shard_sets, greedy, name, n_sh
         pipeline.check_speculation(mode, BLOCK)
         before = pipeline.stats()
         result = speculative_decode(
-            pipeline, 100, prompt, make_drafter(drafter, greedy["fox"], prompt),
+            pipeline, 100, prompt, drafter_for(drafter, greedy["fox"], prompt),
             block_size=BLOCK, rollback=mode, max_new_tokens=NEW_TOKENS,
         )
         after = pipeline.stats()
@@ -125,7 +123,7 @@ def test_two_sequences_at_once_match_each_alone(shard_sets, greedy):
             with Pipeline.connect(endpoints) as pipeline:  # one Pipeline (sockets) per thread
                 start.wait()
                 results[name] = speculative_decode(
-                    pipeline, seq, prompt, make_drafter(drafter, greedy[name], prompt),
+                    pipeline, seq, prompt, drafter_for(drafter, greedy[name], prompt),
                     block_size=BLOCK, rollback="checkpoint", max_new_tokens=NEW_TOKENS,
                 ).tokens
         except BaseException as error:  # surfaced in the main thread
@@ -213,7 +211,7 @@ def test_replay_works_without_storage(mixed, greedy, drafter):
     prompt = PROMPTS["fox"]  # longer than 8 tokens: prefill goes in chunks
     assert mixed.max_tokens_per_request == 8
     result = speculative_decode(
-        mixed, 301, prompt, make_drafter(drafter, greedy["fox"], prompt),
+        mixed, 301, prompt, drafter_for(drafter, greedy["fox"], prompt),
         block_size=BLOCK, rollback="replay", max_new_tokens=NEW_TOKENS,
     )
     assert result.tokens == greedy["fox"]
