@@ -12,7 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from coordinator.benchstats import tokens_digest
-from coordinator.cli import benchmark_prompt, cli
+from coordinator.cli import cli
+from coordinator.cli.bench import benchmark_prompt
 from coordinator.client import CurveKeys, ShardClient, ShardTimeout
 from coordinator.decoding import greedy_decode
 from coordinator.launch import ShardSet, child_env, launched_sets
