@@ -86,12 +86,9 @@ class CurveKeys:
 
 
 class ShardClient:
-    def __init__(
-        self, endpoint: str, timeout_s: float = 120.0, name: Optional[str] = None, curve: Optional[CurveKeys] = None
-    ) -> None:
+    def __init__(self, endpoint: str, timeout_s: float = 120.0, curve: Optional[CurveKeys] = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self.name = name or endpoint
         self._ids = itertools.count(1)
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -116,7 +113,7 @@ class ShardClient:
         """Send without waiting; returns the record as sent (with its id) for `receive`.
         Lets a caller keep several daemons busy at once: one request in flight per client."""
         if self._socket.closed:
-            raise RuntimeError(f"{self.name}: client is closed")
+            raise RuntimeError(f"{self.endpoint}: client is closed")
         record = dataclasses.replace(record, id=next(self._ids))
         try:
             # A DEALER queues the message even before the daemon has bound its socket.
@@ -139,14 +136,14 @@ class ShardClient:
             try:
                 reply = decode_reply(frames)
             except ProtocolError as error:
-                raise ProtocolError(error.code, f"{self.name}: malformed reply to {what}: {error.message}") from error
+                raise ProtocolError(error.code, f"{self.endpoint}: malformed reply to {what}: {error.message}") from error
             # id None: the daemon could not read our id, so this error answers the one request in flight.
             if reply.id is not None and reply.id != sent.id:
                 continue  # stale: the answer to a request that timed out earlier
             if not reply.ok:
                 raise ShardError(reply.error_code, reply.error_message, self.endpoint)
             if reply.type is not sent.type:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"{self.name}: reply to {what} has type {reply.type}")
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"{self.endpoint}: reply to {what} has type {reply.type}")
             return reply
 
     def close(self, seq: Optional[int] = None) -> Optional[dict]:
@@ -157,10 +154,6 @@ class ShardClient:
             self._poller.unregister(self._socket)
             self._socket.close(linger=0)
         return None
-
-    @property
-    def closed(self) -> bool:
-        return self._socket.closed
 
     def __enter__(self) -> "ShardClient":
         return self

@@ -196,12 +196,11 @@ def launched_sets(
     *,
     ready_timeout_s: float = 300.0,
     progress: Optional[Progress] = None,
-    keep_logs: bool = False,
     curve: Optional[CurveKeys] = None,
 ) -> Iterator[list[list[ShardProcess]]]:
     """Start every set's daemons at once (they load in parallel), wait until all serve,
     yield the `ShardProcess`es per set, stop them all on exit. Logs are removed with the
-    run directory unless `keep_logs` or something failed (error messages point at them).
+    run directory unless something failed (error messages point at them).
     `curve`: the client keys readiness checks use, for daemons started with CurveZMQ keys."""
     # Short prefix under the temp dir: an ipc:// path must fit a unix socket address (~107 bytes).
     run_dir = Path(tempfile.mkdtemp(prefix="shardd-"))
@@ -219,7 +218,7 @@ def launched_sets(
         failed = False
     finally:
         stop_shards([shard for shards in started for shard in shards])
-        if not keep_logs and not failed:
+        if not failed:
             shutil.rmtree(run_dir, ignore_errors=True)
         elif progress is not None:
             progress(f"shard logs kept in {run_dir}")

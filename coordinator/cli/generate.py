@@ -167,7 +167,6 @@ def describe_generation(record: dict) -> str:
     return ", ".join(parts)
 
 
-
 @click.command()
 @shard_source_options
 @click.option("--prompt", help="Prompt text (tokenized with the model's tokenizer.json, else bytes).")

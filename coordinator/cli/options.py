@@ -10,7 +10,8 @@ from coordinator.client import CurveKeys
 from coordinator.launch import TRANSPORTS
 from protocol.layout import SHARD_ROLLBACK_MODES
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_DIFFER = 0, 1, 2, 3
+# Exit codes besides click's 2 for a usage error.
+EXIT_FAILURE, EXIT_DIFFER = 1, 3
 DTYPES = ("float32", "bfloat16", "float16")
 
 
