@@ -10,18 +10,9 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
+from statistics import median
 
 SUMMARY_KEYS = ("decode_tok_s", "wall_seconds", "prefill_tok_s", "acceptance_rate", "avg_commit")
-
-
-def median(values: Iterable[float]) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        raise ValueError("median of no values")
-    middle = len(ordered) // 2
-    if len(ordered) % 2:
-        return float(ordered[middle])
-    return (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def summarize_runs(runs: Sequence[dict]) -> dict:

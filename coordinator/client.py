@@ -33,7 +33,6 @@ from protocol import (
     Request,
     Restore,
     Rollback,
-    Shutdown,
     Snapshot,
     Stats,
     WireTensor,
@@ -87,12 +86,9 @@ class CurveKeys:
 
 
 class ShardClient:
-    def __init__(
-        self, endpoint: str, timeout_s: float = 120.0, name: Optional[str] = None, curve: Optional[CurveKeys] = None
-    ) -> None:
+    def __init__(self, endpoint: str, timeout_s: float = 120.0, curve: Optional[CurveKeys] = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self.name = name or endpoint
         self._ids = itertools.count(1)
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -117,7 +113,7 @@ class ShardClient:
         """Send without waiting; returns the record as sent (with its id) for `receive`.
         Lets a caller keep several daemons busy at once: one request in flight per client."""
         if self._socket.closed:
-            raise RuntimeError(f"{self.name}: client is closed")
+            raise RuntimeError(f"{self.endpoint}: client is closed")
         record = dataclasses.replace(record, id=next(self._ids))
         try:
             # A DEALER queues the message even before the daemon has bound its socket.
@@ -140,14 +136,14 @@ class ShardClient:
             try:
                 reply = decode_reply(frames)
             except ProtocolError as error:
-                raise ProtocolError(error.code, f"{self.name}: malformed reply to {what}: {error.message}") from error
+                raise ProtocolError(error.code, f"{self.endpoint}: malformed reply to {what}: {error.message}") from error
             # id None: the daemon could not read our id, so this error answers the one request in flight.
             if reply.id is not None and reply.id != sent.id:
                 continue  # stale: the answer to a request that timed out earlier
             if not reply.ok:
                 raise ShardError(reply.error_code, reply.error_message, self.endpoint)
             if reply.type is not sent.type:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"{self.name}: reply to {what} has type {reply.type}")
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"{self.endpoint}: reply to {what} has type {reply.type}")
             return reply
 
     def close(self, seq: Optional[int] = None) -> Optional[dict]:
@@ -158,10 +154,6 @@ class ShardClient:
             self._poller.unregister(self._socket)
             self._socket.close(linger=0)
         return None
-
-    @property
-    def closed(self) -> bool:
-        return self._socket.closed
 
     def __enter__(self) -> "ShardClient":
         return self
@@ -187,20 +179,8 @@ class ShardClient:
         tokens: Optional[list[int]] = None,
         hidden: Optional[WireTensor] = None,
         checkpoint: bool = False,
-        return_logits: bool = False,
     ) -> Reply:
-        return self.request(forward_record(seq, pos, tokens, hidden, checkpoint, return_logits))
-
-    def capture(
-        self,
-        seq: int,
-        pos: int,
-        layers: list[int],
-        tokens: Optional[list[int]] = None,
-        hidden: Optional[WireTensor] = None,
-        checkpoint: bool = False,
-    ) -> Reply:
-        return self.request(forward_record(seq, pos, tokens, hidden, checkpoint, layers=layers))
+        return self.request(forward_record(seq, pos, tokens, hidden, checkpoint))
 
     def propose(
         self, seq: int, pos: int, last_token: int, block_size: int, features: Optional[WireTensor] = None
@@ -223,9 +203,6 @@ class ShardClient:
     def stats(self) -> dict:
         return self.request(Stats(id=0)).result
 
-    def shutdown(self) -> dict:
-        return self.request(Shutdown(id=0)).result
-
 
 def _describe(record: Request) -> str:
     return f"{record.type.value} (id {record.id})"
@@ -237,21 +214,16 @@ def forward_record(
     tokens: Optional[list[int]] = None,
     hidden: Optional[WireTensor] = None,
     checkpoint: bool = False,
-    return_logits: bool = False,
     layers: Optional[list[int]] = None,
 ) -> Forward:
     """A FORWARD (or, with `layers`, a CAPTURE) request; checkpointed ones carry the pure chain."""
-    fields = _forward_fields(tokens, hidden, checkpoint)
-    if layers is not None:
-        return Capture(id=0, seq=seq, pos=pos, **fields, layers=list(layers))
-    return Forward(id=0, seq=seq, pos=pos, **fields, return_logits=return_logits)
-
-
-def _forward_fields(tokens: Optional[list[int]], hidden: Optional[WireTensor], checkpoint: bool) -> dict:
     n = len(tokens) if tokens is not None else (hidden.shape[0] if hidden is not None else 0)
-    return {
+    fields = {
         "tokens": None if tokens is None else list(tokens),
         "hidden": hidden,
         "checkpoint": checkpoint,
         "parents": pure_chain(n) if checkpoint else None,
     }
+    if layers is not None:
+        return Capture(id=0, seq=seq, pos=pos, **fields, layers=list(layers))
+    return Forward(id=0, seq=seq, pos=pos, **fields)

@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 
 from coordinator.acceptance import accept_length, commit_tokens
 from coordinator.drafters import Drafter
-from coordinator.target import RollbackFailed, SequenceLost, Target
-
-ROLLBACK_MODES = ("checkpoint", "replay-ssm", "replay")
+from coordinator.target import ReplayTarget, RollbackFailed, SequenceLost, Target
+from protocol.layout import CHECKPOINT, REPLAY, ROLLBACK_MODES
 
 OnCommit = Callable[[list[int]], None]
+# One decoding step: (history, room, result) -> appends to history what it commits, at most room tokens.
+Step = Callable[[list[int], int, "DecodeResult"], None]
 
 
 @dataclass
@@ -91,26 +92,12 @@ def greedy_decode(
     on_commit: OnCommit | None = None,
 ) -> DecodeResult:
     """Plain greedy decoding: prefill, then one token per forward."""
-    _check_request(prompt, max_new_tokens)
-    eos = frozenset(eos_ids)
-    result = DecodeResult(prompt_tokens=len(prompt))
-    if max_new_tokens == 0:
-        return result
-    with _open_sequence(target, seq):
-        history = _prefill(target, seq, prompt, result, on_commit)
-        start = time.perf_counter()
-        while not _finished(result.tokens, max_new_tokens, eos):
-            pos = len(history) - 1
-            try:
-                (token,) = target.forward(seq, pos, [history[-1]])
-            except SequenceLost:
-                _refill(target, seq, history)
-                result.recoveries += 1
-                continue
-            history.append(token)
-            _record(result, [token], on_commit)
-        result.decode_seconds = time.perf_counter() - start
-    return result
+
+    def step(history: list[int], room: int, result: DecodeResult) -> None:
+        (token,) = target.forward(seq, len(history) - 1, [history[-1]])
+        history.append(token)
+
+    return _decode(target, seq, prompt, max_new_tokens, frozenset(eos_ids), on_commit, step)
 
 
 def speculative_decode(
@@ -120,19 +107,62 @@ def speculative_decode(
     drafter: Drafter,
     *,
     block_size: int = 16,
-    rollback: str = "checkpoint",
+    rollback: str = CHECKPOINT,
     max_new_tokens: int,
     eos_ids: Iterable[int] = (),
     on_commit: OnCommit | None = None,
 ) -> DecodeResult:
     """Draft `block_size - 1` tokens, verify `[t0, drafts]` in one forward, keep the
-    agreeing prefix plus the target's own next token, roll the rest back."""
-    _check_request(prompt, max_new_tokens)
+    agreeing prefix plus the target's own next token, roll the rest back.
+
+    `rollback` says who rolls back: the shards ("checkpoint", "replay-ssm": the target as
+    given), or the `replay` baseline (`ReplayTarget`: restore a snapshot, forward the kept
+    tokens again). The step is the same for all three."""
     if block_size < 2:
         raise ValueError(f"block_size must be >= 2 to speculate, got {block_size}")
     if rollback not in ROLLBACK_MODES:
         raise ValueError(f"unknown rollback mode {rollback!r}; choose one of {', '.join(ROLLBACK_MODES)}")
+    verifier = ReplayTarget(target) if rollback == REPLAY else target
     eos = frozenset(eos_ids)
+
+    def step(history: list[int], room: int, result: DecodeResult) -> None:
+        # Draft: a block of T tokens commits at most T, so never draft past the budget.
+        wanted = min(block_size, room) - 1
+        drafts = drafter.propose(history, wanted)
+        if len(drafts) != wanted:
+            raise ValueError(f"drafter {drafter.name!r} proposed {len(drafts)} tokens, asked for {wanted}")
+        # Verify [t0, d1 .. d_{T-1}] in one forward; the state holds history[:-1].
+        block = [history[-1]] + drafts
+        verified = verifier.forward(seq, len(history) - 1, block, checkpoint=True)
+        # Accept the longest agreeing prefix plus the target's own next token.
+        committed, keep = commit_tokens(drafts, verified, room, eos)
+        history.extend(committed)
+        result.drafted += len(drafts)
+        result.accepted += accept_length(drafts, verified)
+        # Roll the rejected rest of the block back.
+        if keep < len(block):
+            verifier.rollback(seq, keep)
+            if rollback == REPLAY:
+                result.replays += 1
+            else:
+                result.rollbacks_fast += 1
+
+    return _decode(verifier, seq, prompt, max_new_tokens, eos, on_commit, step)
+
+
+def _decode(
+    target: Target,
+    seq: int,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos: frozenset[int],
+    on_commit: OnCommit | None,
+    step: Step,
+) -> DecodeResult:
+    """Prefill, then `step(history, room, result)` until `max_new_tokens` or an EOS: a step appends
+    what it commits to `history` (at most `room` tokens). When the target loses the sequence or
+    cannot roll back, the state is re-filled from `history` and decoding carries on."""
+    _check_request(prompt, max_new_tokens)
     result = DecodeResult(prompt_tokens=len(prompt))
     if max_new_tokens == 0:
         return result
@@ -140,51 +170,14 @@ def speculative_decode(
         history = _prefill(target, seq, prompt, result, on_commit)
         start = time.perf_counter()
         while not _finished(result.tokens, max_new_tokens, eos):
-            room = max_new_tokens - len(result.tokens)
-            pos = len(history) - 1  # the state holds history[:-1]
-            # A block of T commits at most T tokens: never verify past the budget.
-            wanted = min(block_size, room) - 1
+            committed_before = len(history)
             try:
-                drafts = drafter.propose(history, wanted)
-            except SequenceLost:  # a drafter that keeps per-sequence state lost it: re-fill, draft again
-                _refill(target, seq, history)
-                result.recoveries += 1
-                continue
-            if len(drafts) != wanted:
-                raise ValueError(f"drafter {drafter.name!r} proposed {len(drafts)} tokens, asked for {wanted}")
-            block = [history[-1]] + drafts
-
-            try:
-                if rollback == "replay":
-                    target.snapshot(seq)
-                verified = target.forward(seq, pos, block, checkpoint=rollback != "replay")
-            except SequenceLost:  # nothing committed yet: re-fill and redo the step
-                _refill(target, seq, history)
-                result.recoveries += 1
-                continue
-            accepted = accept_length(drafts, verified)
-            committed, keep = commit_tokens(drafts, verified, room, eos)
-            history.extend(committed)
-
-            if keep < len(block):
-                try:
-                    if rollback == "replay":
-                        target.restore(seq)
-                        target.forward(seq, pos, block[:keep])
-                        result.replays += 1
-                    else:
-                        target.rollback(seq, keep)
-                        result.rollbacks_fast += 1
-                except RollbackFailed:
-                    _refill(target, seq, history)
-                    result.rollbacks_fallback += 1
-                except SequenceLost:  # the commit stands; the state is rebuilt to hold it
-                    _refill(target, seq, history)
-                    result.recoveries += 1
-
-            result.drafted += len(drafts)
-            result.accepted += accepted
-            _record(result, committed, on_commit)
+                step(history, max_new_tokens - len(result.tokens), result)
+            except (SequenceLost, RollbackFailed) as failure:
+                # `history` holds every commit, this step's too when only its rollback failed.
+                _recover(target, seq, history, result, failure)
+            if len(history) > committed_before:
+                _record(result, history[committed_before:], on_commit)
         result.decode_seconds = time.perf_counter() - start
     return result
 
@@ -238,17 +231,24 @@ REFILL_ATTEMPTS = 5
 REFILL_BACKOFF_S = 0.5
 
 
-def _refill(target: Target, seq: int, history: list[int]) -> None:
-    """Rebuild the state from the committed history (everything but t0). A shard that is still
-    coming back (restarting, loading weights) gets a few tries with a growing pause."""
+def _recover(
+    target: Target, seq: int, history: list[int], result: DecodeResult, failure: SequenceLost | RollbackFailed
+) -> None:
+    """Rebuild the state from the committed history (everything but t0) and count why: a rollback
+    the target could not do fast, or a sequence it lost (a restarted shard or drafter daemon). A
+    shard that is still coming back (restarting, loading weights) gets a few tries with a growing pause."""
     for attempt in range(REFILL_ATTEMPTS):
         try:
             with contextlib.suppress(Exception):  # the sequence may be gone from some shards already
                 target.close(seq)
             target.open(seq)
             target.forward(seq, 0, history[:-1])
-            return
+            break
         except SequenceLost:
             if attempt == REFILL_ATTEMPTS - 1:
                 raise
             time.sleep(REFILL_BACKOFF_S * (attempt + 1))
+    if isinstance(failure, RollbackFailed):
+        result.rollbacks_fallback += 1
+    else:
+        result.recoveries += 1

@@ -10,6 +10,12 @@ import random
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
+from coordinator.client import ShardClient
+from coordinator.dflash import DFlashDrafterClient
+from coordinator.pipeline import Pipeline
+
+DRAFTERS = ("ngram", "oracle", "dflash")
+
 
 @runtime_checkable
 class Drafter(Protocol):
@@ -125,11 +131,31 @@ class OracleDrafter:
         return truth[:correct] + [wrong] * (n - correct)
 
 
-def make_drafter(name: str, **kwargs) -> Drafter:
-    """Build a drafter by its CLI name: "ngram" (NgramDrafter's arguments) or "oracle"
-    (OracleDrafter.with_mean_commit's arguments)."""
+def make_drafter(
+    name: str,
+    *,
+    prompt_len: int = 0,
+    reference: list[int] | None = None,
+    block_size: int = 16,
+    mean_commit: float = 6.0,
+    seed: int = 0,
+    draft_client: ShardClient | None = None,
+    pipeline: Pipeline | None = None,
+) -> Drafter:
+    """The drafter a CLI name stands for; each takes the arguments it needs and ignores the rest.
+
+    "ngram": prompt lookup. "oracle": the benchmark drafter over `reference` (the target's own greedy
+    continuation of a `prompt_len`-token prompt) committing `mean_commit` of `block_size` tokens per step
+    on the schedule of `seed`. "dflash": the drafter hosted by the daemon behind `draft_client`, fed with
+    the features `pipeline` captures: decode through its `.target`, not through `pipeline`."""
     if name == "ngram":
-        return NgramDrafter(**kwargs)
+        return NgramDrafter()
     if name == "oracle":
-        return OracleDrafter.with_mean_commit(**kwargs)
-    raise ValueError(f"unknown drafter {name!r}; choose 'ngram' or 'oracle'")
+        if reference is None:
+            raise ValueError("the oracle drafter needs the target's greedy continuation (reference)")
+        return OracleDrafter.with_mean_commit(reference, prompt_len, block_size, mean_commit, seed)
+    if name == "dflash":
+        if draft_client is None or pipeline is None:
+            raise ValueError("the dflash drafter needs a drafter daemon's client and the pipeline it drafts for")
+        return DFlashDrafterClient(draft_client, pipeline)
+    raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")

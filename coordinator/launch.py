@@ -32,34 +32,6 @@ class LaunchError(RuntimeError):
     """A daemon could not be started or did not become ready."""
 
 
-def split_layers(num_layers: int, n: int) -> list[tuple[int, int]]:
-    """`n` contiguous ranges covering [0, num_layers), sizes differing by at most one
-    (the earlier shards take the extra layers: the last one also carries the head)."""
-    if not 1 <= n <= num_layers:
-        raise ValueError(f"cannot split {num_layers} layers into {n} shards (need 1 <= shards <= layers)")
-    size, extra = divmod(num_layers, n)
-    splits, begin = [], 0
-    for index in range(n):
-        end = begin + size + (1 if index < extra else 0)
-        splits.append((begin, end))
-        begin = end
-    return splits
-
-
-def parse_splits(spec: str) -> list[tuple[int, int]]:
-    """'0:3,3:8' -> [(0, 3), (3, 8)] (coverage is the pipeline's to check)."""
-    splits = []
-    for part in spec.split(","):
-        try:
-            begin, end = (int(x) for x in part.split(":"))
-        except ValueError:
-            raise ValueError(f"layer ranges look like 0:3,3:8; got {spec!r}") from None
-        if not 0 <= begin < end:
-            raise ValueError(f"layer range {part!r} must have 0 <= BEGIN < END")
-        splits.append((begin, end))
-    return splits
-
-
 def free_tcp_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
@@ -224,12 +196,11 @@ def launched_sets(
     *,
     ready_timeout_s: float = 300.0,
     progress: Optional[Progress] = None,
-    keep_logs: bool = False,
     curve: Optional[CurveKeys] = None,
 ) -> Iterator[list[list[ShardProcess]]]:
     """Start every set's daemons at once (they load in parallel), wait until all serve,
     yield the `ShardProcess`es per set, stop them all on exit. Logs are removed with the
-    run directory unless `keep_logs` or something failed (error messages point at them).
+    run directory unless something failed (error messages point at them).
     `curve`: the client keys readiness checks use, for daemons started with CurveZMQ keys."""
     # Short prefix under the temp dir: an ipc:// path must fit a unix socket address (~107 bytes).
     run_dir = Path(tempfile.mkdtemp(prefix="shardd-"))
@@ -247,7 +218,7 @@ def launched_sets(
         failed = False
     finally:
         stop_shards([shard for shards in started for shard in shards])
-        if not keep_logs and not failed:
+        if not failed:
             shutil.rmtree(run_dir, ignore_errors=True)
         elif progress is not None:
             progress(f"shard logs kept in {run_dir}")

@@ -19,8 +19,8 @@ from typing import Iterable, Optional, Sequence
 from coordinator.client import CurveKeys, ShardClient, ShardError, ShardTimeout, forward_record
 from coordinator.target import RollbackFailed, SequenceLost
 from protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, Reply, WireTensor
+from protocol.layout import REPLAY, SHARD_ROLLBACK_MODES, coverage_problems
 
-CHECKPOINTED_MODES = ("checkpoint", "replay-ssm")  # rollback modes the shards do themselves
 SHARD_FAILURES = (ShardError, ShardTimeout, ProtocolError)
 
 
@@ -122,19 +122,7 @@ def order_shards(shards: Sequence[ShardInfo]) -> list[ShardInfo]:
     if not ordered:
         raise PipelineError(f"no shard owns target layers: {', '.join(map(str, shards))} host only a drafter")
     num_layers = ordered[0].model["num_layers"]
-    covered, previous = 0, None
-    for shard in ordered:
-        if shard.begin > covered:
-            after = f" (after {previous})" if previous else ""
-            problems.append(f"gap: no shard serves layers {covered}:{shard.begin}{after}, before {shard}")
-        elif shard.begin < covered:
-            problems.append(
-                f"overlap: {previous} and {shard} both serve layers {shard.begin}:{min(covered, shard.end)}"
-            )
-        if shard.end > covered:
-            covered, previous = shard.end, shard
-    if covered < num_layers:
-        problems.append(f"gap: no shard serves layers {covered}:{num_layers} (after {previous})")
+    problems = coverage_problems([(s.begin, s.end) for s in ordered], num_layers, names=map(str, ordered))
     if problems:
         raise PipelineError(f"refusing this shard set for a {num_layers}-layer model: " + "; ".join(problems))
     return ordered
@@ -195,9 +183,9 @@ class Pipeline:
         """PipelineError unless these shards can verify blocks of `block_size` tokens with
         `rollback` ("checkpoint", "replay-ssm": done by the shards; "replay": by the
         coordinator, which works on any shard set)."""
-        if rollback == "replay":
+        if rollback == REPLAY:
             return
-        if rollback not in CHECKPOINTED_MODES:
+        if rollback not in SHARD_ROLLBACK_MODES:
             raise PipelineError(f"unknown rollback mode {rollback!r}")
         without = [str(s) for s in self.shards if s.max_verify_tokens == 0]
         if without:

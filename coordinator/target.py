@@ -1,12 +1,12 @@
 """The model interface the decoding loop drives.
 
 A `Target` holds per-sequence state (KV cache, GDN conv and recurrent state) and turns
-token ids into next-token ids. The `Pipeline` over shard daemons and the in-process
-`LocalTarget` implement it; the loop in `coordinator.decoding` only ever sees this.
+token ids into next-token ids. The `Pipeline` over shard daemons (and the tests' in-process
+`LocalTarget`) implement it; the loop in `coordinator.decoding` only ever sees this.
 
-Sequence semantics are those of DESIGN.md ("Sequences and rollback semantics"): a
-sequence has a committed length `L`, `forward` appends at `pos == L`, a checkpointed
-forward is pending until the next call, and exactly one `rollback` may follow it.
+Sequence semantics are the daemons' (PROTOCOL.md): a sequence has a committed length `L`,
+`forward` appends at `pos == L`, a checkpointed forward is pending until the next call, and
+exactly one `rollback` may follow it.
 """
 
 from __future__ import annotations
@@ -46,8 +46,47 @@ class Target(Protocol):
         state equal to having forwarded only those. Raises `RollbackFailed` when a shard
         could not do it fast."""
 
+
+@runtime_checkable
+class SnapshotTarget(Target, Protocol):
+    """A target that can also save and restore a sequence: what the `replay` baseline needs."""
+
     def snapshot(self, seq: int) -> None:
-        """Save the recurrent state and length (the `replay` baseline)."""
+        """Save the recurrent state and length."""
 
     def restore(self, seq: int) -> None:
         """Go back to the last snapshot."""
+
+
+class ReplayTarget:
+    """The `replay` baseline as a `Target` that can roll back: a checkpointed forward snapshots the
+    recurrent state first and runs as a plain forward; `rollback` restores the snapshot and forwards
+    the kept tokens again (one more pass through every layer)."""
+
+    def __init__(self, target: SnapshotTarget) -> None:
+        self.target = target
+        self.pending: dict[int, tuple[int, list[int]]] = {}  # seq -> (pos, tokens) of the checkpointed step
+
+    def open(self, seq: int) -> None:
+        self.target.open(seq)
+
+    def close(self, seq: int) -> None:
+        self.pending.pop(seq, None)
+        self.target.close(seq)
+
+    def forward(self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False) -> list[int]:
+        self.pending.pop(seq, None)
+        if checkpoint:
+            self.target.snapshot(seq)
+        ids = self.target.forward(seq, pos, tokens)
+        if checkpoint:
+            self.pending[seq] = (pos, list(tokens))
+        return ids
+
+    def rollback(self, seq: int, keep: int) -> None:
+        if seq not in self.pending:
+            raise RollbackFailed(f"sequence {seq} has no checkpointed step to roll back")
+        pos, tokens = self.pending.pop(seq)
+        self.target.restore(seq)
+        if keep:
+            self.target.forward(seq, pos, tokens[:keep])

@@ -11,7 +11,6 @@ class ByteTokenizer:
     """Ids 0..255 are the UTF-8 bytes; ids above 255 (a synthetic model may emit them)
     decode to nothing. Synthetic models have no EOS."""
 
-    name = "bytes"
     eos_ids: tuple[int, ...] = ()
 
     def __init__(self, vocab_size: int = 256):
@@ -28,8 +27,6 @@ class ByteTokenizer:
 
 class HFTokenizer:
     """A Hugging Face `tokenizer.json` through the `tokenizers` library."""
-
-    name = "tokenizer.json"
 
     def __init__(self, path: str | Path):
         try:

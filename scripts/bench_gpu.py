@@ -104,7 +104,7 @@ def run_local(args) -> dict:
 
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafters import OracleDrafter
-    from coordinator.local import LocalTarget
+    from tests.local import LocalTarget
     from shardd import rollback as rb
     from shardd.fast.shard import FastShard
     from shardd.model.shard import ShardModel

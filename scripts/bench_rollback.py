@@ -30,7 +30,8 @@ import torch  # noqa: E402
 from shardd import rollback as rb  # noqa: E402
 from shardd.loading import DTYPES  # noqa: E402
 from shardd.model.shard import ShardModel  # noqa: E402
-from shardd.synthetic import parse_synthetic, preset_config, synthetic_weights  # noqa: E402
+from shardd.presets import parse_synthetic, preset_config  # noqa: E402
+from shardd.synthetic import synthetic_weights  # noqa: E402
 
 MODES = ("replay", "checkpoint", "replay-ssm")
 

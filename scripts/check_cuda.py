@@ -16,7 +16,8 @@ import torch  # noqa: E402
 from shardd import rollback as rb  # noqa: E402
 from shardd.loading import ModelSource, build_shard  # noqa: E402
 from shardd.rollback import RollbackStorage  # noqa: E402
-from shardd.synthetic import preset_config, write_checkpoint  # noqa: E402
+from shardd.presets import preset_config  # noqa: E402
+from shardd.synthetic import write_checkpoint  # noqa: E402
 
 
 def main() -> int:

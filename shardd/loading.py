@@ -16,8 +16,9 @@ from shardd.draft.model import DFlashDrafter
 from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights
 from shardd.draft.weights import load_draft_weights
 from shardd.model.shard import ShardModel
+from shardd.presets import parse_synthetic, preset_config
 from shardd.rollback import RollbackStorage
-from shardd.synthetic import parse_synthetic, preset_config, synthetic_tensors
+from shardd.synthetic import synthetic_tensors
 from shardd.weights import embedding_and_head_shapes, head_name, load_tensors, shard_shapes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -17,7 +17,8 @@ if str(ROOT) not in sys.path:
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """The `tiny` synthetic preset written by our own writer (real Qwen3.5 layout, several files + index)."""
-    from shardd.synthetic import preset_config, write_checkpoint
+    from shardd.presets import preset_config
+    from shardd.synthetic import write_checkpoint
 
     out = tmp_path_factory.mktemp("tiny")
     return write_checkpoint(out, preset_config("tiny"), seed=0, max_file_bytes=64 << 10)

@@ -3,22 +3,27 @@
 from __future__ import annotations
 
 import json
+import pkgutil
 import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+import coordinator
 from coordinator.benchstats import tokens_digest
-from coordinator.cli import benchmark_prompt, cli
+from coordinator.cli import cli
+from coordinator.cli.bench import benchmark_prompt
 from coordinator.client import CurveKeys, ShardClient, ShardTimeout
 from coordinator.decoding import greedy_decode
-from coordinator.launch import ShardSet, child_env, launched_sets, split_layers
-from coordinator.local import LocalTarget
+from coordinator.launch import ShardSet, child_env, launched_sets
+from protocol.layout import even_split
 from shardd.loading import ModelSource
 from shardd.rollback import RollbackStorage
+from tests.local import LocalTarget
 
 TINY = ("--synthetic", "tiny")
 PROMPT = "Shards hand hidden states along; shards hand hidden states"
@@ -27,7 +32,7 @@ PROMPT = "Shards hand hidden states along; shards hand hidden states"
 @pytest.fixture(scope="module")
 def shards():
     sets = [
-        ShardSet(TINY, split_layers(6, 2), "tcp"),
+        ShardSet(TINY, even_split(6, 2), "tcp"),
         ShardSet(TINY, [(3, 6)], "ipc", ("--max-verify-tokens", "0")),
     ]
     with launched_sets(sets, ready_timeout_s=120) as (pair, bare):
@@ -76,6 +81,33 @@ def test_generate_streams_text_and_ids(shards, local):
     assert result.exit_code == 0, result.output
     text = bytes(i for i in expected if i < 256).decode("utf-8", errors="replace")
     assert result.stdout == text + "\n"
+
+
+# A child Python in which `import torch` fails: whatever it runs never imported torch.
+WITHOUT_TORCH = "import sys; sys.modules['torch'] = None; "
+
+
+def test_generate_against_running_shards_never_imports_torch(shards, local):
+    # The oracle decodes greedily first, then speculates with checkpoint rollback: both loops run.
+    completed = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TORCH + "from coordinator.cli import main; main()", "generate",
+         "--shards", ",".join(shards["pair"]), "--prompt", PROMPT, "--max-new-tokens", "12", "--drafter", "oracle",
+         "--block-size", "8", "--mean-commit", "3", "--rollback", "checkpoint", "--json"],
+        capture_output=True, text=True, env=child_env(), timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr
+    record = json.loads(completed.stdout)
+    assert record["tokens"] == greedy_ids(local, list(PROMPT.encode()), 12) and record["matches_greedy"]
+
+
+def test_the_coordinator_modules_import_without_torch():
+    root = Path(coordinator.__file__).parent
+    modules = ["coordinator", "protocol", "shardd", "shardd.config", "shardd.presets"] + [
+        module.name for module in pkgutil.walk_packages([str(root)], "coordinator.") if not module.name.endswith("__main__")]
+    assert {"coordinator.cli.generate", "coordinator.pipeline", "coordinator.tokenizer"} <= set(modules)
+    code = WITHOUT_TORCH + f"import importlib; [importlib.import_module(name) for name in {modules!r}]"
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), timeout=60)
+    assert completed.returncode == 0, completed.stderr
 
 
 def test_generate_launches_its_own_shards(local):

@@ -10,10 +10,10 @@ from collections import Counter
 import pytest
 
 from coordinator.acceptance import accept_length, commit_tokens
-from coordinator.benchstats import all_identical, drift, median, summarize_runs, tokens_digest
+from coordinator.benchstats import all_identical, drift, summarize_runs, tokens_digest
 from coordinator.decoding import ROLLBACK_MODES, greedy_decode, speculative_decode
 from coordinator.drafters import NgramDrafter, OracleDrafter
-from coordinator.target import RollbackFailed, SequenceLost, Target
+from coordinator.target import ReplayTarget, RollbackFailed, SequenceLost, Target
 from coordinator.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 VOCAB = 50
@@ -355,6 +355,25 @@ def test_replay_mode_restores_and_reforwards():
     assert target.calls["forward"] == 1 + result.steps + result.replays
 
 
+def test_replay_target_restores_the_snapshot_and_forwards_the_kept_tokens():
+    plain = FakeTarget()
+    plain.open(1)
+    inner = FakeTarget()
+    replay = ReplayTarget(inner)
+    replay.open(1)
+    replay.forward(1, 0, [1, 2, 3])
+    assert replay.forward(1, 3, [4, 5, 6, 7], checkpoint=True) == plain.forward(1, 0, [1, 2, 3, 4, 5, 6, 7])[3:]
+    replay.rollback(1, 2)
+    assert inner.states[1] == [1, 2, 3, 4, 5]
+    assert inner.pending == {}  # the inner target only ever saw plain forwards
+    with pytest.raises(RollbackFailed):  # one rollback per checkpointed step
+        replay.rollback(1, 1)
+    replay.forward(1, 5, [6, 7], checkpoint=True)
+    replay.rollback(1, 0)
+    assert inner.states[1] == [1, 2, 3, 4, 5]
+    assert (inner.calls["snapshot"], inner.calls["restore"], inner.calls["rollback"]) == (2, 2, 0)
+
+
 @pytest.mark.parametrize("mode", ["checkpoint", "replay-ssm"])
 def test_failed_rollback_falls_back_to_refill(mode):
     expected = greedy_tokens(mixing_rule, 150)
@@ -448,13 +467,6 @@ def test_result_rates_and_summary():
 
 
 # --- benchmark statistics -------------------------------------------------------------
-
-
-def test_median():
-    assert median([3, 1, 2]) == 2
-    assert median([4, 1, 3, 2]) == 2.5
-    with pytest.raises(ValueError):
-        median([])
 
 
 def test_summarize_runs_takes_medians_and_keeps_missing_acceptance_missing():

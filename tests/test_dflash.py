@@ -23,7 +23,6 @@ from coordinator.decoding import greedy_decode, speculative_decode
 from coordinator.dflash import CapturedRows, DFlashDrafterClient
 from coordinator.drafters import Drafter
 from coordinator.launch import ShardSet, drafter_set, launched_sets
-from coordinator.local import LocalTarget
 from coordinator.pipeline import Pipeline, PipelineError, ShardInfo, order_shards
 from coordinator.target import RollbackFailed
 from protocol import ErrorCode, WireTensor
@@ -32,6 +31,7 @@ from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weigh
 from shardd.loading import ModelSource, build_drafter, build_shard
 from shardd.rollback import RollbackStorage
 from shardd.weights import embedding_and_head_shapes, load_tensors
+from tests.local import LocalTarget
 from tests.reference import hf_logits_and_hidden, hf_model
 
 TINY = ("--synthetic", "tiny")

@@ -13,7 +13,8 @@ from shardd.draft.config import build_target_layer_ids, draft_config_from_dict, 
 from shardd.draft.model import DFlashDrafter
 from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights, write_draft_checkpoint
 from shardd.draft.weights import draft_shapes, load_draft_weights
-from shardd.synthetic import preset_config, synthetic_weights
+from shardd.presets import preset_config
+from shardd.synthetic import synthetic_weights
 from shardd.weights import WeightError
 
 TOLERANCE = 1e-4

@@ -121,7 +121,7 @@ def test_oracle_names_itself_a_benchmark_drafter():
 
 
 def test_make_drafter_by_name():
-    assert isinstance(make_drafter("ngram", max_ngram=3), NgramDrafter)
+    assert isinstance(make_drafter("ngram"), NgramDrafter)
     oracle = make_drafter("oracle", reference=[1, 2], prompt_len=1, mean_commit=3.0)
     assert isinstance(oracle, OracleDrafter)
     with pytest.raises(ValueError, match="unknown drafter"):

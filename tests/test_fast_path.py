@@ -14,7 +14,7 @@ triton = pytest.importorskip("triton", reason="the fast path's kernels need trit
 
 from coordinator.decoding import greedy_decode, speculative_decode  # noqa: E402
 from coordinator.drafters import OracleDrafter  # noqa: E402
-from coordinator.local import LocalTarget  # noqa: E402
+from tests.local import LocalTarget  # noqa: E402
 from shardd import rollback as rb  # noqa: E402
 from shardd.fast.shard import FastShard  # noqa: E402
 from shardd.model.shard import ShardModel  # noqa: E402

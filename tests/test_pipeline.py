@@ -15,14 +15,15 @@ import torch
 
 from coordinator.client import ShardClient, ShardError, ShardTimeout
 from coordinator.decoding import greedy_decode, speculative_decode
-from coordinator.drafters import NgramDrafter, OracleDrafter
-from coordinator.launch import ShardSet, launched_sets, split_layers
-from coordinator.local import LocalTarget
+from coordinator.drafters import make_drafter
+from coordinator.launch import ShardSet, launched_sets
 from coordinator.pipeline import CheckpointUnavailable, Pipeline, PipelineError, SequenceInconsistent, ShardInfo, order_shards
 from coordinator.target import RollbackFailed
 from protocol import ErrorCode, RemoteError
+from protocol.layout import even_split
 from shardd.loading import ModelSource
 from shardd.rollback import RollbackStorage
+from tests.local import LocalTarget
 
 TINY = ("--synthetic", "tiny")
 NEW_TOKENS = 40
@@ -43,7 +44,7 @@ MATRIX = [
 # One set takes at most BLOCK tokens per request: its prefill goes through the three shards in pipelined chunks.
 SMALL_REQUESTS = {"3-ipc-replay-ssm": ("--max-tokens-per-request", str(BLOCK))}
 SETS = {
-    **{name: ShardSet(TINY, split_layers(6, n), transport, ("--rollback-mode", mode, *SMALL_REQUESTS.get(name, ())))
+    **{name: ShardSet(TINY, even_split(6, n), transport, ("--rollback-mode", mode, *SMALL_REQUESTS.get(name, ())))
        for name, n, transport, mode in MATRIX},
     "seed1-tail": ShardSet(("--synthetic", "tiny:1"), [(3, 6)]),  # other weights
     # No rollback storage, and small requests so that prefill is chunked.
@@ -68,10 +69,8 @@ def greedy(local):
     return {name: greedy_decode(local, 1, prompt, NEW_TOKENS).tokens for name, prompt in PROMPTS.items()}
 
 
-def make_drafter(name, greedy_tokens, prompt):
-    if name == "ngram":
-        return NgramDrafter()
-    return OracleDrafter.with_mean_commit(greedy_tokens, len(prompt), BLOCK, mean_commit=3.0, seed=1)
+def drafter_for(name, greedy_tokens, prompt):
+    return make_drafter(name, prompt_len=len(prompt), reference=greedy_tokens, block_size=BLOCK, mean_commit=3.0, seed=1)
 
 
 def test_reference_is_not_degenerate(greedy):
@@ -87,12 +86,12 @@ def test_speculative_equals_single_process_greedy(shard_sets, greedy, name, n_sh
     mode = daemon_mode if own_mode else "replay"
     prompt = PROMPTS["fox"]
     with Pipeline.connect(shard_sets[name]) as pipeline:
-        assert [s.layers for s in pipeline.shards] == [f"{b}:{e}" for b, e in split_layers(6, n_shards)]
+        assert [s.layers for s in pipeline.shards] == [f"{b}:{e}" for b, e in even_split(6, n_shards)]
         assert pipeline.max_tokens_per_request == (BLOCK if name in SMALL_REQUESTS else 4096)
         pipeline.check_speculation(mode, BLOCK)
         before = pipeline.stats()
         result = speculative_decode(
-            pipeline, 100, prompt, make_drafter(drafter, greedy["fox"], prompt),
+            pipeline, 100, prompt, drafter_for(drafter, greedy["fox"], prompt),
             block_size=BLOCK, rollback=mode, max_new_tokens=NEW_TOKENS,
         )
         after = pipeline.stats()
@@ -124,7 +123,7 @@ def test_two_sequences_at_once_match_each_alone(shard_sets, greedy):
             with Pipeline.connect(endpoints) as pipeline:  # one Pipeline (sockets) per thread
                 start.wait()
                 results[name] = speculative_decode(
-                    pipeline, seq, prompt, make_drafter(drafter, greedy[name], prompt),
+                    pipeline, seq, prompt, drafter_for(drafter, greedy[name], prompt),
                     block_size=BLOCK, rollback="checkpoint", max_new_tokens=NEW_TOKENS,
                 ).tokens
         except BaseException as error:  # surfaced in the main thread
@@ -212,7 +211,7 @@ def test_replay_works_without_storage(mixed, greedy, drafter):
     prompt = PROMPTS["fox"]  # longer than 8 tokens: prefill goes in chunks
     assert mixed.max_tokens_per_request == 8
     result = speculative_decode(
-        mixed, 301, prompt, make_drafter(drafter, greedy["fox"], prompt),
+        mixed, 301, prompt, drafter_for(drafter, greedy["fox"], prompt),
         block_size=BLOCK, rollback="replay", max_new_tokens=NEW_TOKENS,
     )
     assert result.tokens == greedy["fox"]

@@ -1,5 +1,5 @@
-"""A shard that dies and is restarted mid-generation: the coordinator re-fills it from the committed
-history and the output is exactly plain greedy decoding (DESIGN.md, "Where data flows")."""
+"""A shard that dies and is restarted mid-generation: the coordinator keeps every committed token, re-fills
+the restarted shard from that history, and the output is exactly plain greedy decoding (README, "Running it")."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 
 from coordinator.decoding import greedy_decode, speculative_decode
 from coordinator.drafters import OracleDrafter
-from coordinator.local import LocalTarget
 from coordinator.pipeline import Pipeline
 from shardd.loading import ModelSource
 from tests.daemons import Daemon, free_tcp_endpoint, stop_all
+from tests.local import LocalTarget
 
 PROMPT = list(b"restart me, then carry on: ")
 NEW_TOKENS = 40

@@ -1,9 +1,8 @@
 """The `Target` in one process: the same `ShardModel`s the daemons run, no sockets.
 
 It is the single-process reference the tests compare the pipeline with (plain greedy
-decoding of the same model in one process), and a way to run a small model without
-daemons. Errors are the shards' own `ProtocolError`s; a rollback that cannot be done
-raises `RollbackFailed`, as the pipeline does.
+decoding of the same model in one process). Errors are the shards' own `ProtocolError`s;
+a rollback that cannot be done raises `RollbackFailed`, as the pipeline does.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ import torch
 
 from coordinator.target import RollbackFailed
 from protocol import ErrorCode, ProtocolError
+from protocol.layout import CHECKPOINT, coverage_problems
 from shardd import rollback as rb
 from shardd.loading import ModelSource, build_shard
 from shardd.model.state import SequenceState
@@ -27,17 +27,17 @@ class LocalTarget:
         self,
         source: ModelSource,
         splits: Optional[Sequence[tuple[int, int]]] = None,
-        storage: RollbackStorage = RollbackStorage(rb.CHECKPOINT, 16),
+        storage: RollbackStorage = RollbackStorage(CHECKPOINT, 16),
         *,
         dtype: str = "float32",
         device: str = "cpu",
         max_context: Optional[int] = None,
     ) -> None:
         config = source.config()
-        splits = [tuple(split) for split in (splits or [(0, config.num_layers)])]
-        expected = [0] + [end for _, end in splits]
-        if [begin for begin, _ in splits] != expected[:-1] or expected[-1] != config.num_layers:
-            raise ValueError(f"splits {splits} must cover 0:{config.num_layers} in order, without gaps or overlaps")
+        splits = sorted(tuple(split) for split in (splits or [(0, config.num_layers)]))
+        problems = coverage_problems(splits, config.num_layers)
+        if problems:
+            raise ValueError(f"splits {splits} do not form the {config.num_layers}-layer model: " + "; ".join(problems))
         shards = [build_shard(source, b, e, dtype=dtype, device=device, storage=storage) for b, e in splits]
         self._init(config, shards, max_context)
 

@@ -1,0 +1,49 @@
+"""`shardctl`: make models, launch shards, generate, inspect, benchmark, demo; one module per command.
+
+Results go to stdout (a table, streamed text, or one JSON document with `--json`);
+progress and diagnostics go to stderr. Exit codes: 0 ok, 1 runtime failure (a shard
+error, timeout or crash), 2 usage error (including options the shard set cannot
+serve), 3 outputs differ (speculative output not identical to greedy).
+"""
+
+from __future__ import annotations
+
+import click
+
+from coordinator.cli.bench import BenchError, bench
+from coordinator.cli.demo import demo
+from coordinator.cli.generate import generate
+from coordinator.cli.launch import launch
+from coordinator.cli.make_model import make_model
+from coordinator.cli.options import EXIT_FAILURE
+from coordinator.cli.status import status
+from coordinator.client import ShardTimeout
+from coordinator.launch import LaunchError
+from coordinator.pipeline import PipelineError
+from protocol import ProtocolError
+
+RUNTIME_ERRORS = (ProtocolError, ShardTimeout, PipelineError, LaunchError, BenchError)
+
+
+class ShardctlGroup(click.Group):
+    """Runtime failures become one line on stderr and exit code 1, not a traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except RUNTIME_ERRORS as error:
+            click.echo(f"shardctl: error: {error}", err=True)
+            ctx.exit(EXIT_FAILURE)
+
+
+@click.group(cls=ShardctlGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def cli():
+    """Drive shard daemons: layer-split speculative decoding of Qwen3.5 hybrid models."""
+
+
+for command in (make_model, launch, generate, status, bench, demo):
+    cli.add_command(command)
+
+
+def main() -> None:
+    cli(prog_name="shardctl")

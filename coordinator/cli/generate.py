@@ -1,0 +1,242 @@
+"""`shardctl generate`: one generation through the shards, streamed as tokens commit, or one JSON record.
+
+`run_generation` and `generation_record` are also what `demo` runs and reports (and `bench`, through
+`generate --json` in a child process)."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import click
+
+from coordinator import benchstats
+from coordinator.cli.options import (
+    check_mean_commit,
+    daemon_args_from,
+    load_curve,
+    parse_ids,
+    shard_source_options,
+)
+from coordinator.cli.output import emit_json, fmt, fmt_percent, progress
+from coordinator.cli.plan import connect_pipeline, dflash_daemon, make_plan, mode_daemon_args
+from coordinator.client import ShardClient
+from coordinator.decoding import DecodeResult, greedy_decode, speculative_decode
+from coordinator.drafters import DRAFTERS, make_drafter
+from coordinator.pipeline import PipelineError, ShardInfo
+from coordinator.target import Target
+from coordinator.tokenizer import load_tokenizer
+from protocol.layout import CHECKPOINT, ROLLBACK_MODES
+
+GREEDY = "none"  # --drafter none: plain greedy decoding
+ORACLE_NOTE = (
+    "oracle is a benchmark drafter: it was handed the target's own greedy continuation, "
+    "computed first through the same shards, and errs on a seeded schedule"
+)
+
+
+class TextStream:
+    """Prints committed tokens as text (or ids) as they arrive, never half a character."""
+
+    def __init__(self, tokenizer, ids: bool) -> None:
+        self.tokenizer = tokenizer
+        self.ids = ids
+        self.tokens: list[int] = []
+        self.printed = ""
+
+    def __call__(self, committed: list[int]) -> None:
+        self.tokens.extend(committed)
+        if self.ids:
+            click.echo(" ".join(map(str, committed)) + " ", nl=False)
+            sys.stdout.flush()
+            return
+        text = self.tokenizer.decode(self.tokens)
+        stable = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence may still be completed
+        if stable.startswith(self.printed) and len(stable) > len(self.printed):
+            click.echo(stable[len(self.printed):], nl=False)
+            sys.stdout.flush()
+            self.printed = stable
+
+    def finish(self) -> None:
+        if not self.ids:
+            text = self.tokenizer.decode(self.tokens)
+            if text.startswith(self.printed):
+                click.echo(text[len(self.printed):], nl=False)
+        click.echo("")
+
+
+@dataclass
+class Generation:
+    result: DecodeResult
+    reference: Optional[DecodeResult]  # the oracle's greedy pass
+    drafter: str
+    rollback: Optional[str]
+    block_size: Optional[int]
+
+
+def run_generation(
+    target: Target,
+    prompt: list[int],
+    *,
+    drafter: str,
+    rollback: str,
+    block_size: int,
+    max_new_tokens: int,
+    eos_ids: Sequence[int] = (),
+    mean_commit: float = 6.0,
+    oracle_seed: int = 0,
+    on_commit: Optional[Callable[[list[int]], None]] = None,
+    reference: Optional[list[int]] = None,
+    draft_client: Optional[ShardClient] = None,
+) -> Generation:
+    """One generation through `target` with fresh random sequence ids. `oracle` first
+    decodes greedily through the same target, unless `reference` (those ids) is given.
+    `dflash` drafts on the daemon behind `draft_client`; `target` is then a Pipeline."""
+    seq = secrets.randbelow(1 << 62)
+    if drafter == GREEDY:
+        result = greedy_decode(target, seq, prompt, max_new_tokens, eos_ids, on_commit)
+        return Generation(result, None, drafter, None, None)
+    reference_result = None
+    if drafter == "oracle" and reference is None:
+        reference_result = greedy_decode(target, secrets.randbelow(1 << 62), prompt, max_new_tokens, eos_ids)
+        reference = reference_result.tokens
+    if drafter == "dflash" and draft_client is None:
+        raise click.UsageError("--drafter dflash needs a drafter daemon (--draft-shard, or --draft when launching)")
+    try:
+        chosen = make_drafter(drafter, prompt_len=len(prompt), reference=reference, block_size=block_size,
+                              mean_commit=mean_commit, seed=oracle_seed, draft_client=draft_client, pipeline=target)
+    except PipelineError as error:  # a drafter daemon that does not fit these shards
+        raise click.UsageError(str(error)) from None
+    except ValueError as error:  # the oracle's schedule
+        raise click.BadParameter(str(error), param_hint="--mean-commit") from None
+    if drafter == "dflash":
+        if block_size > chosen.max_block_size:
+            raise click.BadParameter(
+                f"the dflash drafter fills blocks of at most {chosen.max_block_size} tokens, got {block_size}",
+                param_hint="--block-size",
+            )
+        target = chosen.target  # every forward captures the drafter's target layers
+    result = speculative_decode(
+        target, seq, prompt, chosen, block_size=block_size, rollback=rollback,
+        max_new_tokens=max_new_tokens, eos_ids=eos_ids, on_commit=on_commit,
+    )
+    return Generation(result, reference_result, drafter, rollback, block_size)
+
+
+def generation_record(generation: Generation, tokenizer, shards: Sequence[ShardInfo] = ()) -> dict:
+    result = generation.result
+    summary = result.summary()
+    record = {
+        "tokens": result.tokens,
+        "text": tokenizer.decode(result.tokens),
+        # sha256 over the comma-joined decimal ids (benchstats.tokens_digest)
+        "sha256": benchstats.tokens_digest(result.tokens),
+        "drafter": generation.drafter,
+        "rollback": generation.rollback,
+        "block_size": generation.block_size,
+        **summary,
+        "rollbacks": {"fast": result.rollbacks_fast, "fallback": result.rollbacks_fallback, "replays": result.replays},
+        "commits": result.commits,
+        "shards": [{"endpoint": s.endpoint, "layers": [s.begin, s.end]} for s in shards],
+    }
+    if generation.drafter == "oracle":
+        record["drafter_note"] = ORACLE_NOTE
+        if generation.reference is not None:
+            reference = generation.reference.summary()
+            record["reference"] = {key: reference[key] for key in ("new_tokens", "prefill_tok_s", "decode_tok_s", "wall_seconds")}
+            # The greedy pass doubles as the exactness check: speculation must reproduce it token for token.
+            record["reference"]["sha256"] = benchstats.tokens_digest(generation.reference.tokens)
+            record["matches_greedy"] = generation.reference.tokens == result.tokens
+    return record
+
+
+def describe_generation(record: dict) -> str:
+    parts = [
+        f"{record['new_tokens']} tokens",
+        f"{record['steps']} steps",
+        f"acceptance {fmt_percent(record['acceptance_rate']) or '-'}",
+        f"avg commit {fmt(record['avg_commit'], 2) or '-'}",
+        f"prefill {fmt(record['prefill_tok_s']) or '-'} tok/s",
+        f"decode {fmt(record['decode_tok_s']) or '-'} tok/s",
+        f"rollbacks fast {record['rollbacks']['fast']} fallback {record['rollbacks']['fallback']} replays {record['rollbacks']['replays']}",
+        f"sha256 {record['sha256'][:16]}",
+    ]
+    return ", ".join(parts)
+
+
+@click.command()
+@shard_source_options
+@click.option("--prompt", help="Prompt text (tokenized with the model's tokenizer.json, else bytes).")
+@click.option("--prompt-ids", help="Prompt as token ids: 1,2,3.")
+@click.option("--tokenizer", "tokenizer_dir", type=click.Path(exists=True, file_okay=False),
+              help="Directory with tokenizer.json (default: --model's).")
+@click.option("--max-new-tokens", type=click.IntRange(0), default=64, show_default=True)
+@click.option("--drafter", type=click.Choice((GREEDY, *DRAFTERS)), default="ngram", show_default=True,
+              help="none: plain greedy; ngram: prompt lookup; oracle: benchmark drafter; dflash: the DFlash "
+                   "block drafter on a drafter daemon, fed with features the shards capture.")
+@click.option("--draft-shard", metavar="EP", help="dflash with --shards: endpoint of the daemon hosting the drafter.")
+@click.option("--draft", metavar="DIR|synthetic[:LAYERS]",
+              help="dflash when launching shards: the drafter daemon to launch beside them "
+                   "(default: MODEL/draft for --model when it exists, synthetic for --synthetic).")
+@click.option("--block-size", type=click.IntRange(2), default=16, show_default=True, help="Tokens per verify step.")
+@click.option("--rollback", type=click.Choice(ROLLBACK_MODES), default=CHECKPOINT, show_default=True)
+@click.option("--mean-commit", type=float, default=6.0, show_default=True,
+              help="oracle: tokens committed per step on average.")
+@click.option("--oracle-seed", type=int, default=0, show_default=True, help="oracle: seed of its error schedule.")
+@click.option("--ignore-eos", is_flag=True, help="Generate exactly --max-new-tokens tokens.")
+@click.option("--ids", "print_ids", is_flag=True, help="Stream token ids instead of text.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of streaming.")
+def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
+             curve_client_key, prompt, prompt_ids, tokenizer_dir, max_new_tokens, drafter, draft_shard, draft, block_size,
+             rollback, mean_commit, oracle_seed, ignore_eos, print_ids, as_json):
+    """Generate greedily, speculating with a drafter; stream the text as tokens commit."""
+    if (prompt is None) == (prompt_ids is None):
+        raise click.UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    ids = parse_ids(prompt_ids, "--prompt-ids") if prompt_ids is not None else None
+    check_mean_commit(drafter, mean_commit, block_size)
+    speculating = drafter != GREEDY
+    plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
+                     daemon_args_from(dtype=dtype), curve=curve_server_key or curve_client_key)
+    if drafter == "dflash":
+        plan.draft_endpoint, plan.draft = dflash_daemon(plan, draft_shard, draft)
+    elif draft_shard or draft:
+        raise click.UsageError("--draft-shard and --draft go with --drafter dflash")
+    curve = load_curve(curve_server_key, curve_client_key)
+    with plan.running_with_drafter(mode_daemon_args(rollback, block_size, speculating)) as (endpoints, draft_endpoint), \
+            contextlib.ExitStack() as stack:
+        draft_client = None
+        if draft_endpoint is not None:
+            draft_client = stack.enter_context(ShardClient(draft_endpoint, timeout_s=timeout, curve=curve))
+        with connect_pipeline(endpoints, timeout, curve) as pipeline:
+            if speculating:
+                try:
+                    pipeline.check_speculation(rollback, block_size)
+                except PipelineError as error:
+                    raise click.UsageError(str(error)) from None
+            tokenizer = load_tokenizer(tokenizer_dir or plan.model_dir, pipeline.vocab_size)
+            if ids is None:
+                ids = tokenizer.encode(prompt)
+                if not ids:
+                    raise click.BadParameter("the prompt is empty after tokenization", param_hint="--prompt")
+            bad = [i for i in ids if i >= pipeline.vocab_size]
+            if bad:
+                raise click.BadParameter(f"token id {bad[0]} is outside the vocabulary 0..{pipeline.vocab_size - 1}",
+                                         param_hint="--prompt-ids")
+            eos_ids = () if ignore_eos else tuple(tokenizer.eos_ids) or tuple(pipeline.shards[-1].model.get("eos_token_ids") or ())
+            if drafter == "oracle":
+                progress(f"{ORACLE_NOTE}; running that greedy pass now")
+            stream = None if as_json else TextStream(tokenizer, print_ids)
+            generation = run_generation(
+                pipeline, ids, drafter=drafter, rollback=rollback, block_size=block_size,
+                max_new_tokens=max_new_tokens, eos_ids=eos_ids, mean_commit=mean_commit, oracle_seed=oracle_seed,
+                on_commit=stream, draft_client=draft_client,
+            )
+            record = generation_record(generation, tokenizer, pipeline.shards)
+    if as_json:
+        emit_json(record)
+    else:
+        stream.finish()
+        progress(describe_generation(record))

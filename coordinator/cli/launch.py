@@ -1,0 +1,81 @@
+"""`shardctl launch`: start shard daemons (and a drafter daemon) here, print their endpoints, serve until
+Ctrl-C or SIGTERM, then stop them all."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+import click
+
+from coordinator.cli.options import daemon_args_from, daemon_options
+from coordinator.cli.output import emit_json, format_table, progress
+from coordinator.cli.plan import make_plan
+from coordinator.launch import TRANSPORTS, LaunchError, launched_sets
+
+
+class _Stop(Exception):
+    """SIGTERM: stop serving the way Ctrl-C does."""
+
+
+@click.command()
+@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), help="Checkpoint directory.")
+@click.option("--synthetic", metavar="PRESET[:SEED]", help="Synthetic model instead of a checkpoint.")
+@click.option("--split", type=click.IntRange(1), help="This many shards, layers split evenly.")
+@click.option("--layers", "layer_spec", metavar="B:E,B:E,...", help="One shard per layer range.")
+@click.option("--devices", metavar="DEV,DEV,...", help="Device of each shard (one value: all). Default cpu.")
+@click.option("--transport", type=click.Choice(TRANSPORTS), default="tcp", show_default=True)
+@daemon_options
+@click.option("--draft", metavar="DIR|synthetic[:LAYERS]", help="Also start a drafter-only daemon hosting this DFlash drafter.")
+@click.option("--ready-timeout", type=click.FloatRange(0, min_open=True), default=600.0, show_default=True,
+              help="Seconds to wait for the shards to load.")
+@click.option("--json", "as_json", is_flag=True, help="Print the endpoints as JSON once ready.")
+def launch(model_dir, synthetic, split, layer_spec, devices, transport, draft, ready_timeout, as_json, **daemon_values):
+    """Start shard daemons (and a drafter daemon with --draft) on this machine, print their
+    endpoints, stop them on Ctrl-C."""
+    plan = make_plan(None, model_dir, synthetic, split, layer_spec, devices, transport, daemon_args_from(**daemon_values),
+                     allow_endpoints=False)
+    sets = [plan.shard_set()] + ([plan.drafter_set(draft)] if draft is not None else [])
+
+    def stop(signum, frame):
+        raise _Stop()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        with launched_sets(sets, ready_timeout_s=ready_timeout, progress=progress) as started_sets:
+            layer_shards = started_sets[0]
+            drafters = started_sets[1] if draft is not None else []
+            shards = layer_shards + drafters
+            endpoints = [shard.endpoint for shard in layer_shards]
+            if as_json:
+                emit_json({"endpoints": endpoints, "draft_endpoint": drafters[0].endpoint if drafters else None, "shards": [
+                    {"endpoint": s.endpoint, "layers": None if s.layers is None else list(s.layers), "pid": s.process.pid,
+                     "log": str(s.log_path)}
+                    for s in shards]})
+            else:
+                click.echo(format_table(
+                    ["LAYERS", "ENDPOINT", "PID", "LOG"],
+                    [["drafter" if s.layers is None else f"{s.layers[0]}:{s.layers[1]}", s.endpoint, s.process.pid, s.log_path]
+                     for s in shards],
+                ))
+                click.echo(f"\n--shards {','.join(endpoints)}" + (f" --draft-shard {drafters[0].endpoint}" if drafters else ""))
+            sys.stdout.flush()
+            progress("serving; Ctrl-C stops every shard")
+            try:
+                while True:
+                    for shard in shards:
+                        code = shard.process.poll()
+                        if code is not None:
+                            raise LaunchError(
+                                f"{shard.label} at {shard.endpoint} exited with code "
+                                f"{code}; stopping the others. Its log ends:\n{shard.log_tail()}"
+                            )
+                    time.sleep(0.5)
+            except (KeyboardInterrupt, _Stop):
+                pass  # a requested stop: leave the block normally so the logs go too
+        progress("stopped all shards")
+    except (KeyboardInterrupt, _Stop):
+        progress("interrupted while starting; stopped all shards")
+    finally:
+        signal.signal(signal.SIGTERM, previous)

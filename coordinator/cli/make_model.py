@@ -1,0 +1,48 @@
+"""`shardctl make-model`: write a synthetic checkpoint (and its drafter) in the real Qwen3.5 layout.
+
+The writer lives on the shard side (`shardd.make_model`, it needs torch) and is imported only when
+this command runs, so the rest of shardctl never imports torch."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from coordinator.cli.options import DTYPES
+from coordinator.cli.output import MiB, emit_json, progress
+from shardd.presets import PRESETS
+
+
+@click.command("make-model")
+@click.option("--preset", type=click.Choice(tuple(PRESETS)), required=True, help="Model shape.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Directory to write.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
+@click.option("--force", is_flag=True, help="Overwrite a model already in --out.")
+@click.option("--with-drafter", is_flag=True, help="Also write a matched synthetic DFlash drafter to OUT/draft/.")
+@click.option("--draft-layers", type=click.IntRange(1), default=None, help="Layers of that drafter (default 2).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def make_model(preset, out_dir, seed, dtype, force, with_drafter, draft_layers, as_json):
+    """Write a synthetic checkpoint (config.json, *.safetensors, index) in the Qwen3.5 layout;
+    with --with-drafter also a DFlash draft checkpoint in OUT/draft/ (`--draft OUT/draft`)."""
+    if draft_layers is not None and not with_drafter:
+        raise click.UsageError("--draft-layers goes with --with-drafter")
+    out = Path(out_dir)
+    if (out / "config.json").exists() and not force:
+        raise click.UsageError(f"{out} already holds a model (config.json); pass --force to overwrite it")
+    from shardd.make_model import write_synthetic_drafter, write_synthetic_model  # torch: only this command needs it
+
+    progress(f"writing synthetic {preset} (seed {seed}, {dtype}) to {out}")
+    started = time.perf_counter()
+    path = write_synthetic_model(preset, seed, dtype, out)
+    draft = write_synthetic_drafter(path, preset, seed, dtype, draft_layers) if with_drafter else None
+    files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+    size = sum((path / name).stat().st_size for name in files)
+    record = {"path": str(path), "preset": preset, "seed": seed, "dtype": dtype, "files": files, "bytes": size,
+              "draft": None if draft is None else str(draft), "seconds": time.perf_counter() - started}
+    if as_json:
+        emit_json(record)
+    else:
+        click.echo(f"{path}: {len(files)} files, {size / MiB:.1f} MiB ({preset}, seed {seed}, {dtype})")

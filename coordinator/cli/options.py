@@ -1,0 +1,106 @@
+"""Options and argument checks several shardctl commands share, and the exit codes."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import click
+
+from coordinator.client import CurveKeys
+from coordinator.launch import TRANSPORTS
+from protocol.layout import SHARD_ROLLBACK_MODES
+
+# Exit codes besides click's 2 for a usage error.
+EXIT_FAILURE, EXIT_DIFFER = 1, 3
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def parse_ids(text: str, what: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=what) from None
+    if not ids or any(i < 0 for i in ids):
+        raise click.BadParameter("expected at least one non-negative integer", param_hint=what)
+    return ids
+
+
+def parse_list(text: Optional[str]) -> list[str]:
+    return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
+def check_mean_commit(drafter: str, mean_commit: float, block_size: int) -> None:
+    # Checked before any shard starts: the oracle takes 1 .. block_size tokens per step.
+    if drafter == "oracle" and not 1 <= mean_commit <= block_size:
+        raise click.BadParameter(f"must be within [1, --block-size {block_size}], got {mean_commit:g}", param_hint="--mean-commit")
+
+
+def _apply(options: list, func):
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+curve_options = [
+    click.option("--curve-server-key", type=click.Path(exists=True, dir_okay=False), envvar="SHARDCTL_CURVE_SERVER_KEY",
+                 help="CurveZMQ: the shards' public key file (NAME.key from `shardd keygen`), for --shards off loopback."),
+    click.option("--curve-client-key", type=click.Path(exists=True, dir_okay=False), envvar="SHARDCTL_CURVE_CLIENT_KEY",
+                 help="CurveZMQ: this client's secret key file (NAME.key_secret); its public key must be allowed."),
+]
+
+
+def shard_source_options(func):
+    """--shards | --model/--synthetic with --split/--layers, for commands that use shards."""
+    return _apply([
+        click.option("--shards", metavar="EP,EP,...", help="Endpoints of running shard daemons."),
+        click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False),
+                     help="Checkpoint directory: launch local shards for it."),
+        click.option("--synthetic", metavar="PRESET[:SEED]", help="Synthetic model: launch local shards for it."),
+        click.option("--split", type=click.IntRange(1), help="Launch this many shards, layers split evenly."),
+        click.option("--layers", "layer_spec", metavar="B:E,B:E,...", help="Launch shards for these layer ranges."),
+        click.option("--devices", metavar="DEV,DEV,...", help="Device of each launched shard (one value: all). Default cpu."),
+        click.option("--transport", type=click.Choice(TRANSPORTS), default="tcp", show_default=True,
+                     help="Endpoints of launched shards: loopback TCP or ipc:// sockets."),
+        click.option("--dtype", type=click.Choice(DTYPES), default=None, help="Weight dtype of launched shards."),
+        click.option("--timeout", type=click.FloatRange(0, min_open=True), default=120.0, show_default=True,
+                     help="Seconds to wait for a shard's reply."),
+        *curve_options,
+    ], func)
+
+
+def daemon_options(func):
+    """Options passed through to every launched daemon (only when given)."""
+    return _apply([
+        click.option("--dtype", type=click.Choice(DTYPES), default=None, help="Weight dtype."),
+        click.option("--max-verify-tokens", type=click.IntRange(0), default=None,
+                     help="Rollback storage per sequence, in tokens (0: none)."),
+        click.option("--rollback-mode", type=click.Choice(SHARD_ROLLBACK_MODES), default=None),
+        click.option("--max-sequences", type=click.IntRange(1), default=None),
+        click.option("--max-context", type=click.IntRange(1), default=None),
+        click.option("--max-tokens-per-request", type=click.IntRange(1), default=None),
+    ], func)
+
+
+def daemon_args_from(**values) -> list[str]:
+    """`shardd serve` arguments for the options that were given: max_context=8 -> --max-context 8."""
+    args = []
+    for name, value in values.items():
+        if value is not None:
+            args += [f"--{name.replace('_', '-')}", str(value)]
+    return args
+
+
+def load_curve(server_key: Optional[str], client_key: Optional[str]) -> Optional[CurveKeys]:
+    if (server_key is None) != (client_key is None):
+        raise click.UsageError("CurveZMQ needs both --curve-server-key and --curve-client-key")
+    if server_key is None:
+        return None
+    try:
+        return CurveKeys.load(server_key, client_key)
+    except (ValueError, OSError) as error:
+        raise click.UsageError(f"cannot read CurveZMQ keys: {error}") from None
+
+
+def curve_args(server_key: Optional[str], client_key: Optional[str]) -> list[str]:
+    """The same keys for a `shardctl` child process."""
+    return ["--curve-server-key", server_key, "--curve-client-key", client_key] if server_key else []

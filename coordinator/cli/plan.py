@@ -1,0 +1,159 @@
+"""Where a command's shards come from: endpoints of running daemons (`--shards`), or daemons to
+launch here for a model (`--model`/`--synthetic` with `--split`/`--layers`), and the drafter daemon."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import click
+
+from coordinator.cli.options import parse_list
+from coordinator.cli.output import progress
+from coordinator.client import CurveKeys
+from coordinator.launch import ShardSet, drafter_set, launched_sets
+from coordinator.pipeline import Pipeline, PipelineError
+from protocol.layout import REPLAY, check_layer_range, even_split, parse_layer_ranges
+from shardd.config import load_config
+from shardd.presets import parse_synthetic, preset_config
+
+
+@dataclass
+class ShardPlan:
+    """Either running shards (`endpoints`) or shards to launch for a model."""
+
+    endpoints: list[str] = field(default_factory=list)
+    source_args: tuple[str, ...] = ()
+    model_dir: Optional[str] = None
+    splits: tuple[tuple[int, int], ...] = ()
+    transport: str = "tcp"
+    devices: tuple[str, ...] = ()
+    daemon_args: tuple[str, ...] = ()
+    draft_endpoint: Optional[str] = None  # a running drafter daemon (--draft-shard)
+    draft: Optional[str] = None  # the drafter daemon to launch: DIR or synthetic[:LAYERS] (--draft)
+
+    @property
+    def launches(self) -> bool:
+        return not self.endpoints
+
+    def shard_set(self, mode_args: Sequence[str] = ()) -> ShardSet:
+        return ShardSet(self.source_args, self.splits, self.transport, (*self.daemon_args, *mode_args), self.devices or None)
+
+    def drafter_set(self, draft: str) -> ShardSet:
+        """A drafter-only daemon for this model, on the last shard's device."""
+        return drafter_set(self.source_args, draft, self.transport, self.daemon_args, self.devices[-1] if self.devices else "cpu")
+
+    @contextlib.contextmanager
+    def running(self, mode_args: Sequence[str] = ()) -> Iterator[list[str]]:
+        """The endpoints to talk to: the given ones, or freshly launched daemons (stopped on exit)."""
+        with self.running_with_drafter(mode_args) as (endpoints, _):
+            yield endpoints
+
+    @contextlib.contextmanager
+    def running_with_drafter(self, mode_args: Sequence[str] = ()) -> Iterator[tuple[list[str], Optional[str]]]:
+        """The shard endpoints and the drafter daemon's endpoint (None without a drafter). Launched
+        shards get a drafter-only daemon beside them when the plan names a --draft."""
+        if not self.launches:
+            yield list(self.endpoints), self.draft_endpoint
+            return
+        sets = [self.shard_set(mode_args)] + ([self.drafter_set(self.draft)] if self.draft is not None else [])
+        drafter_note = f" and a drafter ({self.draft})" if self.draft is not None else ""
+        progress(f"launching {len(self.splits)} shard(s) {', '.join(f'{b}:{e}' for b, e in self.splits)}{drafter_note} "
+                 f"({' '.join(self.source_args)})")
+        started = time.perf_counter()
+        with launched_sets(sets, progress=progress) as started_sets:
+            progress(f"shards ready in {time.perf_counter() - started:.1f} s")
+            draft_endpoint = started_sets[1][0].endpoint if self.draft is not None else None
+            yield [shard.endpoint for shard in started_sets[0]], draft_endpoint
+
+
+def model_num_layers(model_dir: Optional[str], synthetic: Optional[str]) -> int:
+    try:
+        if model_dir is not None:
+            return load_config(model_dir).num_layers
+        return preset_config(parse_synthetic(synthetic)[0]).num_layers
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+
+
+def make_plan(
+    shards: Optional[str],
+    model_dir: Optional[str],
+    synthetic: Optional[str],
+    split: Optional[int],
+    layer_spec: Optional[str],
+    devices: Optional[str],
+    transport: str,
+    daemon_args: Sequence[str] = (),
+    allow_endpoints: bool = True,
+    curve: bool = False,
+) -> ShardPlan:
+    given = [name for name, value in (("--shards", shards), ("--model", model_dir), ("--synthetic", synthetic)) if value]
+    choices = "--shards EP,EP,... or --model DIR or --synthetic PRESET" if allow_endpoints else "--model DIR or --synthetic PRESET"
+    if len(given) != 1 or (given == ["--shards"] and not allow_endpoints):
+        raise click.UsageError(f"give exactly one of {choices}" + (f" (got {', '.join(given)})" if given else ""))
+    if shards:
+        if split or layer_spec or devices:
+            raise click.UsageError("--split, --layers and --devices launch shards; with --shards the shards already run")
+        endpoints = parse_list(shards)
+        if not endpoints:
+            raise click.BadParameter("name at least one endpoint", param_hint="--shards")
+        return ShardPlan(endpoints=endpoints)
+    if curve:
+        raise click.UsageError("CurveZMQ keys are for --shards off loopback; launched shards listen on loopback")
+    if (split is None) == (layer_spec is None):
+        raise click.UsageError("launching shards needs exactly one of --split N or --layers 0:3,3:8")
+    num_layers = model_num_layers(model_dir, synthetic)
+    try:
+        splits = even_split(num_layers, split) if split else parse_layer_ranges(layer_spec)
+        for begin, end in splits:  # coverage is the pipeline's to check: `shardctl launch` may start part of a model
+            check_layer_range(begin, end, num_layers)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+    device_list = tuple(parse_list(devices))
+    if device_list and len(device_list) not in (1, len(splits)):
+        raise click.UsageError(f"--devices lists {len(device_list)} devices for {len(splits)} shards: give one, or one per shard")
+    source_args = ("--model", str(model_dir)) if model_dir else ("--synthetic", synthetic)
+    return ShardPlan(
+        source_args=source_args, model_dir=model_dir, splits=tuple(splits), transport=transport,
+        devices=device_list, daemon_args=tuple(daemon_args),
+    )
+
+
+def mode_daemon_args(rollback: str, block_size: int, speculating: bool) -> list[str]:
+    """Daemon options a launched shard set needs for this rollback mode."""
+    if speculating and rollback != REPLAY:
+        return ["--rollback-mode", rollback, "--max-verify-tokens", str(max(16, block_size))]
+    return ["--max-verify-tokens", "0"]  # replay (and plain greedy) needs no rollback storage
+
+
+def dflash_daemon(plan: ShardPlan, draft_shard: Optional[str], draft: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """(running drafter endpoint, drafter to launch) for --drafter dflash; one of them is None."""
+    if not plan.launches:
+        if draft:
+            raise click.UsageError("--draft launches a drafter daemon; with --shards give the running one as --draft-shard")
+        if not draft_shard:
+            raise click.UsageError("--drafter dflash with --shards needs --draft-shard EP (a daemon started with --draft)")
+        return draft_shard, None
+    if draft_shard:
+        raise click.UsageError("--draft-shard names a running drafter daemon; launched shards get one from --draft")
+    if draft is None:
+        if plan.model_dir is not None:
+            if not (Path(plan.model_dir) / "draft" / "config.json").is_file():
+                raise click.UsageError(
+                    f"{plan.model_dir} has no draft/ (shardctl make-model --with-drafter writes one): give --draft DIR|synthetic"
+                )
+            draft = str(Path(plan.model_dir) / "draft")
+        else:
+            draft = "synthetic"
+    return None, draft
+
+
+def connect_pipeline(endpoints: Sequence[str], timeout: float, curve: Optional[CurveKeys] = None) -> Pipeline:
+    try:
+        return Pipeline.connect(endpoints, timeout_s=timeout, curve=curve)
+    except PipelineError as error:
+        raise click.UsageError(str(error)) from None

@@ -1,0 +1,27 @@
+"""Synthetic checkpoints on disk, by preset and dtype name: what `shardctl make-model` and `shardctl demo` write.
+
+The CLI imports this module only inside those commands: writing weights needs torch, driving shards does not.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from shardd.draft.synthetic import synthetic_draft_config, write_draft_checkpoint
+from shardd.loading import DEFAULT_SYNTHETIC_DRAFT_LAYERS
+from shardd.presets import preset_config
+from shardd.synthetic import write_checkpoint
+
+
+def write_synthetic_model(preset: str, seed: int, dtype: str, out: Path) -> Path:
+    """config.json, *.safetensors and the index of the preset in the Qwen3.5 layout."""
+    return write_checkpoint(out, preset_config(preset), seed, dtype=getattr(torch, dtype))
+
+
+def write_synthetic_drafter(model_dir: Path, preset: str, seed: int, dtype: str, layers: Optional[int]) -> Path:
+    """MODEL/draft/: the drafter `--draft synthetic[:LAYERS]` builds in memory for this model, on disk."""
+    config = synthetic_draft_config(preset_config(preset), num_layers=layers or DEFAULT_SYNTHETIC_DRAFT_LAYERS)
+    return write_draft_checkpoint(Path(model_dir) / "draft", config, seed, dtype=getattr(torch, dtype))
