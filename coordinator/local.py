@@ -14,10 +14,10 @@ import torch
 
 from coordinator.target import RollbackFailed
 from protocol import ErrorCode, ProtocolError
-from shardd import rollback as rb
 from shardd.loading import ModelSource, build_shard
+from shardd.model import rollback as rb
+from shardd.model.rollback import RollbackStorage
 from shardd.model.state import SequenceState
-from shardd.rollback import RollbackStorage
 
 DEFAULT_MAX_CONTEXT = 4096
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from protocol.layout import CHECKPOINT, SHARD_ROLLBACK_MODES
 from shardd import systemd
 
 MiB = 1 << 20
@@ -33,7 +34,7 @@ def main():
 @click.option("--bind", default="tcp://127.0.0.1:7700", show_default=True, help="ZeroMQ endpoint (tcp://127.0.0.1:PORT or ipc://PATH).")
 @click.option("--max-verify-tokens", type=click.IntRange(0, 1024), default=16, show_default=True,
               help="Rollback storage: most tokens one checkpointed step may carry (0 = no rollback storage).")
-@click.option("--rollback-mode", type=click.Choice(["checkpoint", "replay-ssm"]), default="checkpoint", show_default=True)
+@click.option("--rollback-mode", type=click.Choice(SHARD_ROLLBACK_MODES), default=CHECKPOINT, show_default=True)
 @click.option("--max-sequences", type=click.IntRange(1, 65536), default=8, show_default=True)
 @click.option("--max-context", type=click.IntRange(1, 1 << 22), default=4096, show_default=True, help="Tokens per sequence.")
 @click.option("--max-tokens-per-request", type=click.IntRange(1, 1 << 20), default=4096, show_default=True)
@@ -64,7 +65,7 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, max_verify_t
 
     from shardd.daemon import ServeOptions, ShardDaemon, configure_security, is_loopback
     from shardd.loading import ModelSource, build_drafter, build_shard, parse_draft, parse_layers
-    from shardd.rollback import RollbackStorage
+    from shardd.model.rollback import RollbackStorage
 
     if (model_dir is None) == (synthetic is None):
         raise click.UsageError("give exactly one of --model DIR or --synthetic PRESET[:SEED]")

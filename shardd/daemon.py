@@ -32,10 +32,11 @@ from protocol import (
     peek_id,
     peek_type,
 )
-from shardd import rollback as rb
+from protocol.layout import CHECKPOINT
 from shardd import systemd
 from shardd.draft.model import DraftState
 from shardd.loading import HostedDrafter, dtype_name
+from shardd.model import rollback as rb
 from shardd.model.shard import ShardModel
 from shardd.model.state import SequenceState
 
@@ -285,7 +286,7 @@ class ShardDaemon:
         counters.tokens_forwarded += n
         if request.checkpoint:
             counters.checkpointed_steps += 1
-            if shard.storage.mode == rb.CHECKPOINT:
+            if shard.storage.mode == CHECKPOINT:
                 counters.checkpoint_writes += n * len(shard.gdn_layers)
             else:
                 counters.recurrence_log_tokens += n * len(shard.gdn_layers)

@@ -15,8 +15,8 @@ from shardd.draft.config import DraftConfig, load_draft_config
 from shardd.draft.model import DFlashDrafter
 from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights
 from shardd.draft.weights import load_draft_weights
+from shardd.model.rollback import RollbackStorage
 from shardd.model.shard import ShardModel
-from shardd.rollback import RollbackStorage
 from shardd.synthetic import parse_synthetic, preset_config, synthetic_tensors
 from shardd.weights import embedding_and_head_shapes, head_name, load_tensors, shard_shapes
 

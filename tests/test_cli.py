@@ -18,7 +18,7 @@ from coordinator.decoding import greedy_decode
 from coordinator.launch import ShardSet, child_env, launched_sets, split_layers
 from coordinator.local import LocalTarget
 from shardd.loading import ModelSource
-from shardd.rollback import RollbackStorage
+from shardd.model.rollback import RollbackStorage
 
 TINY = ("--synthetic", "tiny")
 PROMPT = "Shards hand hidden states along; shards hand hidden states"

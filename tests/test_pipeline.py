@@ -22,7 +22,7 @@ from coordinator.pipeline import CheckpointUnavailable, Pipeline, PipelineError,
 from coordinator.target import RollbackFailed
 from protocol import ErrorCode, RemoteError
 from shardd.loading import ModelSource
-from shardd.rollback import RollbackStorage
+from shardd.model.rollback import RollbackStorage
 
 TINY = ("--synthetic", "tiny")
 NEW_TOKENS = 40

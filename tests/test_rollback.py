@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from protocol.errors import ErrorCode, ProtocolError
-from shardd import rollback as rb
 from shardd.loading import ModelSource, build_shard
-from shardd.rollback import RollbackStorage
+from shardd.model import rollback as rb
+from shardd.model.rollback import RollbackStorage
 
 PREFIX = 20
 STEP = 6

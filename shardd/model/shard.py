@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from protocol.errors import ErrorCode, ProtocolError
-from shardd import rollback as rb
+from shardd.model import rollback as rb
 from shardd.config import ModelConfig
 from shardd.model.attention import GatedAttention
 from shardd.model.gdn import GatedDeltaNet

@@ -19,13 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from protocol.errors import ErrorCode, ProtocolError
+from protocol.layout import CHECKPOINT, SHARD_ROLLBACK_MODES
 from shardd.config import ModelConfig
 from shardd.model.delta_rule import chunked_delta_rule
 from shardd.model.state import GDNState, GDNStates, PendingStep, SequenceState
-
-CHECKPOINT = "checkpoint"
-REPLAY_SSM = "replay-ssm"
-ROLLBACK_MODES = (CHECKPOINT, REPLAY_SSM)
 
 
 @dataclass(frozen=True)
@@ -38,8 +35,8 @@ class RollbackStorage:
     def __post_init__(self):
         if self.max_verify_tokens < 0:
             raise ValueError("max_verify_tokens must be >= 0")
-        if self.max_verify_tokens and self.mode not in ROLLBACK_MODES:
-            raise ValueError(f"rollback mode must be one of {ROLLBACK_MODES}, got {self.mode!r}")
+        if self.max_verify_tokens and self.mode not in SHARD_ROLLBACK_MODES:
+            raise ValueError(f"rollback mode must be one of {SHARD_ROLLBACK_MODES}, got {self.mode!r}")
 
     @property
     def enabled(self) -> bool:
