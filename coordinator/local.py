@@ -2,8 +2,8 @@
 
 It is the single-process reference the tests compare the pipeline with (plain greedy
 decoding of the same model in one process), and a way to run a small model without
-daemons. Errors are the shards' own `ProtocolError`s; a rollback that cannot be done
-raises `RollbackFailed`, as the pipeline does.
+daemons. A request the shards refuse raises their own `ModelError`; a rollback that cannot be
+done raises `RollbackFailed`, as the pipeline does.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from coordinator.target import RollbackFailed
 from protocol import ErrorCode, ProtocolError
 from shardd.loading import ModelSource, build_shard
 from shardd.model import rollback as rb
+from shardd.model.errors import ModelError
 from shardd.model.rollback import RollbackStorage
 from shardd.model.state import SequenceState
 
@@ -78,7 +79,7 @@ class LocalTarget:
         for state in self._states(seq):
             try:
                 rb.rollback(state, keep)
-            except ProtocolError as error:
+            except ModelError as error:
                 raise RollbackFailed(str(error)) from error
 
     def snapshot(self, seq: int) -> None:

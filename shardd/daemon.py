@@ -37,10 +37,29 @@ from shardd import systemd
 from shardd.draft.model import DraftState
 from shardd.loading import HostedDrafter, dtype_name
 from shardd.model import rollback as rb
+from shardd.model.errors import (
+    BadInput,
+    CapacityExceeded,
+    ModelError,
+    NoPendingStep,
+    NoSnapshot,
+    PositionMismatch,
+    RollbackUnavailable,
+)
 from shardd.model.shard import ShardModel
 from shardd.model.state import SequenceState
 
 log = logging.getLogger("shardd")
+
+# The one place a model's refusal becomes a wire error code.
+MODEL_ERROR_CODES: dict[type[ModelError], ErrorCode] = {
+    BadInput: ErrorCode.BAD_REQUEST,
+    PositionMismatch: ErrorCode.POSITION_MISMATCH,
+    CapacityExceeded: ErrorCode.CAPACITY,
+    RollbackUnavailable: ErrorCode.ROLLBACK_UNAVAILABLE,
+    NoPendingStep: ErrorCode.NO_PENDING_STEP,
+    NoSnapshot: ErrorCode.NO_SNAPSHOT,
+}
 
 
 @dataclass
@@ -151,6 +170,8 @@ class ShardDaemon:
             result, tensors = self.handlers[request.type](request)
         except ProtocolError as exc:
             return self._error(request.id, request.type, exc.code, exc.message, seq=seq)
+        except ModelError as exc:
+            return self._error(request.id, request.type, MODEL_ERROR_CODES[type(exc)], str(exc), seq=seq)
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
             log.error("internal error seq=%s type=%s: %s\n%s", seq, request.type.value, message, traceback.format_exc())
@@ -307,12 +328,11 @@ class ShardDaemon:
         return result, tensors
 
     def rollback(self, request):
-        self._layers(request)
+        shard = self._layers(request)
         entry = self._sequence(request.seq)
-        if not self.shard.storage.enabled:
-            raise ProtocolError(ErrorCode.ROLLBACK_UNAVAILABLE, "this shard was started without rollback storage (--max-verify-tokens 0)")
+        shard.check_rollback_storage()
         rb.rollback(entry.state, request.keep)  # validates (rb.check_rollback) before it changes the state
-        self.counters.rollbacks[self.shard.storage.mode] += 1
+        self.counters.rollbacks[shard.storage.mode] += 1
         self.counters.rollbacks_by_keep[request.keep] += 1
         return {"seq": request.seq, "length": entry.state.length}, {}
 

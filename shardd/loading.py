@@ -108,9 +108,8 @@ def build_shard(
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     weights = source.tensors(shard_shapes(config, begin, end), dtype=torch_dtype, device=device, progress=progress)
-    shard = ShardModel(config, weights, begin, end, dtype=torch_dtype, device=device, storage=storage)
-    shard.fingerprint = source.fingerprint(torch.device(device))
-    return shard
+    fingerprint = source.fingerprint(torch.device(device))
+    return ShardModel(config, weights, begin, end, dtype=torch_dtype, device=device, storage=storage, fingerprint=fingerprint)
 
 
 # ---- a hosted DFlash drafter -----------------------------------------------------------------------

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.errors import ErrorCode, ProtocolError
 from protocol.layout import CHECKPOINT, SHARD_ROLLBACK_MODES
 from shardd.config import ModelConfig
 from shardd.model.delta_rule import chunked_delta_rule
+from shardd.model.errors import BadInput, NoPendingStep, NoSnapshot
 from shardd.model.state import GDNState, GDNStates, PendingStep, SequenceState
 
 
@@ -173,15 +173,13 @@ def storage_bytes_per_sequence(config: ModelConfig, gdn_layers: list[int], stora
 
 
 def check_rollback(state: SequenceState, keep: int) -> PendingStep:
-    """Validation only: raises ProtocolError and changes nothing."""
+    """Validation only: raises a ModelError and changes nothing."""
     if isinstance(keep, bool) or not isinstance(keep, int):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"keep must be an integer, got {keep!r}")
+        raise BadInput(f"keep must be an integer, got {keep!r}")
     if state.pending is None:
-        raise ProtocolError(ErrorCode.NO_PENDING_STEP, "ROLLBACK with no pending checkpointed step")
+        raise NoPendingStep("ROLLBACK with no pending checkpointed step")
     if not 0 <= keep <= state.pending.n:
-        raise ProtocolError(
-            ErrorCode.BAD_REQUEST, f"keep={keep} is outside 0..{state.pending.n} (tokens of the pending step)"
-        )
+        raise BadInput(f"keep={keep} is outside 0..{state.pending.n} (tokens of the pending step)")
     return state.pending
 
 
@@ -211,7 +209,7 @@ def snapshot(state: SequenceState) -> None:
 
 def restore(state: SequenceState) -> None:
     if state.snapshot is None:
-        raise ProtocolError(ErrorCode.NO_SNAPSHOT, "RESTORE with no snapshot taken for this sequence")
+        raise NoSnapshot("RESTORE with no snapshot taken for this sequence")
     state.gdn.copy_(state.snapshot.gdn)
     state.length = state.snapshot.length
     state.pending = None
