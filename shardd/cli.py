@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from protocol.layout import CHECKPOINT, SHARD_ROLLBACK_MODES
+from protocol.layout import CHECKPOINT, SHARD_ROLLBACK_MODES, check_layer_range, parse_layer_range
 from shardd import systemd
 
 MiB = 1 << 20
@@ -64,7 +64,7 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, max_verify_t
     import torch
 
     from shardd.daemon import ServeOptions, ShardDaemon, configure_security, is_loopback
-    from shardd.loading import ModelSource, build_drafter, build_shard, parse_draft, parse_layers
+    from shardd.loading import ModelSource, build_drafter, build_shard, parse_draft
     from shardd.model.rollback import RollbackStorage
 
     if (model_dir is None) == (synthetic is None):
@@ -82,7 +82,10 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, max_verify_t
     try:
         source = ModelSource(model_dir=model_dir, synthetic=synthetic)
         config = source.config()
-        begin, end = (0, 0) if draft_only else parse_layers(layers, config.num_layers) if layers else (0, config.num_layers)
+        begin, end = 0, config.num_layers
+        if layers and not draft_only:
+            begin, end = parse_layer_range(layers)
+            check_layer_range(begin, end, config.num_layers)
         if draft is not None:
             parse_draft(draft)
     except ValueError as exc:

@@ -79,18 +79,6 @@ def checkpoint_fingerprint(directory: str | Path) -> str:
     return "sha256:" + digest.hexdigest()[:32]
 
 
-def parse_layers(spec: str, num_layers: int) -> tuple[int, int]:
-    """'BEGIN:END' -> (begin, end), checked against the model."""
-    try:
-        begin_text, end_text = spec.split(":")
-        begin, end = int(begin_text), int(end_text)
-    except ValueError:
-        raise ValueError(f"layer range must look like BEGIN:END, got {spec!r}") from None
-    if not 0 <= begin < end <= num_layers:
-        raise ValueError(f"layer range {spec} is not inside 0:{num_layers}")
-    return begin, end
-
-
 def build_shard(
     source: ModelSource,
     begin: int,

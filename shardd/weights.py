@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from protocol.layout import owns_embedding, owns_head
 from shardd.config import ModelConfig
 
 _IGNORED_PREFIXES = ("mtp.", "model.visual.", "visual.")
@@ -83,11 +84,11 @@ def shard_shapes(config: ModelConfig, begin: int, end: int) -> dict[str, tuple[i
     """Every tensor the shard owning layers [begin, end) needs, by our name, with its shape."""
     shapes: dict[str, tuple[int, ...]] = {}
     embedding = (config.vocab_size, config.hidden_size)
-    if begin == 0:
+    if owns_embedding(begin):
         shapes["embed_tokens.weight"] = embedding
     for i in range(begin, end):
         shapes.update(layer_shapes(config, i))
-    if end == config.num_layers:
+    if owns_head(end, config.num_layers):
         shapes["norm.weight"] = (config.hidden_size,)
         shapes[head_name(config)] = embedding
     return shapes
