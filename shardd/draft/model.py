@@ -20,16 +20,10 @@ import torch.nn.functional as F
 from shardd.draft.config import DraftConfig
 from shardd.draft.weights import draft_shapes
 from shardd.model.mlp import MLP
+from shardd.model.norm import plain_rms_norm
 from shardd.model.rope import RotaryEmbedding, apply_rotary
 from shardd.model.state import KVCache
 from shardd.weights import WeightError
-
-
-def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3RMSNorm: normalise in float32, cast back, scale by `w` itself."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
 
 
 @dataclass
