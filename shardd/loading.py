@@ -14,11 +14,10 @@ from shardd.config import ModelConfig, load_config
 from shardd.draft.config import DraftConfig, load_draft_config
 from shardd.draft.model import DFlashDrafter
 from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights
-from shardd.draft.weights import load_draft_weights
 from shardd.model.rollback import RollbackStorage
 from shardd.model.shard import ShardModel
 from shardd.synthetic import parse_synthetic, preset_config, synthetic_tensors
-from shardd.weights import embedding_and_head_shapes, head_name, load_tensors, shard_shapes
+from shardd.weights import draft_name, draft_shapes, embedding_and_head_shapes, head_name, load_tensors, shard_shapes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -188,7 +187,7 @@ def build_drafter(
     if draft_dir is not None:
         config = load_draft_config(draft_dir)
         config.check_target(target)
-        weights = load_draft_weights(draft_dir, config, dtype=torch_dtype, device=device)
+        weights = load_tensors(draft_dir, draft_shapes(config), names=draft_name, dtype=torch_dtype, device=device).tensors
         fingerprint = checkpoint_fingerprint(draft_dir)
     else:
         config = synthetic_draft_config(target, num_layers=layers)

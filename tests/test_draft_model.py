@@ -12,11 +12,15 @@ from shardd.config import ConfigError
 from shardd.draft.config import build_target_layer_ids, draft_config_from_dict, load_draft_config
 from shardd.draft.model import DFlashDrafter
 from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights, write_draft_checkpoint
-from shardd.draft.weights import draft_shapes, load_draft_weights
 from shardd.synthetic import preset_config, synthetic_weights
-from shardd.weights import WeightError
+from shardd.weights import WeightError, draft_name, draft_shapes, load_tensors
 
 TOLERANCE = 1e-4
+
+
+def load_draft(draft_dir, config):
+    """A draft checkpoint's tensors, read as build_drafter reads them."""
+    return load_tensors(draft_dir, draft_shapes(config), names=draft_name).tensors
 
 
 # ---- the reference, written from the DFlash formulas: no cache, plain matmuls, one head at a time ----------
@@ -328,7 +332,7 @@ def test_checkpoint_round_trip(target, tmp_path):
     drafter, weights = make(target, "windowed")
     out = write_draft_checkpoint(tmp_path / "draft", drafter.config, seed=1)
     assert load_draft_config(out) == drafter.config
-    loaded = load_draft_weights(out, drafter.config)
+    loaded = load_draft(out, drafter.config)
     assert loaded.keys() == weights.keys() and all(torch.equal(loaded[k], weights[k]) for k in weights)
     assert set(loaded) >= {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_norm.weight"}
 
@@ -343,7 +347,7 @@ def test_checkpoint_with_index(target, tmp_path):
         save_file({k: weights[k] for k in keys}, str(out / filename))
     index = {"weight_map": {k: filename for filename, keys in halves.items() for k in keys}}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
-    loaded = load_draft_weights(out, drafter.config)
+    loaded = load_draft(out, drafter.config)
     assert all(torch.equal(loaded[k], weights[k]) for k in weights)
 
 
@@ -353,13 +357,13 @@ def test_loader_errors_name_the_key(target, tmp_path):
     missing.mkdir()
     save_file({k: v for k, v in weights.items() if k != "layers.1.mlp.up_proj.weight"}, str(missing / "model.safetensors"))
     with pytest.raises(WeightError, match=r"missing tensor 'layers.1.mlp.up_proj.weight' \(expected shape \[128, 64\]"):
-        load_draft_weights(missing, drafter.config)
+        load_draft(missing, drafter.config)
 
     misshaped = tmp_path / "misshaped"
     misshaped.mkdir()
     save_file({**weights, "fc.weight": torch.zeros(64, 192)}, str(misshaped / "model.safetensors"))
     with pytest.raises(WeightError, match=r"'fc.weight' .* has shape \[64, 192\], expected \[64, 128\]"):
-        load_draft_weights(misshaped, drafter.config)
+        load_draft(misshaped, drafter.config)
     assert draft_shapes(drafter.config)["fc.weight"] == (64, 128)
 
 

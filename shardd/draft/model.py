@@ -18,12 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from shardd.draft.config import DraftConfig
-from shardd.draft.weights import draft_shapes
 from shardd.model.mlp import MLP
 from shardd.model.norm import plain_rms_norm
 from shardd.model.rope import RotaryEmbedding, apply_rotary
 from shardd.model.state import KVCache
-from shardd.weights import WeightError
+from shardd.weights import WeightError, draft_shapes
 
 
 @dataclass
