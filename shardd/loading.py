@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from shardd.config import ModelConfig, load_config
+from shardd.config import ModelConfig, dtype_name, load_config
 from shardd.draft.config import DraftConfig, load_draft_config
 from shardd.draft.model import DFlashDrafter
 from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights
@@ -20,11 +20,6 @@ from shardd.synthetic import parse_synthetic, preset_config, synthetic_tensors
 from shardd.weights import draft_name, draft_shapes, embedding_and_head_shapes, head_name, load_tensors, shard_shapes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch.bfloat16 -> 'bfloat16', the name the CLI and the wire use."""
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -133,11 +128,6 @@ class HostedDrafter:
     def config(self) -> DraftConfig:
         return self.model.config
 
-    @property
-    def max_draft_tokens(self) -> int:
-        """Draft tokens one PROPOSE may ask for: the trained block holds the last committed token too."""
-        return self.config.block_size - 1
-
     def weight_bytes(self) -> int:
         return self.model.weight_bytes() + self.borrowed_bytes
 
@@ -150,7 +140,7 @@ class HostedDrafter:
             "target_layer_ids": list(c.target_layer_ids),
             "feature_size": c.feature_size,
             "block_size": c.block_size,
-            "max_draft_tokens": self.max_draft_tokens,
+            "max_draft_tokens": self.model.max_draft_tokens,
             "mask_token_id": c.mask_token_id,
             "num_layers": c.num_hidden_layers,
             "dtype": dtype_name(self.model.dtype),

@@ -12,6 +12,7 @@ from shardd.config import ConfigError
 from shardd.draft.config import build_target_layer_ids, draft_config_from_dict, load_draft_config
 from shardd.draft.model import DFlashDrafter
 from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights, write_draft_checkpoint
+from shardd.model.errors import BadInput, CapacityExceeded, PositionMismatch
 from shardd.synthetic import preset_config, synthetic_weights
 from shardd.weights import WeightError, draft_name, draft_shapes, load_tensors
 
@@ -189,23 +190,30 @@ def test_crop_to_zero_restarts(target):
     assert torch.equal(drafter.propose(state, 1, 4)[1], drafter.propose(fresh, 1, 4)[1])
 
 
-def test_bad_requests_change_nothing(target):
+def test_bad_requests_are_refused_before_anything_changes(target):
     drafter, _ = make(target, "two-layers")
     state = drafter.new_state(10)
     drafter.add_context(state, features(drafter, 8, seed=8))
-    _, before = drafter.propose(state, 3, 8)
-    with pytest.raises(ValueError, match="context limit 10"):
-        drafter.add_context(state, features(drafter, 3, seed=9))
-    with pytest.raises(ValueError, match=r"\[n >= 1, 128\]"):
-        drafter.add_context(state, torch.zeros(2, 64))
-    with pytest.raises(ValueError, match="crop"):
-        drafter.crop(state, 9)
-    with pytest.raises(ValueError, match="vocabulary"):
-        drafter.propose(state, 320, 8)
-    with pytest.raises(ValueError, match="block_size"):
-        drafter.propose(state, 3, 0)
-    assert state.length == 8
-    assert torch.equal(drafter.propose(state, 3, 8)[1], before)
+
+    def check(pos, rows, last_token=3, draft_tokens=7):
+        drafter.check_propose(state, pos, rows, last_token, draft_tokens)
+
+    check(10, features(drafter, 2, seed=9))  # fills the context exactly
+    check(5, None)  # a crop to 5 rows, nothing added
+    with pytest.raises(CapacityExceeded, match="context limit 10"):
+        check(11, features(drafter, 3, seed=9))
+    with pytest.raises(BadInput, match=r"\[n, 128\]"):
+        check(10, torch.zeros(2, 64))
+    with pytest.raises(BadInput, match="float32 like this drafter, got bfloat16"):
+        check(10, features(drafter, 2, seed=9).bfloat16())
+    with pytest.raises(PositionMismatch, match="rows 8..8 were never sent"):
+        check(10, features(drafter, 1, seed=9))
+    with pytest.raises(BadInput, match="cannot end at pos=1"):
+        check(1, features(drafter, 2, seed=9))
+    with pytest.raises(BadInput, match="vocabulary"):
+        check(8, None, last_token=320)
+    with pytest.raises(BadInput, match="block_size 8 exceeds the drafter's 7"):
+        check(8, None, draft_tokens=8)
 
 
 def test_state_bytes(target):

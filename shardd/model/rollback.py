@@ -173,12 +173,10 @@ def storage_bytes_per_sequence(config: ModelConfig, gdn_layers: list[int], stora
 
 
 def check_rollback(state: SequenceState, keep: int) -> PendingStep:
-    """Validation only: raises a ModelError and changes nothing."""
-    if isinstance(keep, bool) or not isinstance(keep, int):
-        raise BadInput(f"keep must be an integer, got {keep!r}")
+    """Validation only: raises a ModelError and changes nothing. `keep` >= 0 (the codec checks it)."""
     if state.pending is None:
         raise NoPendingStep("ROLLBACK with no pending checkpointed step")
-    if not 0 <= keep <= state.pending.n:
+    if keep > state.pending.n:
         raise BadInput(f"keep={keep} is outside 0..{state.pending.n} (tokens of the pending step)")
     return state.pending
 

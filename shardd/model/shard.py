@@ -138,24 +138,25 @@ class ShardModel:
         hidden: torch.Tensor | None = None,
         checkpoint: bool = False,
     ) -> int:
-        """Validation only: raises a ModelError and changes nothing. Returns the number of new tokens."""
+        """Validation only: raises a ModelError and changes nothing. Returns the number of new tokens.
+
+        What the codec checks on the wire is trusted: exactly one of tokens / hidden, at least one token, token ids
+        >= 0, hidden 2-D. This checks what only the model knows: its vocabulary, hidden size, dtype, and the state."""
         if self.owns_embedding:
-            if tokens is None or hidden is not None:
+            if tokens is None:
                 raise BadInput(f"shard {self.begin}:{self.end} owns the embedding: send tokens, not hidden")
             n = len(tokens)
-            bad = [t for t in tokens if not 0 <= t < self.config.vocab_size]
+            bad = [t for t in tokens if t >= self.config.vocab_size]
             if bad:
                 raise BadInput(f"token id {bad[0]} is outside the vocabulary 0..{self.config.vocab_size - 1}")
         else:
-            if hidden is None or tokens is not None:
+            if hidden is None:
                 raise BadInput(f"shard {self.begin}:{self.end} starts at layer {self.begin}: send hidden, not tokens")
-            if hidden.dim() != 2 or hidden.shape[1] != self.config.hidden_size:
+            if hidden.shape[1] != self.config.hidden_size:
                 raise BadInput(f"hidden must be [n, {self.config.hidden_size}], got {list(hidden.shape)}")
             if hidden.dtype != self.dtype:
                 raise BadInput(f"hidden must be {self.dtype} like this shard, got {hidden.dtype}")
             n = hidden.shape[0]
-        if n < 1:
-            raise BadInput("a forward needs at least one token")
         if pos != state.length:
             raise PositionMismatch(f"pos={pos} but the sequence's committed length is {state.length}")
         if pos + n > state.max_context:
