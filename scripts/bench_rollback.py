@@ -27,7 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from protocol.layout import CHECKPOINT, REPLAY, REPLAY_SSM, SHARD_ROLLBACK_MODES  # noqa: E402
+from protocol.layout import (  # noqa: E402
+    CHECKPOINT,
+    REPLAY,
+    REPLAY_SSM,
+    SHARD_ROLLBACK_MODES,
+    check_layer_range,
+    parse_layer_range,
+)
 from shardd.loading import DTYPES  # noqa: E402
 from shardd.model import rollback as rb  # noqa: E402
 from shardd.model.shard import ShardModel  # noqa: E402
@@ -101,7 +108,8 @@ def main() -> int:
     device = torch.device(args.device)
     preset, seed = parse_synthetic(args.synthetic)
     config = preset_config(preset)
-    begin, end = (int(x) for x in args.layers.split(":")) if args.layers else (0, config.num_layers)
+    begin, end = parse_layer_range(args.layers) if args.layers else (0, config.num_layers)
+    check_layer_range(begin, end, config.num_layers)
     dtype = DTYPES[args.dtype]
     t0 = time.perf_counter()
     weights = synthetic_weights(config, begin, end, seed, dtype=dtype, device=device)
