@@ -158,7 +158,9 @@ class RecurrenceLog:
         )
 
 
-def allocate_storage(config: ModelConfig, gdn_layers: list[int], storage: RollbackStorage, device):
+def allocate_storage(
+    config: ModelConfig, gdn_layers: list[int], storage: RollbackStorage, device
+) -> CheckpointBuffers | RecurrenceLog | None:
     """The rollback storage of one sequence on a shard owning `gdn_layers`, or None without storage."""
     if not storage.enabled or not gdn_layers:
         return None
