@@ -40,7 +40,7 @@ _COMMON_KEYS = frozenset(f.name for f in COMMON_FIELDS)
 _REPLY_KEYS = frozenset({"v", "id", "type", "ok", "result", "tensors", "error"})
 _DESCRIPTOR_KEYS = frozenset({"name", "dtype", "shape"})
 _TYPE_NAMES = frozenset(t.value for t in MessageType)
-# Encoding validates by decoding what it produced; the receiver's limits are not known here.
+# The receiver's limits are not known when a request is encoded.
 _NO_LIMITS = Limits(
     max_tokens_per_request=sys.maxsize, max_frame_bytes=sys.maxsize, max_total_bytes=sys.maxsize,
     max_frames=sys.maxsize, max_header_bytes=sys.maxsize, max_capture_layers=sys.maxsize,
@@ -297,9 +297,10 @@ def _check_request(record: Request, limits: Limits) -> None:
 
 
 def encode_request(record: Request, validate: bool = True) -> Frames:
-    """Frames for a request record. With `validate` (the default) the frames are decoded
-    again under unbounded limits, so a client learns of a malformed request before sending;
-    `validate=False` exists for tests that must put a bad request on the wire."""
+    """Frames for a request record. With `validate` (the default) the record is checked against the schema and the
+    rules between fields, as the receiver checks it (size limits aside, which are the receiver's), so a client
+    learns of a malformed request before sending; `validate=False` exists for tests that must put a bad request on
+    the wire."""
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": record.type.value, "id": record.id}
     tensors: dict[str, WireTensor] = {}
     tensor_names = {spec.name for spec in REQUEST_TENSORS[record.type]}
@@ -315,7 +316,12 @@ def encode_request(record: Request, validate: bool = True) -> Frames:
             header[f.name] = value
     frames = _pack_or_raise(ErrorCode.BAD_REQUEST, header, tensors)
     if validate:
-        decode_request(frames, _NO_LIMITS)
+        mtype = record.type
+        _check_int(record.id, "field 'id'", 0, ID_LIMIT)
+        for spec in REQUEST_FIELDS[mtype]:
+            _field_value(header, spec, mtype)
+        _request_tensors(tensors, REQUEST_TENSORS[mtype], mtype)
+        _check_request(record, _NO_LIMITS)
     return frames
 
 

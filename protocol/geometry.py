@@ -30,15 +30,12 @@ def pure_chain(n_tokens: int) -> list[int]:
 
 
 def check_verify_geometry(parents: Sequence[int] | None, n_tokens: int) -> None:
+    """`parents` is None or a list of ints and n_tokens >= 1: the codec has checked both (schema, token count)."""
     def reject(reason: str) -> None:
         raise ProtocolError(ErrorCode.GEOMETRY_REJECTED, f"verify geometry rejected: {reason}")
 
     if parents is None:
         reject(f"missing: a checkpointed request of {n_tokens} tokens must carry parents {pure_chain(n_tokens)[:4]}...")
-    if isinstance(parents, (str, bytes)) or not all(type(p) is int for p in parents):
-        reject(f"parents must be a list of ints, got {parents!r}")
-    if n_tokens < 1:
-        reject("no tokens")
     if len(parents) < n_tokens:
         reject(f"truncated: {len(parents)} parents for {n_tokens} tokens")
     if len(parents) > n_tokens:

@@ -1,15 +1,16 @@
-"""Message types, the request schema table, and one typed record per request type.
+"""Message types and one typed record per request type; the records are the request schema.
 
-The schema table (`REQUEST_FIELDS`, `REQUEST_TENSORS`) is the single description of what a
-request header may carry; `codec.decode_request` validates against it and `PROTOCOL.md`
-documents it. Record field names equal header field names (tensor records: frame names).
+Each header field of a record carries its wire kind, bounds and doc as field metadata (`_header`), each tensor
+frame its rank and dtypes (`_tensor`); `REQUEST_FIELDS` and `REQUEST_TENSORS`, which `codec.decode_request`
+validates against and `PROTOCOL.md` documents, are derived from them. Record field names equal header field names
+(tensor records: frame names).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional, Union
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any, ClassVar, Optional, Union, get_args
 
 from .tensors import FLOAT_DTYPES, WireTensor
 
@@ -68,118 +69,79 @@ COMMON_FIELDS: tuple[FieldSpec, ...] = (
               doc="one {name, dtype, shape} per frame after the header, in frame order"),
 )
 
-_SEQ = FieldSpec("seq", "int", minimum=0, limit=ID_LIMIT, doc="client-chosen sequence id")
-_FORWARD_FIELDS: tuple[FieldSpec, ...] = (
-    _SEQ,
-    FieldSpec("pos", "int", minimum=0, limit=ID_LIMIT, doc="must equal the committed length"),
-    FieldSpec("tokens", "int_list", required=False, minimum=0, limit=TOKEN_LIMIT,
-              doc="token ids; exactly one of tokens / tensor hidden"),
-    FieldSpec("checkpoint", "bool", required=False, default=False,
-              doc="make the step pending so one ROLLBACK may follow"),
-    FieldSpec("parents", "int_list", required=False,
-              doc="verify geometry, one entry per token; required with checkpoint, rejected without"),
-    FieldSpec("return_logits", "bool", required=False, default=False,
-              doc="head shard also returns float32 logits [n, V]"),
-)
 
-REQUEST_FIELDS: dict[MessageType, tuple[FieldSpec, ...]] = {
-    MessageType.HELLO: (),
-    MessageType.OPEN: (_SEQ,),
-    MessageType.CLOSE: (_SEQ,),
-    MessageType.FORWARD: _FORWARD_FIELDS,
-    MessageType.CAPTURE: _FORWARD_FIELDS + (
-        FieldSpec("layers", "int_list", minimum=0, limit=ID_LIMIT,
-                  doc="non-empty, distinct layer indices whose outputs to return"),
-    ),
-    MessageType.ROLLBACK: (
-        _SEQ,
-        FieldSpec("keep", "int", minimum=0, limit=ID_LIMIT, doc="tokens of the pending step to keep"),
-    ),
-    MessageType.SNAPSHOT: (_SEQ,),
-    MessageType.RESTORE: (_SEQ,),
-    MessageType.PROPOSE: (
-        _SEQ,
-        FieldSpec("pos", "int", minimum=0, limit=ID_LIMIT,
-                  doc="committed length: the position of last_token; the features are the rows just before it"),
-        FieldSpec("last_token", "int", minimum=0, limit=TOKEN_LIMIT, doc="last committed token"),
-        FieldSpec("block_size", "int", minimum=1, limit=TOKEN_LIMIT, doc="draft tokens wanted"),
-    ),
-    MessageType.STATS: (),
-    MessageType.SHUTDOWN: (),
-}
+def _header(kind: str, doc: str, *, minimum: Optional[int] = None, limit: Optional[int] = None,
+            default: Any = MISSING, kw_only: bool = False) -> Any:
+    """A record field that travels as a header field; without `default` the field is required."""
+    spec = {"kind": kind, "minimum": minimum, "limit": limit, "doc": doc}
+    return field(default=default, kw_only=kw_only, metadata={"header": spec})
 
-_HIDDEN = TensorSpec("hidden", 2, FLOAT_DTYPES, doc="[n, H] activations from the previous shard")
-REQUEST_TENSORS: dict[MessageType, tuple[TensorSpec, ...]] = {
-    mtype: () for mtype in MessageType
-}
-REQUEST_TENSORS[MessageType.FORWARD] = (_HIDDEN,)
-REQUEST_TENSORS[MessageType.CAPTURE] = (_HIDDEN,)
-REQUEST_TENSORS[MessageType.PROPOSE] = (
-    TensorSpec("features", 2, FLOAT_DTYPES, doc="[n, F] drafter context features of positions pos-n .. pos-1"),
-)
+
+def _tensor(ndim: int, doc: str) -> Any:
+    """A record field that travels as a tensor frame of floats."""
+    return field(default=None, metadata={"tensor": {"ndim": ndim, "dtypes": FLOAT_DTYPES, "doc": doc}})
 
 
 # --- records -----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Hello:
+class _Request:
+    id: int
+
+
+@dataclass(frozen=True)
+class _SequenceRequest(_Request):
+    seq: int = _header("int", "client-chosen sequence id", minimum=0, limit=ID_LIMIT)
+
+
+@dataclass(frozen=True)
+class Hello(_Request):
     type: ClassVar[MessageType] = MessageType.HELLO
-    id: int
 
 
 @dataclass(frozen=True)
-class Stats:
+class Stats(_Request):
     type: ClassVar[MessageType] = MessageType.STATS
-    id: int
 
 
 @dataclass(frozen=True)
-class Shutdown:
+class Shutdown(_Request):
     type: ClassVar[MessageType] = MessageType.SHUTDOWN
-    id: int
 
 
 @dataclass(frozen=True)
-class Open:
+class Open(_SequenceRequest):
     type: ClassVar[MessageType] = MessageType.OPEN
-    id: int
-    seq: int
 
 
 @dataclass(frozen=True)
-class Close:
+class Close(_SequenceRequest):
     type: ClassVar[MessageType] = MessageType.CLOSE
-    id: int
-    seq: int
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class Snapshot(_SequenceRequest):
     type: ClassVar[MessageType] = MessageType.SNAPSHOT
-    id: int
-    seq: int
 
 
 @dataclass(frozen=True)
-class Restore:
+class Restore(_SequenceRequest):
     type: ClassVar[MessageType] = MessageType.RESTORE
-    id: int
-    seq: int
 
 
 @dataclass(frozen=True)
-class Forward:
+class Forward(_SequenceRequest):
     """Append n tokens (or n rows of hidden state) at `pos`; n = len(tokens) or hidden.shape[0]."""
 
     type: ClassVar[MessageType] = MessageType.FORWARD
-    id: int
-    seq: int
-    pos: int
-    tokens: Optional[list[int]] = None
-    hidden: Optional[WireTensor] = None
-    checkpoint: bool = False
-    parents: Optional[list[int]] = None
-    return_logits: bool = False
+    pos: int = _header("int", "must equal the committed length", minimum=0, limit=ID_LIMIT)
+    tokens: Optional[list[int]] = _header("int_list", "token ids; exactly one of tokens / tensor hidden",
+                                          minimum=0, limit=TOKEN_LIMIT, default=None)
+    hidden: Optional[WireTensor] = _tensor(2, "[n, H] activations from the previous shard")
+    checkpoint: bool = _header("bool", "make the step pending so one ROLLBACK may follow", default=False)
+    parents: Optional[list[int]] = _header(
+        "int_list", "verify geometry, one entry per token; required with checkpoint, rejected without", default=None)
+    return_logits: bool = _header("bool", "head shard also returns float32 logits [n, V]", default=False)
 
     @property
     def n_tokens(self) -> int:
@@ -193,43 +155,46 @@ class Capture(Forward):
     """A FORWARD that also returns the outputs of `layers` owned by the shard."""
 
     type: ClassVar[MessageType] = MessageType.CAPTURE
-    layers: list[int] = field(kw_only=True)
+    layers: list[int] = _header("int_list", "non-empty, distinct layer indices whose outputs to return",
+                                minimum=0, limit=ID_LIMIT, kw_only=True)
 
 
 @dataclass(frozen=True)
-class Rollback:
+class Rollback(_SequenceRequest):
     type: ClassVar[MessageType] = MessageType.ROLLBACK
-    id: int
-    seq: int
-    keep: int
+    keep: int = _header("int", "tokens of the pending step to keep", minimum=0, limit=ID_LIMIT)
 
 
 @dataclass(frozen=True)
-class Propose:
+class Propose(_SequenceRequest):
     """Append the feature rows of positions pos-n .. pos-1 to the drafter's context (cropping rows at or past
     pos-n first: their tokens were rolled back), then draft `block_size` tokens after `last_token` at `pos`."""
 
     type: ClassVar[MessageType] = MessageType.PROPOSE
-    id: int
-    seq: int
-    pos: int
-    last_token: int
-    block_size: int
-    features: Optional[WireTensor] = None
+    pos: int = _header("int", "committed length: the position of last_token; the features are the rows just before it",
+                       minimum=0, limit=ID_LIMIT)
+    last_token: int = _header("int", "last committed token", minimum=0, limit=TOKEN_LIMIT)
+    block_size: int = _header("int", "draft tokens wanted", minimum=1, limit=TOKEN_LIMIT)
+    features: Optional[WireTensor] = _tensor(2, "[n, F] drafter context features of positions pos-n .. pos-1")
 
 
 Request = Union[Hello, Open, Close, Forward, Capture, Rollback, Snapshot, Restore, Propose, Stats, Shutdown]
 
-RECORD_TYPES: dict[MessageType, type] = {
-    MessageType.HELLO: Hello,
-    MessageType.OPEN: Open,
-    MessageType.CLOSE: Close,
-    MessageType.FORWARD: Forward,
-    MessageType.CAPTURE: Capture,
-    MessageType.ROLLBACK: Rollback,
-    MessageType.SNAPSHOT: Snapshot,
-    MessageType.RESTORE: Restore,
-    MessageType.PROPOSE: Propose,
-    MessageType.STATS: Stats,
-    MessageType.SHUTDOWN: Shutdown,
+RECORD_TYPES: dict[MessageType, type] = {record.type: record for record in get_args(Request)}
+
+
+# --- the schema, derived from the records ------------------------------------------------
+
+def _field_spec(f: Field) -> FieldSpec:
+    required = f.default is MISSING
+    return FieldSpec(f.name, required=required, default=None if required else f.default, **f.metadata["header"])
+
+
+REQUEST_FIELDS: dict[MessageType, tuple[FieldSpec, ...]] = {
+    mtype: tuple(_field_spec(f) for f in fields(record) if "header" in f.metadata)
+    for mtype, record in RECORD_TYPES.items()
+}
+REQUEST_TENSORS: dict[MessageType, tuple[TensorSpec, ...]] = {
+    mtype: tuple(TensorSpec(f.name, **f.metadata["tensor"]) for f in fields(record) if "tensor" in f.metadata)
+    for mtype, record in RECORD_TYPES.items()
 }

@@ -105,10 +105,11 @@ def run_local(args) -> dict:
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafters import OracleDrafter
     from tests.local import LocalTarget
-    from shardd import rollback as rb
+    from shardd.model import rollback as rb
     from shardd.fast.shard import FastShard
     from shardd.model.shard import ShardModel
-    from shardd.synthetic import preset_config, synthetic_weights
+    from shardd.presets import preset_config
+    from shardd.synthetic import synthetic_weights
 
     device = torch.device("cuda:0")
     torch.cuda.set_device(device)
@@ -288,7 +289,8 @@ def run_transformers(args) -> dict:
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    from shardd.synthetic import preset_config, synthetic_tensor
+    from shardd.presets import preset_config
+    from shardd.synthetic import synthetic_tensor
 
     device = torch.device("cuda:0")
     config = preset_config(args.preset)
@@ -367,7 +369,7 @@ def run_e2e(args) -> dict:
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafters import OracleDrafter
     from coordinator.pipeline import Pipeline
-    from shardd.synthetic import preset_config
+    from shardd.presets import preset_config
 
     config = preset_config(args.preset)
     half = config.num_layers // 2

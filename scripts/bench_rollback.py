@@ -27,13 +27,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from shardd import rollback as rb  # noqa: E402
+from protocol.layout import (  # noqa: E402
+    CHECKPOINT,
+    REPLAY,
+    REPLAY_SSM,
+    SHARD_ROLLBACK_MODES,
+    check_layer_range,
+    parse_layer_range,
+)
 from shardd.loading import DTYPES  # noqa: E402
+from shardd.model import rollback as rb  # noqa: E402
 from shardd.model.shard import ShardModel  # noqa: E402
 from shardd.presets import parse_synthetic, preset_config  # noqa: E402
 from shardd.synthetic import synthetic_weights  # noqa: E402
 
-MODES = ("replay", "checkpoint", "replay-ssm")
+MODES = (REPLAY, CHECKPOINT, REPLAY_SSM)
 
 
 def sync(device: torch.device) -> None:
@@ -54,14 +62,14 @@ def keep_schedule(steps: int, block: int, mean_commit: float, seed: int) -> list
 
 def run_mode(mode, shards, prompt, blocks, keeps, device, timings):
     """One pass of the schedule in `mode`; returns the final state. Step times go to `timings`."""
-    shard = shards["checkpoint" if mode == "replay" else mode]
+    shard = shards[CHECKPOINT if mode == REPLAY else mode]
     state = shard.new_state(len(prompt) + sum(len(b) for b in blocks) + 16)
     shard.forward(state, 0, tokens=prompt)
     sync(device)
     for block, keep in zip(blocks, keeps):
         pos = state.length
         start = time.perf_counter()
-        if mode == "replay":
+        if mode == REPLAY:
             rb.snapshot(state)
             shard.forward(state, pos, tokens=block)
             if keep < len(block):
@@ -101,7 +109,8 @@ def main() -> int:
     device = torch.device(args.device)
     preset, seed = parse_synthetic(args.synthetic)
     config = preset_config(preset)
-    begin, end = (int(x) for x in args.layers.split(":")) if args.layers else (0, config.num_layers)
+    begin, end = parse_layer_range(args.layers) if args.layers else (0, config.num_layers)
+    check_layer_range(begin, end, config.num_layers)
     dtype = DTYPES[args.dtype]
     t0 = time.perf_counter()
     weights = synthetic_weights(config, begin, end, seed, dtype=dtype, device=device)
@@ -109,7 +118,7 @@ def main() -> int:
     build_s = time.perf_counter() - t0
     shards = {
         mode: ShardModel(config, weights, begin, end, dtype=dtype, device=device, storage=rb.RollbackStorage(mode, args.block))
-        for mode in ("checkpoint", "replay-ssm")
+        for mode in SHARD_ROLLBACK_MODES
     }
     rng = random.Random(args.seed)
     prompt = [rng.randrange(config.vocab_size) for _ in range(args.prompt_len)]
@@ -121,7 +130,7 @@ def main() -> int:
         run_mode(mode, shards, prompt[:32], blocks[:3], keeps[:3], device, {"step": [], "rollback": []})
 
     # Greedy baseline: one token per forward.
-    plain = shards["checkpoint"]
+    plain = shards[CHECKPOINT]
     state = plain.new_state(args.prompt_len + 64)
     plain.forward(state, 0, tokens=prompt)
     decode = []
@@ -146,9 +155,9 @@ def main() -> int:
             timings[mode].setdefault("round_medians", []).append(statistics.median(per_round["step"]))
 
     # Every mode kept the same tokens: states must agree (a fresh recompute is the replay mode).
-    reference = finals["replay"]
+    reference = finals[REPLAY]
     max_rel = {}
-    for mode in ("checkpoint", "replay-ssm"):
+    for mode in SHARD_ROLLBACK_MODES:
         worst = 0.0
         for layer, s in finals[mode].gdn.items():
             ref = reference.gdn[layer].recurrent
@@ -170,7 +179,7 @@ def main() -> int:
                 "round_medians_ms": [x * 1e3 for x in rounds],
                 "drift": (max(rounds) - min(rounds)) / min(rounds),
                 "tokens_per_s": mean_commit / (step_ms / 1e3),
-                "checkpoint_bytes_per_sequence": 0 if mode == "replay" else shards[mode].checkpoint_bytes_per_sequence(),
+                "checkpoint_bytes_per_sequence": 0 if mode == REPLAY else shards[mode].checkpoint_bytes_per_sequence(),
                 "max_rel_state_diff_vs_replay": max_rel.get(mode, 0.0),
             }
         )
@@ -183,7 +192,7 @@ def main() -> int:
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "model": {"synthetic": args.synthetic, "layers": [begin, end], "dtype": args.dtype,
-                  "gdn_layers": len(shards["checkpoint"].gdn_layers), "weight_bytes": shards["checkpoint"].weight_bytes()},
+                  "gdn_layers": len(shards[CHECKPOINT].gdn_layers), "weight_bytes": shards[CHECKPOINT].weight_bytes()},
         "weights_build_s": build_s,
         "prompt_len": args.prompt_len, "block": args.block, "steps": args.steps, "rounds": args.rounds,
         "order": order, "mean_commit": mean_commit,

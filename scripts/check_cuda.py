@@ -13,9 +13,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from shardd import rollback as rb  # noqa: E402
+from protocol.layout import SHARD_ROLLBACK_MODES  # noqa: E402
 from shardd.loading import ModelSource, build_shard  # noqa: E402
-from shardd.rollback import RollbackStorage  # noqa: E402
+from shardd.model import rollback as rb  # noqa: E402
+from shardd.model.rollback import RollbackStorage  # noqa: E402
 from shardd.presets import preset_config  # noqa: E402
 from shardd.synthetic import write_checkpoint  # noqa: E402
 
@@ -37,7 +38,7 @@ def main() -> int:
             diff = (out - ref).abs().max().item()
             results[f"{preset}_logits_max_abs_diff_cuda_vs_cpu"] = diff
             ok &= diff <= 1e-3  # TF32 may be on for matmuls on the GPU; fp32 CPU is the reference
-            for mode in ("checkpoint", "replay-ssm"):
+            for mode in SHARD_ROLLBACK_MODES:
                 shard = build_shard(source, 0, config.num_layers, device=device, storage=RollbackStorage(mode, 16))
                 worst = 0.0
                 for keep in (0, 1, 7, 16):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from protocol.layout import CHECKPOINT, SHARD_ROLLBACK_MODES, check_layer_range, parse_layer_range
 from shardd import systemd
 from shardd.engine import ENGINES
 
@@ -34,7 +35,7 @@ def main():
 @click.option("--bind", default="tcp://127.0.0.1:7700", show_default=True, help="ZeroMQ endpoint (tcp://127.0.0.1:PORT or ipc://PATH).")
 @click.option("--max-verify-tokens", type=click.IntRange(0, 1024), default=16, show_default=True,
               help="Rollback storage: most tokens one checkpointed step may carry (0 = no rollback storage).")
-@click.option("--rollback-mode", type=click.Choice(["checkpoint", "replay-ssm"]), default="checkpoint", show_default=True)
+@click.option("--rollback-mode", type=click.Choice(SHARD_ROLLBACK_MODES), default=CHECKPOINT, show_default=True)
 @click.option("--engine", type=click.Choice(ENGINES), default="auto", show_default=True,
               help="Step implementation: fast (fixed-shape step, Triton + CUDA graphs; CUDA only), reference, "
                    "or auto (fast on a CUDA device).")
@@ -67,9 +68,9 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, max_verify_t
     import torch
 
     from shardd.daemon import ServeOptions, ShardDaemon, configure_security, is_loopback
-    from shardd.loading import ModelSource, build_drafter, build_shard, parse_draft, parse_layers
+    from shardd.loading import ModelSource, build_drafter, build_shard, parse_draft
     from shardd.engine import resolve_engine, serve_with
-    from shardd.rollback import RollbackStorage
+    from shardd.model.rollback import RollbackStorage
 
     if (model_dir is None) == (synthetic is None):
         raise click.UsageError("give exactly one of --model DIR or --synthetic PRESET[:SEED]")
@@ -86,7 +87,10 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, max_verify_t
     try:
         source = ModelSource(model_dir=model_dir, synthetic=synthetic)
         config = source.config()
-        begin, end = (0, 0) if draft_only else parse_layers(layers, config.num_layers) if layers else (0, config.num_layers)
+        begin, end = 0, config.num_layers
+        if layers and not draft_only:
+            begin, end = parse_layer_range(layers)
+            check_layer_range(begin, end, config.num_layers)
         if draft is not None:
             parse_draft(draft)
         engine = resolve_engine(engine, device)

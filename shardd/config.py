@@ -14,6 +14,11 @@ class ConfigError(ValueError):
     """A config that we cannot run; the message names the field."""
 
 
+def dtype_name(dtype) -> str:
+    """torch.bfloat16 -> 'bfloat16', the name the CLI and the wire use."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int

@@ -32,14 +32,35 @@ from protocol import (
     peek_id,
     peek_type,
 )
-from shardd import rollback as rb
+from protocol.layout import CHECKPOINT
 from shardd import systemd
+from shardd.config import dtype_name
 from shardd.draft.model import DraftState
-from shardd.loading import HostedDrafter, dtype_name
+from shardd.loading import HostedDrafter
+from shardd.model import rollback as rb
+from shardd.model.errors import (
+    BadInput,
+    CapacityExceeded,
+    ModelError,
+    NoPendingStep,
+    NoSnapshot,
+    PositionMismatch,
+    RollbackUnavailable,
+)
 from shardd.model.shard import ShardModel
 from shardd.model.state import SequenceState
 
 log = logging.getLogger("shardd")
+
+# The one place a model's refusal becomes a wire error code.
+MODEL_ERROR_CODES: dict[type[ModelError], ErrorCode] = {
+    BadInput: ErrorCode.BAD_REQUEST,
+    PositionMismatch: ErrorCode.POSITION_MISMATCH,
+    CapacityExceeded: ErrorCode.CAPACITY,
+    RollbackUnavailable: ErrorCode.ROLLBACK_UNAVAILABLE,
+    NoPendingStep: ErrorCode.NO_PENDING_STEP,
+    NoSnapshot: ErrorCode.NO_SNAPSHOT,
+}
 
 
 @dataclass
@@ -150,6 +171,8 @@ class ShardDaemon:
             result, tensors = self.handlers[request.type](request)
         except ProtocolError as exc:
             return self._error(request.id, request.type, exc.code, exc.message, seq=seq)
+        except ModelError as exc:
+            return self._error(request.id, request.type, MODEL_ERROR_CODES[type(exc)], str(exc), seq=seq)
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
             log.error("internal error seq=%s type=%s: %s\n%s", seq, request.type.value, message, traceback.format_exc())
@@ -291,7 +314,7 @@ class ShardDaemon:
         counters.tokens_forwarded += n
         if request.checkpoint:
             counters.checkpointed_steps += 1
-            if shard.storage.mode == rb.CHECKPOINT:
+            if shard.storage.mode == CHECKPOINT:
                 counters.checkpoint_writes += n * len(shard.gdn_layers)
             else:
                 counters.recurrence_log_tokens += n * len(shard.gdn_layers)
@@ -312,12 +335,11 @@ class ShardDaemon:
         return result, tensors
 
     def rollback(self, request):
-        self._layers(request)
+        shard = self._layers(request)
         entry = self._sequence(request.seq)
-        if not self.shard.storage.enabled:
-            raise ProtocolError(ErrorCode.ROLLBACK_UNAVAILABLE, "this shard was started without rollback storage (--max-verify-tokens 0)")
+        shard.check_rollback_storage()
         rb.rollback(entry.state, request.keep)  # validates (rb.check_rollback) before it changes the state
-        self.counters.rollbacks[self.shard.storage.mode] += 1
+        self.counters.rollbacks[shard.storage.mode] += 1
         self.counters.rollbacks_by_keep[request.keep] += 1
         return {"seq": request.seq, "length": entry.state.length}, {}
 
@@ -341,52 +363,22 @@ class ShardDaemon:
         Context rows at or past pos-n belong to tokens rolled back since they were sent: they are cropped first
         (the only way the context shrinks). A context shorter than pos-n misses rows: POSITION_MISMATCH.
         The target layers' state of the sequence (on a daemon that has both) is not touched."""
-        hosted = self._drafter()
-        entry = self._sequence(request.seq)
-        draft, config = entry.draft, hosted.config
-        features = request.features
+        model = self._drafter().model
+        draft = self._sequence(request.seq).draft
+        features = request.features.to_torch() if request.features is not None else None
+        model.check_propose(draft, request.pos, features, request.last_token, request.block_size)
         n = features.shape[0] if features is not None else 0
-        if features is not None:
-            if features.shape[1] != config.feature_size:
-                raise ProtocolError(
-                    ErrorCode.BAD_REQUEST,
-                    f"features must be [n, {config.feature_size}] (target layers {list(config.target_layer_ids)} x "
-                    f"hidden {config.hidden_size}, side by side), got {list(features.shape)}",
-                )
-            dtype = dtype_name(hosted.model.dtype)
-            if features.dtype != dtype:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"features must be {dtype} like this drafter, got {features.dtype}")
-        if request.block_size > hosted.max_draft_tokens:
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST,
-                f"block_size {request.block_size} exceeds the drafter's {hosted.max_draft_tokens} draft tokens "
-                f"(its block of {config.block_size} includes the last committed token)",
-            )
-        if request.last_token >= hosted.model.vocab_size:
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, f"last_token {request.last_token} is outside the vocabulary 0..{hosted.model.vocab_size - 1}"
-            )
         start = request.pos - n
-        if start < 0:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{n} feature rows cannot end at pos={request.pos}")
-        if draft.length < start:
-            raise ProtocolError(
-                ErrorCode.POSITION_MISMATCH,
-                f"the drafter's context holds {draft.length} rows but these {n} feature rows start at position {start} "
-                f"(pos {request.pos} - {n}): rows {draft.length}..{start - 1} were never sent",
-            )
-        if request.pos > draft.max_context:
-            raise ProtocolError(ErrorCode.CAPACITY, f"pos {request.pos} exceeds the context limit {draft.max_context}")
 
         counters = self.counters
         if draft.length > start:
             counters.draft_crops += 1
             counters.draft_rows_cropped += draft.length - start
-            hosted.model.crop(draft, start)
+            model.crop(draft, start)
         if n:
-            hosted.model.add_context(draft, features.to_torch())
+            model.add_context(draft, features)
             counters.draft_context_rows += n
-        ids, _ = hosted.model.propose(draft, request.last_token, request.block_size + 1)
+        ids, _ = model.propose(draft, request.last_token, request.block_size + 1)
         counters.proposals += 1
         counters.draft_tokens += request.block_size
         return {"seq": request.seq, "tokens": ids.tolist(), "context_length": draft.length}, {}

@@ -10,23 +10,17 @@ from pathlib import Path
 
 import torch
 
-from shardd.config import ModelConfig, load_config
+from shardd.config import ModelConfig, dtype_name, load_config
 from shardd.draft.config import DraftConfig, load_draft_config
 from shardd.draft.model import DFlashDrafter
 from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights
-from shardd.draft.weights import load_draft_weights
+from shardd.model.rollback import RollbackStorage
 from shardd.model.shard import ShardModel
 from shardd.presets import parse_synthetic, preset_config
-from shardd.rollback import RollbackStorage
 from shardd.synthetic import synthetic_tensors
-from shardd.weights import embedding_and_head_shapes, head_name, load_tensors, shard_shapes
+from shardd.weights import draft_name, draft_shapes, embedding_and_head_shapes, head_name, load_tensors, shard_shapes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch.bfloat16 -> 'bfloat16', the name the CLI and the wire use."""
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -80,18 +74,6 @@ def checkpoint_fingerprint(directory: str | Path) -> str:
     return "sha256:" + digest.hexdigest()[:32]
 
 
-def parse_layers(spec: str, num_layers: int) -> tuple[int, int]:
-    """'BEGIN:END' -> (begin, end), checked against the model."""
-    try:
-        begin_text, end_text = spec.split(":")
-        begin, end = int(begin_text), int(end_text)
-    except ValueError:
-        raise ValueError(f"layer range must look like BEGIN:END, got {spec!r}") from None
-    if not 0 <= begin < end <= num_layers:
-        raise ValueError(f"layer range {spec} is not inside 0:{num_layers}")
-    return begin, end
-
-
 def build_shard(
     source: ModelSource,
     begin: int,
@@ -109,9 +91,8 @@ def build_shard(
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     weights = source.tensors(shard_shapes(config, begin, end), dtype=torch_dtype, device=device, progress=progress)
-    shard = ShardModel(config, weights, begin, end, dtype=torch_dtype, device=device, storage=storage)
-    shard.fingerprint = source.fingerprint(torch.device(device))
-    return shard
+    fingerprint = source.fingerprint(torch.device(device))
+    return ShardModel(config, weights, begin, end, dtype=torch_dtype, device=device, storage=storage, fingerprint=fingerprint)
 
 
 # ---- a hosted DFlash drafter -----------------------------------------------------------------------
@@ -148,11 +129,6 @@ class HostedDrafter:
     def config(self) -> DraftConfig:
         return self.model.config
 
-    @property
-    def max_draft_tokens(self) -> int:
-        """Draft tokens one PROPOSE may ask for: the trained block holds the last committed token too."""
-        return self.config.block_size - 1
-
     def weight_bytes(self) -> int:
         return self.model.weight_bytes() + self.borrowed_bytes
 
@@ -165,7 +141,7 @@ class HostedDrafter:
             "target_layer_ids": list(c.target_layer_ids),
             "feature_size": c.feature_size,
             "block_size": c.block_size,
-            "max_draft_tokens": self.max_draft_tokens,
+            "max_draft_tokens": self.model.max_draft_tokens,
             "mask_token_id": c.mask_token_id,
             "num_layers": c.num_hidden_layers,
             "dtype": dtype_name(self.model.dtype),
@@ -202,7 +178,7 @@ def build_drafter(
     if draft_dir is not None:
         config = load_draft_config(draft_dir)
         config.check_target(target)
-        weights = load_draft_weights(draft_dir, config, dtype=torch_dtype, device=device)
+        weights = load_tensors(draft_dir, draft_shapes(config), names=draft_name, dtype=torch_dtype, device=device).tensors
         fingerprint = checkpoint_fingerprint(draft_dir)
     else:
         config = synthetic_draft_config(target, num_layers=layers)

@@ -1,15 +1,20 @@
-"""The one weight loader: reads only the tensors of a layer range from Hugging Face safetensors files."""
+"""The one weight loader, and the tables of what it loads: a shard's layer range of a Qwen3.5 checkpoint, the
+target tensors a drafter borrows, a DFlash draft checkpoint. It reads exactly the tensors asked for from Hugging Face
+safetensors files; a key mapping (`target_name`, `draft_name`) turns each checkpoint key into our name."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
 
+from protocol.layout import owns_embedding, owns_head
 from shardd.config import ModelConfig
+from shardd.draft.config import DraftConfig
 
 _IGNORED_PREFIXES = ("mtp.", "model.visual.", "visual.")
 _KEY_PREFIXES = ("model.language_model.", "model.")
@@ -19,8 +24,8 @@ class WeightError(ValueError):
     """A checkpoint that does not match the config; the message names the key."""
 
 
-def canonical_key(key: str) -> str | None:
-    """Checkpoint key -> our name (`layers.3.mlp.up_proj.weight`), or None for tensors we never read."""
+def target_name(key: str) -> str | None:
+    """Qwen3.5 checkpoint key -> our name (`layers.3.mlp.up_proj.weight`), or None for tensors we never read."""
     if key.startswith(_IGNORED_PREFIXES):
         return None
     if key == "lm_head.weight":
@@ -31,17 +36,43 @@ def canonical_key(key: str) -> str | None:
     return None
 
 
+def draft_name(key: str) -> str:
+    """A DFlash draft checkpoint's keys are our names already (`fc.weight`, `layers.0.self_attn.q_proj.weight`)."""
+    return key
+
+
+def _residual_shapes(config: ModelConfig | DraftConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """What every decoder layer has around its token mixer: the two norms and the SwiGLU MLP."""
+    h = config.hidden_size
+    return {
+        f"{prefix}.input_layernorm.weight": (h,),
+        f"{prefix}.post_attention_layernorm.weight": (h,),
+        f"{prefix}.mlp.gate_proj.weight": (config.intermediate_size, h),
+        f"{prefix}.mlp.up_proj.weight": (config.intermediate_size, h),
+        f"{prefix}.mlp.down_proj.weight": (h, config.intermediate_size),
+    }
+
+
+def _attention_shapes(config: ModelConfig | DraftConfig, prefix: str, *, gated: bool) -> dict[str, tuple[int, ...]]:
+    """Qwen attention with per-head q/k norms; a gated one's q_proj also yields the output gate."""
+    h = config.hidden_size
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    return {
+        f"{prefix}.q_proj.weight": (2 * q if gated else q, h),
+        f"{prefix}.k_proj.weight": (kv, h),
+        f"{prefix}.v_proj.weight": (kv, h),
+        f"{prefix}.o_proj.weight": (h, q),
+        f"{prefix}.q_norm.weight": (config.head_dim,),
+        f"{prefix}.k_norm.weight": (config.head_dim,),
+    }
+
+
 def layer_shapes(config: ModelConfig, index: int) -> dict[str, tuple[int, ...]]:
     c = config
     h = c.hidden_size
     p = f"layers.{index}"
-    shapes = {
-        f"{p}.input_layernorm.weight": (h,),
-        f"{p}.post_attention_layernorm.weight": (h,),
-        f"{p}.mlp.gate_proj.weight": (c.intermediate_size, h),
-        f"{p}.mlp.up_proj.weight": (c.intermediate_size, h),
-        f"{p}.mlp.down_proj.weight": (h, c.intermediate_size),
-    }
+    shapes = _residual_shapes(c, p)
     if c.is_gdn(index):
         a = f"{p}.linear_attn"
         shapes.update(
@@ -58,19 +89,7 @@ def layer_shapes(config: ModelConfig, index: int) -> dict[str, tuple[int, ...]]:
             }
         )
     else:
-        a = f"{p}.self_attn"
-        q = c.num_attention_heads * c.head_dim
-        kv = c.num_key_value_heads * c.head_dim
-        shapes.update(
-            {
-                f"{a}.q_proj.weight": (2 * q, h),
-                f"{a}.k_proj.weight": (kv, h),
-                f"{a}.v_proj.weight": (kv, h),
-                f"{a}.o_proj.weight": (h, q),
-                f"{a}.q_norm.weight": (c.head_dim,),
-                f"{a}.k_norm.weight": (c.head_dim,),
-            }
-        )
+        shapes.update(_attention_shapes(c, f"{p}.self_attn", gated=True))
     return shapes
 
 
@@ -83,11 +102,11 @@ def shard_shapes(config: ModelConfig, begin: int, end: int) -> dict[str, tuple[i
     """Every tensor the shard owning layers [begin, end) needs, by our name, with its shape."""
     shapes: dict[str, tuple[int, ...]] = {}
     embedding = (config.vocab_size, config.hidden_size)
-    if begin == 0:
+    if owns_embedding(begin):
         shapes["embed_tokens.weight"] = embedding
     for i in range(begin, end):
         shapes.update(layer_shapes(config, i))
-    if end == config.num_layers:
+    if owns_head(end, config.num_layers):
         shapes["norm.weight"] = (config.hidden_size,)
         shapes[head_name(config)] = embedding
     return shapes
@@ -99,7 +118,18 @@ def embedding_and_head_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]
     return {"embed_tokens.weight": embedding, head_name(config): embedding}
 
 
-def _key_locations(model_dir: Path) -> dict[str, tuple[Path, str]]:
+def draft_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a DFlash drafter needs, by our (= its checkpoint's) name, with its shape."""
+    h = config.hidden_size
+    shapes = {"fc.weight": (h, config.feature_size), "hidden_norm.weight": (h,)}
+    for i in range(config.num_hidden_layers):
+        shapes.update(_residual_shapes(config, f"layers.{i}"))
+        shapes.update(_attention_shapes(config, f"layers.{i}.self_attn", gated=False))
+    shapes["norm.weight"] = (h,)
+    return shapes
+
+
+def _key_locations(model_dir: Path, names: Callable[[str], str | None]) -> dict[str, tuple[Path, str]]:
     """Our name -> (file, key in file), from the index when there is one, else from the file headers."""
     index = model_dir / "model.safetensors.index.json"
     locations: dict[str, tuple[Path, str]] = {}
@@ -108,7 +138,7 @@ def _key_locations(model_dir: Path) -> dict[str, tuple[Path, str]]:
         if not isinstance(weight_map, dict):
             raise WeightError(f"{index} has no 'weight_map'")
         for key, filename in weight_map.items():
-            name = canonical_key(key)
+            name = names(key)
             if name is not None:
                 locations[name] = (model_dir / filename, key)
         return locations
@@ -118,7 +148,7 @@ def _key_locations(model_dir: Path) -> dict[str, tuple[Path, str]]:
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
-                name = canonical_key(key)
+                name = names(key)
                 if name is not None:
                     locations[name] = (path, key)
     return locations
@@ -130,42 +160,34 @@ class LoadedWeights:
     keys_read: list[str] = field(default_factory=list)  # checkpoint keys whose data was read
 
 
-def load_weights(
-    model_dir: str | Path,
-    config: ModelConfig,
-    begin: int,
-    end: int,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-    progress=None,
-) -> LoadedWeights:
-    """Load only the tensors of layers [begin, end) (plus embedding / head where this shard owns them)."""
-    return load_tensors(model_dir, shard_shapes(config, begin, end), dtype=dtype, device=device, progress=progress)
-
-
 def load_tensors(
     model_dir: str | Path,
     wanted: dict[str, tuple[int, ...]],
     *,
+    names: Callable[[str], str | None] = target_name,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     progress=None,
 ) -> LoadedWeights:
-    """Load exactly the `wanted` tensors (our names -> expected shapes), nothing else."""
+    """Load exactly the `wanted` tensors (our names -> expected shapes), nothing else; `names` maps the checkpoint's
+    keys to our names (None: never read)."""
     model_dir = Path(model_dir)
-    locations = _key_locations(model_dir)
+    locations = _key_locations(model_dir, names)
     missing = [name for name in wanted if name not in locations]
     if missing:
-        raise WeightError(f"checkpoint {model_dir} is missing tensor {missing[0]!r} (and {len(missing) - 1} more)")
+        first = missing[0]
+        raise WeightError(
+            f"checkpoint {model_dir} is missing tensor {first!r} (expected shape {list(wanted[first])}; "
+            f"and {len(missing) - 1} more)"
+        )
 
     by_file: dict[Path, list[str]] = {}
     for name in wanted:
         by_file.setdefault(locations[name][0], []).append(name)
     loaded = LoadedWeights({})
-    for path, names in sorted(by_file.items()):
+    for path, in_file in sorted(by_file.items()):
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in names:
+            for name in in_file:
                 key = locations[name][1]
                 shape = tuple(f.get_slice(key).get_shape())
                 if shape != wanted[name]:

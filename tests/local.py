@@ -1,8 +1,8 @@
 """The `Target` in one process: the same `ShardModel`s the daemons run, no sockets.
 
 It is the single-process reference the tests compare the pipeline with (plain greedy
-decoding of the same model in one process). Errors are the shards' own `ProtocolError`s;
-a rollback that cannot be done raises `RollbackFailed`, as the pipeline does.
+decoding of the same model in one process). A request the shards refuse raises their own
+`ModelError`; a rollback that cannot be done raises `RollbackFailed`, as the pipeline does.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import torch
 from coordinator.target import RollbackFailed
 from protocol import ErrorCode, ProtocolError
 from protocol.layout import CHECKPOINT, coverage_problems
-from shardd import rollback as rb
 from shardd.loading import ModelSource, build_shard
+from shardd.model import rollback as rb
+from shardd.model.errors import ModelError
+from shardd.model.rollback import RollbackStorage
 from shardd.model.state import SequenceState
-from shardd.rollback import RollbackStorage
 
 DEFAULT_MAX_CONTEXT = 4096
 
@@ -90,7 +91,7 @@ class LocalTarget:
         for state in self._states(seq):
             try:
                 rb.rollback(state, keep)
-            except ProtocolError as error:
+            except ModelError as error:
                 raise RollbackFailed(str(error)) from error
 
     def snapshot(self, seq: int) -> None:

@@ -22,7 +22,7 @@ from coordinator.decoding import greedy_decode
 from coordinator.launch import ShardSet, child_env, launched_sets
 from protocol.layout import even_split
 from shardd.loading import ModelSource
-from shardd.rollback import RollbackStorage
+from shardd.model.rollback import RollbackStorage
 from tests.local import LocalTarget
 
 TINY = ("--synthetic", "tiny")

@@ -29,7 +29,7 @@ from protocol import ErrorCode, WireTensor
 from shardd.draft.model import DFlashDrafter
 from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights
 from shardd.loading import ModelSource, build_drafter, build_shard
-from shardd.rollback import RollbackStorage
+from shardd.model.rollback import RollbackStorage
 from shardd.weights import embedding_and_head_shapes, load_tensors
 from tests.local import LocalTarget
 from tests.reference import hf_logits_and_hidden, hf_model

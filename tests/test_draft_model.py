@@ -12,12 +12,17 @@ from shardd.config import ConfigError
 from shardd.draft.config import build_target_layer_ids, draft_config_from_dict, load_draft_config
 from shardd.draft.model import DFlashDrafter
 from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights, write_draft_checkpoint
-from shardd.draft.weights import draft_shapes, load_draft_weights
+from shardd.model.errors import BadInput, CapacityExceeded, PositionMismatch
 from shardd.presets import preset_config
 from shardd.synthetic import synthetic_weights
-from shardd.weights import WeightError
+from shardd.weights import WeightError, draft_name, draft_shapes, load_tensors
 
 TOLERANCE = 1e-4
+
+
+def load_draft(draft_dir, config):
+    """A draft checkpoint's tensors, read as build_drafter reads them."""
+    return load_tensors(draft_dir, draft_shapes(config), names=draft_name).tensors
 
 
 # ---- the reference, written from the DFlash formulas: no cache, plain matmuls, one head at a time ----------
@@ -203,23 +208,30 @@ def test_crop_to_zero_restarts(target):
     assert torch.equal(drafter.propose(state, 1, 4)[1], drafter.propose(fresh, 1, 4)[1])
 
 
-def test_bad_requests_change_nothing(target):
+def test_bad_requests_are_refused_before_anything_changes(target):
     drafter, _ = make(target, "two-layers")
     state = drafter.new_state(10)
     drafter.add_context(state, features(drafter, 8, seed=8))
-    _, before = drafter.propose(state, 3, 8)
-    with pytest.raises(ValueError, match="context limit 10"):
-        drafter.add_context(state, features(drafter, 3, seed=9))
-    with pytest.raises(ValueError, match=r"\[n >= 1, 128\]"):
-        drafter.add_context(state, torch.zeros(2, 64))
-    with pytest.raises(ValueError, match="crop"):
-        drafter.crop(state, 9)
-    with pytest.raises(ValueError, match="vocabulary"):
-        drafter.propose(state, 320, 8)
-    with pytest.raises(ValueError, match="block_size"):
-        drafter.propose(state, 3, 0)
-    assert state.length == 8
-    assert torch.equal(drafter.propose(state, 3, 8)[1], before)
+
+    def check(pos, rows, last_token=3, draft_tokens=7):
+        drafter.check_propose(state, pos, rows, last_token, draft_tokens)
+
+    check(10, features(drafter, 2, seed=9))  # fills the context exactly
+    check(5, None)  # a crop to 5 rows, nothing added
+    with pytest.raises(CapacityExceeded, match="context limit 10"):
+        check(11, features(drafter, 3, seed=9))
+    with pytest.raises(BadInput, match=r"\[n, 128\]"):
+        check(10, torch.zeros(2, 64))
+    with pytest.raises(BadInput, match="float32 like this drafter, got bfloat16"):
+        check(10, features(drafter, 2, seed=9).bfloat16())
+    with pytest.raises(PositionMismatch, match="rows 8..8 were never sent"):
+        check(10, features(drafter, 1, seed=9))
+    with pytest.raises(BadInput, match="cannot end at pos=1"):
+        check(1, features(drafter, 2, seed=9))
+    with pytest.raises(BadInput, match="vocabulary"):
+        check(8, None, last_token=320)
+    with pytest.raises(BadInput, match="block_size 8 exceeds the drafter's 7"):
+        check(8, None, draft_tokens=8)
 
 
 def test_state_bytes(target):
@@ -505,7 +517,7 @@ def test_checkpoint_round_trip(target, tmp_path):
     drafter, weights = make(target, "windowed")
     out = write_draft_checkpoint(tmp_path / "draft", drafter.config, seed=1)
     assert load_draft_config(out) == drafter.config
-    loaded = load_draft_weights(out, drafter.config)
+    loaded = load_draft(out, drafter.config)
     assert loaded.keys() == weights.keys() and all(torch.equal(loaded[k], weights[k]) for k in weights)
     assert set(loaded) >= {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_norm.weight"}
 
@@ -541,7 +553,7 @@ def test_checkpoint_with_index(target, tmp_path):
         save_file({k: weights[k] for k in keys}, str(out / filename))
     index = {"weight_map": {k: filename for filename, keys in halves.items() for k in keys}}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
-    loaded = load_draft_weights(out, drafter.config)
+    loaded = load_draft(out, drafter.config)
     assert all(torch.equal(loaded[k], weights[k]) for k in weights)
 
 
@@ -551,13 +563,13 @@ def test_loader_errors_name_the_key(target, tmp_path):
     missing.mkdir()
     save_file({k: v for k, v in weights.items() if k != "layers.1.mlp.up_proj.weight"}, str(missing / "model.safetensors"))
     with pytest.raises(WeightError, match=r"missing tensor 'layers.1.mlp.up_proj.weight' \(expected shape \[128, 64\]"):
-        load_draft_weights(missing, drafter.config)
+        load_draft(missing, drafter.config)
 
     misshaped = tmp_path / "misshaped"
     misshaped.mkdir()
     save_file({**weights, "fc.weight": torch.zeros(64, 192)}, str(misshaped / "model.safetensors"))
     with pytest.raises(WeightError, match=r"'fc.weight' .* has shape \[64, 192\], expected \[64, 128\]"):
-        load_draft_weights(misshaped, drafter.config)
+        load_draft(misshaped, drafter.config)
     assert draft_shapes(drafter.config)["fc.weight"] == (64, 128)
 
 

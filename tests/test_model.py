@@ -12,10 +12,15 @@ from shardd.loading import ModelSource, build_shard
 from shardd.model.delta_rule import chunked_delta_rule, recurrent_delta_rule
 from shardd.presets import PRESETS, preset_config
 from shardd.synthetic import synthetic_weights, write_checkpoint
-from shardd.weights import WeightError, load_weights, shard_shapes
+from shardd.weights import WeightError, load_tensors, shard_shapes
 from tests.reference import hf_logits_and_hidden, hf_model
 
 PROMPT_LEN = 70  # longer than one GDN chunk (64) and than the recurrent threshold
+
+
+def load_weights(model_dir, config, begin, end):
+    """The tensors of the shard owning layers [begin, end), read from a checkpoint as build_shard reads them."""
+    return load_tensors(model_dir, shard_shapes(config, begin, end))
 
 
 def prompt(n: int, vocab: int, seed: int = 1) -> list[int]:

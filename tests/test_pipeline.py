@@ -22,7 +22,7 @@ from coordinator.target import RollbackFailed
 from protocol import ErrorCode, RemoteError
 from protocol.layout import even_split
 from shardd.loading import ModelSource
-from shardd.rollback import RollbackStorage
+from shardd.model.rollback import RollbackStorage
 from tests.local import LocalTarget
 
 TINY = ("--synthetic", "tiny")

@@ -344,6 +344,26 @@ def test_encode_refuses_bad_geometry_unless_asked_not_to_validate():
     assert rejection(frames).code is ErrorCode.GEOMETRY_REJECTED
 
 
+@pytest.mark.parametrize("record", [
+    Open(1, seq=-1),
+    Rollback(1 << 63, seq=0, keep=0),
+    Forward(1, seq=0, pos=0, tokens=[1, True]),
+    Forward(1, seq=0, pos=0, tokens=[]),
+    Forward(1, seq=0, pos=0, tokens=[1], parents=[-1]),
+    Forward(1, seq=0, pos=0, hidden=wire(torch.zeros(2, 3, dtype=torch.int32))),
+    Forward(1, seq=0, pos=0, hidden=wire(torch.zeros(6))),
+    Capture(1, seq=0, pos=0, tokens=[1], layers=[2, 2]),
+    Propose(1, seq=0, pos=0, last_token=1, block_size=0),
+], ids=["seq-negative", "id-too-big", "token-bool", "no-tokens", "parents-without-checkpoint", "hidden-int",
+        "hidden-1d", "layers-repeated", "block-size-zero"])
+def test_encode_refuses_what_the_receiver_refuses(record):
+    """The client-side check of encode_request gives the receiver's verdict without decoding the frames."""
+    with pytest.raises(ProtocolError) as info:
+        encode_request(record)
+    assert info.value.code is ErrorCode.BAD_REQUEST
+    assert rejection(encode_request(record, validate=False)).message == info.value.message
+
+
 # --- bad input ---------------------------------------------------------------------------
 
 BAD = ErrorCode.BAD_REQUEST

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from protocol.errors import ErrorCode, ProtocolError
-from shardd import rollback as rb
 from shardd.loading import ModelSource, build_shard
-from shardd.rollback import RollbackStorage
+from shardd.model import rollback as rb
+from shardd.model.errors import BadInput, NoPendingStep, NoSnapshot, PositionMismatch, RollbackUnavailable
+from shardd.model.rollback import RollbackStorage
 
 PREFIX = 20
 STEP = 6
@@ -92,43 +92,39 @@ def test_pending_window_rules(shards):
     shard = shards["checkpoint"]
     state = shard.new_state(64)
     shard.forward(state, 0, tokens=tokens(5, 1))
-    with pytest.raises(ProtocolError) as err:
+    with pytest.raises(NoPendingStep):
         rb.rollback(state, 0)
-    assert err.value.code == ErrorCode.NO_PENDING_STEP
     shard.forward(state, 5, tokens=tokens(4, 2), checkpoint=True)
-    with pytest.raises(ProtocolError) as err:
+    with pytest.raises(BadInput):
         rb.rollback(state, 5)
-    assert err.value.code == ErrorCode.BAD_REQUEST and state.length == 9 and state.pending is not None
+    assert state.length == 9 and state.pending is not None
     shard.forward(state, 9, tokens=[7])  # ends the pending window: all 4 kept
     assert state.pending is None and state.length == 10
-    with pytest.raises(ProtocolError) as err:
+    with pytest.raises(NoPendingStep):
         rb.rollback(state, 1)
-    assert err.value.code == ErrorCode.NO_PENDING_STEP
 
 
 def test_checkpoint_refused_without_storage_and_over_limit(shards):
     plain = shards["none"]
     state = plain.new_state(64)
-    with pytest.raises(ProtocolError) as err:
+    with pytest.raises(RollbackUnavailable):
         plain.forward(state, 0, tokens=[1, 2], checkpoint=True)
-    assert err.value.code == ErrorCode.ROLLBACK_UNAVAILABLE and state.length == 0
+    assert state.length == 0
     plain.forward(state, 0, tokens=[1, 2], capture_layers=[1])  # capture never needs rollback storage
     shard = shards["checkpoint"]
     state = shard.new_state(64)
-    with pytest.raises(ProtocolError) as err:
+    with pytest.raises(RollbackUnavailable):
         shard.forward(state, 0, tokens=tokens(9, 1), checkpoint=True)
-    assert err.value.code == ErrorCode.ROLLBACK_UNAVAILABLE and state.length == 0
-    with pytest.raises(ProtocolError) as err:
+    assert state.length == 0
+    with pytest.raises(PositionMismatch):
         shard.forward(state, 3, tokens=[1])
-    assert err.value.code == ErrorCode.POSITION_MISMATCH
 
 
 def test_snapshot_ends_the_pending_step_and_restores(shards):
     shard = shards["checkpoint"]
     state = shard.new_state(64)
-    with pytest.raises(ProtocolError) as err:
+    with pytest.raises(NoSnapshot):
         rb.restore(state)
-    assert err.value.code == ErrorCode.NO_SNAPSHOT
     shard.forward(state, 0, tokens=tokens(3, 1))
     rb.snapshot(state)
     shard.forward(state, 3, tokens=tokens(6, 1), checkpoint=True)
@@ -138,9 +134,8 @@ def test_snapshot_ends_the_pending_step_and_restores(shards):
     shard.forward(state, 3, tokens=tokens(6, 1), checkpoint=True)
     rb.snapshot(state)  # ends the pending step, all 6 kept: nothing left to roll back
     assert state.length == 9
-    with pytest.raises(ProtocolError) as err:
+    with pytest.raises(NoPendingStep):
         rb.rollback(state, 0)
-    assert err.value.code == ErrorCode.NO_PENDING_STEP
 
 
 def test_checkpoint_bytes_reported(shards, tiny_dir):
@@ -155,3 +150,10 @@ def test_checkpoint_bytes_reported(shards, tiny_dir):
     replay = shards["replay-ssm"]
     assert 0 < replay.checkpoint_bytes_per_sequence() < shard.checkpoint_bytes_per_sequence()
     assert shards["none"].checkpoint_bytes_per_sequence() == 0
+
+
+def test_every_model_refusal_has_a_wire_code():
+    from shardd.daemon import MODEL_ERROR_CODES
+    from shardd.model.errors import ModelError
+
+    assert set(MODEL_ERROR_CODES) == set(ModelError.__subclasses__())

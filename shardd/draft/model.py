@@ -23,19 +23,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shardd.config import dtype_name
 from shardd.draft.config import DraftConfig
-from shardd.draft.weights import draft_shapes
+from shardd.model.errors import BadInput, CapacityExceeded, PositionMismatch
 from shardd.model.mlp import MLP
+from shardd.model.norm import plain_rms_norm
 from shardd.model.rope import RotaryEmbedding, apply_rotary
 from shardd.model.state import KVCache
-from shardd.weights import WeightError
-
-
-def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3RMSNorm: normalise in float32, cast back, scale by `w` itself."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+from shardd.weights import WeightError, draft_shapes
 
 
 @dataclass
@@ -180,23 +175,57 @@ class DFlashDrafter:
         c = self.config
         return c.num_hidden_layers * 2 * c.num_key_value_heads * max_context * c.head_dim * self.dtype.itemsize
 
+    @property
+    def max_draft_tokens(self) -> int:
+        """Draft tokens one proposal may ask for: the trained block holds the last committed token too."""
+        return self.config.block_size - 1
+
+    def check_propose(
+        self, state: DraftState, pos: int, features: torch.Tensor | None, last_token: int, draft_tokens: int
+    ) -> None:
+        """Validation only, before a proposal changes anything: raises a ModelError.
+
+        `features` [n, feature_size] are the rows of positions pos-n .. pos-1 (None: no new rows); the context is
+        then cropped to pos-n rows, those rows appended, and `draft_tokens` drafted after `last_token` at `pos`."""
+        c = self.config
+        n = 0
+        if features is not None:
+            n = features.shape[0]
+            if features.shape[1] != c.feature_size:
+                raise BadInput(
+                    f"features must be [n, {c.feature_size}] (target layers {list(c.target_layer_ids)} x "
+                    f"hidden {c.hidden_size}, side by side), got {list(features.shape)}"
+                )
+            if features.dtype != self.dtype:
+                raise BadInput(f"features must be {dtype_name(self.dtype)} like this drafter, got {dtype_name(features.dtype)}")
+        if draft_tokens > self.max_draft_tokens:
+            raise BadInput(
+                f"block_size {draft_tokens} exceeds the drafter's {self.max_draft_tokens} draft tokens "
+                f"(its block of {c.block_size} includes the last committed token)"
+            )
+        if last_token >= self.vocab_size:
+            raise BadInput(f"last_token {last_token} is outside the vocabulary 0..{self.vocab_size - 1}")
+        start = pos - n
+        if start < 0:
+            raise BadInput(f"{n} feature rows cannot end at pos={pos}")
+        if state.length < start:
+            raise PositionMismatch(
+                f"the drafter's context holds {state.length} rows but these {n} feature rows start at position {start} "
+                f"(pos {pos} - {n}): rows {state.length}..{start - 1} were never sent"
+            )
+        if pos > state.max_context:
+            raise CapacityExceeded(f"pos {pos} exceeds the context limit {state.max_context}")
+
     def crop(self, state: DraftState, length: int) -> None:
         """Drop the context rows past `length` (their tokens were rolled back)."""
-        if not 0 <= length <= state.length:
-            raise ValueError(f"cannot crop draft context to {length}: it holds {state.length} rows")
         state.length = length
 
-    # ---- compute ---------------------------------------------------------------------------------
+    # ---- compute: the arguments are those check_propose accepted ----------------------------------
 
     @torch.inference_mode()
     def add_context(self, state: DraftState, features: torch.Tensor) -> None:
         """Append n committed rows: features [n, len(target_layer_ids) * hidden], at positions L .. L+n-1."""
-        width = self.config.feature_size
-        if features.dim() != 2 or features.shape[1] != width or features.shape[0] < 1:
-            raise ValueError(f"draft features must be [n >= 1, {width}], got {list(features.shape)}")
         start, n = state.length, features.shape[0]
-        if start + n > state.max_context:
-            raise ValueError(f"{start}+{n} context rows exceed the draft context limit {state.max_context}")
         projected = F.linear(features.to(self.device, self.dtype), self.fc)  # [n, hidden]
         context = plain_rms_norm(projected, self.hidden_norm, self.config.rms_norm_eps)
         cos, sin = self.rope.cos_sin(torch.arange(start, start + n, device=self.device), self.dtype)
@@ -209,10 +238,6 @@ class DFlashDrafter:
         """Draft block_size-1 tokens after `last_token`, the committed token at position state.length (the one
         whose features are not in the context yet). Returns (ids [block_size-1], logits [block_size-1, vocab] float32).
         The state is not changed."""
-        if block_size < 1:
-            raise ValueError(f"block_size must be at least 1, got {block_size}")
-        if not 0 <= last_token < self.vocab_size:
-            raise ValueError(f"last_token {last_token} is outside the vocabulary 0..{self.vocab_size - 1}")
         start = state.length
         block = torch.full((block_size,), self.config.mask_token_id, dtype=torch.long, device=self.device)
         block[0] = last_token

@@ -13,7 +13,7 @@ import torch
 
 from shardd.config import ModelConfig
 from shardd.model.state import GDNStates, KVCache, SequenceState
-from shardd import rollback as rb
+from shardd.model import rollback as rb
 from shardd.kernels import gdn as gdn_kernels
 
 

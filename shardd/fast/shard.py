@@ -16,7 +16,7 @@ from shardd.fast.pools import StatePools
 from shardd.fast.step import StepBuffers
 from shardd.fast.weights import fuse_layers
 from shardd.kernels import gdn as gdn_kernels
-from shardd import rollback as rb
+from shardd.model import rollback as rb
 from shardd.model.shard import ShardModel, ShardOutput
 from shardd.model.state import PendingStep, SequenceState
 

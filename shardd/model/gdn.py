@@ -42,7 +42,7 @@ class GatedDeltaNet:
     def __call__(self, x: torch.Tensor, state: GDNState, recorder=None) -> torch.Tensor:
         """x [n, hidden] -> [n, hidden]; advances `state` by n tokens.
 
-        `recorder` (from shardd.rollback) is given on checkpointed steps: it saves what a rollback needs.
+        `recorder` (from shardd.model.rollback) is given on checkpointed steps: it saves what a rollback needs.
         """
         n = x.shape[0]
         mixed = F.linear(x, self.in_proj_qkv)  # [n, conv_dim], pre-conv inputs

@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from protocol.errors import ErrorCode, ProtocolError
-from shardd import rollback as rb
+from protocol.layout import check_layer_range, owns_embedding, owns_head
 from shardd.config import ModelConfig
+from shardd.model import rollback as rb
 from shardd.model.attention import GatedAttention
+from shardd.model.errors import BadInput, CapacityExceeded, PositionMismatch, RollbackUnavailable
 from shardd.model.gdn import GatedDeltaNet
 from shardd.model.mlp import MLP
 from shardd.model.norm import rms_norm
@@ -51,7 +52,11 @@ class DecoderLayer:
 
 
 class ShardModel:
-    """Owns layers [begin, end); the embedding when begin == 0; final norm and lm_head when end == num_layers."""
+    """Owns layers [begin, end), plus the embedding and/or the final norm and lm_head where protocol.layout says.
+
+    `fingerprint` identifies the weights (ModelSource.fingerprint) so that shards of different checkpoints are
+    not mixed; HELLO reports it.
+    """
 
     engine = "reference"  # the readable path (shardd/fast/ has the GPU step, FastShard)
     step_rows = None  # any number of tokens per forward takes the same path
@@ -66,16 +71,17 @@ class ShardModel:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         storage: rb.RollbackStorage = rb.RollbackStorage(None, 0),
+        fingerprint: str = "unidentified",
     ):
-        if not 0 <= begin < end <= config.num_layers:
-            raise ValueError(f"layer range {begin}:{end} is not inside 0:{config.num_layers}")
+        check_layer_range(begin, end, config.num_layers)
         self.config = config
         self.begin, self.end = begin, end
         self.dtype = dtype
         self.device = torch.device(device)
         self.storage = storage
-        self.owns_embedding = begin == 0
-        self.owns_head = end == config.num_layers
+        self.fingerprint = fingerprint
+        self.owns_embedding = owns_embedding(begin)
+        self.owns_head = owns_head(end, config.num_layers)
         self.layers = [DecoderLayer(config, weights, i) for i in range(begin, end)]
         self._weight_bytes = sum(t.nbytes for t in {id(t): t for t in weights.values()}.values())
         self.gdn_layers = [i for i in range(begin, end) if config.is_gdn(i)]
@@ -112,6 +118,13 @@ class ShardModel:
     def release_state(self, state: SequenceState) -> None:
         """A closed sequence's state; nothing to give back here (a pooled shard returns its slot)."""
 
+    def check_rollback_storage(self, n: int = 0) -> None:
+        """Raises RollbackUnavailable unless this shard can roll back a checkpointed step of `n` tokens."""
+        if not self.storage.enabled:
+            raise RollbackUnavailable("this shard was started without rollback storage (--max-verify-tokens 0)")
+        if n > self.storage.max_verify_tokens:
+            raise RollbackUnavailable(f"rollback storage holds at most {self.storage.max_verify_tokens} tokens per step, got {n}")
+
     def checkpoint_bytes_per_sequence(self) -> int:
         return rb.storage_bytes_per_sequence(self.config, self.gdn_layers, self.storage)
 
@@ -132,42 +145,31 @@ class ShardModel:
         hidden: torch.Tensor | None = None,
         checkpoint: bool = False,
     ) -> int:
-        """Validation only: raises ProtocolError and changes nothing. Returns the number of new tokens."""
+        """Validation only: raises a ModelError and changes nothing. Returns the number of new tokens.
+
+        What the codec checks on the wire is trusted: exactly one of tokens / hidden, at least one token, token ids
+        >= 0, hidden 2-D. This checks what only the model knows: its vocabulary, hidden size, dtype, and the state."""
         if self.owns_embedding:
-            if tokens is None or hidden is not None:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"shard {self.begin}:{self.end} owns the embedding: send tokens, not hidden")
+            if tokens is None:
+                raise BadInput(f"shard {self.begin}:{self.end} owns the embedding: send tokens, not hidden")
             n = len(tokens)
-            bad = [t for t in tokens if not 0 <= t < self.config.vocab_size]
+            bad = [t for t in tokens if t >= self.config.vocab_size]
             if bad:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"token id {bad[0]} is outside the vocabulary 0..{self.config.vocab_size - 1}")
+                raise BadInput(f"token id {bad[0]} is outside the vocabulary 0..{self.config.vocab_size - 1}")
         else:
-            if hidden is None or tokens is not None:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"shard {self.begin}:{self.end} starts at layer {self.begin}: send hidden, not tokens")
-            if hidden.dim() != 2 or hidden.shape[1] != self.config.hidden_size:
-                raise ProtocolError(
-                    ErrorCode.BAD_REQUEST, f"hidden must be [n, {self.config.hidden_size}], got {list(hidden.shape)}"
-                )
+            if hidden is None:
+                raise BadInput(f"shard {self.begin}:{self.end} starts at layer {self.begin}: send hidden, not tokens")
+            if hidden.shape[1] != self.config.hidden_size:
+                raise BadInput(f"hidden must be [n, {self.config.hidden_size}], got {list(hidden.shape)}")
             if hidden.dtype != self.dtype:
-                raise ProtocolError(
-                    ErrorCode.BAD_REQUEST, f"hidden must be {self.dtype} like this shard, got {hidden.dtype}"
-                )
+                raise BadInput(f"hidden must be {self.dtype} like this shard, got {hidden.dtype}")
             n = hidden.shape[0]
-        if n < 1:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "a forward needs at least one token")
         if pos != state.length:
-            raise ProtocolError(ErrorCode.POSITION_MISMATCH, f"pos={pos} but the sequence's committed length is {state.length}")
+            raise PositionMismatch(f"pos={pos} but the sequence's committed length is {state.length}")
         if pos + n > state.max_context:
-            raise ProtocolError(ErrorCode.CAPACITY, f"{pos}+{n} tokens exceed the context limit {state.max_context}")
+            raise CapacityExceeded(f"{pos}+{n} tokens exceed the context limit {state.max_context}")
         if checkpoint:
-            if not self.storage.enabled:
-                raise ProtocolError(
-                    ErrorCode.ROLLBACK_UNAVAILABLE, "this shard was started without rollback storage (--max-verify-tokens 0)"
-                )
-            if n > self.storage.max_verify_tokens:
-                raise ProtocolError(
-                    ErrorCode.ROLLBACK_UNAVAILABLE,
-                    f"rollback storage holds at most {self.storage.max_verify_tokens} tokens per step, got {n}",
-                )
+            self.check_rollback_storage(n)
         return n
 
     @torch.inference_mode()

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # rollback.py builds on these classes, so it cannot be imported from here at run time
+    from shardd.model.rollback import CheckpointBuffers, RecurrenceLog, Snapshot
 
 
 @dataclass
@@ -99,11 +103,10 @@ class SequenceState:
     max_context: int
     kv: dict[int, KVCache]
     gdn: GDNStates
-    # Rollback storage of the GDN layers (CheckpointBuffers or RecurrenceLog), None without storage.
-    rollback_storage: object | None = None
+    rollback_storage: CheckpointBuffers | RecurrenceLog | None = None  # None without storage or GDN layers
     length: int = 0
     pending: PendingStep | None = None
-    snapshot: object | None = None
+    snapshot: Snapshot | None = None
     slot: int | None = None  # the pool slot holding this state, on a shard whose states live in pools (shardd/fast)
 
     def state_bytes(self) -> int:

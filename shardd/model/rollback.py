@@ -18,14 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.errors import ErrorCode, ProtocolError
+from protocol.layout import CHECKPOINT, SHARD_ROLLBACK_MODES
 from shardd.config import ModelConfig
 from shardd.model.delta_rule import chunked_delta_rule
+from shardd.model.errors import BadInput, NoPendingStep, NoSnapshot
 from shardd.model.state import GDNState, GDNStates, PendingStep, SequenceState
-
-CHECKPOINT = "checkpoint"
-REPLAY_SSM = "replay-ssm"
-ROLLBACK_MODES = (CHECKPOINT, REPLAY_SSM)
 
 
 @dataclass(frozen=True)
@@ -38,8 +35,8 @@ class RollbackStorage:
     def __post_init__(self):
         if self.max_verify_tokens < 0:
             raise ValueError("max_verify_tokens must be >= 0")
-        if self.max_verify_tokens and self.mode not in ROLLBACK_MODES:
-            raise ValueError(f"rollback mode must be one of {ROLLBACK_MODES}, got {self.mode!r}")
+        if self.max_verify_tokens and self.mode not in SHARD_ROLLBACK_MODES:
+            raise ValueError(f"rollback mode must be one of {SHARD_ROLLBACK_MODES}, got {self.mode!r}")
 
     @property
     def enabled(self) -> bool:
@@ -161,7 +158,9 @@ class RecurrenceLog:
         )
 
 
-def allocate_storage(config: ModelConfig, gdn_layers: list[int], storage: RollbackStorage, device):
+def allocate_storage(
+    config: ModelConfig, gdn_layers: list[int], storage: RollbackStorage, device
+) -> CheckpointBuffers | RecurrenceLog | None:
     """The rollback storage of one sequence on a shard owning `gdn_layers`, or None without storage."""
     if not storage.enabled or not gdn_layers:
         return None
@@ -176,15 +175,11 @@ def storage_bytes_per_sequence(config: ModelConfig, gdn_layers: list[int], stora
 
 
 def check_rollback(state: SequenceState, keep: int) -> PendingStep:
-    """Validation only: raises ProtocolError and changes nothing."""
-    if isinstance(keep, bool) or not isinstance(keep, int):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"keep must be an integer, got {keep!r}")
+    """Validation only: raises a ModelError and changes nothing. `keep` >= 0 (the codec checks it)."""
     if state.pending is None:
-        raise ProtocolError(ErrorCode.NO_PENDING_STEP, "ROLLBACK with no pending checkpointed step")
-    if not 0 <= keep <= state.pending.n:
-        raise ProtocolError(
-            ErrorCode.BAD_REQUEST, f"keep={keep} is outside 0..{state.pending.n} (tokens of the pending step)"
-        )
+        raise NoPendingStep("ROLLBACK with no pending checkpointed step")
+    if keep > state.pending.n:
+        raise BadInput(f"keep={keep} is outside 0..{state.pending.n} (tokens of the pending step)")
     return state.pending
 
 
@@ -214,7 +209,7 @@ def snapshot(state: SequenceState) -> None:
 
 def restore(state: SequenceState) -> None:
     if state.snapshot is None:
-        raise ProtocolError(ErrorCode.NO_SNAPSHOT, "RESTORE with no snapshot taken for this sequence")
+        raise NoSnapshot("RESTORE with no snapshot taken for this sequence")
     state.gdn.copy_(state.snapshot.gdn)
     state.length = state.snapshot.length
     state.pending = None
