@@ -198,7 +198,7 @@ def run_local(args) -> dict:
         pos = state.length
         forwards, rollbacks, walls = [], [], []
         for i in range(args.repeats):
-            forwards += timed(lambda: shard.forward(state, pos, tokens=block, checkpoint=True, return_logits=False), 1)
+            forwards += timed(lambda: shard.forward(state, pos, tokens=block, checkpoint=True), 1)
             measure = device_timed if i % 2 == 0 else timed
             (rollbacks if i % 2 == 0 else walls).extend(measure(lambda: rb.rollback(state, int(MEAN_COMMIT)), 1))
             state.length = pos  # timing only: the next step goes to the same position
@@ -212,14 +212,14 @@ def run_local(args) -> dict:
 
     def replay_step():
         rb.snapshot(state)
-        shard.forward(state, pos, tokens=block, return_logits=False)
+        shard.forward(state, pos, tokens=block)
         rb.restore(state)
-        shard.forward(state, pos, tokens=block[: int(MEAN_COMMIT)], return_logits=False)
+        shard.forward(state, pos, tokens=block[: int(MEAN_COMMIT)])
         state.length = pos
 
     step_ms["replay"] = median_ms(timed(replay_step, args.repeats))
     def greedy_step():
-        shard.forward(state, pos, tokens=block[:1], return_logits=False)
+        shard.forward(state, pos, tokens=block[:1])
         state.length = pos
 
     out["greedy_step_ms"] = median_ms(timed(greedy_step, args.repeats))
@@ -238,7 +238,7 @@ def run_local(args) -> dict:
 
     def prefill():
         state.length = 0
-        shard.forward(state, 0, tokens=long_prompt, return_logits=False)
+        shard.forward(state, 0, tokens=long_prompt)
 
     prefill()
     seconds = statistics.median(timed(prefill, 3))
@@ -256,17 +256,17 @@ def run_local(args) -> dict:
     state = shard.new_state(args.long_context + 2 * BLOCK)
     pos = args.long_context
     state.length = pos
-    shard.forward(state, pos, tokens=block, checkpoint=True, return_logits=False)
+    shard.forward(state, pos, tokens=block, checkpoint=True)
     rb.rollback(state, 0)
     samples = []
     for _ in range(args.repeats):
-        samples += timed(lambda: shard.forward(state, pos, tokens=block, checkpoint=True, return_logits=False), 1)
+        samples += timed(lambda: shard.forward(state, pos, tokens=block, checkpoint=True), 1)
         rb.rollback(state, 0)
     out["step_ms_at_32k_context"] = median_ms(samples)
     out["floor_ratio_step_at_32k"] = round(out["step_ms_at_32k_context"] / out["floor_ms"], 3)
 
     def step_and_back():
-        shard.forward(state, pos, tokens=block, checkpoint=True, return_logits=False)
+        shard.forward(state, pos, tokens=block, checkpoint=True)
         rb.rollback(state, 0)
 
     out["profile_step_at_32k_top"] = profile_top(torch, step_and_back, 5)

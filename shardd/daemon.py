@@ -306,7 +306,6 @@ class ShardDaemon:
             hidden=hidden,
             checkpoint=request.checkpoint,
             capture_layers=[layer for layer in layers if shard.begin <= layer < shard.end],
-            return_logits=request.return_logits,
         )
         n = request.n_tokens
         counters = self.counters
@@ -323,7 +322,8 @@ class ShardDaemon:
         if out.ids is not None:
             result["ids"] = out.ids.tolist()
             if request.return_logits:
-                tensors["logits"] = WireTensor.from_torch(out.logits)
+                # float32 on the wire, copied: the GPU step's logits are a view of a buffer its next step reuses
+                tensors["logits"] = WireTensor.from_torch(out.logits.to("cpu", torch.float32, copy=True))
         else:
             tensors["hidden"] = WireTensor.from_torch(out.hidden)
         if capture:

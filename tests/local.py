@@ -82,7 +82,7 @@ class LocalTarget:
         hidden, captured = None, {}
         for shard, state in zip(self.shards, states):
             inputs = {"tokens": list(tokens)} if shard.owns_embedding else {"hidden": hidden}
-            out = shard.forward(state, pos, checkpoint=checkpoint, capture_layers=tuple(layers), return_logits=False, **inputs)
+            out = shard.forward(state, pos, checkpoint=checkpoint, capture_layers=tuple(layers), **inputs)
             captured.update(out.captured)
             hidden = out.hidden
         return out.ids.tolist(), captured

@@ -168,8 +168,8 @@ def test_graph_replay_equals_the_eager_step():
     a, b = graphs.new_state(CONTEXT), eager.new_state(CONTEXT)
     for pos in range(0, 3 * ROWS, ROWS):
         block = ids(ROWS, vocab, pos)
-        out_a = graphs.forward(a, pos, tokens=block, return_logits=True)
-        out_b = eager.forward(b, pos, tokens=block, return_logits=True)
+        out_a = graphs.forward(a, pos, tokens=block)
+        out_b = eager.forward(b, pos, tokens=block)
         torch.testing.assert_close(out_a.logits, out_b.logits, rtol=2e-2, atol=2e-2)
 
 
@@ -185,7 +185,7 @@ def test_gpu_prefill_matches_the_reference():
     for pos, n in ((0, 40), (40, 9)):
         block = ids(n, vocab, pos)
         a = reference.forward(a_state, pos, tokens=block)
-        b = step.forward(b_state, pos, tokens=block, return_logits=True)
+        b = step.forward(b_state, pos, tokens=block)
         assert relative(b.logits, a.logits) < 1e-2  # fla's chunk kernel multiplies in tf32
         assert b.ids.tolist() == a.ids.tolist()
     assert relative(b_state.gdn.recurrent, a_state.gdn.recurrent) < 1e-2

@@ -82,13 +82,13 @@ class FastShard:
 
     @torch.inference_mode()
     def forward(self, state: SequenceState, pos: int, *, tokens=None, hidden=None, checkpoint: bool = False,
-                capture_layers=(), return_logits: bool = True) -> ShardOutput:
+                capture_layers=()) -> ShardOutput:
         n = self.model.check_forward(state, pos, tokens=tokens, hidden=hidden, checkpoint=checkpoint)
         if n > self.rows:
             if not self.prefill_kernels:
                 return self.model.forward(state, pos, tokens=tokens, hidden=hidden, checkpoint=checkpoint,
                                           capture_layers=capture_layers)
-            return self._prefill(state, pos, n, tokens, hidden, capture_layers, return_logits)
+            return self._prefill(state, pos, n, tokens, hidden, capture_layers)
         save, n_save = gdn_kernels.SAVE_NOTHING, 0
         if checkpoint and self.pools.mode == rb.CHECKPOINT:
             save, n_save = gdn_kernels.SAVE_WINDOWS, n + 1
@@ -115,8 +115,7 @@ class FastShard:
         out = ShardOutput()
         if self.model.owns_head:
             self._ids.copy_(b.ids, non_blocking=True)
-            if return_logits:
-                out.logits = b.logits[:n].cpu()
+            out.logits = b.logits[:n]
             if b.ids.is_cuda:
                 torch.cuda.current_stream().synchronize()
             out.ids = self._ids[:n].clone()
@@ -128,7 +127,7 @@ class FastShard:
         out.captured = {layer: buffer[:n].cpu() for layer, buffer in captured.items()}
         return out
 
-    def _prefill(self, state, pos, n, tokens, hidden, capture_layers, return_logits) -> ShardOutput:
+    def _prefill(self, state, pos, n, tokens, hidden, capture_layers) -> ShardOutput:
         model = self.model
         if model.owns_embedding:
             x = F.embedding(torch.tensor(tokens, dtype=torch.long, device=model.device), model.embed_tokens)
@@ -137,5 +136,4 @@ class FastShard:
         state.pending = None
         out = prefill.prefill(model, self.layers, state, pos, x, capture_layers)
         state.length = pos + n
-        out.logits = out.logits.float() if return_logits and out.logits is not None else None
         return out

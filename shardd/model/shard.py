@@ -23,7 +23,9 @@ from shardd.weights import head_name
 @dataclass
 class ShardOutput:
     hidden: torch.Tensor | None = None  # [n, hidden] on a shard without the head
-    logits: torch.Tensor | None = None  # [n, vocab] float32 on the head shard
+    # [n, vocab] on the head shard, on the shard's device; the GPU step's is a view of its static buffer, valid
+    # until the next step (copy it to keep it)
+    logits: torch.Tensor | None = None
     ids: torch.Tensor | None = None  # [n] argmax of the logits, on the head shard
     captured: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> its output [n, hidden]
 
@@ -182,12 +184,8 @@ class ShardModel:
         hidden: torch.Tensor | None = None,
         checkpoint: bool = False,
         capture_layers: tuple[int, ...] | list[int] = (),
-        return_logits: bool = True,
     ) -> ShardOutput:
-        """Append n tokens at `pos` (== committed length). With `checkpoint` the step stays pending for one rollback.
-
-        The head shard always returns logits here (`return_logits` matters to the GPU step, which copies them
-        off the device only when asked)."""
+        """Append n tokens at `pos` (== committed length). With `checkpoint` the step stays pending for one rollback."""
         n = self.check_forward(state, pos, tokens=tokens, hidden=hidden, checkpoint=checkpoint)
         if self.owns_embedding:
             x = F.embedding(torch.tensor(tokens, dtype=torch.long, device=self.device), self.embed_tokens)
