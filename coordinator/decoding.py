@@ -175,7 +175,7 @@ def _decode(
                 step(history, max_new_tokens - len(result.tokens), result)
             except (SequenceLost, RollbackFailed) as failure:
                 # `history` holds every commit, this step's too when only its rollback failed.
-                _recover(target, seq, history, result, failure)
+                _recover(target, seq, history, len(prompt), result, failure)
             if len(history) > committed_before:
                 _record(result, history[committed_before:], on_commit)
         result.decode_seconds = time.perf_counter() - start
@@ -231,18 +231,31 @@ REFILL_ATTEMPTS = 5
 REFILL_BACKOFF_S = 0.5
 
 
+def _refill(target: Target, seq: int, history: list[int], prompt_len: int) -> None:
+    """Forward the committed history (everything but t0) the way it went the first time: the prompt as one
+    prefill, the generated tokens in steps of at most the target's `step_rows`. A shard serving the
+    fixed-shape GPU step computes a token the same way in any step of at most that many rows, but a prefill
+    rounds differently in bf16, so this re-builds exactly the state that decoding had built."""
+    target.forward(seq, 0, history[:prompt_len])
+    generated = history[prompt_len:-1]
+    rows = getattr(target, "step_rows", None) or max(len(generated), 1)
+    for start in range(0, len(generated), rows):
+        target.forward(seq, prompt_len + start, generated[start : start + rows])
+
+
 def _recover(
-    target: Target, seq: int, history: list[int], result: DecodeResult, failure: SequenceLost | RollbackFailed
+    target: Target, seq: int, history: list[int], prompt_len: int, result: DecodeResult,
+    failure: SequenceLost | RollbackFailed,
 ) -> None:
-    """Rebuild the state from the committed history (everything but t0) and count why: a rollback
-    the target could not do fast, or a sequence it lost (a restarted shard or drafter daemon). A
-    shard that is still coming back (restarting, loading weights) gets a few tries with a growing pause."""
+    """Rebuild the state from the committed history and count why: a rollback the target could not do
+    fast, or a sequence it lost (a restarted shard or drafter daemon). A shard that is still coming back
+    (restarting, loading weights) gets a few tries with a growing pause."""
     for attempt in range(REFILL_ATTEMPTS):
         try:
             with contextlib.suppress(Exception):  # the sequence may be gone from some shards already
                 target.close(seq)
             target.open(seq)
-            target.forward(seq, 0, history[:-1])
+            _refill(target, seq, history, prompt_len)
             break
         except SequenceLost:
             if attempt == REFILL_ATTEMPTS - 1:

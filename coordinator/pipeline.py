@@ -151,6 +151,9 @@ class Pipeline:
         self.max_context = min(s.hello["limits"]["max_context"] for s in self.shards)
         # Every shard sees every checkpointed step, so the smallest storage decides.
         self.max_verify_tokens = min(min(s.max_verify_tokens for s in self.shards), self.max_tokens_per_request)
+        # Inputs of at most this many tokens take every fast-engine shard's fixed-shape step (None: no such shard).
+        rows = [s.hello.get("step_rows") for s in self.shards if s.hello.get("step_rows")]
+        self.step_rows = min(rows) if rows else None
 
     @classmethod
     def connect(cls, endpoints: Iterable[str], timeout_s: float = 120.0, curve: Optional[CurveKeys] = None) -> "Pipeline":

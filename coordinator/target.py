@@ -28,6 +28,9 @@ class SequenceLost(Exception):
 
 @runtime_checkable
 class Target(Protocol):
+    """A target may also name `step_rows`: inputs of at most that many tokens take its shards' fixed-shape
+    GPU step (shardd/fast), so a re-fill forwards the generated tokens in steps no longer than that."""
+
     def open(self, seq: int) -> None:
         """Create an empty sequence (length 0)."""
 
@@ -82,6 +85,10 @@ class ReplayTarget:
         if checkpoint:
             self.pending[seq] = (pos, list(tokens))
         return ids
+
+    @property
+    def step_rows(self) -> int | None:
+        return getattr(self.target, "step_rows", None)
 
     def rollback(self, seq: int, keep: int) -> None:
         if seq not in self.pending:

@@ -55,6 +55,11 @@ class LocalTarget:
         self.max_context = max_context or min(config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
         self.states: dict[int, list[SequenceState]] = {}
 
+    @property
+    def step_rows(self) -> int | None:
+        rows = [shard.step_rows for shard in self.shards if shard.step_rows]
+        return min(rows) if rows else None
+
     def _states(self, seq: int) -> list[SequenceState]:
         if seq not in self.states:
             raise ProtocolError(ErrorCode.NO_SUCH_SEQUENCE, f"sequence {seq} is not open")

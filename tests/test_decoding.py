@@ -552,3 +552,31 @@ def test_a_restarted_shard_is_refilled_from_history_and_the_output_is_unchanged(
         result = speculative_decode(target, 2, PROMPT, drafter, block_size=6, rollback=mode, max_new_tokens=120)
     assert result.tokens == expected
     assert 2 <= result.recoveries <= target.restarts  # a crash during a re-fill is retried inside it
+
+
+class SteppedTarget(FakeTarget):
+    """A target whose shards serve the fixed-shape GPU step of `step_rows` rows, failing one rollback."""
+
+    step_rows = 4
+    failed = False
+
+    def rollback(self, seq, keep):
+        if not self.failed:
+            self.failed = True
+            self.pending.pop(seq, None)
+            raise RollbackFailed("lost the pending step")
+        super().rollback(seq, keep)
+
+
+def test_a_refill_forwards_the_prompt_as_one_prefill_and_the_generated_tokens_in_steps():
+    """A re-fill must build the state the way decoding did: the prompt as the same prefill, then no input
+    longer than the step (a longer one would take the prefill path, which rounds differently in bf16)."""
+    expected = greedy_tokens(mixing_rule, 40)
+    target = SteppedTarget()
+    drafter = OracleDrafter.with_mean_commit(expected, len(PROMPT), block_size=4, mean_commit=2.0, seed=1)
+    target.forward_sizes.clear()
+    result = speculative_decode(target, 2, PROMPT, drafter, block_size=4, max_new_tokens=40)
+    assert result.tokens == expected and result.rollbacks_fallback == 1
+    prompt_forwards = [i for i, size in enumerate(target.forward_sizes) if size == len(PROMPT)]
+    assert len(prompt_forwards) == 2  # the prefill, and the re-fill's prefill of the same prompt
+    assert max(target.forward_sizes[prompt_forwards[1] + 1 :]) <= SteppedTarget.step_rows
