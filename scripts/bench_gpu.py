@@ -105,6 +105,7 @@ def run_local(args) -> dict:
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafters import OracleDrafter
     from tests.local import LocalTarget
+    from protocol.layout import CHECKPOINT, REPLAY_SSM
     from shardd.model import rollback as rb
     from shardd.fast.shard import FastShard
     from shardd.model.shard import ShardModel
@@ -123,17 +124,17 @@ def run_local(args) -> dict:
     t0 = time.perf_counter()
     weights = synthetic_weights(config, 0, config.num_layers, args.seed, dtype=torch.bfloat16, device=device)
     model = ShardModel(config, weights, 0, config.num_layers, dtype=torch.bfloat16, device=device,
-                       storage=rb.RollbackStorage(rb.CHECKPOINT, BLOCK))
+                       storage=rb.RollbackStorage(CHECKPOINT, BLOCK))
     del weights
     weight_bytes = model.weight_bytes()
     context = 4096  # the shards' cache length; the 32k step runs on a shard built for 32k (see attention's launch)
-    shards = {rb.CHECKPOINT: FastShard(model, max_sequences=2, max_context=context)}
-    shards[rb.REPLAY_SSM] = shards[rb.CHECKPOINT].sharing_weights(rb.RollbackStorage(rb.REPLAY_SSM, BLOCK))
+    shards = {CHECKPOINT: FastShard(model, max_sequences=2, max_context=context)}
+    shards[REPLAY_SSM] = shards[CHECKPOINT].sharing_weights(rb.RollbackStorage(REPLAY_SSM, BLOCK))
     out["build_s"] = round(time.perf_counter() - t0, 1)
     out["weight_bytes"] = weight_bytes
     out["floor_ms"] = round(weight_bytes / bandwidth * 1e3, 3)
-    out["checkpoint_bytes_per_sequence"] = shards[rb.CHECKPOINT].checkpoint_bytes_per_sequence()
-    out["replay_ssm_bytes_per_sequence"] = shards[rb.REPLAY_SSM].checkpoint_bytes_per_sequence()
+    out["checkpoint_bytes_per_sequence"] = shards[CHECKPOINT].checkpoint_bytes_per_sequence()
+    out["replay_ssm_bytes_per_sequence"] = shards[REPLAY_SSM].checkpoint_bytes_per_sequence()
     print(f"built {args.preset} in {out['build_s']} s; floor {out['floor_ms']} ms", flush=True)
 
     generator = torch.Generator().manual_seed(args.seed)
@@ -142,7 +143,7 @@ def run_local(args) -> dict:
     # greedy: the reference output, and its speed (a short warm-up run captures the graphs first)
     for shard in shards.values():  # warm-up: compiles the kernels and captures the graphs of each shard
         greedy_decode(LocalTarget.from_shards([shard], context), 99, prompt[:32], 4)
-    target = LocalTarget.from_shards([shards[rb.CHECKPOINT]], context)
+    target = LocalTarget.from_shards([shards[CHECKPOINT]], context)
     greedy = greedy_decode(target, 1, prompt, args.tokens)
     out["greedy_ms_per_token"] = round(greedy.decode_seconds / len(greedy.tokens) * 1e3, 3)
     out["greedy_tok_s"] = round(len(greedy.tokens) / greedy.decode_seconds, 2)
@@ -153,7 +154,7 @@ def run_local(args) -> dict:
     tok_s: dict[str, list[float]] = {mode: [] for mode in MODES}
     commits: dict[str, float] = {}
     for mode in (*MODES, *reversed(MODES)):
-        shard = shards[rb.CHECKPOINT if mode == "replay" else mode]
+        shard = shards[CHECKPOINT if mode == "replay" else mode]
         target = LocalTarget.from_shards([shard], context)
         drafter = OracleDrafter.with_mean_commit(greedy.tokens, len(prompt), block_size=BLOCK, mean_commit=MEAN_COMMIT)
         result = speculative_decode(target, 2, prompt, drafter, block_size=BLOCK, rollback=mode, max_new_tokens=args.tokens)
@@ -191,7 +192,7 @@ def run_local(args) -> dict:
 
     block = torch.randint(0, config.vocab_size, (BLOCK,), generator=generator).tolist()
     step_ms, rollback_ms, rollback_wall_ms = {}, {}, {}
-    for mode in (rb.CHECKPOINT, rb.REPLAY_SSM):
+    for mode in (CHECKPOINT, REPLAY_SSM):
         shard = shards[mode]
         state = shard.new_state(context)
         shard.forward(state, 0, tokens=prompt)
@@ -205,7 +206,7 @@ def run_local(args) -> dict:
         step_ms[mode], rollback_ms[mode], rollback_wall_ms[mode] = median_ms(forwards), median_ms(rollbacks), median_ms(walls)
         shard.release_state(state)
     # replay: snapshot, verify, restore, forward the kept tokens again
-    shard = shards[rb.CHECKPOINT]
+    shard = shards[CHECKPOINT]
     state = shard.new_state(context)
     shard.forward(state, 0, tokens=prompt)
     pos = state.length
@@ -251,7 +252,7 @@ def run_local(args) -> dict:
     shard.release_state(state)
     # a step at a 32k-token context, on a shard built for it: the cache is synthetic (what it holds does not
     # change the work)
-    shard = shards[rb.CHECKPOINT].sharing_weights(rb.RollbackStorage(rb.CHECKPOINT, BLOCK), max_sequences=1,
+    shard = shards[CHECKPOINT].sharing_weights(rb.RollbackStorage(CHECKPOINT, BLOCK), max_sequences=1,
                                                   max_context=args.long_context + 2 * BLOCK)
     state = shard.new_state(args.long_context + 2 * BLOCK)
     pos = args.long_context
@@ -273,7 +274,7 @@ def run_local(args) -> dict:
     shard.release_state(state)
 
     # where one step's time goes: the top kernels
-    shard = shards[rb.CHECKPOINT]
+    shard = shards[CHECKPOINT]
     state = shard.new_state(context)
     state.length = pos = 600
     out["profile_step_top"] = profile_top(torch, step_and_back, 5)

@@ -15,6 +15,7 @@ triton = pytest.importorskip("triton", reason="the fast path's kernels need trit
 from coordinator.decoding import greedy_decode, speculative_decode  # noqa: E402
 from coordinator.drafters import OracleDrafter  # noqa: E402
 from tests.local import LocalTarget  # noqa: E402
+from protocol.layout import CHECKPOINT, REPLAY_SSM  # noqa: E402
 from shardd.model import rollback as rb  # noqa: E402
 from shardd.fast.shard import FastShard  # noqa: E402
 from shardd.model.shard import ShardModel  # noqa: E402
@@ -55,7 +56,7 @@ def ids(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("mode", [rb.CHECKPOINT, rb.REPLAY_SSM])
+@pytest.mark.parametrize("mode", [CHECKPOINT, REPLAY_SSM])
 def test_step_and_rollback_match_the_reference(mode):
     """float32: logits of every step, and the GDN state after every rollback, agree with the reference model
     code within rounding; the prefill (longer than T) is the reference path itself."""
@@ -89,8 +90,8 @@ def test_step_and_rollback_match_the_reference(mode):
 def test_checkpoint_and_replay_ssm_states_are_bit_identical():
     """replay-ssm re-runs the step's own recurrence kernel over the kept tokens: the state it leaves is
     bit for bit the checkpoint mode's saved slot."""
-    shards = {mode: fast(mode) for mode in (rb.CHECKPOINT, rb.REPLAY_SSM)}
-    vocab = shards[rb.CHECKPOINT].config.vocab_size
+    shards = {mode: fast(mode) for mode in (CHECKPOINT, REPLAY_SSM)}
+    vocab = shards[CHECKPOINT].config.vocab_size
     states = {mode: s.new_state(CONTEXT) for mode, s in shards.items()}
     pos = 0
     for keep in (2, 0, ROWS):
@@ -98,7 +99,7 @@ def test_checkpoint_and_replay_ssm_states_are_bit_identical():
         for mode, s in shards.items():
             s.forward(states[mode], pos, tokens=block, checkpoint=True)
             rb.rollback(states[mode], keep)
-        a, b = states[rb.CHECKPOINT], states[rb.REPLAY_SSM]
+        a, b = states[CHECKPOINT], states[REPLAY_SSM]
         assert torch.equal(a.gdn.recurrent, b.gdn.recurrent)
         assert torch.equal(a.gdn.conv, b.gdn.conv)
         pos += keep
@@ -106,7 +107,7 @@ def test_checkpoint_and_replay_ssm_states_are_bit_identical():
 
 def test_padding_rows_change_nothing():
     """A step of n < T real rows leaves exactly the state of the same n rows in a step of their own."""
-    one, other = fast(rb.CHECKPOINT), fast(rb.CHECKPOINT)
+    one, other = fast(CHECKPOINT), fast(CHECKPOINT)
     vocab = one.config.vocab_size
     a, b = one.new_state(CONTEXT), other.new_state(CONTEXT)
     block = ids(ROWS, vocab, 5)
@@ -119,7 +120,7 @@ def test_padding_rows_change_nothing():
 
 
 def test_a_slot_is_reused_after_release_and_starts_empty():
-    step = fast(rb.CHECKPOINT)
+    step = fast(CHECKPOINT)
     state = step.new_state(CONTEXT)
     step.forward(state, 0, tokens=[1, 2, 3])
     slot = state.slot
@@ -132,15 +133,15 @@ def test_a_slot_is_reused_after_release_and_starts_empty():
 def _speculative_outputs(dtype, preset, rows, prompt_len, new_tokens, split=None, context=CONTEXT):
     config = model_config(preset)
     shards = {}
-    for mode in (rb.CHECKPOINT, rb.REPLAY_SSM):
+    for mode in (CHECKPOINT, REPLAY_SSM):
         ranges = [(0, config.num_layers)] if split is None else [(0, split), (split, config.num_layers)]
         shards[mode] = [FastShard(shard(mode, preset=preset, dtype=dtype, begin=b, end=e, rows=rows),
                                   max_sequences=2, max_context=context) for b, e in ranges]
     prompt = ids(prompt_len, config.vocab_size, 1)
-    greedy = greedy_decode(LocalTarget.from_shards(shards[rb.CHECKPOINT], context), 1, prompt, new_tokens).tokens
+    greedy = greedy_decode(LocalTarget.from_shards(shards[CHECKPOINT], context), 1, prompt, new_tokens).tokens
     outputs = {"greedy": greedy}
-    for mode in (rb.CHECKPOINT, rb.REPLAY_SSM, "replay"):
-        target = LocalTarget.from_shards(shards[rb.CHECKPOINT if mode == "replay" else mode], context)
+    for mode in (CHECKPOINT, REPLAY_SSM, "replay"):
+        target = LocalTarget.from_shards(shards[CHECKPOINT if mode == "replay" else mode], context)
         drafter = OracleDrafter.with_mean_commit(greedy, len(prompt), block_size=rows, mean_commit=rows / 2)
         result = speculative_decode(target, 2, prompt, drafter, block_size=rows, rollback=mode, max_new_tokens=new_tokens)
         outputs[mode] = result.tokens
@@ -162,7 +163,7 @@ def test_bf16_speculative_output_is_byte_identical_to_greedy(split):
 
 @gpu_only
 def test_graph_replay_equals_the_eager_step():
-    graphs, eager = fast(rb.CHECKPOINT, preset="small", dtype=torch.bfloat16), fast(rb.CHECKPOINT, preset="small", dtype=torch.bfloat16)
+    graphs, eager = fast(CHECKPOINT, preset="small", dtype=torch.bfloat16), fast(CHECKPOINT, preset="small", dtype=torch.bfloat16)
     eager.runner.use_graphs = False
     vocab = graphs.config.vocab_size
     a, b = graphs.new_state(CONTEXT), eager.new_state(CONTEXT)
@@ -177,7 +178,7 @@ def test_graph_replay_equals_the_eager_step():
 def test_gpu_prefill_matches_the_reference():
     """Inputs longer than T take the fla + flash-attention prefill; state and logits agree with the reference."""
     pytest.importorskip("fla", reason="the GPU prefill uses flash-linear-attention (the `cuda` extra)")
-    reference, step = shard(rb.CHECKPOINT, preset="small"), fast(rb.CHECKPOINT, preset="small")
+    reference, step = shard(CHECKPOINT, preset="small"), fast(CHECKPOINT, preset="small")
     assert step.prefill_kernels
     vocab = reference.config.vocab_size
     a_state, b_state = reference.new_state(CONTEXT), step.new_state(CONTEXT)
@@ -214,7 +215,7 @@ def test_daemons_serve_the_fast_engine(tmp_path):
             prompt = ids(6, preset_config("tiny").vocab_size, 3)
             greedy = greedy_decode(pipeline, 1, prompt, 6).tokens
             drafter = OracleDrafter.with_mean_commit(greedy, len(prompt), block_size=ROWS, mean_commit=2)
-            result = speculative_decode(pipeline, 2, prompt, drafter, block_size=ROWS, rollback=rb.CHECKPOINT,
+            result = speculative_decode(pipeline, 2, prompt, drafter, block_size=ROWS, rollback=CHECKPOINT,
                                         max_new_tokens=6)
             assert result.tokens == greedy
             assert result.rollbacks_fast > 0

@@ -13,6 +13,7 @@ import torch
 
 from shardd.config import ModelConfig
 from shardd.model.state import GDNStates, KVCache, SequenceState
+from protocol.layout import CHECKPOINT, REPLAY_SSM
 from shardd.model import rollback as rb
 from shardd.kernels import gdn as gdn_kernels
 
@@ -92,10 +93,10 @@ class StatePools:
         self.windows = self.conv0 = self.conv_inputs = self.none
         self.saved = torch.zeros((1, 1, 1, 1, 1, 1), **f32)
         mode = storage.mode if storage.enabled else None
-        if mode == rb.CHECKPOINT:
+        if mode == CHECKPOINT:
             self.saved = torch.zeros((slots, layers, rows + 1, heads, k_dim, v_dim), **f32)
             self.windows = torch.zeros((slots, layers, rows + 1, width, conv_dim), **f32)
-        elif mode == rb.REPLAY_SSM:
+        elif mode == REPLAY_SSM:
             self.recurrent0 = torch.zeros((slots, layers, 1, heads, k_dim, v_dim), **f32)
             self.saved = self.recurrent0
             self.conv0 = torch.zeros((slots, layers, width, conv_dim), **f32)
@@ -124,15 +125,15 @@ class StatePools:
         gdn.conv.zero_()
         gdn.recurrent.zero_()
         storage = None
-        if self.gdn_layers and self.mode == rb.CHECKPOINT:
+        if self.gdn_layers and self.mode == CHECKPOINT:
             storage = SlotCheckpoints(self.saved[slot], self.windows[slot])
-        elif self.gdn_layers and self.mode == rb.REPLAY_SSM:
+        elif self.gdn_layers and self.mode == REPLAY_SSM:
             storage = SlotRecurrenceLog(self, slot)
         return SequenceState(max_context=self.max_context, kv=kv, gdn=gdn, rollback_storage=storage, slot=slot)
 
     def layer_views(self, row: int) -> dict:
         """What the step's GDN kernels take for GDN layer `row` (its index among the shard's GDN layers)."""
-        checkpoint, replay_ssm = self.mode == rb.CHECKPOINT, self.mode == rb.REPLAY_SSM
+        checkpoint, replay_ssm = self.mode == CHECKPOINT, self.mode == REPLAY_SSM
         return {
             "conv_state": self.conv[:, row],
             "windows": self.windows[:, row] if checkpoint else self.none,

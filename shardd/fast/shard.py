@@ -16,6 +16,7 @@ from shardd.fast.pools import StatePools
 from shardd.fast.step import StepBuffers
 from shardd.fast.weights import fuse_layers
 from shardd.kernels import gdn as gdn_kernels
+from protocol.layout import CHECKPOINT, REPLAY_SSM
 from shardd.model import rollback as rb
 from shardd.model.shard import ShardModel, ShardOutput
 from shardd.model.state import PendingStep, SequenceState
@@ -30,6 +31,8 @@ class FastShard:
         """`storage` and `layers` let a second FastShard share a model and its fused weights with another
         rollback mode (benchmarks compare modes on one copy of the weights)."""
         self.model = model
+        if model.device.type == "cuda":  # graphs, streams and Triton launch on the current device
+            torch.cuda.set_device(model.device)
         self.storage = storage = storage or model.storage
         if storage.max_verify_tokens != model.storage.max_verify_tokens:
             raise ValueError("a shared model validates steps against its own max_verify_tokens")
@@ -90,9 +93,9 @@ class FastShard:
                                           capture_layers=capture_layers)
             return self._prefill(state, pos, n, tokens, hidden, capture_layers)
         save, n_save = gdn_kernels.SAVE_NOTHING, 0
-        if checkpoint and self.pools.mode == rb.CHECKPOINT:
+        if checkpoint and self.pools.mode == CHECKPOINT:
             save, n_save = gdn_kernels.SAVE_WINDOWS, n + 1
-        elif checkpoint and self.pools.mode == rb.REPLAY_SSM:
+        elif checkpoint and self.pools.mode == REPLAY_SSM:
             save, n_save = gdn_kernels.SAVE_LOG, 1
         self._control.copy_(torch.tensor([state.slot, n, pos, save, n_save], dtype=torch.int32))
         b = self.buffers
