@@ -342,7 +342,8 @@ def start_daemons(args, ranges, mode: str, run_dir: Path) -> tuple[list, list[st
         endpoint = f"ipc://{run_dir}/shard{index}-{mode}.sock"
         log = open(run_dir / f"shard{index}-{mode}.log", "w")
         command = [sys.executable, "-m", "shardd", "serve", "--synthetic", f"{args.preset}:{args.seed}",
-                   "--layers", f"{begin}:{end}", "--device", f"cuda:{index}", "--dtype", "bfloat16", "--bind", endpoint,
+                   "--layers", f"{begin}:{end}", "--device", args.e2e_devices.split(",")[index], "--dtype", args.e2e_dtype,
+                   "--engine", "fast", "--bind", endpoint,
                    "--rollback-mode", mode, "--max-verify-tokens", str(BLOCK), "--max-sequences", "2",
                    "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK)]
         processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
@@ -365,7 +366,7 @@ def start_daemons(args, ranges, mode: str, run_dir: Path) -> tuple[list, list[st
 def run_e2e(args) -> dict:
     import torch
 
-    if torch.cuda.device_count() < 2:
+    if args.e2e_devices.startswith("cuda") and torch.cuda.device_count() < 2:
         return {"e2e_skipped": "one GPU: the two-daemon run needs two"}
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafters import OracleDrafter
@@ -429,6 +430,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128, help="New tokens per decode.")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--long-context", type=int, default=32768)
+    parser.add_argument("--e2e-devices", default="cuda:0,cuda:1", help="Devices of the two daemons.")
+    parser.add_argument("--e2e-dtype", default="bfloat16")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -443,7 +446,7 @@ def main() -> int:
             path = handle.name
         command = [sys.executable, __file__, "--part", part, "--json", path, "--preset", args.preset, "--seed", str(args.seed),
                    "--prompt-len", str(args.prompt_len), "--tokens", str(args.tokens), "--repeats", str(args.repeats),
-                   "--long-context", str(args.long_context)]
+                   "--long-context", str(args.long_context), "--e2e-devices", args.e2e_devices, "--e2e-dtype", args.e2e_dtype]
         print(f"== {part}", flush=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if part == "transformers":  # the baseline as a plain install runs it: without flash-linear-attention
