@@ -190,7 +190,7 @@ def test_gpu_prefill_matches_the_reference():
         assert relative(b.logits, a.logits) < 1e-2  # fla's chunk kernel multiplies in tf32
         assert b.ids.tolist() == a.ids.tolist()
     assert relative(b_state.gdn.recurrent, a_state.gdn.recurrent) < 1e-2
-    torch.testing.assert_close(b_state.gdn.conv, a_state.gdn.conv, rtol=1e-4, atol=1e-4)
+    assert relative(b_state.gdn.conv, a_state.gdn.conv) < 1e-2  # later layers' inputs carry the tf32 rounding
 
 
 def test_daemons_serve_the_fast_engine(tmp_path):
@@ -218,7 +218,8 @@ def test_daemons_serve_the_fast_engine(tmp_path):
             result = speculative_decode(pipeline, 2, prompt, drafter, block_size=ROWS, rollback=CHECKPOINT,
                                         max_new_tokens=6)
             assert result.tokens == greedy
-            assert result.rollbacks_fast > 0
+            assert result.rollbacks_fast > 0, result
+            assert result.rollbacks_fallback == 0 and result.recoveries == 0, result
     finally:
         stop_all(daemons.values())
 

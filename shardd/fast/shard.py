@@ -31,8 +31,8 @@ class FastShard:
         """`storage` and `layers` let a second FastShard share a model and its fused weights with another
         rollback mode (benchmarks compare modes on one copy of the weights)."""
         self.model = model
-        if model.device.type == "cuda":  # graphs, streams and Triton launch on the current device
-            torch.cuda.set_device(model.device)
+        if model.device.type == "cuda" and model.device.index is not None:  # graphs, streams and Triton launch
+            torch.cuda.set_device(model.device)                              # on the current device
         self.storage = storage = storage or model.storage
         if storage.max_verify_tokens != model.storage.max_verify_tokens:
             raise ValueError("a shared model validates steps against its own max_verify_tokens")
