@@ -11,25 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from shardd.config import ModelConfig
-from shardd.model.state import GDNStates, KVCache, SequenceState
 from protocol.layout import CHECKPOINT, REPLAY_SSM
-from shardd.model import rollback as rb
+from shardd.config import ModelConfig
 from shardd.kernels import gdn as gdn_kernels
-
-
-class SlotCheckpoints:
-    """checkpoint mode, one slot: the float32 state and conv window after every token of the step."""
-
-    def __init__(self, recurrent: torch.Tensor, conv: torch.Tensor):
-        self.recurrent, self.conv = recurrent, conv  # [L, T + 1, H, K, V], [L, T + 1, W, C]
-
-    def restore(self, states: GDNStates, keep: int) -> None:
-        states.recurrent.copy_(self.recurrent[:, keep])
-        states.conv.copy_(self.conv[:, keep])
-
-    def nbytes(self) -> int:
-        return self.recurrent.nbytes + self.conv.nbytes
+from shardd.model import rollback as rb
+from shardd.model.state import GDNStates, KVCache, SequenceState
 
 
 class SlotRecurrenceLog:
@@ -126,7 +112,7 @@ class StatePools:
         gdn.recurrent.zero_()
         storage = None
         if self.gdn_layers and self.mode == CHECKPOINT:
-            storage = SlotCheckpoints(self.saved[slot], self.windows[slot])
+            storage = rb.CheckpointBuffers.over(self.saved[slot], self.windows[slot], self.gdn_layers)
         elif self.gdn_layers and self.mode == REPLAY_SSM:
             storage = SlotRecurrenceLog(self, slot)
         return SequenceState(max_context=self.max_context, kv=kv, gdn=gdn, rollback_storage=storage, slot=slot)

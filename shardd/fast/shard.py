@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from protocol.layout import CHECKPOINT, REPLAY_SSM
 from shardd.fast import prefill
 from shardd.fast.graph import StepRunner
 from shardd.fast.pools import StatePools
 from shardd.fast.step import StepBuffers
 from shardd.fast.weights import fuse_layers
 from shardd.kernels import gdn as gdn_kernels
-from protocol.layout import CHECKPOINT, REPLAY_SSM
 from shardd.model import rollback as rb
 from shardd.model.shard import ShardModel, ShardOutput
 from shardd.model.state import PendingStep, SequenceState

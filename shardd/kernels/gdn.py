@@ -98,13 +98,6 @@ def _gdn_prepare_kernel(
         saved_new = tl.load(proj_ptr + (ext_row - W) * proj_stride + cols[None, :], mask=smask & (ext_row >= W), other=0.0)
         tl.store(windows_ptr + slot.to(tl.int64) * windows_slot_stride + flat[:, None] * C + cols[None, :],
                  tl.where(ext_row < W, saved_old, saved_new.to(tl.float32)), mask=smask)
-    if save == 2:  # replay-ssm: the window before the step and the step's conv inputs
-        for i in tl.static_range(W):
-            old = tl.load(state_ptr + i * C + cols, mask=cmask, other=0.0)
-            tl.store(log_conv0_ptr + slot.to(tl.int64) * log_conv0_slot_stride + i * C + cols, old, mask=cmask)
-        step_rows = tl.load(proj_ptr + rows[:, None] * proj_stride + cols[None, :], mask=mask2, other=0.0)
-        tl.store(log_in_ptr + slot.to(tl.int64) * log_in_slot_stride + rows[:, None] * C + cols[None, :],
-                 step_rows.to(tl.float32), mask=mask2)
     # the window after the step's n real rows, ext[n .. n + W), read whole before the old one is overwritten
     wrows = tl.arange(0, WP)
     wmask = (wrows[:, None] < W) & cmask[None, :]

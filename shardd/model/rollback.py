@@ -79,9 +79,22 @@ class CheckpointBuffers:
         slots = max_tokens + 1
         f32 = dict(dtype=torch.float32, device=device)
         heads, k_dim, v_dim = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
-        self.recurrent = torch.zeros((len(layers), slots, heads, k_dim, v_dim), **f32)
-        self.conv = torch.zeros((len(layers), slots, config.linear_conv_kernel_dim - 1, config.linear_conv_dim), **f32)
-        self.recorders = {layer: _LayerCheckpoint(self.recurrent[row], self.conv[row]) for row, layer in enumerate(layers)}
+        self._bind(
+            torch.zeros((len(layers), slots, heads, k_dim, v_dim), **f32),
+            torch.zeros((len(layers), slots, config.linear_conv_kernel_dim - 1, config.linear_conv_dim), **f32),
+            layers,
+        )
+
+    @classmethod
+    def over(cls, recurrent: torch.Tensor, conv: torch.Tensor, layers: list[int]) -> "CheckpointBuffers":
+        """Buffers that exist already: a sequence's slot in the GPU step's pools (shardd/fast/pools.py)."""
+        buffers = cls.__new__(cls)
+        buffers._bind(recurrent, conv, layers)
+        return buffers
+
+    def _bind(self, recurrent: torch.Tensor, conv: torch.Tensor, layers: list[int]) -> None:
+        self.recurrent, self.conv = recurrent, conv
+        self.recorders = {layer: _LayerCheckpoint(recurrent[row], conv[row]) for row, layer in enumerate(layers)}
 
     def restore(self, states: GDNStates, keep: int) -> None:
         states.recurrent.copy_(self.recurrent[:, keep])
