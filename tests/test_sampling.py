@@ -112,47 +112,42 @@ def test_top_k_top_p_and_seeds():
 
 @pytest.fixture(scope="module")
 def local():
-    return LocalTarget(ModelSource(synthetic="tiny"))
+    torch.set_num_threads(1)  # a tiny model: thread pools competing for the shared cores cost more than they gain
+    return LocalTarget(ModelSource(synthetic="tiny"), max_context=64)
 
 
-class GreedyDrafter:
-    """A deterministic drafter proposing the target's own argmax continuation (as dflash's argmax does):
-    high acceptance, so the accepted path and the bonus token are both exercised."""
+class LikelyDrafter:
+    """Deterministic, like every drafter here: proposes the continuation plain sampling gave most often, so
+    drafts are often accepted (accepted, rejected and bonus paths all run)."""
 
-    name = "argmax"
+    name = "likely"
 
-    def __init__(self, target):
-        self.target = target
+    def __init__(self, likely: tuple[int, ...]):
+        self.likely = list(likely) * 2
 
     def propose(self, history, n):
-        if n == 0:
-            return []
-        seq = 1 << 40
-        self.target.open(seq)
-        try:
-            ids = self.target.forward(seq, 0, list(history))
-            out = [ids[-1]]
-            while len(out) < n:
-                out.append(self.target.forward(seq, len(history) + len(out) - 1, [out[-1]])[-1])
-            return out
-        finally:
-            self.target.close(seq)
+        done = len(history) - len(PROMPT)
+        return self.likely[done:done + n] + [0] * max(0, n - len(self.likely[done:done + n]))
 
 
 PROMPT = [5, 9, 5, 9, 5, 9, 5]  # repeats: the ngram drafter proposes something
 NEW = 3
-SAMPLES = 1500
+SAMPLES = 1000
+
+
+ACCEPTED = Counter()  # drafts accepted per drafter over a test's samples
 
 
 def sampled_prefixes(local, drafter_of, rollback="checkpoint") -> Counter:
     counts = Counter()
     for seed in range(SAMPLES):
-        sampling = Sampling(temperature=1.0, top_k=3, seed=seed)
+        sampling = Sampling(temperature=1.0, top_k=2, seed=seed)
         if drafter_of is None:
             result = greedy_decode(local, 1, PROMPT, NEW, sampling=sampling)
         else:
             result = speculative_decode(local, 1, PROMPT, drafter_of(local), block_size=4, rollback=rollback,
                                         max_new_tokens=NEW, sampling=sampling)
+            ACCEPTED[drafter_of] += result.accepted
         counts[tuple(result.tokens)] += 1
     return counts
 
@@ -162,11 +157,14 @@ def plain(local):
     return sampled_prefixes(local, None)
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "argmax"])
+@pytest.mark.parametrize("drafter", ["ngram", "likely"])
 def test_speculative_sampling_is_lossless(local, plain, drafter):
-    make = (lambda target: NgramDrafter()) if drafter == "ngram" else GreedyDrafter
+    likely = plain.most_common(1)[0][0]
+    make = (lambda target: NgramDrafter()) if drafter == "ngram" else (lambda target: LikelyDrafter(likely))
     speculated = sampled_prefixes(local, make)
-    assert len(plain) > 5  # the test sees a real distribution, not one sequence
+    if drafter == "likely":
+        assert ACCEPTED[make] > SAMPLES // 4  # the accepted path and the bonus token really ran
+    assert len(plain) > 3  # the test sees a real distribution, not one sequence
     stat, df = two_sample_chi2(plain, speculated)
     assert stat < chi2_critical(df), (stat, df, plain.most_common(8), speculated.most_common(8))
 
