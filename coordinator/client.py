@@ -215,6 +215,7 @@ def forward_record(
     hidden: Optional[WireTensor] = None,
     checkpoint: bool = False,
     layers: Optional[list[int]] = None,
+    sampling: Optional[dict] = None,
 ) -> Forward:
     """A FORWARD (or, with `layers`, a CAPTURE) request; checkpointed ones carry the pure chain."""
     n = len(tokens) if tokens is not None else (hidden.shape[0] if hidden is not None else 0)
@@ -223,6 +224,7 @@ def forward_record(
         "hidden": hidden,
         "checkpoint": checkpoint,
         "parents": pure_chain(n) if checkpoint else None,
+        **(sampling or {}),  # head shard only: temperature, top_p, top_k, seed, drafts
     }
     if layers is not None:
         return Capture(id=0, seq=seq, pos=pos, **fields, layers=list(layers))

@@ -24,6 +24,13 @@ from coordinator.drafters import Drafter
 from coordinator.target import ReplayTarget, RollbackFailed, SequenceLost, Target
 from protocol.layout import CHECKPOINT, REPLAY, ROLLBACK_MODES
 
+STOP, LENGTH = "stop", "length"  # finish reasons, as the OpenAI API names them
+
+
+class StopDecoding(Exception):
+    """Raised by an `on_commit` callback to end the request after this commit (a stop string matched, the
+    client went away): the sequence is closed normally and the result's finish_reason is "stop"."""
+
 OnCommit = Callable[[list[int]], None]
 # One decoding step: (history, room, result) -> appends to history what it commits, at most room tokens.
 Step = Callable[[list[int], int, "DecodeResult"], None]
@@ -43,6 +50,7 @@ class DecodeResult:
     replays: int = 0  # replay mode: restore plus a forward of the kept tokens
     recoveries: int = 0  # SequenceLost (e.g. a restarted shard), state re-filled from history
     commits: list[int] = field(default_factory=list)  # tokens committed per step
+    finish_reason: str = LENGTH  # "stop": an EOS or a StopDecoding; "length": max_new_tokens or the context limit
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -90,14 +98,17 @@ def greedy_decode(
     max_new_tokens: int,
     eos_ids: Iterable[int] = (),
     on_commit: OnCommit | None = None,
+    sampling=None,
 ) -> DecodeResult:
-    """Plain greedy decoding: prefill, then one token per forward."""
+    """Plain greedy decoding: prefill, then one token per forward. With `sampling` (a
+    `coordinator.sampling.Sampling` at temperature > 0) the head shard samples each token instead."""
+    sampled = _sampled(sampling)
 
     def step(history: list[int], room: int, result: DecodeResult) -> None:
-        (token,) = target.forward(seq, len(history) - 1, [history[-1]])
+        (token,) = target.forward(seq, len(history) - 1, [history[-1]], **sampled)
         history.append(token)
 
-    return _decode(target, seq, prompt, max_new_tokens, frozenset(eos_ids), on_commit, step)
+    return _decode(target, seq, prompt, max_new_tokens, frozenset(eos_ids), on_commit, step, sampled)
 
 
 def speculative_decode(
@@ -111,19 +122,25 @@ def speculative_decode(
     max_new_tokens: int,
     eos_ids: Iterable[int] = (),
     on_commit: OnCommit | None = None,
+    sampling=None,
 ) -> DecodeResult:
     """Draft `block_size - 1` tokens, verify `[t0, drafts]` in one forward, keep the
     agreeing prefix plus the target's own next token, roll the rest back.
 
     `rollback` says who rolls back: the shards ("checkpoint", "replay-ssm": the target as
     given), or the `replay` baseline (`ReplayTarget`: restore a snapshot, forward the kept
-    tokens again). The step is the same for all three."""
+    tokens again). The step is the same for all three.
+
+    With `sampling` the drafts travel to the head shard, which accepts each by speculative rejection
+    sampling and answers a residual sample at the first rejection (never equal to its draft), so the
+    "agreeing prefix" below is exactly the accepted drafts and the output follows plain sampling."""
     if block_size < 2:
         raise ValueError(f"block_size must be >= 2 to speculate, got {block_size}")
     if rollback not in ROLLBACK_MODES:
         raise ValueError(f"unknown rollback mode {rollback!r}; choose one of {', '.join(ROLLBACK_MODES)}")
     verifier = ReplayTarget(target) if rollback == REPLAY else target
     eos = frozenset(eos_ids)
+    sampled = _sampled(sampling)
 
     def step(history: list[int], room: int, result: DecodeResult) -> None:
         # Draft: a block of T tokens commits at most T, so never draft past the budget.
@@ -133,7 +150,7 @@ def speculative_decode(
             raise ValueError(f"drafter {drafter.name!r} proposed {len(drafts)} tokens, asked for {wanted}")
         # Verify [t0, d1 .. d_{T-1}] in one forward; the state holds history[:-1].
         block = [history[-1]] + drafts
-        verified = verifier.forward(seq, len(history) - 1, block, checkpoint=True)
+        verified = verifier.forward(seq, len(history) - 1, block, checkpoint=True, **_with_drafts(sampled, drafts))
         # Accept the longest agreeing prefix plus the target's own next token.
         committed, keep = commit_tokens(drafts, verified, room, eos)
         history.extend(committed)
@@ -147,7 +164,29 @@ def speculative_decode(
             else:
                 result.rollbacks_fast += 1
 
-    return _decode(verifier, seq, prompt, max_new_tokens, eos, on_commit, step)
+    return _decode(verifier, seq, prompt, max_new_tokens, eos, on_commit, step, sampled)
+
+
+def _sampled(sampling) -> dict:
+    """Extra forward keywords of a sampled request; none for greedy, so greedy calls stay as they were."""
+    return {} if sampling is None or sampling.greedy else {"sampling": sampling}
+
+
+def _with_drafts(sampled: dict, drafts: list[int]) -> dict:
+    return {**sampled, "drafts": list(drafts)} if sampled else {}
+
+
+def context_limit(target) -> int | None:
+    """The most tokens (prompt and output) a sequence may hold on `target`, or None when it says nothing;
+    wrappers (`ReplayTarget`, `FeatureCapture`) answer for what they wrap."""
+    for _ in range(4):
+        limit = getattr(target, "max_context", None)
+        if isinstance(limit, int):
+            return limit
+        target = getattr(target, "target", None) or getattr(target, "pipeline", None)
+        if target is None:
+            return None
+    return None
 
 
 def _decode(
@@ -158,26 +197,44 @@ def _decode(
     eos: frozenset[int],
     on_commit: OnCommit | None,
     step: Step,
+    sampled: dict | None = None,
 ) -> DecodeResult:
     """Prefill, then `step(history, room, result)` until `max_new_tokens` or an EOS: a step appends
     what it commits to `history` (at most `room` tokens). When the target loses the sequence or
     cannot roll back, the state is re-filled from `history` and decoding carries on."""
     _check_request(prompt, max_new_tokens)
+    limit = context_limit(target)
+    if limit is not None and len(prompt) >= limit:
+        raise ValueError(f"the prompt holds {len(prompt)} tokens; the shards hold {limit} per sequence, "
+                         f"prompt and output together")
     result = DecodeResult(prompt_tokens=len(prompt))
     if max_new_tokens == 0:
         return result
+    start = time.perf_counter()
     with _open_sequence(target, seq):
-        history = _prefill(target, seq, prompt, result, on_commit)
-        start = time.perf_counter()
-        while not _finished(result.tokens, max_new_tokens, eos):
-            committed_before = len(history)
-            try:
-                step(history, max_new_tokens - len(result.tokens), result)
-            except (SequenceLost, RollbackFailed) as failure:
-                # `history` holds every commit, this step's too when only its rollback failed.
-                _recover(target, seq, history, len(prompt), result, failure)
-            if len(history) > committed_before:
-                _record(result, history[committed_before:], on_commit)
+        try:
+            history = _prefill(target, seq, prompt, result, on_commit, sampled or {})
+            start = time.perf_counter()
+            while not _finished(result.tokens, max_new_tokens, eos):
+                # The context limit ends the request ("length"); near it the step's block shrinks.
+                room = max_new_tokens - len(result.tokens)
+                if limit is not None:
+                    room = min(room, limit - len(history))
+                    if room <= 0:
+                        break
+                committed_before = len(history)
+                try:
+                    step(history, room, result)
+                except (SequenceLost, RollbackFailed) as failure:
+                    # `history` holds every commit, this step's too when only its rollback failed.
+                    _recover(target, seq, history, len(prompt), result, failure)
+                if len(history) > committed_before:
+                    _record(result, history[committed_before:], on_commit)
+        except StopDecoding:
+            result.finish_reason = STOP
+        else:
+            if result.tokens and result.tokens[-1] in eos:
+                result.finish_reason = STOP
         result.decode_seconds = time.perf_counter() - start
     return result
 
@@ -202,9 +259,11 @@ def _open_sequence(target: Target, seq: int):
     target.close(seq)
 
 
-def _prefill(target: Target, seq: int, prompt: list[int], result: DecodeResult, on_commit: OnCommit | None) -> list[int]:
+def _prefill(
+    target: Target, seq: int, prompt: list[int], result: DecodeResult, on_commit: OnCommit | None, sampled: dict
+) -> list[int]:
     start = time.perf_counter()
-    outputs = target.forward(seq, 0, list(prompt))
+    outputs = target.forward(seq, 0, list(prompt), **sampled)
     result.prefill_seconds = time.perf_counter() - start
     if len(outputs) != len(prompt):
         raise RuntimeError(f"prefill of {len(prompt)} tokens returned {len(outputs)} ids")

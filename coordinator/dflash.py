@@ -205,8 +205,8 @@ class FeatureCapture:
         finally:
             self.drafter.closed(seq)
 
-    def forward(self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False) -> list[int]:
-        ids, outputs = self.pipeline.capture(seq, pos, tokens, self.drafter.layer_ids, checkpoint=checkpoint)
+    def forward(self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False, **sampled) -> list[int]:
+        ids, outputs = self.pipeline.capture(seq, pos, tokens, self.drafter.layer_ids, checkpoint=checkpoint, **sampled)
         self.drafter.captured(pos, outputs)
         return ids
 

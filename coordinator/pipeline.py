@@ -258,14 +258,21 @@ class Pipeline:
         if failures:
             raise PipelineError(f"closing sequence {seq} failed: " + "; ".join(map(str, failures)))
 
-    def forward(self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False) -> list[int]:
+    def forward(
+        self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False, sampling=None, drafts=None
+    ) -> list[int]:
         """Longer inputs than every shard takes at once (not checkpointed) go in chunks,
-        pipelined: shard k works on chunk c while shard k+1 works on chunk c-1."""
-        ids, _ = self._forward(seq, pos, tokens, checkpoint, None)
+        pipelined: shard k works on chunk c while shard k+1 works on chunk c-1.
+
+        With `sampling` (a `coordinator.sampling.Sampling`, temperature > 0) the head shard samples the ids
+        instead of taking the argmax; `drafts` (the block's last tokens, a speculative verify) it accepts or
+        replaces by rejection sampling, so the ids agree with the drafts up to the first rejection."""
+        ids, _ = self._forward(seq, pos, tokens, checkpoint, None, _head_fields(sampling, drafts))
         return ids
 
     def capture(
-        self, seq: int, pos: int, tokens: list[int], layers: Sequence[int], *, checkpoint: bool = False
+        self, seq: int, pos: int, tokens: list[int], layers: Sequence[int], *, checkpoint: bool = False,
+        sampling=None, drafts=None,
     ) -> tuple[list[int], dict[int, WireTensor]]:
         """A forward that also returns the output of each decoder layer in `layers`
         (`WireTensor` [n, hidden_size] in the shards' dtype), for feature drafters. The shards
@@ -274,10 +281,11 @@ class Pipeline:
         layers = sorted(set(layers))
         if not layers or not all(0 <= layer < self.num_layers for layer in layers):
             raise ValueError(f"capture layers must be a non-empty subset of 0..{self.num_layers - 1}, got {layers}")
-        return self._forward(seq, pos, tokens, checkpoint, layers)
+        return self._forward(seq, pos, tokens, checkpoint, layers, _head_fields(sampling, drafts))
 
     def _forward(
-        self, seq: int, pos: int, tokens: list[int], checkpoint: bool, capture: Optional[list[int]]
+        self, seq: int, pos: int, tokens: list[int], checkpoint: bool, capture: Optional[list[int]],
+        head: Optional[dict] = None,
     ) -> tuple[list[int], dict[int, WireTensor]]:
         tokens = list(tokens)
         if not tokens:
@@ -290,7 +298,9 @@ class Pipeline:
             step = self.max_tokens_per_request
             chunks = [tokens[start:start + step] for start in range(0, len(tokens), step)]
         try:
-            return self._relay(seq, pos, chunks, checkpoint=checkpoint, capture=capture)
+            if head is not None and head.get("drafts") is not None and len(chunks) > 1:
+                raise ValueError("a speculative verify with drafts must fit one request")
+            return self._relay(seq, pos, chunks, checkpoint=checkpoint, capture=capture, head=head)
         except SHARD_FAILURES as error:
             raise as_sequence_lost(error, seq) from error
 
@@ -330,7 +340,8 @@ class Pipeline:
     # ---- the relay -----------------------------------------------------------------------
 
     def _relay(
-        self, seq: int, pos: int, chunks: list[list[int]], *, checkpoint: bool, capture: Optional[list[int]] = None
+        self, seq: int, pos: int, chunks: list[list[int]], *, checkpoint: bool, capture: Optional[list[int]] = None,
+        head: Optional[dict] = None,
     ) -> tuple[list[int], dict[int, WireTensor]]:
         """Every chunk through every shard, as a wavefront: at tick t shard k takes chunk
         t-k, so all shards compute at once; each shard's hidden frame goes to the next
@@ -349,7 +360,10 @@ class Pipeline:
                 c = tick - index
                 if 0 <= c < len(chunks):
                     inputs = {"tokens": chunks[c]} if index == 0 else {"hidden": carry.pop(index)}
-                    record = forward_record(seq, starts[c], checkpoint=checkpoint, layers=owned[index], **inputs)
+                    sampling = head if head is not None and self.shards[index].owns_head else None
+                    record = forward_record(
+                        seq, starts[c], checkpoint=checkpoint, layers=owned[index], sampling=sampling, **inputs
+                    )
                     in_flight.append((index, c, client.send(record)))
             failure = None
             for index, c, sent in in_flight:
@@ -419,6 +433,16 @@ class Pipeline:
             f"{error}; sequence {seq} is now inconsistent across shards (some took tokens from position {pos} on): "
             f"close it and re-fill it from the committed history"
         ) from error
+
+
+def _head_fields(sampling, drafts) -> Optional[dict]:
+    """The head shard's extra FORWARD fields for a sampled step; None for greedy (today's argmax request)."""
+    if sampling is None or sampling.greedy:
+        return None
+    fields = sampling.wire()
+    if drafts:
+        fields["drafts"] = list(drafts)
+    return fields
 
 
 def join_rows(chunks: Sequence[WireTensor]) -> WireTensor:

@@ -42,7 +42,10 @@ class Target(Protocol):
         length) and return the argmax next-token id after each position (n ids).
 
         With `checkpoint=True` the step is pending: exactly one `rollback(seq, keep)` may
-        follow; any other call on the sequence keeps all n tokens."""
+        follow; any other call on the sequence keeps all n tokens.
+
+        A target that samples (the `Pipeline`) also takes `sampling=` and `drafts=` keywords; the
+        decoding loop passes them only when sampling, so a greedy-only target needs neither."""
 
     def rollback(self, seq: int, keep: int) -> None:
         """Keep the first `keep` tokens (0 <= keep <= n) of the pending step, leaving the
@@ -77,11 +80,11 @@ class ReplayTarget:
         self.pending.pop(seq, None)
         self.target.close(seq)
 
-    def forward(self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False) -> list[int]:
+    def forward(self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False, **sampled) -> list[int]:
         self.pending.pop(seq, None)
         if checkpoint:
             self.target.snapshot(seq)
-        ids = self.target.forward(seq, pos, tokens)
+        ids = self.target.forward(seq, pos, tokens, **sampled)
         if checkpoint:
             self.pending[seq] = (pos, list(tokens))
         return ids

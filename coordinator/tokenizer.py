@@ -12,6 +12,8 @@ class ByteTokenizer:
     decode to nothing. Synthetic models have no EOS."""
 
     eos_ids: tuple[int, ...] = ()
+    source = "bytes (the model ships no tokenizer)"
+    model_dir = None
 
     def __init__(self, vocab_size: int = 256):
         if vocab_size < 256:
@@ -37,6 +39,8 @@ class HFTokenizer:
         model_dir = path if path.is_dir() else path.parent
         file = path / "tokenizer.json" if path.is_dir() else path
         self._tokenizer = Tokenizer.from_file(str(file))
+        self.source = str(file)
+        self.model_dir = model_dir
         self.vocab_size = self._tokenizer.get_vocab_size()
         self.eos_ids = _eos_ids_from_config(model_dir)
 
@@ -47,11 +51,29 @@ class HFTokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def load_tokenizer(model_dir: str | None, vocab_size: int) -> ByteTokenizer | HFTokenizer:
-    """The model directory's tokenizer.json when there is one, otherwise bytes."""
+def load_tokenizer(model_dir: str | None, vocab_size: int, shards=()) -> ByteTokenizer | HFTokenizer:
+    """The model directory's tokenizer.json when there is one; else the one the shards' HELLO names (the
+    daemons' model directory); bytes only for a model that ships none (synthetic). A tokenizer the shards
+    name but this host cannot read is refused (TokenizerUnavailable): bytes would be silently wrong text."""
     if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
         return HFTokenizer(model_dir)
+    named = sorted({s.hello.get("tokenizer") for s in shards if s.hello.get("tokenizer")})
+    if model_dir is None and named:
+        readable = [path for path in named if (Path(path) / "tokenizer.json").is_file()]
+        if not readable:
+            holders = ", ".join(str(s.endpoint) for s in shards if s.hello.get("tokenizer"))
+            raise TokenizerUnavailable(
+                f"the model ships a tokenizer ({', '.join(named)} on {holders}) that this host cannot read; "
+                f"give --tokenizer DIR (a directory with the model's tokenizer.json)"
+            )
+        tokenizer = HFTokenizer(readable[0])
+        tokenizer.source = f"{readable[0]}/tokenizer.json (named by the shards' HELLO)"
+        return tokenizer
     return ByteTokenizer(vocab_size)
+
+
+class TokenizerUnavailable(RuntimeError):
+    """The model has a tokenizer the coordinator cannot load; decoding with bytes instead would be wrong."""
 
 
 def _eos_ids_from_config(model_dir: Path) -> tuple[int, ...]:

@@ -8,6 +8,7 @@ request; every failure is a `ProtocolError` carrying the code for the error repl
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -145,6 +146,12 @@ def _field_value(header: dict, spec: FieldSpec, mtype: MessageType) -> Any:
         if type(value) is not bool:
             raise _bad(f"{what} must be a bool, got {_describe(value)}")
         return value
+    if spec.kind == "float":
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise _bad(f"{what} must be a finite number, got {_describe(value)}")
+        if (spec.minimum is not None and value < spec.minimum) or (spec.limit is not None and value > spec.limit):
+            raise _bad(f"{what} = {value} is out of range ({spec.minimum} <= x <= {spec.limit})")
+        return float(value)
     if spec.kind == "int_list":
         if type(value) is not list:
             raise _bad(f"{what} must be a list of ints, got {_describe(value)}")
@@ -277,6 +284,11 @@ def _check_request(record: Request, limits: Limits) -> None:
             check_verify_geometry(record.parents, n)
         elif record.parents is not None:
             raise _bad(f"field 'parents' is only allowed with checkpoint: true")
+        if record.drafts is not None:
+            if not record.temperature:
+                raise _bad(f"field 'drafts' of {kind} needs temperature > 0 (at 0 the coordinator compares argmax ids)")
+            if len(record.drafts) >= n:
+                raise _bad(f"{len(record.drafts)} drafts for {n} rows: a verify has one row more than drafts")
     if isinstance(record, Capture):
         layers = record.layers
         if not layers:

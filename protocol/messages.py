@@ -142,6 +142,19 @@ class Forward(_SequenceRequest):
     parents: Optional[list[int]] = _header(
         "int_list", "verify geometry, one entry per token; required with checkpoint, rejected without", default=None)
     return_logits: bool = _header("bool", "head shard also returns float32 logits [n, V]", default=False)
+    # Sampling on the head shard (shardd.sampling); temperature 0 (the default) is the argmax path.
+    # Absent (None) on a greedy request, so its header is exactly what it was before sampling.
+    temperature: Optional[float] = _header("float", "head shard samples at this temperature (absent or 0: argmax)",
+                                           minimum=0, limit=100, default=None)
+    top_p: Optional[float] = _header("float", "nucleus mass kept when sampling (absent: 1, all)",
+                                     minimum=0, limit=1, default=None)
+    top_k: Optional[int] = _header("int", "most likely tokens kept when sampling (absent or 0: all)",
+                                   minimum=0, limit=TOKEN_LIMIT, default=None)
+    seed: Optional[int] = _header("int", "request seed; row i draws from a generator seeded by (seed, pos + i)",
+                                  minimum=0, limit=ID_LIMIT, default=None)
+    drafts: Optional[list[int]] = _header(
+        "int_list", "draft tokens of a speculative verify: the last len(drafts)+1 rows are verified by rejection "
+        "sampling (needs temperature > 0)", minimum=0, limit=TOKEN_LIMIT, default=None)
 
     @property
     def n_tokens(self) -> int:

@@ -100,6 +100,8 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, max_verify_t
     options = ServeOptions(bind=bind, max_sequences=max_sequences, max_context=max_context,
                            max_tokens_per_request=max_tokens_per_request, curve_secret_key=curve_secret_key,
                            curve_allow_dir=curve_allow_dir)
+    if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
+        options.tokenizer_dir = str(Path(model_dir).resolve())  # HELLO names it: the coordinator must not guess
 
     what = " + ".join(([] if draft_only else [f"layers {begin}:{end}"]) + ([f"drafter {draft}"] if draft else []))
     systemd.notify(f"STATUS=loading {what}")

@@ -49,6 +49,7 @@ from shardd.model.errors import (
 )
 from shardd.model.shard import ShardModel
 from shardd.model.state import SequenceState
+from shardd.sampling import SamplingParams, sample_rows
 
 log = logging.getLogger("shardd")
 
@@ -71,6 +72,7 @@ class ServeOptions:
     max_tokens_per_request: int = 4096
     curve_secret_key: str | None = None  # file written by `shardd keygen`
     curve_allow_dir: str | None = None  # directory of allowed client public keys
+    tokenizer_dir: str | None = None  # the model directory when it ships a tokenizer.json (HELLO "tokenizer")
 
 
 @dataclass
@@ -234,6 +236,8 @@ class ShardDaemon:
                 "layer_types": list(c.layer_types),
                 "eos_token_ids": list(c.eos_token_ids),
             },
+            # where this daemon's model keeps its tokenizer.json (None: synthetic, or the checkpoint ships none)
+            "tokenizer": self.options.tokenizer_dir,
             "layers": [shard.begin, shard.end] if shard is not None else None,
             "owns_embedding": shard is not None and shard.owns_embedding,
             "owns_head": shard is not None and shard.owns_head,
@@ -298,6 +302,8 @@ class ShardDaemon:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"capture layer {bad[0]} is outside 0..{shard.config.num_layers - 1}")
         if request.return_logits and not shard.owns_head:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "return_logits asks for logits from a shard without the head")
+        if request.temperature and not shard.owns_head:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "sampling (temperature > 0) asks a shard without the head")
         hidden = request.hidden.to_torch() if request.hidden is not None else None
         out = shard.forward(  # validates everything (shard.check_forward) before it changes the state
             entry.state,
@@ -321,6 +327,12 @@ class ShardDaemon:
         tensors = {}
         if out.ids is not None:
             result["ids"] = out.ids.tolist()
+            if request.temperature:  # on out.logits now: the fast path's buffer is valid until the next step
+                params = SamplingParams(request.temperature, 1.0 if request.top_p is None else request.top_p,
+                                        request.top_k or 0, request.seed or 0)
+                result["ids"], accepted = sample_rows(out.logits, result["ids"], request.pos, params, request.drafts)
+                if request.drafts is not None:
+                    result["accepted"] = accepted
             if request.return_logits:
                 # float32 on the wire, copied: the GPU step's logits are a view of a buffer its next step reuses
                 tensors["logits"] = WireTensor.from_torch(out.logits.to("cpu", torch.float32, copy=True))

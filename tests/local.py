@@ -74,8 +74,13 @@ class LocalTarget:
         for shard, state in zip(self.shards, self.states.pop(seq, [])):
             shard.release_state(state)
 
-    def forward(self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False) -> list[int]:
+    def forward(self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False, sampling=None,
+                drafts=None) -> list[int]:
         ids, _ = self.capture(seq, pos, tokens, (), checkpoint=checkpoint)
+        if sampling is not None and not sampling.greedy:  # what the head shard's daemon does (shardd.sampling)
+            from shardd.sampling import SamplingParams, sample_rows
+
+            ids, _ = sample_rows(self._logits, ids, pos, SamplingParams(**sampling.wire()), drafts)
         return ids
 
     @torch.inference_mode()
@@ -90,6 +95,7 @@ class LocalTarget:
             out = shard.forward(state, pos, checkpoint=checkpoint, capture_layers=tuple(layers), **inputs)
             captured.update(out.captured)
             hidden = out.hidden
+        self._logits = out.logits
         return out.ids.tolist(), captured
 
     def rollback(self, seq: int, keep: int) -> None:

@@ -431,3 +431,35 @@ def test_shardctl_generate_dflash(daemons, model_dir, greedy):
     too_wide = shardctl("generate", "--shards", ",".join(shards), "--drafter", "dflash", "--draft-shard", draft_shard,
                         "--prompt-ids", ids, "--block-size", 17, "--rollback", "replay")
     assert too_wide.exit_code == 2 and "at most 16" in too_wide.output
+
+
+# ---- sampling -------------------------------------------------------------------------------
+
+def test_sampling_with_dflash_drafts_keeps_the_distribution(daemons):
+    """Speculative rejection sampling with the dflash drafter's drafts: the first sampled tokens follow the
+    distribution of plain sampling (one process, the same head-shard sampling function), by chi-square."""
+    from collections import Counter
+
+    from coordinator.sampling import Sampling
+    from tests.test_sampling import chi2_critical, two_sample_chi2
+
+    prompt, new = PROMPT[:12], 3
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread is faster on the shared cores
+    try:
+        local = LocalTarget(ModelSource(synthetic="tiny"), storage=RollbackStorage(None, 0), max_context=64)
+        plain = Counter(tuple(greedy_decode(local, 1, prompt, new, sampling=Sampling(1.0, top_k=2, seed=s)).tokens)
+                        for s in range(1200))
+    finally:
+        torch.set_num_threads(threads)
+    endpoints, draft_endpoint = pipeline_endpoints(daemons, "pair")
+    drafted = Counter()
+    with Pipeline.connect(endpoints) as pipeline, ShardClient(draft_endpoint) as client:
+        drafter = DFlashDrafterClient(client, pipeline)
+        for s in range(500):
+            result = speculative_decode(drafter.target, 40, prompt, drafter, block_size=4, rollback="checkpoint",
+                                        max_new_tokens=new, sampling=Sampling(1.0, top_k=2, seed=10_000 + s))
+            drafted[tuple(result.tokens)] += 1
+        assert result.drafted > 0
+    stat, df = two_sample_chi2(plain, drafted)
+    assert df >= 2 and stat < chi2_critical(df), (stat, df, plain, drafted)

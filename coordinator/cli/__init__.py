@@ -16,6 +16,7 @@ from coordinator.cli.generate import generate
 from coordinator.cli.launch import launch
 from coordinator.cli.make_model import make_model
 from coordinator.cli.options import EXIT_FAILURE
+from coordinator.cli.serve import serve
 from coordinator.cli.status import status
 from coordinator.client import ShardTimeout
 from coordinator.launch import LaunchError
@@ -41,7 +42,7 @@ def cli():
     """Drive shard daemons: layer-split speculative decoding of Qwen3.5 hybrid models."""
 
 
-for command in (make_model, launch, generate, status, bench, demo):
+for command in (make_model, launch, generate, serve, status, bench, demo):
     cli.add_command(command)
 
 

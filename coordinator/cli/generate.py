@@ -27,8 +27,9 @@ from coordinator.client import ShardClient
 from coordinator.decoding import DecodeResult, greedy_decode, speculative_decode
 from coordinator.drafters import DRAFTERS, make_drafter
 from coordinator.pipeline import PipelineError, ShardInfo
+from coordinator.sampling import Sampling
 from coordinator.target import Target
-from coordinator.tokenizer import load_tokenizer
+from coordinator.tokenizer import TokenizerUnavailable, load_tokenizer
 from protocol.layout import CHECKPOINT, ROLLBACK_MODES
 
 GREEDY = "none"  # --drafter none: plain greedy decoding
@@ -41,9 +42,10 @@ ORACLE_NOTE = (
 class TextStream:
     """Prints committed tokens as text (or ids) as they arrive, never half a character."""
 
-    def __init__(self, tokenizer, ids: bool) -> None:
+    def __init__(self, tokenizer, ids: bool, eos_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.ids = ids
+        self.eos = frozenset(eos_ids)  # an EOS that ends the output is not text
         self.tokens: list[int] = []
         self.printed = ""
 
@@ -53,7 +55,7 @@ class TextStream:
             click.echo(" ".join(map(str, committed)) + " ", nl=False)
             sys.stdout.flush()
             return
-        text = self.tokenizer.decode(self.tokens)
+        text = self.tokenizer.decode(text_tokens(self.tokens, self.eos))
         stable = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence may still be completed
         if stable.startswith(self.printed) and len(stable) > len(self.printed):
             click.echo(stable[len(self.printed):], nl=False)
@@ -62,10 +64,15 @@ class TextStream:
 
     def finish(self) -> None:
         if not self.ids:
-            text = self.tokenizer.decode(self.tokens)
+            text = self.tokenizer.decode(text_tokens(self.tokens, self.eos))
             if text.startswith(self.printed):
                 click.echo(text[len(self.printed):], nl=False)
         click.echo("")
+
+
+def text_tokens(tokens: Sequence[int], eos_ids) -> list[int]:
+    """The generated tokens that are text: all but an EOS that ended the generation."""
+    return list(tokens[:-1]) if tokens and tokens[-1] in eos_ids else list(tokens)
 
 
 @dataclass
@@ -91,13 +98,14 @@ def run_generation(
     on_commit: Optional[Callable[[list[int]], None]] = None,
     reference: Optional[list[int]] = None,
     draft_client: Optional[ShardClient] = None,
+    sampling: Optional[Sampling] = None,
 ) -> Generation:
     """One generation through `target` with fresh random sequence ids. `oracle` first
     decodes greedily through the same target, unless `reference` (those ids) is given.
     `dflash` drafts on the daemon behind `draft_client`; `target` is then a Pipeline."""
     seq = secrets.randbelow(1 << 62)
     if drafter == GREEDY:
-        result = greedy_decode(target, seq, prompt, max_new_tokens, eos_ids, on_commit)
+        result = greedy_decode(target, seq, prompt, max_new_tokens, eos_ids, on_commit, sampling=sampling)
         return Generation(result, None, drafter, None, None)
     reference_result = None
     if drafter == "oracle" and reference is None:
@@ -121,17 +129,18 @@ def run_generation(
         target = chosen.target  # every forward captures the drafter's target layers
     result = speculative_decode(
         target, seq, prompt, chosen, block_size=block_size, rollback=rollback,
-        max_new_tokens=max_new_tokens, eos_ids=eos_ids, on_commit=on_commit,
+        max_new_tokens=max_new_tokens, eos_ids=eos_ids, on_commit=on_commit, sampling=sampling,
     )
     return Generation(result, reference_result, drafter, rollback, block_size)
 
 
-def generation_record(generation: Generation, tokenizer, shards: Sequence[ShardInfo] = ()) -> dict:
+def generation_record(generation: Generation, tokenizer, shards: Sequence[ShardInfo] = (), eos_ids=()) -> dict:
     result = generation.result
     summary = result.summary()
     record = {
         "tokens": result.tokens,
-        "text": tokenizer.decode(result.tokens),
+        "text": tokenizer.decode(text_tokens(result.tokens, frozenset(eos_ids))),
+        "finish_reason": result.finish_reason,
         # sha256 over the comma-joined decimal ids (benchstats.tokens_digest)
         "sha256": benchstats.tokens_digest(result.tokens),
         "drafter": generation.drafter,
@@ -187,12 +196,21 @@ def describe_generation(record: dict) -> str:
               help="oracle: tokens committed per step on average.")
 @click.option("--oracle-seed", type=int, default=0, show_default=True, help="oracle: seed of its error schedule.")
 @click.option("--ignore-eos", is_flag=True, help="Generate exactly --max-new-tokens tokens.")
+@click.option("--temperature", type=click.FloatRange(0, 100), default=0.0, show_default=True,
+              help="Sample at this temperature on the head shard (0: greedy, the argmax).")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0: all tokens.")
+@click.option("--seed", type=click.IntRange(0, (1 << 63) - 1), default=None,
+              help="Sampling seed: the same seed gives the same output (default: a random one).")
 @click.option("--ids", "print_ids", is_flag=True, help="Stream token ids instead of text.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of streaming.")
 def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
              curve_client_key, prompt, prompt_ids, tokenizer_dir, max_new_tokens, drafter, draft_shard, draft, block_size,
-             rollback, mean_commit, oracle_seed, ignore_eos, print_ids, as_json):
-    """Generate greedily, speculating with a drafter; stream the text as tokens commit."""
+             rollback, mean_commit, oracle_seed, ignore_eos, temperature, top_p, top_k, seed, print_ids, as_json):
+    """Generate greedily (or sampling, --temperature), speculating with a drafter; stream the text as tokens commit."""
+    sampling = Sampling.make(temperature, top_p, top_k, seed)
+    if not sampling.greedy and drafter == "oracle":
+        raise click.UsageError("--drafter oracle replays the greedy output; sample with ngram, dflash or none")
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     ids = parse_ids(prompt_ids, "--prompt-ids") if prompt_ids is not None else None
@@ -216,7 +234,12 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
                     pipeline.check_speculation(rollback, block_size)
                 except PipelineError as error:
                     raise click.UsageError(str(error)) from None
-            tokenizer = load_tokenizer(tokenizer_dir or plan.model_dir, pipeline.vocab_size)
+            try:
+                tokenizer = load_tokenizer(tokenizer_dir or plan.model_dir, pipeline.vocab_size, pipeline.shards)
+            except TokenizerUnavailable as error:
+                raise click.UsageError(str(error)) from None
+            if prompt is not None and not as_json:
+                progress(f"tokenizer: {tokenizer.source}")
             if ids is None:
                 ids = tokenizer.encode(prompt)
                 if not ids:
@@ -228,13 +251,13 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
             eos_ids = () if ignore_eos else tuple(tokenizer.eos_ids) or tuple(pipeline.shards[-1].model.get("eos_token_ids") or ())
             if drafter == "oracle":
                 progress(f"{ORACLE_NOTE}; running that greedy pass now")
-            stream = None if as_json else TextStream(tokenizer, print_ids)
+            stream = None if as_json else TextStream(tokenizer, print_ids, eos_ids)
             generation = run_generation(
                 pipeline, ids, drafter=drafter, rollback=rollback, block_size=block_size,
                 max_new_tokens=max_new_tokens, eos_ids=eos_ids, mean_commit=mean_commit, oracle_seed=oracle_seed,
-                on_commit=stream, draft_client=draft_client,
+                on_commit=stream, draft_client=draft_client, sampling=sampling,
             )
-            record = generation_record(generation, tokenizer, pipeline.shards)
+            record = generation_record(generation, tokenizer, pipeline.shards, eos_ids)
     if as_json:
         emit_json(record)
     else:

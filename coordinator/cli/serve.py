@@ -1,0 +1,72 @@
+"""`shardctl serve`: the OpenAI-compatible HTTP API (coordinator.serve) over running or launched shards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from coordinator.cli.options import daemon_args_from, load_curve, shard_source_options
+from coordinator.cli.output import progress
+from coordinator.cli.plan import connect_pipeline, dflash_daemon, make_plan, mode_daemon_args
+from coordinator.pipeline import PipelineError
+from coordinator.tokenizer import TokenizerUnavailable, load_tokenizer
+from protocol.layout import CHECKPOINT, ROLLBACK_MODES
+
+
+@click.command()
+@shard_source_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the HTTP server listens on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--tokenizer", "tokenizer_dir", type=click.Path(exists=True, file_okay=False),
+              help="Directory with tokenizer.json and the chat template (default: --model's, else the shards').")
+@click.option("--served-model-name", help="The model id clients ask for (default: the model directory's name).")
+@click.option("--drafter", type=click.Choice(("none", "ngram", "dflash")), default="ngram", show_default=True,
+              help="none: one token per step; ngram: prompt lookup; dflash: the drafter daemon (--draft-shard/--draft).")
+@click.option("--draft-shard", metavar="EP", help="dflash with --shards: endpoint of the daemon hosting the drafter.")
+@click.option("--draft", metavar="DIR|synthetic[:LAYERS]", help="dflash when launching shards: the drafter to launch.")
+@click.option("--block-size", type=click.IntRange(2), default=16, show_default=True, help="Tokens per verify step.")
+@click.option("--rollback", type=click.Choice(ROLLBACK_MODES), default=CHECKPOINT, show_default=True)
+@click.option("--log-level", type=click.Choice(("critical", "error", "warning", "info", "debug")), default="info",
+              show_default=True)
+def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
+          curve_client_key, host, port, tokenizer_dir, served_model_name, drafter, draft_shard, draft, block_size,
+          rollback, log_level):
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
+    import uvicorn
+
+    from coordinator.serve.app import build_app
+    from coordinator.serve.chat import load_chat_template
+    from coordinator.serve.engine import Engine, generation_defaults
+
+    speculating = drafter != "none"
+    plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
+                     daemon_args_from(dtype=dtype), curve=curve_server_key or curve_client_key)
+    if drafter == "dflash":
+        plan.draft_endpoint, plan.draft = dflash_daemon(plan, draft_shard, draft)
+    elif draft_shard or draft:
+        raise click.UsageError("--draft-shard and --draft go with --drafter dflash")
+    curve = load_curve(curve_server_key, curve_client_key)
+    with plan.running_with_drafter(mode_daemon_args(rollback, block_size, speculating)) as (endpoints, draft_endpoint):
+        with connect_pipeline(endpoints, timeout, curve) as pipeline:
+            try:
+                tokenizer = load_tokenizer(tokenizer_dir or plan.model_dir, pipeline.vocab_size, pipeline.shards)
+            except TokenizerUnavailable as error:
+                raise click.UsageError(str(error)) from None
+            eos_ids = tuple(tokenizer.eos_ids) or tuple(pipeline.shards[-1].model.get("eos_token_ids") or ())
+        source_dir = tokenizer.model_dir or plan.model_dir
+        template = load_chat_template(source_dir)
+        name = served_model_name or (Path(source_dir).resolve().name if source_dir else "shardd")
+        try:
+            engine = Engine(endpoints, tokenizer, model_name=name, drafter=drafter, rollback=rollback,
+                            block_size=block_size, timeout=timeout, curve=curve, draft_endpoint=draft_endpoint,
+                            eos_ids=eos_ids, chat_template=template, defaults=generation_defaults(source_dir))
+        except (PipelineError, ValueError) as error:
+            raise click.UsageError(str(error)) from None
+        progress(f"tokenizer: {tokenizer.source}; chat template: {template.origin if template else 'none'}; "
+                 f"model {name!r}, {len(endpoints)} shards, context {engine.max_context}, "
+                 f"{engine.max_sequences} concurrent sequences, drafter {drafter}")
+        try:
+            uvicorn.Server(uvicorn.Config(build_app(engine), host=host, port=port, log_level=log_level)).run()
+        finally:
+            engine.close()

@@ -1,0 +1,326 @@
+"""Requests to sequences: each request decodes on its own thread over a pipeline connection of its own
+(a `Pipeline` belongs to one thread; idle connections are pooled), so concurrent requests are concurrent
+sequences on the same daemons and none waits for another to finish. At most `max_sequences` (the
+smallest any shard allows) decode at once; more wait for a slot. The thread's commits reach the event loop
+through an asyncio queue as text deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, Callable, Optional, Sequence
+
+from coordinator.client import ShardClient
+from coordinator.decoding import DecodeResult, StopDecoding, greedy_decode, speculative_decode
+from coordinator.drafters import make_drafter
+from coordinator.pipeline import Pipeline, PipelineError
+from coordinator.sampling import Sampling
+from coordinator.serve.metrics import ServeMetrics
+from protocol.layout import CHECKPOINT
+
+GREEDY = "none"
+SERVE_DRAFTERS = (GREEDY, "ngram", "dflash")  # oracle needs the answer first: a benchmark, not a server
+
+
+class RequestError(ValueError):
+    """The request cannot be served as asked (HTTP 400); the message says why."""
+
+
+@dataclass
+class GenerateParams:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: Sampling
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class Delta:
+    text: str = ""
+    finish_reason: Optional[str] = None
+    result: Optional[DecodeResult] = None  # on the last delta
+
+
+@dataclass
+class Connection:
+    pipeline: Pipeline
+    draft_client: Optional[ShardClient] = None
+
+    def close(self) -> None:
+        self.pipeline.disconnect()
+        if self.draft_client is not None:
+            self.draft_client.close()
+
+
+def generation_defaults(model_dir: Optional[str]) -> dict:
+    """Sampling defaults from generation_config.json (as vLLM applies them): temperature, top_p, top_k."""
+    if model_dir is None or not (Path(model_dir) / "generation_config.json").is_file():
+        return {}
+    config = json.loads((Path(model_dir) / "generation_config.json").read_text())
+    defaults = {key: config[key] for key in ("temperature", "top_p", "top_k") if config.get(key) is not None}
+    if config.get("do_sample") is False:
+        defaults["temperature"] = 0.0
+    return defaults
+
+
+class Engine:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        tokenizer,
+        *,
+        model_name: str,
+        drafter: str = "ngram",
+        rollback: str = CHECKPOINT,
+        block_size: int = 16,
+        timeout: float = 120.0,
+        curve=None,
+        draft_endpoint: Optional[str] = None,
+        eos_ids: Sequence[int] = (),
+        chat_template=None,
+        defaults: Optional[dict] = None,
+        metrics: Optional[ServeMetrics] = None,
+    ) -> None:
+        if drafter not in SERVE_DRAFTERS:
+            raise ValueError(f"shardctl serve drafts with one of {', '.join(SERVE_DRAFTERS)}, not {drafter!r}")
+        if drafter == "dflash" and draft_endpoint is None:
+            raise ValueError("--drafter dflash needs the drafter daemon (--draft-shard)")
+        self.endpoints = list(endpoints)
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.drafter = drafter
+        self.rollback = rollback
+        self.block_size = block_size
+        self.timeout = timeout
+        self.curve = curve
+        self.draft_endpoint = draft_endpoint
+        self.eos_ids = tuple(eos_ids)
+        self.chat_template = chat_template
+        self.defaults = defaults or {}
+        self.metrics = metrics or ServeMetrics()
+        self._idle: "queue.SimpleQueue[Connection]" = queue.SimpleQueue()
+        first = self._connect()  # refuses a shard set that cannot form the model, or cannot speculate so
+        try:
+            pipeline = first.pipeline
+            if drafter != GREEDY:
+                pipeline.check_speculation(rollback, block_size)
+            self.vocab_size = pipeline.vocab_size
+            self.max_context = pipeline.max_context
+            self.max_sequences = min(s.hello["limits"]["max_sequences"] for s in pipeline.shards)
+            self.fingerprint = pipeline.shards[0].model["fingerprint"]
+        except BaseException:
+            first.close()
+            raise
+        self._idle.put(first)
+        self._slots: Optional[asyncio.Semaphore] = None
+
+    # ---- connections -----------------------------------------------------------------------
+
+    def _connect(self) -> Connection:
+        pipeline = Pipeline.connect(self.endpoints, timeout_s=self.timeout, curve=self.curve)
+        draft_client = None
+        if self.draft_endpoint is not None:
+            draft_client = ShardClient(self.draft_endpoint, timeout_s=self.timeout, curve=self.curve)
+        return Connection(pipeline, draft_client)
+
+    def _take(self) -> Connection:
+        try:
+            return self._idle.get_nowait()
+        except queue.Empty:
+            return self._connect()
+
+    def close(self) -> None:
+        while True:
+            try:
+                self._idle.get_nowait().close()
+            except queue.Empty:
+                return
+
+    def health(self) -> tuple[bool, dict]:
+        """Ready when every shard answers HELLO with one model fingerprint."""
+        shards, problems = {}, []
+        for endpoint in self.endpoints + ([self.draft_endpoint] if self.draft_endpoint else []):
+            try:
+                with ShardClient(endpoint, timeout_s=min(self.timeout, 5.0), curve=self.curve) as client:
+                    hello = client.hello()
+                shards[endpoint] = {"fingerprint": hello["model"]["fingerprint"], "layers": hello["layers"]}
+            except Exception as error:  # noqa: BLE001 - any failure means not ready, with its reason
+                shards[endpoint] = {"error": str(error)}
+                problems.append(f"{endpoint}: {error}")
+        fingerprints = {s["fingerprint"] for s in shards.values() if "fingerprint" in s}
+        if len(fingerprints) > 1:
+            problems.append(f"shards disagree on the model fingerprint: {sorted(fingerprints)}")
+        elif fingerprints and fingerprints != {self.fingerprint}:
+            problems.append(f"the shards now serve {fingerprints.pop()}, not {self.fingerprint}")
+        return not problems, {"status": "ok" if not problems else "unavailable", "shards": shards, "problems": problems}
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def sampling(self, temperature, top_p, top_k, seed) -> Sampling:
+        pick = lambda value, key, default: value if value is not None else self.defaults.get(key, default)  # noqa: E731
+        try:
+            return Sampling.make(pick(temperature, "temperature", 1.0), pick(top_p, "top_p", None),
+                                 pick(top_k, "top_k", None), seed)
+        except ValueError as error:
+            raise RequestError(str(error)) from None
+
+    def check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise RequestError("the prompt is empty")
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary 0..{self.vocab_size - 1}")
+        if len(ids) >= self.max_context:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_context} tokens; the prompt holds {len(ids)} "
+                f"tokens, leaving no room for output"
+            )
+
+    def decode_blocking(self, params: GenerateParams, on_text: Callable[[str], None],
+                        cancelled: threading.Event) -> DecodeResult:
+        """One request on this thread: decode, report text deltas as tokens commit, return the result."""
+        text = TextTracker(self.tokenizer, params.stop, () if params.ignore_eos else self.eos_ids)
+        last = [time.perf_counter()]
+        started = last[0]
+
+        def on_commit(committed: list[int]) -> None:
+            now = time.perf_counter()
+            if len(text.tokens) == 0:
+                self.metrics.ttft_seconds.observe(now - started)
+            else:
+                self.metrics.step_seconds.observe(now - last[0])
+            last[0] = now
+            delta, stopped = text.add(committed)
+            if delta:
+                on_text(delta)
+            if stopped or cancelled.is_set():
+                raise StopDecoding
+
+        connection = self._take()
+        healthy = False
+        try:
+            eos = () if params.ignore_eos else self.eos_ids
+            seq = secrets.randbelow(1 << 62)
+            if self.drafter == GREEDY:
+                result = greedy_decode(connection.pipeline, seq, params.prompt_ids, params.max_tokens, eos, on_commit,
+                                       sampling=params.sampling)
+            else:
+                chosen = make_drafter(self.drafter, prompt_len=len(params.prompt_ids), block_size=self.block_size,
+                                      draft_client=connection.draft_client, pipeline=connection.pipeline)
+                target = chosen.target if self.drafter == "dflash" else connection.pipeline
+                block = min(self.block_size, chosen.max_block_size) if self.drafter == "dflash" else self.block_size
+                result = speculative_decode(
+                    target, seq, params.prompt_ids, chosen, block_size=block, rollback=self.rollback,
+                    max_new_tokens=params.max_tokens, eos_ids=eos, on_commit=on_commit, sampling=params.sampling,
+                )
+            healthy = True
+        finally:
+            if healthy:
+                self._idle.put(connection)
+            else:
+                connection.close()
+        rest = text.finish()
+        if rest:
+            on_text(rest)
+        if text.stopped:
+            result.finish_reason = "stop"
+        self.metrics.record(result, self.rollback if self.drafter != GREEDY else None)
+        return result
+
+    async def generate(self, params: GenerateParams) -> AsyncIterator[Delta]:
+        """Text deltas as the request's tokens commit; the last one carries finish_reason and the result.
+        Closing the iterator early (the client went away) ends the sequence after its current step."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_sequences)
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue = asyncio.Queue()
+        cancelled = threading.Event()
+
+        def run() -> None:
+            try:
+                result = self.decode_blocking(params, lambda t: loop.call_soon_threadsafe(deltas.put_nowait, t),
+                                              cancelled)
+                loop.call_soon_threadsafe(deltas.put_nowait, result)
+            except BaseException as error:  # noqa: BLE001 - handed to the request's coroutine
+                loop.call_soon_threadsafe(deltas.put_nowait, error)
+
+        async with self._slots:
+            self.metrics.running.inc()
+            thread = threading.Thread(target=run, name="shardctl-request", daemon=True)
+            try:
+                thread.start()
+                while True:
+                    item = await deltas.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    if isinstance(item, DecodeResult):
+                        yield Delta(finish_reason=item.finish_reason, result=item)
+                        return
+                    yield Delta(text=item)
+            finally:
+                cancelled.set()
+                self.metrics.running.dec()
+                if thread.is_alive():
+                    await asyncio.to_thread(thread.join, self.timeout)
+
+    async def complete(self, params: GenerateParams) -> tuple[str, DecodeResult]:
+        parts, result = [], None
+        async for delta in self.generate(params):
+            parts.append(delta.text)
+            result = delta.result or result
+        return "".join(parts), result
+
+
+class TextTracker:
+    """Committed tokens -> the text to send: an EOS at the end is not text, stop strings end the request
+    (the stop string itself is not returned), an incomplete UTF-8 character or a possible stop-string prefix
+    is held back until it resolves."""
+
+    def __init__(self, tokenizer, stop: Sequence[str], eos_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.eos = frozenset(eos_ids)
+        self.tokens: list[int] = []
+        self.sent = ""
+        self.stopped = False
+
+    def _text(self) -> str:
+        visible = self.tokens[:-1] if self.tokens and self.tokens[-1] in self.eos else self.tokens
+        return self.tokenizer.decode(visible)
+
+    def add(self, committed: list[int]) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        self.tokens.extend(committed)
+        text = self._text()
+        hits = [index for index in (text.find(s, max(0, len(self.sent) - len(s))) for s in self.stop) if index >= 0]
+        if hits:
+            self.stopped = True
+            return self._advance(text[:min(hits)]), True
+        stable = text.rstrip("\ufffd")
+        hold = max((len(s) - 1 for s in self.stop), default=0)
+        return self._advance(stable[:len(stable) - hold] if hold else stable), False
+
+    def _advance(self, text: str) -> str:
+        if not text.startswith(self.sent) or len(text) <= len(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+    def finish(self) -> str:
+        """What is left to send once decoding ended."""
+        if self.stopped:
+            return ""
+        text = self._text()
+        if text.startswith(self.sent):
+            delta, self.sent = text[len(self.sent):], text
+            return delta
+        return ""

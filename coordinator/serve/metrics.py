@@ -1,0 +1,46 @@
+"""Prometheus metrics of `shardctl serve` (`GET /metrics`), in a registry of their own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class ServeMetrics:
+    def __init__(self) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("shardctl_requests", "HTTP API requests, by route and outcome",
+                                ["route", "status"], registry=registry)
+        self.running = Gauge("shardctl_requests_running", "Requests decoding now", registry=registry)
+        self.prompt_tokens = Counter("shardctl_prompt_tokens", "Prompt tokens prefilled", registry=registry)
+        self.generation_tokens = Counter("shardctl_generation_tokens", "Tokens generated", registry=registry)
+        self.accepted_drafts = Histogram("shardctl_accepted_drafts_per_step", "Draft tokens accepted per verify step",
+                                         buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32), registry=registry)
+        self.step_seconds = Histogram("shardctl_step_seconds", "Latency of one decode / verify step",
+                                      buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+                                      registry=registry)
+        self.ttft_seconds = Histogram("shardctl_time_to_first_token_seconds", "Request start to first token (prefill)",
+                                      buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+                                      registry=registry)
+        self.rollbacks = Counter("shardctl_rollbacks", "Rolled-back verify steps, by how (checkpoint, replay-ssm, "
+                                 "replay, fallback: re-filled from history)", ["mode"], registry=registry)
+        self.recoveries = Counter("shardctl_recoveries", "Sequences re-filled after a shard lost them",
+                                  registry=registry)
+        self.finished = Counter("shardctl_finished", "Finished requests, by finish_reason", ["reason"],
+                                registry=registry)
+
+    def record(self, result, rollback_mode: str | None) -> None:
+        """A finished generation's `DecodeResult`."""
+        self.prompt_tokens.inc(result.prompt_tokens)
+        self.generation_tokens.inc(len(result.tokens))
+        if result.drafted:
+            for committed in result.commits:
+                self.accepted_drafts.observe(max(committed - 1, 0))
+        if result.rollbacks_fast:
+            self.rollbacks.labels(rollback_mode or "checkpoint").inc(result.rollbacks_fast)
+        if result.replays:
+            self.rollbacks.labels("replay").inc(result.replays)
+        if result.rollbacks_fallback:
+            self.rollbacks.labels("fallback").inc(result.rollbacks_fallback)
+        if result.recoveries:
+            self.recoveries.inc(result.recoveries)
+        self.finished.labels(result.finish_reason).inc()

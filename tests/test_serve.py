@@ -1,0 +1,322 @@
+"""`shardctl serve` end to end: a checkpoint written by transformers with a BPE tokenizer.json and a chat
+template built here, two real `shardd serve` daemons on loopback, the real server on a free port, the real
+`openai` client. Greedy text must equal transformers' greedy text."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from click.testing import CliRunner
+
+from coordinator.cli import cli
+from coordinator.decoding import speculative_decode
+from coordinator.drafters import NgramDrafter
+from coordinator.launch import ShardSet, child_env, launched_sets
+from coordinator.pipeline import Pipeline
+from coordinator.sampling import Sampling
+from coordinator.tokenizer import HFTokenizer
+from tests.daemons import _die_with_parent
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+PROMPT = "Shards hand hidden states along the pipeline"
+MAX_CONTEXT = 48
+NEW = 10
+
+
+def build_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [PROMPT, "hello world, the shards say hello", "pipeline of hidden states and tokens",
+              "speculative decoding drafts tokens and verifies them"] * 20
+    tokenizer.train_from_iterator(corpus, trainer)
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML,
+        "eos_token": "<|im_end|>", "bos_token": None, "pad_token": "<|endoftext|>",
+    }))
+
+
+def hf_greedy(model, ids: list[int], n: int, eos: set[int]) -> list[int]:
+    out = list(ids)
+    with torch.inference_mode():
+        for _ in range(n):
+            token = int(model(torch.tensor([out])).logits[0, -1].argmax())
+            out.append(token)
+            if token in eos:
+                break
+    return out[len(ids):]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """The checkpoint, plus what transformers says greedy decoding gives for the completion and chat prompts."""
+    from transformers import PreTrainedTokenizerFast, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    out = tmp_path_factory.mktemp("served")
+    build_tokenizer(out)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(out))
+    vocab = len(tokenizer)
+    torch.manual_seed(0)
+    config = Qwen3_5TextConfig(
+        vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=2, linear_key_head_dim=12, linear_value_head_dim=12, linear_conv_kernel_dim=4,
+        initializer_range=0.3, max_position_embeddings=MAX_CONTEXT,
+    )
+    hf = Qwen3_5ForCausalLM(config).eval()
+    hf.save_pretrained(out)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    # EOS from generation_config.json: <|im_end|> and the 4th token greedy decoding gives, so a request ends on it.
+    greedy = hf_greedy(hf, prompt_ids, NEW, set())
+    eos = [im_end, greedy[3]]
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    chat = [{"role": "user", "content": "hello shards"}]
+    chat_ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    chat_ids = chat_ids["input_ids"] if isinstance(chat_ids, dict) or hasattr(chat_ids, "keys") else chat_ids
+
+    def expected(ids, n):
+        tokens = hf_greedy(hf, ids, n, set(eos))
+        text_tokens = tokens[:-1] if tokens and tokens[-1] in eos else tokens
+        return tokens, tokenizer.decode(text_tokens), ("stop" if tokens[-1] in eos else "length")
+
+    return {"dir": out, "eos": eos, "prompt_ids": prompt_ids, "chat": chat, "chat_ids": list(chat_ids),
+            "completion": expected(prompt_ids, NEW), "chat_expected": expected(list(chat_ids), NEW),
+            "hf": hf, "tokenizer": tokenizer}
+
+
+@pytest.fixture(scope="module")
+def shards(model):
+    sets = [ShardSet(("--model", str(model["dir"])), [(0, 2), (2, 4)], "tcp",
+                     ("--max-context", str(MAX_CONTEXT), "--max-verify-tokens", "8", "--threads", "1"))]
+    with launched_sets(sets, ready_timeout_s=120) as (pair,):
+        yield [s.endpoint for s in pair]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "coordinator.cli", "serve", "--port", str(self.port), "--log-level", "warning",
+                   *args]
+        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, env=child_env(), text=True,
+                                        preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"shardctl serve exited {self.process.returncode}: {self.process.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise AssertionError("shardctl serve did not become healthy in 90 s")
+
+    def client(self):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server(shards):
+    server = Server("--shards", ",".join(shards), "--drafter", "ngram", "--block-size", "6")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def model_name(model) -> str:
+    return Path(model["dir"]).resolve().name
+
+
+def test_models_health_and_metrics(server, model, shards):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == [model_name(model)]
+    health = httpx.get(server.url + "/health", timeout=10).json()
+    assert health["status"] == "ok" and set(health["shards"]) == set(shards)
+    client.completions.create(model=model_name(model), prompt=PROMPT, max_tokens=3, temperature=0)
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    for name in ("shardctl_requests_total", "shardctl_generation_tokens_total", "shardctl_accepted_drafts_per_step",
+                 "shardctl_step_seconds", "shardctl_recoveries_total"):
+        assert name in metrics, name
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_greedy_equals_transformers(server, model, stream):
+    tokens, text, finish = model["completion"]
+    client = server.client()
+    kwargs = dict(model=model_name(model), prompt=PROMPT, max_tokens=NEW, temperature=0)
+    if stream:
+        chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+        got = "".join(c.choices[0].text for c in chunks if c.choices)
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        usage = chunks[-1].usage
+        assert reasons == [finish]
+    else:
+        response = client.completions.create(**kwargs)
+        got, usage = response.choices[0].text, response.usage
+        assert response.choices[0].finish_reason == finish
+    assert finish == "stop"  # the model's EOS (generation_config.json) ended it, and is not in the text
+    assert got == text
+    assert usage.prompt_tokens == len(model["prompt_ids"]) and usage.completion_tokens == len(tokens)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_greedy_equals_transformers(server, model, stream):
+    tokens, text, finish = model["chat_expected"]
+    client = server.client()
+    kwargs = dict(model=model_name(model), messages=model["chat"], max_tokens=NEW, temperature=0)
+    if stream:
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == [finish]
+    else:
+        response = client.chat.completions.create(**kwargs)
+        got = response.choices[0].message.content
+        assert response.choices[0].finish_reason == finish
+        assert response.usage.prompt_tokens == len(model["chat_ids"])
+        assert response.usage.completion_tokens == len(tokens)
+    assert got == text
+
+
+def test_context_limit_ends_with_length_and_long_prompts_are_refused(server, model):
+    client = server.client()
+    response = client.completions.create(model=model_name(model), prompt=PROMPT, max_tokens=500, temperature=1.0,
+                                         seed=3, extra_body={"ignore_eos": True})
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.total_tokens == MAX_CONTEXT
+    from openai import BadRequestError
+
+    with pytest.raises(BadRequestError, match="maximum context length"):
+        client.completions.create(model=model_name(model), prompt=list(range(MAX_CONTEXT)), max_tokens=1)
+
+
+def test_stop_strings_and_seeds(server, model):
+    client = server.client()
+    name = model_name(model)
+    sampled = [client.completions.create(model=name, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=s,
+                                         extra_body={"ignore_eos": True}).choices[0].text for s in (7, 7, 8)]
+    assert sampled[0] == sampled[1]
+    full = sampled[0]
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    if stop.strip():
+        response = client.completions.create(model=name, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=7,
+                                             stop=[stop], extra_body={"ignore_eos": True})
+        assert response.choices[0].text == full[:full.find(stop)]
+        assert response.choices[0].finish_reason == "stop"
+
+
+def test_concurrent_streams_each_equal_their_output_alone(server, model):
+    name = model_name(model)
+    prompts = [f"{PROMPT} {i}" for i in range(8)]
+
+    def run(i: int, results: dict) -> None:
+        client = server.client()
+        chunks = client.completions.create(model=name, prompt=prompts[i], max_tokens=12, temperature=0.8, seed=100 + i,
+                                           stream=True)
+        results[i] = "".join(c.choices[0].text for c in chunks if c.choices)
+
+    alone: dict = {}
+    for i in range(8):
+        run(i, alone)
+    together: dict = {}
+    threads = [threading.Thread(target=run, args=(i, together)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert together == alone
+
+
+def test_a_seed_reproduces_across_rollback_modes_through_the_shards(shards, model):
+    outputs = {}
+    with Pipeline.connect(shards) as pipeline:
+        for mode in ("checkpoint", "replay"):
+            outputs[mode] = speculative_decode(pipeline, 77, model["prompt_ids"], NgramDrafter(), block_size=6,
+                                               rollback=mode, max_new_tokens=16,
+                                               sampling=Sampling(temperature=1.0, seed=99)).tokens
+    assert outputs["checkpoint"] == outputs["replay"]
+
+
+def test_generate_uses_the_tokenizer_the_shards_name(shards, model):
+    """Without --tokenizer, `generate --shards` used to encode the prompt as bytes: wrong text, silently."""
+    result = CliRunner().invoke(cli, ["generate", "--shards", ",".join(shards), "--prompt", PROMPT, "--drafter", "none",
+                                      "--max-new-tokens", str(NEW), "--json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    tokens, text, _ = model["completion"]
+    assert record["tokens"] == tokens
+    assert record["text"] == text  # and the EOS is not part of it
+
+
+def test_generate_samples_with_a_seed(shards, model):
+    args = ["generate", "--shards", ",".join(shards), "--prompt", PROMPT, "--max-new-tokens", "8", "--json",
+            "--temperature", "1.0", "--seed", "5", "--ignore-eos", "--block-size", "6"]
+    runs = [CliRunner().invoke(cli, args + extra) for extra in ([], ["--rollback", "replay"])]
+    assert [run.exit_code for run in runs] == [0, 0], [run.output for run in runs]
+    first, again = (json.loads(run.stdout) for run in runs)
+    assert first["tokens"] == again["tokens"]  # (seed, position) decides each draw, whatever the rollback mode
+
+
+def test_a_tokenizer_the_shards_name_but_this_host_lacks_is_refused():
+    from coordinator.pipeline import ShardInfo
+    from coordinator.tokenizer import TokenizerUnavailable, load_tokenizer
+
+    shard = ShardInfo("tcp://127.0.0.1:1", {"tokenizer": "/nonexistent/model"})
+    with pytest.raises(TokenizerUnavailable, match="--tokenizer"):
+        load_tokenizer(None, 300, [shard])
+
+
+def test_quantized_checkpoints_are_refused(model, tmp_path):
+    from shardd.config import ConfigError, load_config
+
+    for method in ("fp8", "gptq", "awq"):
+        quantized = tmp_path / method
+        quantized.mkdir()
+        raw = json.loads((Path(model["dir"]) / "config.json").read_text())
+        raw["quantization_config"] = {"quant_method": method, "weight_block_size": [128, 128]}
+        (quantized / "config.json").write_text(json.dumps(raw))
+        with pytest.raises(ConfigError, match=f"quant_method '{method}'"):
+            load_config(quantized)
