@@ -131,7 +131,10 @@ class ShardDaemon:
         model = shard if shard is not None else drafter.model
         self.dtype, self.device = model.dtype, model.device
         self.options = options
-        self.limits = Limits(max_tokens_per_request=options.max_tokens_per_request)
+        self.limits = Limits(
+            max_tokens_per_request=options.max_tokens_per_request,
+            max_frame_bytes=largest_frame_bytes(self.config.hidden_size, drafter, options.max_tokens_per_request),
+        )
         # Keyed by (owner, seq): a sequence belongs to the peer that opened it (PROTOCOL.md, "Who may do what").
         self.sequences: dict[tuple[bytes, int], Sequence] = {}
         self.owner = b""  # the peer of the request being handled: its Curve key, else its ZeroMQ routing id
@@ -472,9 +475,9 @@ class ShardDaemon:
         context = zmq.Context.instance()
         socket = context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 1000)
-        # Frames up to max_total_bytes are read and answered (TOO_LARGE past max_frame_bytes); a frame beyond
-        # that would only fill memory, so libzmq drops the connection instead (PROTOCOL.md, "Limits").
-        socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_total_bytes)
+        # A frame over max_frame_bytes is refused by libzmq from its length prefix, before any memory is
+        # allocated for it, and the connection dropped (PROTOCOL.md, "Limits").
+        socket.setsockopt(zmq.MAXMSGSIZE, max(self.limits.max_frame_bytes, self.limits.max_header_bytes))
         authenticator = configure_security(context, socket, options)
         socket.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT; IPv4 binds are unaffected
         socket.bind(options.bind)
@@ -519,6 +522,16 @@ class ShardDaemon:
                 if path and not path.startswith("@") and os.path.exists(path):
                     os.unlink(path)
             log.info("stopped: %d sequences were open", len(self.sequences))
+
+
+MIN_FRAME_BYTES = 16 << 20  # small models still answer a modestly oversized frame with TOO_LARGE
+
+
+def largest_frame_bytes(hidden_size: int, drafter: HostedDrafter | None, max_tokens: int) -> int:
+    """The frame limit: twice the largest tensor a valid request can carry (max_tokens rows of hidden
+    states or drafter features, float32), so a slightly oversized one is still answered TOO_LARGE."""
+    width = max(hidden_size, drafter.config.feature_size if drafter is not None else 0)
+    return max(MIN_FRAME_BYTES, 2 * max_tokens * width * 4)
 
 
 def split_envelope(frames: list) -> tuple[list, list]:
