@@ -6,7 +6,6 @@ import logging
 import signal
 import sys
 import time
-from pathlib import Path
 
 import click
 

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import msgpack
 import pytest
-import zmq
 
-from coordinator.client import ShardClient, ShardUnavailable
+from coordinator.client import ShardClient
 from coordinator.decoding import RecoveryFailed, greedy_decode
 from coordinator.pipeline import Pipeline, ShardReplaced
 from protocol import ErrorCode, encode_request
@@ -398,6 +397,7 @@ def test_bad_values_are_quoted_by_a_short_prefix(tmp_path):
 
 def test_curve_refusals_are_logged(tmp_path):
     """Was: a refused Curve handshake left no trace in the log."""
+    import zmq
     import zmq.auth
 
     keys, allowed = tmp_path / "keys", tmp_path / "allowed"
