@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import zmq
 
+from coordinator.liveness import LIVENESS_TIMEOUT_S, ConnectionWatch, enable_heartbeats
 from protocol import (
     Capture,
     Close,
@@ -64,6 +66,20 @@ class ShardTimeout(TimeoutError):
         self.timeout_s = timeout_s
 
 
+class ShardUnavailable(ShardTimeout):
+    """The daemon at `endpoint` is not there: no connection within the liveness timeout, or the
+    connection dropped (killed, stopped, unreachable) while a request was in flight."""
+
+    def __init__(self, endpoint: str, what: str, reason: str, waited_s: float) -> None:
+        TimeoutError.__init__(self, f"{endpoint}: {reason} while waiting for {what} ({waited_s:.1f} s)")
+        self.endpoint = endpoint
+        self.timeout_s = waited_s
+
+
+# The compute timeout grows with the tokens a request carries: a long prefill is not a HELLO.
+SECONDS_PER_TOKEN = 0.05
+
+
 @dataclass(frozen=True)
 class CurveKeys:
     """CurveZMQ keys for a daemon bound off loopback: the server's public key and this
@@ -86,12 +102,26 @@ class CurveKeys:
 
 
 class ShardClient:
-    def __init__(self, endpoint: str, timeout_s: float = 120.0, curve: Optional[CurveKeys] = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        timeout_s: float = 120.0,
+        curve: Optional[CurveKeys] = None,
+        liveness_timeout_s: float = LIVENESS_TIMEOUT_S,
+    ) -> None:
         self.endpoint = endpoint
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # compute timeout of a request without tokens; more per token
+        self.liveness_timeout_s = liveness_timeout_s
         self._ids = itertools.count(1)
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        # Sequences belong to the connection that opened them: keep one identity across reconnects.
+        self._socket.setsockopt(zmq.ROUTING_ID, b"shardctl-" + secrets.token_hex(16).encode())
+        # Queue nothing while no daemon is connected: a request sent to nobody fails, not waits for a restart.
+        self._socket.setsockopt(zmq.IMMEDIATE, 1)
+        self._socket.setsockopt(zmq.IPV6, 1)
+        enable_heartbeats(self._socket, liveness_timeout_s)
+        self._watch = ConnectionWatch(self._socket)
         if curve is not None:
             self._socket.curve_serverkey = curve.server_public
             self._socket.curve_publickey = curve.public
@@ -99,39 +129,68 @@ class ShardClient:
         self._socket.connect(endpoint)
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
+        self._poller.register(self._watch.monitor, zmq.POLLIN)
+        self._drops_at_send = 0
 
     # ---- transport -----------------------------------------------------------------------
 
     def request(self, record: Request, timeout_s: Optional[float] = None) -> Reply:
         """Send `record` (its id replaced by this client's next id) and return the reply.
 
-        Raises ShardError for `ok: false`, ShardTimeout when nothing comes back in time,
-        ProtocolError for a reply that is not valid protocol v1."""
-        return self.receive(self.send(record), timeout_s)
+        Raises ShardError for `ok: false`, ShardUnavailable when the daemon is not connected or
+        goes away, ShardTimeout when nothing comes back in time, ProtocolError for a reply that
+        is not valid protocol v1. An explicit `timeout_s` also bounds the wait for a connection."""
+        return self.receive(self.send(record, timeout_s), timeout_s)
 
-    def send(self, record: Request) -> Request:
-        """Send without waiting; returns the record as sent (with its id) for `receive`.
-        Lets a caller keep several daemons busy at once: one request in flight per client."""
+    def send(self, record: Request, connect_timeout_s: Optional[float] = None) -> Request:
+        """Send without waiting for the reply; returns the record as sent (with its id) for `receive`.
+        Lets a caller keep several daemons busy at once: one request in flight per client.
+        Waits up to `connect_timeout_s` (default: the liveness timeout) for a connection to the daemon,
+        else ShardUnavailable; nothing is left queued then."""
         if self._socket.closed:
             raise RuntimeError(f"{self.endpoint}: client is closed")
         record = dataclasses.replace(record, id=next(self._ids))
+        if connect_timeout_s is None:
+            connect_timeout_s = min(self.liveness_timeout_s, self.compute_timeout(record))
+        wait_s = connect_timeout_s
+        # With IMMEDIATE a DEALER is writable only while a handshake-complete connection has room.
+        if not self._socket.poll(max(1, int(wait_s * 1000)), zmq.POLLOUT):
+            raise ShardUnavailable(self.endpoint, _describe(record), "no connection to the daemon", wait_s)
+        self._watch.update()  # drops before this request do not concern it
+        self._drops_at_send = self._watch.drops
         try:
-            # A DEALER queues the message even before the daemon has bound its socket.
             self._socket.send_multipart(encode_request(record), flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            raise ShardTimeout(self.endpoint, f"{_describe(record)} (send queue full)", 0) from None
+            raise ShardUnavailable(self.endpoint, _describe(record), "send queue full", 0) from None
         return record
+
+    def compute_timeout(self, record: Request) -> float:
+        """How long a reply to `record` may take while the daemon is alive: the base plus per token."""
+        tokens = getattr(record, "tokens", None)
+        hidden = getattr(record, "hidden", None)
+        n = len(tokens) if tokens is not None else (hidden.shape[0] if hidden is not None else 0)
+        return self.timeout_s + n * SECONDS_PER_TOKEN
 
     def receive(self, sent: Request, timeout_s: Optional[float] = None) -> Reply:
         """The reply to `sent` (as `send` returned it); replies to earlier requests that
-        timed out are dropped on the way."""
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        timed out are dropped on the way. ShardUnavailable as soon as the connection drops
+        (the request is lost with it), ShardTimeout after the compute timeout."""
+        timeout_s = self.compute_timeout(sent) if timeout_s is None else timeout_s
         what = _describe(sent)
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
         while True:
             remaining_ms = (deadline - time.monotonic()) * 1000
-            if remaining_ms <= 0 or not self._poller.poll(max(1, int(remaining_ms))):
+            if remaining_ms <= 0:
                 raise ShardTimeout(self.endpoint, what, timeout_s)
+            events = dict(self._poller.poll(max(1, int(remaining_ms))))
+            if self._socket not in events:
+                if self._watch.monitor in events:
+                    self._watch.update()
+                    if self._watch.drops != self._drops_at_send:
+                        raise ShardUnavailable(self.endpoint, what, "connection to the daemon lost",
+                                               time.monotonic() - started)
+                continue
             frames = self._socket.recv_multipart(copy=False)
             try:
                 reply = decode_reply(frames)
@@ -152,6 +211,8 @@ class ShardClient:
             return self.request(Close(id=0, seq=seq)).result
         if not self._socket.closed:
             self._poller.unregister(self._socket)
+            self._poller.unregister(self._watch.monitor)
+            self._watch.close()
             self._socket.close(linger=0)
         return None
 

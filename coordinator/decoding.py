@@ -24,6 +24,9 @@ from coordinator.drafters import Drafter
 from coordinator.target import ReplayTarget, RollbackFailed, SequenceLost, Target
 from protocol.layout import CHECKPOINT, REPLAY, ROLLBACK_MODES
 
+RECOVERY_TIMEOUT_S = 60.0  # how long a lost sequence is retried (a shard restarting, loading weights)
+RETRY_INTERVAL_S = 0.25
+
 STOP, LENGTH = "stop", "length"  # finish reasons, as the OpenAI API names them
 
 
@@ -99,6 +102,7 @@ def greedy_decode(
     eos_ids: Iterable[int] = (),
     on_commit: OnCommit | None = None,
     sampling=None,
+    recovery_timeout_s: float = RECOVERY_TIMEOUT_S,
 ) -> DecodeResult:
     """Plain greedy decoding: prefill, then one token per forward. With `sampling` (a
     `coordinator.sampling.Sampling` at temperature > 0) the head shard samples each token instead."""
@@ -108,7 +112,8 @@ def greedy_decode(
         (token,) = target.forward(seq, len(history) - 1, [history[-1]], **sampled)
         history.append(token)
 
-    return _decode(target, seq, prompt, max_new_tokens, frozenset(eos_ids), on_commit, step, sampled)
+    return _decode(target, seq, prompt, max_new_tokens, frozenset(eos_ids), on_commit, step, sampled,
+                   recovery_timeout_s)
 
 
 def speculative_decode(
@@ -123,6 +128,7 @@ def speculative_decode(
     eos_ids: Iterable[int] = (),
     on_commit: OnCommit | None = None,
     sampling=None,
+    recovery_timeout_s: float = RECOVERY_TIMEOUT_S,
 ) -> DecodeResult:
     """Draft `block_size - 1` tokens, verify `[t0, drafts]` in one forward, keep the
     agreeing prefix plus the target's own next token, roll the rest back.
@@ -164,7 +170,7 @@ def speculative_decode(
             else:
                 result.rollbacks_fast += 1
 
-    return _decode(verifier, seq, prompt, max_new_tokens, eos, on_commit, step, sampled)
+    return _decode(verifier, seq, prompt, max_new_tokens, eos, on_commit, step, sampled, recovery_timeout_s)
 
 
 def _sampled(sampling) -> dict:
@@ -198,6 +204,7 @@ def _decode(
     on_commit: OnCommit | None,
     step: Step,
     sampled: dict | None = None,
+    recovery_timeout_s: float = RECOVERY_TIMEOUT_S,
 ) -> DecodeResult:
     """Prefill, then `step(history, room, result)` until `max_new_tokens` or an EOS: a step appends
     what it commits to `history` (at most `room` tokens). When the target loses the sequence or
@@ -227,7 +234,7 @@ def _decode(
                     step(history, room, result)
                 except (SequenceLost, RollbackFailed) as failure:
                     # `history` holds every commit, this step's too when only its rollback failed.
-                    _recover(target, seq, history, len(prompt), result, failure)
+                    _recover(target, seq, history, len(prompt), result, failure, recovery_timeout_s)
                 if len(history) > committed_before:
                     _record(result, history[committed_before:], on_commit)
         except StopDecoding:
@@ -286,8 +293,8 @@ def _finished(tokens: list[int], max_new_tokens: int, eos: frozenset[int]) -> bo
     return len(tokens) >= max_new_tokens or (bool(tokens) and tokens[-1] in eos)
 
 
-REFILL_ATTEMPTS = 5
-REFILL_BACKOFF_S = 0.5
+class RecoveryFailed(SequenceLost):
+    """The sequence could not be re-filled within the recovery timeout; the message says why."""
 
 
 def _refill(target: Target, seq: int, history: list[int], prompt_len: int) -> None:
@@ -305,21 +312,27 @@ def _refill(target: Target, seq: int, history: list[int], prompt_len: int) -> No
 def _recover(
     target: Target, seq: int, history: list[int], prompt_len: int, result: DecodeResult,
     failure: SequenceLost | RollbackFailed,
+    timeout_s: float = RECOVERY_TIMEOUT_S,
 ) -> None:
-    """Rebuild the state from the committed history and count why: a rollback the target could not do
-    fast, or a sequence it lost (a restarted shard or drafter daemon). A shard that is still coming back
-    (restarting, loading weights) gets a few tries with a growing pause."""
-    for attempt in range(REFILL_ATTEMPTS):
+    """Rebuild the state from the committed history and count why: a rollback
+    the target could not do fast, or a sequence it lost (a restarted shard or drafter daemon). A shard
+    that is down is retried every RETRY_INTERVAL_S (each try fails within the client's liveness
+    timeout) and re-filled as soon as it answers; after `timeout_s` the last reason is raised."""
+    started = time.monotonic()
+    while True:
         try:
             with contextlib.suppress(Exception):  # the sequence may be gone from some shards already
                 target.close(seq)
-            target.open(seq)
+            target.open(seq)  # a Pipeline checks first that every shard is the one the sequence started on
             _refill(target, seq, history, prompt_len)
             break
-        except SequenceLost:
-            if attempt == REFILL_ATTEMPTS - 1:
-                raise
-            time.sleep(REFILL_BACKOFF_S * (attempt + 1))
+        except SequenceLost as error:
+            waited = time.monotonic() - started
+            if waited + RETRY_INTERVAL_S >= timeout_s:
+                raise RecoveryFailed(
+                    f"gave up re-filling sequence {seq} after {waited:.1f} s: {error.__cause__ or error}"
+                ) from None
+            time.sleep(RETRY_INTERVAL_S)
     if isinstance(failure, RollbackFailed):
         result.rollbacks_fallback += 1
     else:

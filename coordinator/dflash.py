@@ -117,13 +117,13 @@ class DFlashDrafterClient:
             problems.append(f"it reads target layer {outside[0]}, outside 0..{pipeline.num_layers - 1}")
         if problems:
             raise PipelineError(f"refusing the drafter at {where}: " + "; ".join(problems))
-        self.client = client
+        # A sequence belongs to the connection that opened it: on a pipeline shard, use the pipeline's own.
+        self.shares_pipeline_daemon = where in pipeline.endpoints
+        self.client = pipeline.clients[pipeline.endpoints.index(where)] if self.shares_pipeline_daemon else client
         self.pipeline = pipeline
         self.layer_ids: list[int] = list(info["target_layer_ids"])
         self.max_draft_tokens: int = info["max_draft_tokens"]
         self.max_rows_per_request: int = hello["limits"]["max_tokens_per_request"]
-        # The drafter lives on a pipeline shard: its sequence opens and closes with the pipeline's.
-        self.shares_pipeline_daemon = where in pipeline.endpoints
         self.target = FeatureCapture(pipeline, self)
         self.seq: Optional[int] = None
         self.rows = CapturedRows(self.layer_ids)

@@ -33,6 +33,11 @@ class CheckpointUnavailable(PipelineError):
     Raised before any shard sees the request, so no state changed."""
 
 
+class ShardReplaced(PipelineError):
+    """The daemon now answering at a shard's endpoint is not the shard the pipeline was built on
+    (other weights, layer range, dtype or protocol): re-filling it would compute something else."""
+
+
 class SequenceInconsistent(PipelineError, SequenceLost):
     """A forward failed part-way down the pipeline and could not be undone: the shards now
     disagree on the sequence's length. Close it and re-fill it from the committed history."""
@@ -93,6 +98,26 @@ class ShardInfo:
         if not self.owns_layers:
             return f"{self.endpoint} (drafter only)"
         return f"{self.endpoint} (layers {self.layers})"
+
+
+# What makes a daemon the same shard: a restarted one must match in all of these before it is re-filled.
+SHARD_IDENTITY = {
+    "protocol": lambda h: h.get("protocol_version"),
+    "fingerprint": lambda h: (h.get("model") or {}).get("fingerprint"),
+    "layers": lambda h: h.get("layers"),
+    "dtype": lambda h: h.get("dtype"),
+    "head": lambda h: h.get("owns_head"),
+    "embedding": lambda h: h.get("owns_embedding"),
+}
+
+
+def identity_changes(before: dict, now: dict) -> list[str]:
+    """How the daemon described by HELLO `now` differs from the shard of HELLO `before`."""
+    changes = []
+    for name, key in SHARD_IDENTITY.items():
+        if key(now) != key(before):
+            changes.append(f"{name} {key(now)!r} (was {key(before)!r})")
+    return changes
 
 
 def order_shards(shards: Sequence[ShardInfo]) -> list[ShardInfo]:
@@ -230,9 +255,22 @@ class Pipeline:
 
     # ---- Target --------------------------------------------------------------------------
 
+    def check_same_shards(self) -> None:
+        """HELLO every shard; ShardReplaced when one is no longer the shard this pipeline was built on
+        (a different daemon restarted on its endpoint). Called before every OPEN, so a re-fill never
+        lands on another model or layer range."""
+        for shard, client in zip(self.shards, self.clients):
+            changes = identity_changes(shard.hello, client.hello())
+            if changes:
+                raise ShardReplaced(
+                    f"{shard.endpoint} is no longer the shard this generation started on: it now serves "
+                    f"{', '.join(changes)}; refusing to re-fill it"
+                )
+
     def open(self, seq: int) -> None:
         opened = []
         try:
+            self.check_same_shards()
             for client in self.clients:
                 client.open(seq)
                 opened.append(client)

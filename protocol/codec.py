@@ -56,6 +56,17 @@ def _too_large(message: str) -> ProtocolError:
     return ProtocolError(ErrorCode.TOO_LARGE, message)
 
 
+MAX_ERROR_MESSAGE = 400  # characters of an error message: a hostile value is quoted by its prefix only
+
+
+def clip_message(message: str) -> str:
+    """`message` cut to MAX_ERROR_MESSAGE characters, saying how much was left out."""
+    message = str(message)
+    if len(message) <= MAX_ERROR_MESSAGE:
+        return message
+    return f"{message[:MAX_ERROR_MESSAGE]}... ({len(message) - MAX_ERROR_MESSAGE} more characters)"
+
+
 def _describe(value: Any) -> str:
     text = repr(value)
     return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
@@ -404,7 +415,7 @@ def encode_reply(
 def encode_error(request_id: Optional[int], type: MessageType | str | None, code: ErrorCode, message: str) -> Frames:
     """An error reply: header {v, id, type, ok: false, error: {code, message}}, no tensor frames."""
     header = _reply_header(request_id, type, False)
-    header["error"] = {"code": ErrorCode(code).value, "message": str(message)}
+    header["error"] = {"code": ErrorCode(code).value, "message": clip_message(message)}
     return _pack_or_raise(ErrorCode.INTERNAL, header)
 
 

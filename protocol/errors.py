@@ -23,6 +23,7 @@ class ErrorCode(str, enum.Enum):
     INTERNAL = "INTERNAL"                        # bug or device error inside the daemon
     NO_DRAFTER = "NO_DRAFTER"                    # PROPOSE on a shard that hosts no drafter
     NO_SNAPSHOT = "NO_SNAPSHOT"                  # RESTORE of a sequence that has no snapshot
+    FORBIDDEN = "FORBIDDEN"                      # SHUTDOWN from a peer the daemon cannot trust (plain TCP, abstract ipc)
 
     def __str__(self) -> str:
         return self.value

@@ -6,7 +6,6 @@ import logging
 import signal
 import sys
 import time
-from pathlib import Path
 
 import click
 
@@ -44,10 +43,12 @@ def main():
 @click.option("--max-tokens-per-request", type=click.IntRange(1, 1 << 20), default=4096, show_default=True)
 @click.option("--curve-secret-key", type=click.Path(exists=True, dir_okay=False), help="Server key file from `shardd keygen` (needed for non-loopback binds).")
 @click.option("--curve-allow", "curve_allow_dir", type=click.Path(exists=True, file_okay=False), help="Directory of allowed client public keys.")
+@click.option("--sequence-idle-timeout", type=click.FloatRange(0), default=300.0, show_default=True,
+              help="Seconds a sequence may go without a request before it is closed and its memory returned (0: never).")
 @click.option("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice).")
 @click.option("--log-level", default="INFO", show_default=True)
 def serve(model_dir, synthetic, layers, draft, device, dtype, bind, max_verify_tokens, rollback_mode, engine, max_sequences,
-          max_context, max_tokens_per_request, curve_secret_key, curve_allow_dir, threads, log_level):
+          max_context, max_tokens_per_request, curve_secret_key, curve_allow_dir, sequence_idle_timeout, threads, log_level):
     """Load a layer range (and/or a drafter) and serve it until SIGTERM, SIGINT or SHUTDOWN."""
     # Our own logger only: torch's loggers stay at their defaults instead of chattering at INFO.
     handler = logging.StreamHandler(sys.stderr)
@@ -99,7 +100,7 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, max_verify_t
     storage = RollbackStorage(rollback_mode if max_verify_tokens else None, max_verify_tokens)
     options = ServeOptions(bind=bind, max_sequences=max_sequences, max_context=max_context,
                            max_tokens_per_request=max_tokens_per_request, curve_secret_key=curve_secret_key,
-                           curve_allow_dir=curve_allow_dir)
+                           curve_allow_dir=curve_allow_dir, sequence_idle_timeout=sequence_idle_timeout)
     if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
         options.tokenizer_dir = str(Path(model_dir).resolve())  # HELLO names it: the coordinator must not guess
 
@@ -150,11 +151,10 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, max_verify_t
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Directory for the key files.")
 @click.option("--name", default="shardd", show_default=True, help="Base name of the key files.")
 def keygen(out_dir, name):
-    """Write a CurveZMQ key pair: NAME.key (public, share it) and NAME.key_secret (keep it)."""
-    import zmq.auth
+    """Write a CurveZMQ key pair: NAME.key (public, share it) and NAME.key_secret (0600, in a 0700 directory)."""
+    from shardd.security import write_private_keys
 
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(out_dir, name)
+    public, secret = write_private_keys(out_dir, name)
     click.echo(f"public key: {public}\nsecret key: {secret}")
 
 

@@ -32,8 +32,10 @@ from protocol import (
     peek_id,
     peek_type,
 )
+from protocol.codec import clip_message
 from protocol.layout import CHECKPOINT
 from shardd import systemd
+from shardd.security import is_file_ipc, is_loopback, restrict_ipc_socket, start_authenticator
 from shardd.config import dtype_name
 from shardd.draft.model import DraftState
 from shardd.loading import HostedDrafter
@@ -73,6 +75,7 @@ class ServeOptions:
     curve_secret_key: str | None = None  # file written by `shardd keygen`
     curve_allow_dir: str | None = None  # directory of allowed client public keys
     tokenizer_dir: str | None = None  # the model directory when it ships a tokenizer.json (HELLO "tokenizer")
+    sequence_idle_timeout: float = 300.0  # seconds without a request before a sequence is closed; 0: never
 
 
 @dataclass
@@ -80,6 +83,7 @@ class Sequence:
     state: SequenceState | None  # the target layers' state; None on a drafter-only daemon
     draft: DraftState | None = None  # the hosted drafter's context (committed rows' features only)
     failed: str | None = None  # why, after an INTERNAL error; only CLOSE is served then
+    last_used: float = field(default_factory=time.monotonic)  # the idle lease runs from here
 
     @property
     def length(self) -> int:
@@ -104,21 +108,13 @@ class Counters:
     sequences_opened: int = 0
     sequences_closed: int = 0
     sequences_failed: int = 0
+    sequences_expired: int = 0  # closed by the idle lease (--sequence-idle-timeout)
     proposals: int = 0
     draft_tokens: int = 0
     draft_context_rows: int = 0  # feature rows added to drafter contexts
     draft_crops: int = 0  # PROPOSEs that first dropped context rows of rolled-back tokens
     draft_rows_cropped: int = 0
     compute_seconds: Counter = field(default_factory=Counter)  # by message type
-
-
-def is_loopback(endpoint: str) -> bool:
-    if endpoint.startswith("ipc://") or endpoint.startswith("inproc://"):
-        return True
-    if not endpoint.startswith("tcp://"):
-        return False
-    host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
-    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
 
 
 class ShardDaemon:
@@ -137,8 +133,14 @@ class ShardDaemon:
         model = shard if shard is not None else drafter.model
         self.dtype, self.device = model.dtype, model.device
         self.options = options
-        self.limits = Limits(max_tokens_per_request=options.max_tokens_per_request)
-        self.sequences: dict[int, Sequence] = {}
+        self.limits = Limits(
+            max_tokens_per_request=options.max_tokens_per_request,
+            max_frame_bytes=largest_frame_bytes(self.config.hidden_size, drafter, options.max_tokens_per_request),
+        )
+        # Keyed by (owner, seq): a sequence belongs to the peer that opened it (PROTOCOL.md, "Who may do what").
+        self.sequences: dict[tuple[bytes, int], Sequence] = {}
+        self.owner = b""  # the peer of the request being handled: its Curve key, else its ZeroMQ routing id
+        self.trusted = True  # whether that peer may SHUTDOWN: a file ipc:// socket, or an allowed Curve key
         self.counters = Counters()
         self.started = time.time()
         self.stopping = False
@@ -158,8 +160,9 @@ class ShardDaemon:
 
     # ---- one request -----------------------------------------------------------------------------
 
-    def handle(self, frames) -> list:
-        """Frames of one request -> frames of its reply. Never raises."""
+    def handle(self, frames, owner: bytes = b"", trusted: bool = True) -> list:
+        """Frames of one request from the peer `owner` -> frames of its reply. Never raises."""
+        self.owner, self.trusted = owner, trusted
         try:
             request = decode_request(frames, self.limits)
         except ProtocolError as exc:
@@ -178,8 +181,8 @@ class ShardDaemon:
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
             log.error("internal error seq=%s type=%s: %s\n%s", seq, request.type.value, message, traceback.format_exc())
-            if seq in self.sequences:
-                self.sequences[seq].failed = message
+            if (owner, seq) in self.sequences:
+                self.sequences[(owner, seq)].failed = message
                 self.counters.sequences_failed += 1
             return self._error(request.id, request.type, ErrorCode.INTERNAL, message, seq=seq)
         finally:
@@ -191,6 +194,7 @@ class ShardDaemon:
             return self._error(request.id, request.type, ErrorCode.INTERNAL, f"cannot encode reply: {exc}", seq=seq)
 
     def _error(self, request_id, mtype, code: ErrorCode, message: str, seq) -> list:
+        message = clip_message(message)  # the reply and the log quote a bad value's prefix only
         self.counters.errors[ErrorCode(code).value] += 1
         log.warning("error seq=%s type=%s code=%s: %s", seq, getattr(mtype, "value", mtype), ErrorCode(code).value, message)
         return encode_error(request_id, mtype, code, message)
@@ -208,9 +212,10 @@ class ShardDaemon:
         return self.drafter
 
     def _sequence(self, seq: int, *, allow_failed: bool = False) -> Sequence:
-        entry = self.sequences.get(seq)
+        entry = self.sequences.get((self.owner, seq))  # another peer's sequence of that id is not there
         if entry is None:
             raise ProtocolError(ErrorCode.NO_SUCH_SEQUENCE, f"sequence {seq} is not open")
+        entry.last_used = time.monotonic()
         if entry.failed and not allow_failed:
             raise ProtocolError(ErrorCode.SEQUENCE_FAILED, f"sequence {seq} failed ({entry.failed}); CLOSE and reopen it")
         return entry
@@ -266,7 +271,7 @@ class ShardDaemon:
         return layers + (self.drafter.weight_bytes() if self.drafter is not None else 0)
 
     def open(self, request):
-        if request.seq in self.sequences:
+        if (self.owner, request.seq) in self.sequences:
             raise ProtocolError(ErrorCode.SEQUENCE_EXISTS, f"sequence {request.seq} is already open")
         if len(self.sequences) >= self.options.max_sequences:
             raise ProtocolError(ErrorCode.CAPACITY, f"{len(self.sequences)} sequences open, limit {self.options.max_sequences}")
@@ -278,19 +283,36 @@ class ShardDaemon:
             if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)) and "memory" not in str(exc).lower():
                 raise
             raise ProtocolError(ErrorCode.CAPACITY, f"out of memory for a new sequence: {exc}") from None
-        self.sequences[request.seq] = Sequence(state, draft)
+        self.sequences[(self.owner, request.seq)] = Sequence(state, draft)
         self.counters.sequences_opened += 1
         log.info("open seq=%s", request.seq)
         return {"seq": request.seq, "length": 0}, {}
 
     def close(self, request):
         entry = self._sequence(request.seq, allow_failed=True)
-        del self.sequences[request.seq]
-        if self.shard is not None and entry.state is not None:
-            self.shard.release_state(entry.state)
+        self._release((self.owner, request.seq))
         self.counters.sequences_closed += 1
         log.info("close seq=%s length=%s", request.seq, entry.length)
         return {"seq": request.seq, "length": entry.length}, {}
+
+    def _release(self, key: tuple[bytes, int]) -> None:
+        entry = self.sequences.pop(key)
+        if self.shard is not None and entry.state is not None:
+            self.shard.release_state(entry.state)
+
+    def expire_idle(self, now: float | None = None) -> int:
+        """Close every sequence idle past --sequence-idle-timeout (its owner is gone or forgot it)."""
+        timeout = self.options.sequence_idle_timeout
+        if not timeout:
+            return 0
+        now = time.monotonic() if now is None else now
+        idle = [key for key, entry in self.sequences.items() if now - entry.last_used > timeout]
+        for key in idle:
+            length = self.sequences[key].length
+            self._release(key)
+            self.counters.sequences_expired += 1
+            log.info("expired seq=%s length=%s: idle for more than %g s", key[1], length, timeout)
+        return len(idle)
 
     def forward(self, request):
         shard = self._layers(request)
@@ -420,6 +442,7 @@ class ShardDaemon:
             "sequences_opened": c.sequences_opened,
             "sequences_closed": c.sequences_closed,
             "sequences_failed": c.sequences_failed,
+            "sequences_expired": c.sequences_expired,
             "open_sequences": len(self.sequences),
             "failed_sequences": sum(1 for entry in self.sequences.values() if entry.failed),
             "state_bytes": sum(s.state_bytes() for s in states) + draft_state_bytes,
@@ -434,11 +457,19 @@ class ShardDaemon:
                 "context_rows_added": c.draft_context_rows,
                 "crops": c.draft_crops,
                 "rows_cropped": c.draft_rows_cropped,
-                "context_rows": {str(seq): entry.draft.length for seq, entry in self.sequences.items()},
+                # only the asking peer's own sequences: ids are not shared between clients
+                "context_rows": {str(seq): entry.draft.length for (owner, seq), entry in self.sequences.items()
+                                 if owner == self.owner},
             }
         return result, {}
 
     def shutdown(self, request):
+        if not self.trusted:
+            raise ProtocolError(
+                ErrorCode.FORBIDDEN,
+                "SHUTDOWN is accepted over a file ipc:// socket or from an allowed Curve key; stop this daemon "
+                "with a signal (SIGTERM) instead",
+            )
         log.info("shutdown requested")
         self.stopping = True
         return {"stopping": True}, {}
@@ -456,11 +487,16 @@ class ShardDaemon:
         context = zmq.Context.instance()
         socket = context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 1000)
-        # Frames up to max_total_bytes are read and answered (TOO_LARGE past max_frame_bytes); a frame beyond
-        # that would only fill memory, so libzmq drops the connection instead (PROTOCOL.md, "Limits").
-        socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_total_bytes)
+        # A frame over max_frame_bytes is refused by libzmq from its length prefix, before any memory is
+        # allocated for it, and the connection dropped (PROTOCOL.md, "Limits").
+        socket.setsockopt(zmq.MAXMSGSIZE, max(self.limits.max_frame_bytes, self.limits.max_header_bytes))
         authenticator = configure_security(context, socket, options)
+        socket.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT; IPv4 binds are unaffected
         socket.bind(options.bind)
+        restrict_ipc_socket(options.bind)
+        curve = options.curve_secret_key is not None
+        trusted_transport = curve or is_file_ipc(options.bind)
+        next_sweep = time.monotonic()
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
 
@@ -474,13 +510,19 @@ class ShardDaemon:
         log.info("ready: serving on %s", options.bind)
         try:
             while not self.stopping:
+                if time.monotonic() >= next_sweep:
+                    self.expire_idle()
+                    next_sweep = time.monotonic() + 1.0
                 if not poller.poll(100):
                     continue
                 frames = socket.recv_multipart(copy=False)
                 envelope, body = split_envelope(frames)
                 if not body:
                     continue  # an identity with nothing after it: nothing to answer
-                reply = self.handle(body)
+                owner = frames[0].bytes
+                if curve:  # the authenticated key outlives a reconnect; the routing id does not
+                    owner = b"curve:" + frames[-1].get("User-Id").encode()
+                reply = self.handle(body, owner, trusted_transport)
                 socket.send_multipart(envelope + reply, copy=False)
         finally:
             systemd.notify("STOPPING=1")
@@ -492,6 +534,16 @@ class ShardDaemon:
                 if path and not path.startswith("@") and os.path.exists(path):
                     os.unlink(path)
             log.info("stopped: %d sequences were open", len(self.sequences))
+
+
+MIN_FRAME_BYTES = 16 << 20  # small models still answer a modestly oversized frame with TOO_LARGE
+
+
+def largest_frame_bytes(hidden_size: int, drafter: HostedDrafter | None, max_tokens: int) -> int:
+    """The frame limit: twice the largest tensor a valid request can carry (max_tokens rows of hidden
+    states or drafter features, float32), so a slightly oversized one is still answered TOO_LARGE."""
+    width = max(hidden_size, drafter.config.feature_size if drafter is not None else 0)
+    return max(MIN_FRAME_BYTES, 2 * max_tokens * width * 4)
 
 
 def split_envelope(frames: list) -> tuple[list, list]:
@@ -517,14 +569,11 @@ def configure_security(context, socket, options: ServeOptions):
     if options.curve_allow_dir is None:
         raise SystemExit("--curve-secret-key needs --curve-allow DIR (the client public keys allowed to connect)")
     import zmq.auth
-    from zmq.auth.thread import ThreadAuthenticator
 
     public, secret = zmq.auth.load_certificate(options.curve_secret_key)
     if secret is None:
         raise SystemExit(f"{options.curve_secret_key} holds no secret key")
-    authenticator = ThreadAuthenticator(context)
-    authenticator.start()
-    authenticator.configure_curve(domain="*", location=options.curve_allow_dir)
+    authenticator = start_authenticator(context, options.curve_allow_dir)
     socket.curve_secretkey = secret
     socket.curve_publickey = public
     socket.curve_server = True

@@ -541,7 +541,7 @@ def test_load_tokenizer_picks_the_model_tokenizer_or_bytes(tmp_path):
 
 @pytest.mark.parametrize("mode", [None, "checkpoint", "replay-ssm", "replay"])
 def test_a_restarted_shard_is_refilled_from_history_and_the_output_is_unchanged(mode, monkeypatch):
-    monkeypatch.setattr("coordinator.decoding.REFILL_BACKOFF_S", 0.0)
+    monkeypatch.setattr("coordinator.decoding.RETRY_INTERVAL_S", 0.0)
     expected = greedy_tokens(mixing_rule, 120)
     # Crash on the 5th and 9th forward, and on the 3rd rollback / restore where the mode has them.
     target = RestartingTarget({"forward": {5, 9}, "rollback": {3}, "restore": {3}})

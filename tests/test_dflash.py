@@ -228,7 +228,8 @@ def test_drafter_context_follows_partial_accepts(daemons, local, name, mode):
     endpoints, draft_endpoint = pipeline_endpoints(daemons, name)
     with Pipeline.connect(endpoints) as pipeline, ShardClient(draft_endpoint) as draft_client:
         dflash = DFlashDrafterClient(draft_client, pipeline)
-        mix = OracleMix(dflash, draft_client, truth + [0] * BLOCK, seq=30)
+        # STATS lists only the asking client's sequence ids: ask over the connection that drafts
+        mix = OracleMix(dflash, dflash.client, truth + [0] * BLOCK, seq=30)
         assert isinstance(mix, Drafter)
         result = speculative_decode(dflash.target, 30, PROMPT, mix, block_size=BLOCK, rollback=mode,
                                     max_new_tokens=3 * NEW_TOKENS)

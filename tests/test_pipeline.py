@@ -248,7 +248,8 @@ def test_prefill_past_the_context_is_refused_before_any_shard_works(mixed):
 def test_half_done_checkpointed_step_is_taken_back(shard_sets):
     endpoints = shard_sets["2-ipc-checkpoint"]
     prompt = PROMPTS["numbers"]
-    with Pipeline.connect(endpoints) as pipeline, ShardClient(endpoints[0]) as first, ShardClient(endpoints[1]) as last:
+    with Pipeline.connect(endpoints) as pipeline:
+        first, last = pipeline.clients  # a sequence belongs to the connection that opened it
         pipeline.open(400)
         try:
             pipeline.forward(400, 0, prompt)
@@ -270,7 +271,8 @@ def test_half_done_checkpointed_step_is_taken_back(shard_sets):
 
 def test_close_works_in_any_state(shard_sets):
     endpoints = shard_sets["3-tcp-checkpoint"]
-    with Pipeline.connect(endpoints) as pipeline, ShardClient(endpoints[2]) as last:
+    with Pipeline.connect(endpoints) as pipeline:
+        last = pipeline.clients[2]
         pipeline.close(500)  # never opened
         last.open(500)  # open on one shard only
         pipeline.close(500)

@@ -8,6 +8,8 @@ serve), 3 outputs differ (speculative output not identical to greedy).
 
 from __future__ import annotations
 
+import signal
+
 import click
 
 from coordinator.cli.bench import BenchError, bench
@@ -21,9 +23,10 @@ from coordinator.cli.status import status
 from coordinator.client import ShardTimeout
 from coordinator.launch import LaunchError
 from coordinator.pipeline import PipelineError
+from coordinator.target import RollbackFailed, SequenceLost
 from protocol import ProtocolError
 
-RUNTIME_ERRORS = (ProtocolError, ShardTimeout, PipelineError, LaunchError, BenchError)
+RUNTIME_ERRORS = (ProtocolError, ShardTimeout, PipelineError, LaunchError, BenchError, SequenceLost, RollbackFailed)
 
 
 class ShardctlGroup(click.Group):
@@ -47,4 +50,10 @@ for command in (make_model, launch, generate, serve, status, bench, demo):
 
 
 def main() -> None:
+    # SIGTERM unwinds like Ctrl-C: open sequences are closed on the shards, launched daemons stopped.
+    signal.signal(signal.SIGTERM, _terminate)
     cli(prog_name="shardctl")
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)

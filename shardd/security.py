@@ -1,0 +1,101 @@
+"""What a daemon exposes and to whom: the loopback check, key files, the ipc socket file's mode,
+CurveZMQ with logged rejections, and who may send SHUTDOWN (PROTOCOL.md, "Who may do what").
+
+The rule: an `ipc://PATH` socket file is made 0600 after bind, so only the daemon's own user (and
+root) can connect at all; over TCP every peer is either Curve-authenticated or a local process of
+any user. A sequence belongs to the peer that opened it (shardd.ownership), so another local user
+cannot touch it; SHUTDOWN is accepted only where the peer is known to be trusted: over a file
+`ipc://` socket, or from an allowed Curve key.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import stat
+from pathlib import Path
+
+import zmq
+
+log = logging.getLogger("shardd")
+
+
+def tcp_host(endpoint: str) -> str | None:
+    """`tcp://HOST:PORT` -> HOST (brackets of an IPv6 literal removed); None for other transports."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    return endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+
+
+def is_loopback(endpoint: str) -> bool:
+    """True for ipc:// and inproc://, and for a TCP host whose every resolved address is loopback:
+    a name that only looks local (`127.evil.example`) is judged by what it resolves to."""
+    if endpoint.startswith("ipc://") or endpoint.startswith("inproc://"):
+        return True
+    host = tcp_host(endpoint)
+    if not host:
+        return False
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except (socket.gaierror, UnicodeError):
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addresses)
+
+
+def is_file_ipc(endpoint: str) -> bool:
+    """An ipc:// endpoint backed by a socket file (not the abstract namespace `ipc://@name`)."""
+    return endpoint.startswith("ipc://") and not endpoint[len("ipc://"):].startswith("@")
+
+
+def restrict_ipc_socket(endpoint: str) -> None:
+    """After bind: the socket file 0600, so only this user (and root) can connect."""
+    if is_file_ipc(endpoint):
+        os.chmod(endpoint[len("ipc://"):], stat.S_IRUSR | stat.S_IWUSR)
+
+
+def write_private_keys(out_dir: str | Path, name: str) -> tuple[str, str]:
+    """`zmq.auth.create_certificates` into a 0700 directory, the secret file 0600 from the start."""
+    import zmq.auth
+
+    directory = Path(out_dir)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(directory, 0o700)
+    previous = os.umask(0o077)  # the secret file is never readable by others, not even for a moment
+    try:
+        public, secret = zmq.auth.create_certificates(str(directory), name)
+    finally:
+        os.umask(previous)
+    os.chmod(secret, 0o600)
+    os.chmod(public, 0o644)  # the public half is meant to be shared
+    return public, secret
+
+
+class LoggingAuthenticator:
+    """Mixin over pyzmq's authenticator: every refused Curve handshake is logged with peer and reason."""
+
+    def handle_zap_message(self, msg):
+        self._peer = (msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?",
+                      msg[5].decode("utf-8", "replace") if len(msg) > 5 else "?",
+                      zmq.utils.z85.encode(msg[6]).decode() if len(msg) > 6 and len(msg[6]) == 32 else None)
+        return super().handle_zap_message(msg)
+
+    def _send_zap_reply(self, request_id, status_code, status_text, user_id="anonymous"):
+        if status_code != b"200":
+            address, mechanism, key = getattr(self, "_peer", ("?", "?", None))
+            log.warning("refused %s handshake from %s%s: %s", mechanism, address,
+                        f" (client key {key})" if key else "", status_text.decode("utf-8", "replace"))
+        return super()._send_zap_reply(request_id, status_code, status_text, user_id)
+
+
+def start_authenticator(context, allow_dir: str):
+    from zmq.auth.thread import ThreadAuthenticator
+
+    class Authenticator(LoggingAuthenticator, ThreadAuthenticator):
+        pass
+
+    authenticator = Authenticator(context, log=logging.getLogger("shardd.zap"))
+    authenticator.start()
+    authenticator.configure_curve(domain="*", location=allow_dir)
+    return authenticator

@@ -1,0 +1,149 @@
+"""Property: every request, however malformed, gets exactly one well-formed reply, and an error reply changes
+no sequence. Requests are generated from the schema (`protocol.messages`): each field a valid value, an
+out-of-range one or junk of another type, fields left out or added, tensor frames that match their
+descriptors or do not. The daemon is driven in-process (`ShardDaemon.handle`, the code behind the socket)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgpack
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from protocol import ErrorCode, MessageType, decode_reply, pure_chain
+from protocol.messages import ID_LIMIT, REQUEST_FIELDS, REQUEST_TENSORS
+from shardd.daemon import ServeOptions, ShardDaemon
+from shardd.loading import ModelSource, build_shard
+from shardd.model.rollback import RollbackStorage
+
+HIDDEN = 64
+OWNER = b"client-a"
+
+junk = st.one_of(st.none(), st.booleans(), st.text(max_size=4), st.binary(max_size=4),
+                 st.floats(allow_nan=False), st.lists(st.integers(0, 3), max_size=2),
+                 st.dictionaries(st.text(max_size=2), st.integers(0, 3), max_size=1))
+
+
+def field_values(spec):
+    if spec.kind == "bool":
+        valid = st.booleans()
+    elif spec.kind == "int_list":
+        valid = st.lists(st.integers(-2, 330), max_size=6)
+    else:
+        low = spec.minimum if spec.minimum is not None else 0
+        valid = st.integers(low, low + 12)
+        edges = st.sampled_from([low - 1, -(1 << 63), (1 << 64) - 1, spec.limit if spec.limit else 1 << 40])
+        valid = st.one_of(valid, valid, valid, edges)
+    if spec.name == "seq":
+        valid = st.sampled_from([1, 2, 3])  # 1 and 2 are open: most requests reach a real sequence
+    return st.one_of(valid, valid, valid, valid, junk)
+
+
+@st.composite
+def tensor_frames(draw, mtype):
+    specs = REQUEST_TENSORS[mtype]
+    if not specs or draw(st.booleans()):
+        return [], []
+    spec = draw(st.sampled_from(specs))
+    dtype = draw(st.sampled_from(["float32", "bfloat16", "int32", "float64"]))
+    shape = draw(st.lists(st.sampled_from([0, 1, 2, 3, HIDDEN]), min_size=1, max_size=3))
+    nbytes = 4 if dtype in ("float32", "int32") else 2 if dtype == "bfloat16" else 8
+    for dim in shape:
+        nbytes *= dim
+    nbytes = draw(st.sampled_from([nbytes, nbytes, nbytes + 1, 0]))
+    name = draw(st.sampled_from([spec.name, spec.name, "junk"]))
+    return [{"name": name, "dtype": dtype, "shape": shape}], [bytes(nbytes)]
+
+
+@st.composite
+def requests(draw):
+    names = [t.value for t in MessageType]
+    type_name = draw(st.one_of(st.sampled_from(names), st.sampled_from(names), st.sampled_from(names), junk))
+    header = {
+        "v": draw(st.one_of(st.just(1), st.just(1), st.just(1), st.just(1), st.integers(0, 3), junk)),
+        "type": type_name,
+        "id": draw(st.one_of(st.integers(0, ID_LIMIT - 1), st.integers(0, ID_LIMIT - 1), st.just(-1), junk)),
+    }
+    frames = []
+    if isinstance(type_name, str) and type_name in names:
+        mtype = MessageType(type_name)
+        for spec in REQUEST_FIELDS[mtype]:
+            if draw(st.integers(0, 9)) < (9 if spec.required else 5):
+                header[spec.name] = draw(field_values(spec))
+        if header.get("checkpoint") is True and isinstance(header.get("tokens"), list) and draw(st.booleans()):
+            header["parents"] = pure_chain(len(header["tokens"]))
+        descriptors, frames = draw(tensor_frames(mtype))
+        if descriptors:
+            header["tensors"] = descriptors
+    if draw(st.integers(0, 9)) == 0:
+        header[draw(st.sampled_from(["extra", "layer", "Seq"]))] = draw(junk)
+    return [msgpack.packb(header, use_bin_type=True), *frames]
+
+
+def digest(value, seen=None) -> str:
+    """Every tensor and plain value reachable from `value`, hashed: equal digests, equal state."""
+    seen = set() if seen is None else seen
+    hasher = hashlib.sha256()
+
+    def walk(item):
+        if isinstance(item, torch.Tensor):
+            hasher.update(repr((item.dtype, tuple(item.shape))).encode())
+            hasher.update(item.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        elif isinstance(item, (int, float, str, bytes, bool, type(None))):
+            hasher.update(repr(item).encode())
+        elif isinstance(item, dict):
+            for key in sorted(item, key=repr):
+                hasher.update(repr(key).encode())
+                walk(item[key])
+        elif isinstance(item, (list, tuple)):
+            for element in item:
+                walk(element)
+        elif hasattr(item, "__dict__") and id(item) not in seen:
+            seen.add(id(item))
+            walk(vars(item))
+        else:
+            hasher.update(type(item).__name__.encode())
+
+    walk(value)
+    return hasher.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def shard():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: a thread pool only spins on the shared cores
+    yield build_shard(ModelSource(synthetic="tiny"), 0, 6, dtype="float32", device="cpu",
+                      storage=RollbackStorage("checkpoint", 4))
+    torch.set_num_threads(threads)
+
+
+def fresh_daemon(shard) -> ShardDaemon:
+    daemon = ShardDaemon(shard, ServeOptions(max_sequences=3, max_context=24, max_tokens_per_request=8))
+    for seq in (1, 2):
+        for request in ({"type": "OPEN", "seq": seq}, {"type": "FORWARD", "seq": seq, "pos": 0, "tokens": [5, 6, 7]}):
+            assert decode_reply(daemon.handle([msgpack.packb({"v": 1, "id": 1, **request})], OWNER)).ok
+    # sequence 2 has a pending checkpointed step: a ROLLBACK may still follow
+    step = {"v": 1, "id": 1, "type": "FORWARD", "seq": 2, "pos": 3, "tokens": [8, 9], "checkpoint": True,
+            "parents": pure_chain(2)}
+    assert decode_reply(daemon.handle([msgpack.packb(step)], OWNER)).ok
+    return daemon
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
+                                                                                    HealthCheck.function_scoped_fixture])
+@given(st.lists(requests(), min_size=1, max_size=6))
+def test_every_request_gets_one_reply_and_errors_change_nothing(shard, batch):
+    daemon = fresh_daemon(shard)
+    for frames in batch:
+        before = digest(daemon.sequences)
+        reply_frames = daemon.handle(frames, OWNER)
+        reply = decode_reply(reply_frames)  # exactly one message, and a valid reply
+        header = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
+        if type(header.get("id")) is int and 0 <= header["id"] < ID_LIMIT and reply.ok:
+            assert reply.id == header["id"]
+        if not reply.ok:
+            assert reply.error_code is not ErrorCode.INTERNAL, reply.error_message
+            assert digest(daemon.sequences) == before, (header, reply.error_code, reply.error_message)
