@@ -262,3 +262,58 @@ def test_one_vocabulary_of_flags():
     timeouts = {cli.commands[name].params[[p.name for p in cli.commands[name].params].index("timeout")].default
                 for name in ("generate", "bench", "status")}
     assert len(timeouts) == 1
+
+
+# ---- the coordinator waiting for shards, and status ------------------------------------------------------
+
+
+def shardctl(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def test_a_shard_that_does_not_answer_is_named_at_once_and_one_with_nothing_listening_fails_at_once(workdir):
+    import zmq
+
+    # A bound socket that never answers: what a shard still loading its weights looks like from outside.
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    try:
+        started = time.monotonic()
+        result = shardctl("generate", "--shards", endpoint, "--prompt", "x", "--timeout", 3)
+        assert result.exit_code == 1
+        assert f"waiting for the shard at {endpoint}: no answer to HELLO yet" in result.stderr
+        assert f"{endpoint}: no reply to HELLO" in result.stderr and 2.5 < time.monotonic() - started < 20
+    finally:
+        silent.close(linger=0)
+    for gone in (endpoint, f"ipc://{workdir}/nobody.sock"):
+        started = time.monotonic()
+        result = shardctl("status", "--shards", gone)  # the default timeout: no waiting for what cannot answer
+        assert result.exit_code == 1 and "nothing is listening" in result.stdout, result.output
+        assert time.monotonic() - started < 5
+
+
+def test_status_exits_1_when_the_shards_do_not_form_the_model(workdir):
+    daemon = Daemon("half", f"ipc://{workdir}/half.sock", ["--layers", "0:3"], workdir)
+    try:
+        hello = daemon.wait_ready()
+        result = shardctl("status", "--shards", daemon.bind, "--json")
+        assert result.exit_code == 1, result.output
+        record = json.loads(result.stdout)
+        entry = record["shards"][0]
+        assert entry["ok"] and not record["pipeline"]["ok"] and "3" in record["pipeline"]["message"]
+        assert entry["hello"]["pid"] == daemon.process.pid and entry["stats"]["open_sequences"] == 0
+        table = shardctl("status", "--shards", daemon.bind)
+        assert table.exit_code == 1 and "NOT USABLE" in table.stdout
+        assert str(hello["pid"]) in table.stdout and "0.1.0" in table.stdout and "GiB" in table.stdout
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_generate_passes_capacity_options_to_the_shards_it_starts():
+    result = shardctl("generate", "--synthetic", "tiny", "--split", 1, "--max-context", 12, "--max-sequences", 1,
+                      "--prompt-ids", "1,2,3,4,5,6,7,8", "--max-new-tokens", 16, "--drafter", "none", "--ignore-eos")
+    assert result.exit_code == 1, result.output
+    assert "exceed the context the shards hold" in result.stderr and "(layers 0:6): 12)" in result.stderr
+    result = shardctl("generate", "--shards", "tcp://127.0.0.1:9", "--max-context", 12, "--prompt", "x")
+    assert result.exit_code == 2 and "--max-context" in result.output
