@@ -281,16 +281,17 @@ def test_a_shard_that_does_not_answer_is_named_at_once_and_one_with_nothing_list
     try:
         started = time.monotonic()
         result = shardctl("generate", "--shards", endpoint, "--prompt", "x", "--timeout", 3)
-        assert result.exit_code == 1
-        assert f"waiting for the shard at {endpoint}: no answer to HELLO yet" in result.stderr
-        assert f"{endpoint}: no reply to HELLO" in result.stderr and 2.5 < time.monotonic() - started < 20
+        seconds = time.monotonic() - started
+        assert result.exit_code == 1, result.output
+        assert f"waiting for the shard at {endpoint}: no answer to HELLO yet" in result.stderr, result.output
+        assert f"{endpoint}: no reply to HELLO" in result.stderr and 2.5 < seconds < 30, (seconds, result.output)
     finally:
         silent.close(linger=0)
     for gone in (endpoint, f"ipc://{workdir}/nobody.sock"):
         started = time.monotonic()
         result = shardctl("status", "--shards", gone)  # the default timeout: no waiting for what cannot answer
         assert result.exit_code == 1 and "nothing is listening" in result.stdout, result.output
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 10, result.output
 
 
 def test_status_exits_1_when_the_shards_do_not_form_the_model(workdir):

@@ -178,23 +178,31 @@ def not_listening(endpoint: str) -> Optional[str]:
     return None
 
 
-def hello_or_wait(client: ShardClient, timeout: float) -> dict:
-    """HELLO; a shard that does not answer within a second is named on stderr at once, then waited for."""
+def hello_or_wait(client: ShardClient, timeout: float, *, wait_to_start: bool = True) -> dict:
+    """HELLO. A shard that is not up yet, or does not answer within a second, is named on stderr at once and
+    waited for up to `timeout`; with `wait_to_start=False` (status: a snapshot) nothing listening fails at once."""
+    deadline = time.monotonic() + timeout
     reason = not_listening(client.endpoint)
+    if reason is not None and wait_to_start:
+        progress(f"waiting for the shard at {client.endpoint} to start: nothing is listening yet ({reason}); "
+                 f"giving up after {timeout:g} s")
+        while reason is not None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            reason = not_listening(client.endpoint)
     if reason is not None:
         raise ShardUnreachable(f"{client.endpoint}: nothing is listening ({reason}); is the daemon running?")
     sent = client.send(Hello(id=0))
     try:
-        return client.receive(sent, min(1.0, timeout)).result
+        return client.receive(sent, max(0.001, min(1.0, deadline - time.monotonic()))).result
     except ShardTimeout:
-        if timeout <= 1.0:
-            raise
+        if time.monotonic() >= deadline:
+            raise ShardTimeout(client.endpoint, "HELLO", timeout) from None
     progress(f"waiting for the shard at {client.endpoint}: no answer to HELLO yet (still loading its weights?); "
              f"giving up after {timeout:g} s")
-    started = time.monotonic()
-    result = client.receive(sent, timeout - 1.0).result
-    progress(f"{client.endpoint} answered after {1.0 + time.monotonic() - started:.1f} s")
-    return result
+    try:
+        return client.receive(sent, max(0.001, deadline - time.monotonic())).result
+    except ShardTimeout:
+        raise ShardTimeout(client.endpoint, "HELLO", timeout) from None
 
 
 def connect_pipeline(endpoints: Sequence[str], timeout: float, curve: Optional[CurveKeys] = None) -> Pipeline:
