@@ -145,9 +145,12 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
             source, begin, end, dtype=dtype, device=device, storage=storage, progress=LoadProgress(what, log)
         ), max_sequences=max_sequences, max_context=max_context)
         drafter = build_drafter(source, draft, dtype=dtype, device=device, shard=shard) if draft else None
-    except Exception as exc:  # noqa: BLE001 - a clear one-line reason beats a traceback for an operator
-        log.error("failed to load %s: %s", what, exc)
+    except BaseException as exc:  # a signal while loading (SystemExit) too: no socket file left behind
         listener.close()
+        if not isinstance(exc, Exception):
+            raise
+        # a clear one-line reason beats a traceback for an operator
+        log.error("failed to load %s: %s", what, exc)
         sys.exit(EXIT_FAILURE)
     daemon = ShardDaemon(shard, options, drafter)
     if metrics_port is not None:

@@ -135,6 +135,27 @@ def test_an_ipc_path_of_a_live_daemon_is_refused_and_a_stale_one_replaced(workdi
         assert second.stop() == 0
 
 
+def test_sigterm_right_after_binding_leaves_no_socket_file(workdir):
+    path, endpoint_file = workdir / "loading.sock", workdir / "loading.endpoint"
+    log = workdir / "loading.log"
+    with open(log, "wb") as out:
+        # The small preset takes a moment to build: the signal most likely lands while it loads.
+        process = subprocess.Popen(serve_command(f"ipc://{path}", "--endpoint-file", str(endpoint_file), synthetic="small"),
+                                   stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not endpoint_file.exists():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.01)
+        process.terminate()
+        assert process.wait(30) == 0, log.read_text()
+        assert re.search(r"signal SIGTERM( while loading)?: stopping", log.read_text()) and not path.exists()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def test_a_wildcard_port_is_reported(workdir):
     endpoint_file = workdir / "wildcard.endpoint"
     log = workdir / "wildcard.log"
