@@ -1,9 +1,11 @@
 """Start shard daemons (and drafter daemons) on this machine as child processes, wait until
 they serve, stop them.
 
-Each daemon is `python -m shardd serve ...` on a free loopback TCP port (or an ipc://
-socket in a private temporary directory). Its log goes to a file, so a daemon that
-exits early is reported with the tail of what it said.
+Each daemon is `python -m shardd serve ...` on `tcp://127.0.0.1:*` (the daemon binds a free
+port itself, before it loads its weights, and writes the endpoint it got to a file: no
+probing for free ports, which races) or on an ipc:// socket in a private temporary
+directory. Its log goes to a file, so a daemon that exits early is reported with the tail
+of what it said.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
 from coordinator.client import CurveKeys, ShardClient, ShardTimeout
+from protocol import Hello
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 TRANSPORTS = ("tcp", "ipc")
@@ -32,18 +34,16 @@ class LaunchError(RuntimeError):
     """A daemon could not be started or did not become ready."""
 
 
-def free_tcp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+READY_TIMEOUT_S = 600.0  # loading 27B of weights from a slow disk takes minutes
 
 
 @dataclass
 class ShardProcess:
-    endpoint: str
+    endpoint: str  # as asked (tcp://127.0.0.1:*) until `wait_bound` reads the one the daemon got
     layers: Optional[tuple[int, int]]  # None: a drafter-only daemon
     process: subprocess.Popen
     log_path: Path
+    endpoint_file: Optional[Path] = None
 
     @property
     def label(self) -> str:
@@ -105,25 +105,21 @@ def drafter_set(
     return ShardSet(tuple(source_args), (None,), transport, (*extra_args, "--draft", draft), (device,))
 
 
-def start_shards(shard_set: ShardSet, run_dir: Path, threads_hint: Optional[int] = None, ports: Optional[set] = None) -> list[ShardProcess]:
-    """Spawn the set's daemons (not yet ready). Logs and ipc sockets live in `run_dir`."""
+def start_shards(shard_set: ShardSet, run_dir: Path, threads_hint: Optional[int] = None) -> list[ShardProcess]:
+    """Spawn the set's daemons (not yet bound, not yet ready). Logs and ipc sockets live in `run_dir`."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    ports = set() if ports is None else ports
     shards: list[ShardProcess] = []
     try:
         for index, (split, device) in enumerate(zip(shard_set.splits, shard_set.devices)):
             if shard_set.transport == "tcp":
-                port = free_tcp_port()
-                while port in ports:  # the OS may hand a just-probed port out again
-                    port = free_tcp_port()
-                ports.add(port)
-                endpoint = f"tcp://127.0.0.1:{port}"
+                endpoint = "tcp://127.0.0.1:*"
             else:
                 endpoint = f"ipc://{run_dir / f'shard{index}.sock'}"
+            endpoint_file = run_dir / f"shard{index}.endpoint"
             layers = "none" if split is None else f"{split[0]}:{split[1]}"
             command = [
                 sys.executable, "-m", "shardd", "serve", *shard_set.source_args,
-                "--layers", layers, "--bind", endpoint, "--device", device,
+                "--layers", layers, "--bind", endpoint, "--endpoint-file", str(endpoint_file), "--device", device,
                 *shard_set.extra_args, *shard_set.shard_args[index],
             ]
             log_path = run_dir / f"shard{index}-{layers.replace(':', '-')}.log"
@@ -132,47 +128,67 @@ def start_shards(shard_set: ShardSet, run_dir: Path, threads_hint: Optional[int]
                     command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                     env=child_env(threads_hint if device == "cpu" else None),
                 )
-            shards.append(ShardProcess(endpoint, split, process, log_path))
+            shards.append(ShardProcess(endpoint, split, process, log_path, endpoint_file))
     except BaseException:
         stop_shards(shards)
         raise
     return shards
 
 
+def wait_bound(shard: ShardProcess, deadline: float) -> None:
+    """Until the daemon has bound its socket and written the endpoint it got (`shard.endpoint` becomes it)."""
+    while shard.endpoint_file is not None:
+        if shard.endpoint_file.exists():
+            shard.endpoint = shard.endpoint_file.read_text().strip()
+            shard.endpoint_file = None
+            return
+        _check_alive(shard, "before it bound its socket")
+        if time.monotonic() > deadline:
+            raise LaunchError(f"{shard.label} did not bind {shard.endpoint} in time; its log ({shard.log_path}) "
+                              f"ends:\n{shard.log_tail()}")
+        time.sleep(0.05)
+
+
+def _check_alive(shard: ShardProcess, when: str) -> None:
+    code = shard.process.poll()
+    if code is not None:
+        raise LaunchError(
+            f"{shard.label} at {shard.endpoint} exited with code {code} {when}; "
+            f"its log ({shard.log_path}) ends:\n{shard.log_tail()}"
+        )
+
+
 def wait_ready(
     shards: Sequence[ShardProcess],
-    timeout_s: float = 300.0,
+    timeout_s: float = READY_TIMEOUT_S,
     progress: Optional[Progress] = None,
     curve: Optional[CurveKeys] = None,
 ) -> None:
     """Until every daemon answers HELLO; LaunchError (with its log tail) if one exits or time runs out."""
     deadline = time.monotonic() + timeout_s
-    clients = {shard.endpoint: ShardClient(shard.endpoint, timeout_s=timeout_s, curve=curve) for shard in shards}
-    try:
-        for shard in shards:
-            client = clients[shard.endpoint]
+    for shard in shards:
+        wait_bound(shard, deadline)
+    if progress is not None:
+        progress(f"waiting for {len(shards)} daemon(s) to load their weights: "
+                 + ", ".join(f"{shard.label} at {shard.endpoint}" for shard in shards))
+    for shard in shards:
+        with ShardClient(shard.endpoint, timeout_s=timeout_s, curve=curve) as client:
+            # One HELLO, answered once the weights are loaded (the socket is bound before); meanwhile watch the process.
+            sent = client.send(Hello(id=0))
             while True:
-                code = shard.process.poll()
-                if code is not None:
-                    raise LaunchError(
-                        f"{shard.label} at {shard.endpoint} exited with code {code} "
-                        f"before it was ready; its log ({shard.log_path}) ends:\n{shard.log_tail()}"
-                    )
+                _check_alive(shard, "before it was ready")
                 if time.monotonic() > deadline:
                     raise LaunchError(
                         f"{shard.label} at {shard.endpoint} did not answer HELLO "
                         f"within {timeout_s:g} s; its log ({shard.log_path}) ends:\n{shard.log_tail()}"
                     )
                 try:
-                    client.hello(timeout_s=0.25)
+                    client.receive(sent, timeout_s=0.25)
                     break
                 except ShardTimeout:
-                    continue  # not bound yet, or still loading weights
-            if progress is not None:
-                progress(f"{shard.label} ready at {shard.endpoint}")
-    finally:
-        for client in clients.values():
-            client.close()
+                    continue  # still loading weights
+        if progress is not None:
+            progress(f"{shard.label} ready at {shard.endpoint}")
 
 
 def stop_shards(shards: Sequence[ShardProcess], timeout_s: float = 10.0) -> None:
@@ -194,7 +210,7 @@ def stop_shards(shards: Sequence[ShardProcess], timeout_s: float = 10.0) -> None
 def launched_sets(
     shard_sets: Sequence[ShardSet],
     *,
-    ready_timeout_s: float = 300.0,
+    ready_timeout_s: float = READY_TIMEOUT_S,
     progress: Optional[Progress] = None,
     curve: Optional[CurveKeys] = None,
 ) -> Iterator[list[list[ShardProcess]]]:
@@ -210,9 +226,8 @@ def launched_sets(
     started: list[list[ShardProcess]] = []
     failed = True
     try:
-        ports: set[int] = set()
         for index, shard_set in enumerate(shard_sets):
-            started.append(start_shards(shard_set, run_dir / f"set{index}", threads_hint, ports))
+            started.append(start_shards(shard_set, run_dir / f"set{index}", threads_hint))
         wait_ready([shard for shards in started for shard in shards], ready_timeout_s, progress, curve)
         yield started
         failed = False

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import logging
+import json
 import signal
 import sys
 import time
@@ -10,18 +10,30 @@ import time
 import click
 
 from protocol.layout import CHECKPOINT, SHARD_ROLLBACK_MODES, check_layer_range, parse_layer_range
-from shardd import systemd
+from shardd import __version__, logs, systemd
+from shardd.logs import FORMATS, LEVELS
+from shardd.progress import LoadProgress
 from shardd.engine import ENGINES
 
 MiB = 1 << 20
 
 
-@click.group()
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+EXIT_FAILURE = 1  # a runtime failure (cannot bind, cannot load); click's usage errors exit 2
+
+
+@click.group(context_settings=CONTEXT)
+@click.version_option(__version__, "-V", "--version", prog_name="shardd")
 def main():
-    """Shard daemon for layer-split speculative decoding of Qwen3.5 hybrid models."""
+    """Shard daemon for layer-split speculative decoding of Qwen3.5 hybrid models.
+
+    \b
+    Example:
+      shardd serve --synthetic tiny --layers 0:3 --bind tcp://127.0.0.1:7700
+    """
 
 
-@main.command()
+@main.command(context_settings=CONTEXT)
 @click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), help="Checkpoint directory (HF layout).")
 @click.option("--synthetic", help="Synthetic preset instead of a checkpoint: PRESET[:SEED] (tiny, small, qwen3.5-27b).")
 @click.option("--layers", default=None,
@@ -31,10 +43,14 @@ def main():
                    "matched to the target. It reads the target's embedding and lm_head from --model/--synthetic.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda:N.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
-@click.option("--bind", default="tcp://127.0.0.1:7700", show_default=True, help="ZeroMQ endpoint (tcp://127.0.0.1:PORT or ipc://PATH).")
+@click.option("--bind", default="tcp://127.0.0.1:7700", show_default=True,
+              help="ZeroMQ endpoint: tcp://127.0.0.1:PORT (PORT * picks a free one and logs it) or ipc://PATH.")
+@click.option("--endpoint-file", type=click.Path(dir_okay=False), default=None,
+              help="Write the bound endpoint (the port * picked) to this file as soon as it is bound.")
 @click.option("--max-verify-tokens", type=click.IntRange(0, 1024), default=16, show_default=True,
               help="Rollback storage: most tokens one checkpointed step may carry (0 = no rollback storage).")
-@click.option("--rollback-mode", type=click.Choice(SHARD_ROLLBACK_MODES), default=CHECKPOINT, show_default=True)
+@click.option("--rollback-mode", "--rollback", "rollback_mode", type=click.Choice(SHARD_ROLLBACK_MODES), default=CHECKPOINT,
+              show_default=True, help="How rejected draft tokens leave the GDN state (replay needs no daemon support).")
 @click.option("--engine", type=click.Choice(ENGINES), default="auto", show_default=True,
               help="Step implementation: fast (fixed-shape step, Triton + CUDA graphs; CUDA only), reference, "
                    "or auto (fast on a CUDA device).")
@@ -46,17 +62,28 @@ def main():
 @click.option("--sequence-idle-timeout", type=click.FloatRange(0), default=300.0, show_default=True,
               help="Seconds a sequence may go without a request before it is closed and its memory returned (0: never).")
 @click.option("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice).")
-@click.option("--log-level", default="INFO", show_default=True)
-def serve(model_dir, synthetic, layers, draft, device, dtype, bind, max_verify_tokens, rollback_mode, engine, max_sequences,
-          max_context, max_tokens_per_request, curve_secret_key, curve_allow_dir, sequence_idle_timeout, threads, log_level):
-    """Load a layer range (and/or a drafter) and serve it until SIGTERM, SIGINT or SHUTDOWN."""
-    # Our own logger only: torch's loggers stay at their defaults instead of chattering at INFO.
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s shardd[%(process)d] %(levelname)s %(message)s"))
-    log = logging.getLogger("shardd")
-    log.addHandler(handler)
-    log.setLevel(log_level.upper())
-    log.propagate = False
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+              help="Serve Prometheus metrics on http://--metrics-host:PORT/metrics (0: any free port, logged).")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Address the metrics endpoint listens on.")
+@click.option("--log-level", type=click.Choice(LEVELS, case_sensitive=False), default="INFO", show_default=True)
+@click.option("--log-format", type=click.Choice(FORMATS), default="text", show_default=True,
+              help="text lines, or one JSON object per line.")
+def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_file, max_verify_tokens, rollback_mode, engine,
+          max_sequences, max_context, max_tokens_per_request, curve_secret_key, curve_allow_dir, sequence_idle_timeout,
+          threads, metrics_port,
+          metrics_host, log_level, log_format):
+    """Load a layer range (and/or a drafter) and serve it until SIGTERM, SIGINT or SHUTDOWN.
+
+    The socket is bound before the weights load: a port in use fails at once, and requests that arrive while
+    loading are answered once it is done.
+
+    \b
+    Examples:
+      shardd serve --synthetic tiny --layers 0:3 --bind tcp://127.0.0.1:7700
+      shardd serve --model /srv/Qwen3.5-27B --layers 32:64 --device cuda:1 --dtype bfloat16 \\
+          --bind ipc:///run/shardd/1.sock --metrics-port 9101
+    """
+    log = logs.setup(log_level, log_format)
 
     def stop_while_loading(signum, frame):
         # Until the daemon's loop takes over the signals (imports, weights): stop now, cleanly, and tell systemd so.
@@ -66,15 +93,19 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, max_verify_t
 
     signal.signal(signal.SIGTERM, stop_while_loading)
     signal.signal(signal.SIGINT, stop_while_loading)
-    import torch
-
-    from shardd.daemon import ServeOptions, ShardDaemon, configure_security, is_loopback
-    from shardd.loading import ModelSource, build_drafter, build_shard, parse_draft
-    from shardd.engine import resolve_engine, serve_with
-    from shardd.model.rollback import RollbackStorage
-
     if (model_dir is None) == (synthetic is None):
         raise click.UsageError("give exactly one of --model DIR or --synthetic PRESET[:SEED]")
+    draft_only = layers == "none"
+    if draft_only and draft is None:
+        raise click.UsageError("--layers none serves only a drafter: give --draft DIR|synthetic[:LAYERS]")
+    import torch
+
+    from shardd.daemon import ServeOptions, ShardDaemon, is_loopback, listen
+    from shardd.engine import resolve_engine, serve_with
+    from shardd.listen import BindError, write_endpoint_file
+    from shardd.loading import ModelSource, build_drafter, build_shard, parse_draft
+    from shardd.model.rollback import RollbackStorage
+
     if curve_secret_key is None and not is_loopback(bind):
         raise click.UsageError(
             f"refusing to bind {bind} without encryption: a non-loopback bind needs --curve-secret-key "
@@ -82,10 +113,8 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, max_verify_t
         )
     if threads:
         torch.set_num_threads(threads)
-    draft_only = layers == "none"
-    if draft_only and draft is None:
-        raise click.UsageError("--layers none serves only a drafter: give --draft DIR|synthetic[:LAYERS]")
     try:
+        check_device(torch, device)
         source = ModelSource(model_dir=model_dir, synthetic=synthetic)
         config = source.config()
         begin, end = 0, config.num_layers
@@ -103,28 +132,35 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, max_verify_t
                            curve_allow_dir=curve_allow_dir, sequence_idle_timeout=sequence_idle_timeout)
     if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
         options.tokenizer_dir = str(Path(model_dir).resolve())  # HELLO names it: the coordinator must not guess
+    try:
+        listener = listen(options)  # before the weights: a taken port fails now, not after minutes of loading
+    except BindError as exc:
+        log.error("%s", exc)
+        sys.exit(EXIT_FAILURE)
+    log.info("bound %s", listener.endpoint)
+    if endpoint_file:
+        write_endpoint_file(endpoint_file, listener.endpoint)
 
     what = " + ".join(([] if draft_only else [f"layers {begin}:{end}"]) + ([f"drafter {draft}"] if draft else []))
     systemd.notify(f"STATUS=loading {what}")
     started = time.perf_counter()
-    last_report = [0.0]
-
-    def progress(done, total):
-        now = time.perf_counter()
-        if done == total or now - last_report[0] > 2.0:
-            last_report[0] = now
-            systemd.notify(f"STATUS=loading weights {done}/{total}")
-            log.info("loading weights %d/%d", done, total)
-
     try:
         shard = None if draft_only else serve_with(engine, build_shard(
-            source, begin, end, dtype=dtype, device=device, storage=storage, progress=progress
+            source, begin, end, dtype=dtype, device=device, storage=storage, progress=LoadProgress(what, log)
         ), max_sequences=max_sequences, max_context=max_context)
         drafter = build_drafter(source, draft, dtype=dtype, device=device, shard=shard) if draft else None
-    except Exception as exc:  # noqa: BLE001 - a clear one-line reason beats a traceback for an operator
+    except BaseException as exc:  # a signal while loading (SystemExit) too: no socket file left behind
+        listener.close()
+        if not isinstance(exc, Exception):
+            raise
+        # a clear one-line reason beats a traceback for an operator
         log.error("failed to load %s: %s", what, exc)
-        sys.exit(1)
+        sys.exit(EXIT_FAILURE)
     daemon = ShardDaemon(shard, options, drafter)
+    if metrics_port is not None:
+        from shardd.metrics import serve_metrics
+
+        log.info("metrics on %s", serve_metrics(daemon, metrics_host, metrics_port))
     if drafter is not None:
         c = drafter.config
         log.info(
@@ -133,7 +169,7 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, max_verify_t
             drafter.fingerprint,
         )
     if shard is None:
-        daemon.serve()
+        daemon.serve(listener)
         return
     log.info(
         "loaded layers %d:%d of %d (%d GDN, %d attention)%s%s dtype=%s device=%s weights=%.1f MiB in %.1fs; "
@@ -144,18 +180,45 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, max_verify_t
         shard.state_bytes_per_sequence(max_context) / MiB, max_context,
         storage.mode if storage.enabled else "none", shard.checkpoint_bytes_per_sequence() / MiB, shard.fingerprint,
     )
-    daemon.serve()
+    daemon.serve(listener)
 
 
-@main.command()
+def check_device(torch, device: str) -> None:
+    """ValueError with the reason when `device` cannot be used here (before any weight is loaded)."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device must be cpu or cuda:N, got {device!r}") from None
+    if parsed.type == "cpu":
+        return
+    if parsed.type != "cuda":
+        raise ValueError(f"--device must be cpu or cuda:N, got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device was found (torch {torch.__version__}"
+                         + ("" if torch.version.cuda else ", a CPU-only build") + ")")
+    count = torch.cuda.device_count()
+    if parsed.index is not None and parsed.index >= count:
+        raise ValueError(f"--device {device}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+
+
+@main.command(context_settings=CONTEXT)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Directory for the key files.")
 @click.option("--name", default="shardd", show_default=True, help="Base name of the key files.")
-def keygen(out_dir, name):
-    """Write a CurveZMQ key pair: NAME.key (public, share it) and NAME.key_secret (0600, in a 0700 directory)."""
+@click.option("--json", "as_json", is_flag=True, help="Print the two paths as JSON.")
+def keygen(out_dir, name, as_json):
+    """Write a CurveZMQ key pair: NAME.key (public, share it) and NAME.key_secret (0600, in a 0700 directory).
+
+    \b
+    Example:
+      shardd keygen --out /etc/shardd/keys --name server
+    """
     from shardd.security import write_private_keys
 
     public, secret = write_private_keys(out_dir, name)
-    click.echo(f"public key: {public}\nsecret key: {secret}")
+    if as_json:
+        click.echo(json.dumps({"public_key": str(public), "secret_key": str(secret)}))
+    else:
+        click.echo(f"public key: {public}\nsecret key: {secret}")
 
 
 if __name__ == "__main__":

@@ -34,10 +34,12 @@ from protocol import (
 )
 from protocol.codec import clip_message
 from protocol.layout import CHECKPOINT
-from shardd import systemd
+from shardd import __version__, systemd
 from shardd.security import is_file_ipc, is_loopback, restrict_ipc_socket, start_authenticator
 from shardd.config import dtype_name
 from shardd.draft.model import DraftState
+from shardd.health import device_memory
+from shardd.listen import Listener, bind
 from shardd.loading import HostedDrafter
 from shardd.model import rollback as rb
 from shardd.model.errors import (
@@ -94,6 +96,7 @@ class Sequence:
 class Counters:
     requests: Counter = field(default_factory=Counter)  # by message type
     errors: Counter = field(default_factory=Counter)  # by error code
+    errors_by_type: Counter = field(default_factory=Counter)  # by (message type, error code), for metrics
     forwards: int = 0
     captures: int = 0
     tokens_forwarded: int = 0
@@ -143,6 +146,7 @@ class ShardDaemon:
         self.trusted = True  # whether that peer may SHUTDOWN: a file ipc:// socket, or an allowed Curve key
         self.counters = Counters()
         self.started = time.time()
+        self.metrics = None  # shardd.metrics.DaemonMetrics, with --metrics-port
         self.stopping = False
         self.handlers = {
             MessageType.HELLO: self.hello,
@@ -186,7 +190,10 @@ class ShardDaemon:
                 self.counters.sequences_failed += 1
             return self._error(request.id, request.type, ErrorCode.INTERNAL, message, seq=seq)
         finally:
-            self.counters.compute_seconds[request.type.value] += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            self.counters.compute_seconds[request.type.value] += elapsed
+            if self.metrics is not None:
+                self.metrics.observe(request.type.value, elapsed)
         try:
             return encode_reply(request.id, request.type, result, tensors)
         except Exception as exc:  # a result that cannot be encoded is our bug, not the client's
@@ -196,6 +203,7 @@ class ShardDaemon:
     def _error(self, request_id, mtype, code: ErrorCode, message: str, seq) -> list:
         message = clip_message(message)  # the reply and the log quote a bad value's prefix only
         self.counters.errors[ErrorCode(code).value] += 1
+        self.counters.errors_by_type[(getattr(mtype, "value", mtype), ErrorCode(code).value)] += 1
         log.warning("error seq=%s type=%s code=%s: %s", seq, getattr(mtype, "value", mtype), ErrorCode(code).value, message)
         return encode_error(request_id, mtype, code, message)
 
@@ -223,7 +231,12 @@ class ShardDaemon:
     # ---- handlers: validate, then mutate ---------------------------------------------------------
 
     def hello(self, request):
-        return self.describe(), {}
+        # What changes while the daemon runs is added here, not in describe().
+        health = {"version": __version__, "uptime_seconds": self.uptime(), "device_memory": device_memory(self.device)}
+        return {**self.describe(), **health}, {}
+
+    def uptime(self) -> float:
+        return time.time() - self.started
 
     def describe(self) -> dict:
         shard, c = self.shard, self.config
@@ -482,18 +495,19 @@ class ShardDaemon:
         parts += ["dflash drafter"] if self.drafter is not None else []
         return " + ".join(parts)
 
-    def serve(self) -> None:
+    def status_line(self, endpoint: str) -> str:
+        """What `systemctl status` shows while serving."""
+        return f"serving {self.serving()} on {endpoint}: {len(self.sequences)} sequences open"
+
+    def serve(self, listener: Listener | None = None) -> None:
+        """Serve until stopped, on `listener` (bound early by `shardd serve`) or a socket bound now."""
         options = self.options
-        context = zmq.Context.instance()
-        socket = context.socket(zmq.ROUTER)
-        socket.setsockopt(zmq.LINGER, 1000)
-        # A frame over max_frame_bytes is refused by libzmq from its length prefix, before any memory is
-        # allocated for it, and the connection dropped (PROTOCOL.md, "Limits").
+        listener = listener if listener is not None else listen(options)
+        socket = listener.socket
+        # Bound early with the loose total limit (the model was not loaded yet); from here a frame over
+        # max_frame_bytes is refused by libzmq from its length prefix, before any memory is allocated for it,
+        # and the connection dropped (PROTOCOL.md, "Limits"). It applies to connections made from now on.
         socket.setsockopt(zmq.MAXMSGSIZE, max(self.limits.max_frame_bytes, self.limits.max_header_bytes))
-        authenticator = configure_security(context, socket, options)
-        socket.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT; IPv4 binds are unaffected
-        socket.bind(options.bind)
-        restrict_ipc_socket(options.bind)
         curve = options.curve_secret_key is not None
         trusted_transport = curve or is_file_ipc(options.bind)
         next_sweep = time.monotonic()
@@ -506,14 +520,17 @@ class ShardDaemon:
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
-        systemd.notify(f"READY=1\nSTATUS=serving {self.serving()} on {options.bind}")
-        log.info("ready: serving on %s", options.bind)
+        watchdog, status = systemd.Watchdog(), systemd.Status()
+        status.set(self.status_line(listener.endpoint), "READY=1")
+        log.info("ready: serving on %s", listener.endpoint)
         try:
             while not self.stopping:
+                watchdog.ping()
+                status.set(self.status_line(listener.endpoint))
                 if time.monotonic() >= next_sweep:
                     self.expire_idle()
                     next_sweep = time.monotonic() + 1.0
-                if not poller.poll(100):
+                if not poller.poll(watchdog.poll_ms(100)):
                     continue
                 frames = socket.recv_multipart(copy=False)
                 envelope, body = split_envelope(frames)
@@ -526,13 +543,7 @@ class ShardDaemon:
                 socket.send_multipart(envelope + reply, copy=False)
         finally:
             systemd.notify("STOPPING=1")
-            socket.close(linger=1000)
-            if authenticator is not None:
-                authenticator.stop()
-            if options.bind.startswith("ipc://"):
-                path = options.bind[len("ipc://") :]
-                if path and not path.startswith("@") and os.path.exists(path):
-                    os.unlink(path)
+            listener.close()
             log.info("stopped: %d sequences were open", len(self.sequences))
 
 
@@ -544,6 +555,21 @@ def largest_frame_bytes(hidden_size: int, drafter: HostedDrafter | None, max_tok
     states or drafter features, float32), so a slightly oversized one is still answered TOO_LARGE."""
     width = max(hidden_size, drafter.config.feature_size if drafter is not None else 0)
     return max(MIN_FRAME_BYTES, 2 * max_tokens * width * 4)
+
+
+def listen(options: ServeOptions) -> Listener:
+    """Bind the daemon's ROUTER socket (BindError says why not, in one line)."""
+    # Frames up to max_total_bytes are read and answered (TOO_LARGE past max_frame_bytes); a frame beyond
+    # that would only fill memory, so libzmq drops the connection instead (PROTOCOL.md, "Limits").
+    max_bytes = Limits(max_tokens_per_request=options.max_tokens_per_request).max_total_bytes
+
+    def configure(context, socket):
+        socket.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT; IPv4 binds are unaffected
+        return configure_security(context, socket, options)
+
+    listener = bind(options.bind, max_message_bytes=max_bytes, configure=configure)
+    restrict_ipc_socket(listener.endpoint)
+    return listener
 
 
 def split_envelope(frames: list) -> tuple[list, list]:

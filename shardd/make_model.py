@@ -5,10 +5,12 @@ The CLI imports this module only inside those commands: writing weights needs to
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
 import torch
+from tqdm import tqdm
 
 from shardd.draft.synthetic import synthetic_draft_config, write_draft_checkpoint
 from shardd.loading import DEFAULT_SYNTHETIC_DRAFT_LAYERS
@@ -16,9 +18,17 @@ from shardd.presets import preset_config
 from shardd.synthetic import write_checkpoint
 
 
-def write_synthetic_model(preset: str, seed: int, dtype: str, out: Path) -> Path:
-    """config.json, *.safetensors and the index of the preset in the Qwen3.5 layout."""
-    return write_checkpoint(out, preset_config(preset), seed, dtype=getattr(torch, dtype))
+def write_synthetic_model(preset: str, seed: int, dtype: str, out: Path, *, show_progress: bool = True) -> Path:
+    """config.json, *.safetensors and the index of the preset in the Qwen3.5 layout, with a progress bar (bytes,
+    ETA) on stderr when it is a terminal."""
+    config = preset_config(preset)
+    with tqdm(desc=f"writing {preset}", unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+              disable=None if show_progress else True) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        return write_checkpoint(out, config, seed, dtype=getattr(torch, dtype), progress=progress)
 
 
 def write_synthetic_drafter(model_dir: Path, preset: str, seed: int, dtype: str, layers: Optional[int]) -> Path:

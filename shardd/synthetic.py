@@ -66,20 +66,25 @@ def synthetic_tensors(
 ) -> dict[str, torch.Tensor]:
     """The named tensors (our names -> shapes), each the same as in the whole synthetic model."""
     weights = {}
-    for i, (name, shape) in enumerate(shapes.items()):
+    total, done = sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize, 0
+    for name, shape in shapes.items():
         weights[name] = synthetic_tensor(config, name, shape, seed, device).to(dtype)
+        done += weights[name].nbytes
         if progress is not None:
-            progress(i + 1, len(shapes))
+            progress(done, total)  # bytes
     return weights
 
 
 def write_checkpoint(
-    out_dir: str | Path, config: ModelConfig, seed: int, *, max_file_bytes: int = 2 << 30, dtype=torch.float32
+    out_dir: str | Path, config: ModelConfig, seed: int, *, max_file_bytes: int = 2 << 30, dtype=torch.float32,
+    progress=None,
 ) -> Path:
     """Write config.json, sharded *.safetensors and the index, in the real Qwen3.5 layout.
 
     Keys carry the `model.language_model.` prefix and the config is `model_type: qwen3_5` with a
     `text_config`, as in released checkpoints; one small `mtp.*` tensor is included (readers must skip it).
+    Files are written one at a time as their tensors are made (at most one file's tensors in memory: the
+    27B preset is 54 GB in bf16). `progress(done_bytes, total_bytes)` after each file.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -93,23 +98,31 @@ def write_checkpoint(
     }
     (out / "config.json").write_text(json.dumps(full, indent=2) + "\n")
 
-    files: list[dict[str, torch.Tensor]] = [{}]
+    # Plan the files from the shapes first, so each can be named (-of-N) and written as soon as it is full.
+    files: list[list[tuple[str, str, tuple[int, ...]]]] = [[]]  # (checkpoint key, our name, shape) per file
     size = 0
     for name, shape in shard_shapes(config, 0, config.num_layers).items():
         key = name if name == "lm_head.weight" else f"model.language_model.{name}"
-        tensor = synthetic_tensor(config, name, shape, seed).to(dtype).contiguous()
-        if size and size + tensor.nbytes > max_file_bytes:
-            files.append({})
+        nbytes = math.prod(shape) * dtype.itemsize
+        if size and size + nbytes > max_file_bytes:
+            files.append([])
             size = 0
-        files[-1][key] = tensor
-        size += tensor.nbytes
-    files[-1]["mtp.fc.weight"] = torch.zeros(2, 2, dtype=dtype)
+        files[-1].append((key, name, shape))
+        size += nbytes
+    total = sum(math.prod(shape) for file in files for _, _, shape in file) * dtype.itemsize
 
-    weight_map = {}
-    for i, tensors in enumerate(files):
+    weight_map, done = {}, 0
+    for i, file in enumerate(files):
         filename = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        tensors = {key: synthetic_tensor(config, name, shape, seed).to(dtype).contiguous() for key, name, shape in file}
+        if i == len(files) - 1:
+            tensors["mtp.fc.weight"] = torch.zeros(2, 2, dtype=dtype)
         save_file(tensors, str(out / filename), metadata={"format": "pt"})
         weight_map.update({key: filename for key in tensors})
-    index = {"metadata": {"total_size": sum(t.nbytes for f in files for t in f.values())}, "weight_map": weight_map}
+        done += sum(t.nbytes for key, t in tensors.items() if key != "mtp.fc.weight")
+        del tensors
+        if progress is not None:
+            progress(done, total)
+    index = {"metadata": {"total_size": total + 4 * dtype.itemsize}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return out

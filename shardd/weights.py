@@ -5,6 +5,7 @@ safetensors files; a key mapping (`target_name`, `draft_name`) turns each checkp
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -185,6 +186,7 @@ def load_tensors(
     for name in wanted:
         by_file.setdefault(locations[name][0], []).append(name)
     loaded = LoadedWeights({})
+    total, done = sum(math.prod(shape) for shape in wanted.values()) * dtype.itemsize, 0
     for path, in_file in sorted(by_file.items()):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in in_file:
@@ -195,6 +197,7 @@ def load_tensors(
                 tensor = f.get_tensor(key)
                 loaded.keys_read.append(key)
                 loaded.tensors[name] = tensor.to(device=device, dtype=dtype)
+                done += loaded.tensors[name].nbytes
                 if progress is not None:
-                    progress(len(loaded.keys_read), len(wanted))
+                    progress(done, total)  # bytes
     return loaded

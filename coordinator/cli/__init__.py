@@ -12,12 +12,15 @@ import signal
 
 import click
 
+from shardd import __version__
+
 from coordinator.cli.bench import BenchError, bench
 from coordinator.cli.demo import demo
 from coordinator.cli.generate import generate
 from coordinator.cli.launch import launch
 from coordinator.cli.make_model import make_model
 from coordinator.cli.options import EXIT_FAILURE
+from coordinator.cli.plan import ShardUnreachable
 from coordinator.cli.serve import serve
 from coordinator.cli.status import status
 from coordinator.client import ShardTimeout
@@ -26,7 +29,8 @@ from coordinator.pipeline import PipelineError
 from coordinator.target import RollbackFailed, SequenceLost
 from protocol import ProtocolError
 
-RUNTIME_ERRORS = (ProtocolError, ShardTimeout, PipelineError, LaunchError, BenchError, SequenceLost, RollbackFailed)
+RUNTIME_ERRORS = (ProtocolError, ShardTimeout, ShardUnreachable, PipelineError, LaunchError, BenchError, SequenceLost,
+                  RollbackFailed)
 
 
 class ShardctlGroup(click.Group):
@@ -41,8 +45,15 @@ class ShardctlGroup(click.Group):
 
 
 @click.group(cls=ShardctlGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "-V", "--version", prog_name="shardctl")
 def cli():
-    """Drive shard daemons: layer-split speculative decoding of Qwen3.5 hybrid models."""
+    """Drive shard daemons: layer-split speculative decoding of Qwen3.5 hybrid models.
+
+    \b
+    Example:
+      shardctl demo
+      shardctl generate --synthetic small --split 2 --prompt "hello" --drafter oracle
+    """
 
 
 for command in (make_model, launch, generate, serve, status, bench, demo):

@@ -47,7 +47,7 @@ def run_generate_subprocess(args: Sequence[str]) -> dict:
     return json.loads(completed.stdout)
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @shard_source_options
 @click.option("--ab", "ab_spec", default=f"{REPLAY},{CHECKPOINT}", show_default=True, metavar="A,B",
               help="The two rollback modes to compare, run in blocks A1, B, A2.")
@@ -59,14 +59,21 @@ def run_generate_subprocess(args: Sequence[str]) -> dict:
 @click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
 @click.option("--prompt", help="Prompt text.")
 @click.option("--prompt-ids", help="Prompt token ids (default: a fixed 32-token prompt).")
-@click.option("--json", "json_file", type=click.Path(dir_okay=False, allow_dash=True),
-              help="Write the full record to this file (- for stdout).")
+@click.option("--json", "json_file", is_flag=False, flag_value="-", default=None, metavar="[FILE]",
+              type=click.Path(dir_okay=False, allow_dash=True),
+              help="Print the full record as JSON instead of the table (--json FILE: write it there, table on stdout).")
 def bench(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
           curve_client_key, ab_spec, runs, drafter, block_size, mean_commit, max_new_tokens, prompt, prompt_ids, json_file):
     """A/B/A benchmark of two rollback modes: each run a fresh `shardctl generate --json`.
 
     Launched shards are started afresh per block with that block's rollback mode.
-    Exit 3 when any run's output differs."""
+    Exit 3 when any run's output differs.
+
+    \b
+    Examples:
+      shardctl bench --synthetic small --split 2 --ab replay,checkpoint --runs 3
+      shardctl bench --synthetic small --split 2 --runs 1 --json > bench.json
+    """
     modes = parse_list(ab_spec)
     if len(modes) != 2 or any(mode not in ROLLBACK_MODES for mode in modes):
         raise click.BadParameter(f"expected two of {', '.join(ROLLBACK_MODES)}, e.g. replay,checkpoint", param_hint="--ab")
@@ -107,10 +114,11 @@ def bench(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
             block["summary"] = benchstats.summarize_runs(block["runs"])
             blocks.append(block)
     report = bench_report(blocks, modes, drafter, block_size, mean_commit, max_new_tokens)
-    print_bench(report)
     if json_file == "-":
         emit_json(report)
-    elif json_file:
+    else:
+        print_bench(report)
+    if json_file and json_file != "-":
         Path(json_file).write_text(json.dumps(report, indent=2) + "\n")
         progress(f"wrote {json_file}")
     if not report["identical"]:

@@ -53,7 +53,7 @@ def demo_model(seed: int = 0) -> Path:
     return target
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--max-new-tokens", type=click.IntRange(1), default=96, show_default=True)
 @click.option("--block-size", type=click.IntRange(2), default=16, show_default=True)
 @click.option("--mean-commit", type=float, default=6.0, show_default=True, help="oracle: tokens committed per step.")
@@ -62,7 +62,13 @@ def demo_model(seed: int = 0) -> Path:
 def demo(max_new_tokens, block_size, mean_commit, transport, as_json):
     """Two local shards of a small synthetic model: greedy and speculative decoding with every
     drafter (ngram, oracle, and dflash on a drafter daemon) in every rollback mode give identical
-    outputs (exit 3 if not). The synthetic drafter is untrained: its acceptance is near zero."""
+    outputs (exit 3 if not). The synthetic drafter is untrained: its acceptance is near zero.
+    The daemons stop when it ends.
+
+    \b
+    Example:
+      shardctl demo --max-new-tokens 48 --json
+    """
     check_mean_commit("oracle", mean_commit, block_size)
     started = time.perf_counter()
     model_dir = demo_model()

@@ -17,6 +17,7 @@ from coordinator import benchstats
 from coordinator.cli.options import (
     check_mean_commit,
     daemon_args_from,
+    launched_capacity_options,
     load_curve,
     parse_ids,
     shard_source_options,
@@ -176,8 +177,9 @@ def describe_generation(record: dict) -> str:
     return ", ".join(parts)
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @shard_source_options
+@launched_capacity_options
 @click.option("--prompt", help="Prompt text (tokenized with the model's tokenizer.json, else bytes).")
 @click.option("--prompt-ids", help="Prompt as token ids: 1,2,3.")
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(exists=True, file_okay=False),
@@ -191,7 +193,8 @@ def describe_generation(record: dict) -> str:
               help="dflash when launching shards: the drafter daemon to launch beside them "
                    "(default: MODEL/draft for --model when it exists, synthetic for --synthetic).")
 @click.option("--block-size", type=click.IntRange(2), default=16, show_default=True, help="Tokens per verify step.")
-@click.option("--rollback", type=click.Choice(ROLLBACK_MODES), default=CHECKPOINT, show_default=True)
+@click.option("--rollback-mode", "--rollback", "rollback", type=click.Choice(ROLLBACK_MODES), default=CHECKPOINT,
+              show_default=True, help="replay (by the coordinator, any shards), checkpoint or replay-ssm (by the shards).")
 @click.option("--mean-commit", type=float, default=6.0, show_default=True,
               help="oracle: tokens committed per step on average.")
 @click.option("--oracle-seed", type=int, default=0, show_default=True, help="oracle: seed of its error schedule.")
@@ -205,9 +208,16 @@ def describe_generation(record: dict) -> str:
 @click.option("--ids", "print_ids", is_flag=True, help="Stream token ids instead of text.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of streaming.")
 def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
-             curve_client_key, prompt, prompt_ids, tokenizer_dir, max_new_tokens, drafter, draft_shard, draft, block_size,
-             rollback, mean_commit, oracle_seed, ignore_eos, temperature, top_p, top_k, seed, print_ids, as_json):
-    """Generate greedily (or sampling, --temperature), speculating with a drafter; stream the text as tokens commit."""
+             curve_client_key, max_sequences, max_context, prompt, prompt_ids, tokenizer_dir, max_new_tokens, drafter,
+             draft_shard, draft, block_size, rollback, mean_commit, oracle_seed, ignore_eos, temperature, top_p, top_k,
+             seed, print_ids, as_json):
+    """Generate greedily (or sampling, --temperature), speculating with a drafter; stream the text as tokens commit.
+
+    \b
+    Examples:
+      shardctl generate --shards tcp://127.0.0.1:7700,ipc:///tmp/$USER-shard1.sock --prompt "hello"
+      shardctl generate --synthetic small --split 2 --max-context 8192 --prompt "hello" --drafter oracle --json
+    """
     sampling = Sampling.make(temperature, top_p, top_k, seed)
     if not sampling.greedy and drafter == "oracle":
         raise click.UsageError("--drafter oracle replays the greedy output; sample with ngram, dflash or none")
@@ -217,7 +227,11 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
     check_mean_commit(drafter, mean_commit, block_size)
     speculating = drafter != GREEDY
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
-                     daemon_args_from(dtype=dtype), curve=curve_server_key or curve_client_key)
+                     daemon_args_from(dtype=dtype, max_sequences=max_sequences, max_context=max_context),
+                     curve=curve_server_key or curve_client_key)
+    if shards and (max_sequences or max_context):
+        raise click.UsageError("--max-sequences and --max-context size the shards generate launches; "
+                               "running shards (--shards) keep the limits they were started with")
     if drafter == "dflash":
         plan.draft_endpoint, plan.draft = dflash_daemon(plan, draft_shard, draft)
     elif draft_shard or draft:

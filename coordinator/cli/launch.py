@@ -9,31 +9,37 @@ import time
 
 import click
 
-from coordinator.cli.options import daemon_args_from, daemon_options
+from coordinator.cli.options import daemon_args_from, daemon_options, devices_option
 from coordinator.cli.output import emit_json, format_table, progress
 from coordinator.cli.plan import make_plan
-from coordinator.launch import TRANSPORTS, LaunchError, launched_sets
+from coordinator.launch import READY_TIMEOUT_S, TRANSPORTS, LaunchError, launched_sets
 
 
 class _Stop(Exception):
     """SIGTERM: stop serving the way Ctrl-C does."""
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), help="Checkpoint directory.")
 @click.option("--synthetic", metavar="PRESET[:SEED]", help="Synthetic model instead of a checkpoint.")
 @click.option("--split", type=click.IntRange(1), help="This many shards, layers split evenly.")
 @click.option("--layers", "layer_spec", metavar="B:E,B:E,...", help="One shard per layer range.")
-@click.option("--devices", metavar="DEV,DEV,...", help="Device of each shard (one value: all). Default cpu.")
+@devices_option
 @click.option("--transport", type=click.Choice(TRANSPORTS), default="tcp", show_default=True)
 @daemon_options
 @click.option("--draft", metavar="DIR|synthetic[:LAYERS]", help="Also start a drafter-only daemon hosting this DFlash drafter.")
-@click.option("--ready-timeout", type=click.FloatRange(0, min_open=True), default=600.0, show_default=True,
+@click.option("--ready-timeout", type=click.FloatRange(0, min_open=True), default=READY_TIMEOUT_S, show_default=True,
               help="Seconds to wait for the shards to load.")
 @click.option("--json", "as_json", is_flag=True, help="Print the endpoints as JSON once ready.")
 def launch(model_dir, synthetic, split, layer_spec, devices, transport, draft, ready_timeout, as_json, **daemon_values):
     """Start shard daemons (and a drafter daemon with --draft) on this machine, print their
-    endpoints, stop them on Ctrl-C."""
+    endpoints, serve until Ctrl-C or SIGTERM, then stop them all. Each daemon binds a free
+    loopback port itself (or an ipc:// socket in a private directory).
+
+    \b
+    Example:
+      shardctl launch --synthetic small --split 2 --device cpu --json
+    """
     plan = make_plan(None, model_dir, synthetic, split, layer_spec, devices, transport, daemon_args_from(**daemon_values),
                      allow_endpoints=False)
     sets = [plan.shard_set()] + ([plan.drafter_set(draft)] if draft is not None else [])

@@ -15,7 +15,7 @@ from coordinator.cli.output import MiB, emit_json, progress
 from shardd.presets import PRESETS
 
 
-@click.command("make-model")
+@click.command("make-model", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--preset", type=click.Choice(tuple(PRESETS)), required=True, help="Model shape.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Directory to write.")
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -26,7 +26,13 @@ from shardd.presets import PRESETS
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def make_model(preset, out_dir, seed, dtype, force, with_drafter, draft_layers, as_json):
     """Write a synthetic checkpoint (config.json, *.safetensors, index) in the Qwen3.5 layout;
-    with --with-drafter also a DFlash draft checkpoint in OUT/draft/ (`--draft OUT/draft`)."""
+    with --with-drafter also a DFlash draft checkpoint in OUT/draft/ (`--draft OUT/draft`).
+    Files are written as their tensors are made, with a progress bar on a terminal.
+
+    \b
+    Example:
+      shardctl make-model --preset tiny --out /tmp/$USER-tiny --with-drafter
+    """
     if draft_layers is not None and not with_drafter:
         raise click.UsageError("--draft-layers goes with --with-drafter")
     out = Path(out_dir)

@@ -12,6 +12,8 @@ from protocol.layout import SHARD_ROLLBACK_MODES
 
 # Exit codes besides click's 2 for a usage error.
 EXIT_FAILURE, EXIT_DIFFER = 1, 3
+# Seconds to wait for a shard's reply, the same for every command (a first step on a GPU may compile kernels).
+TIMEOUT_S = 60.0
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -49,6 +51,12 @@ curve_options = [
 ]
 
 
+devices_option = click.option("--device", "--devices", "devices", metavar="DEV[,DEV,...]",
+                              help="Device of each launched shard, e.g. cuda:0,cuda:1 (one value: all). Default cpu.")
+timeout_option = click.option("--timeout", type=click.FloatRange(0, min_open=True), default=TIMEOUT_S, show_default=True,
+                              help="Seconds to wait for a shard's reply (a shard that is slow to answer is named at once).")
+
+
 def shard_source_options(func):
     """--shards | --model/--synthetic with --split/--layers, for commands that use shards."""
     return _apply([
@@ -58,14 +66,24 @@ def shard_source_options(func):
         click.option("--synthetic", metavar="PRESET[:SEED]", help="Synthetic model: launch local shards for it."),
         click.option("--split", type=click.IntRange(1), help="Launch this many shards, layers split evenly."),
         click.option("--layers", "layer_spec", metavar="B:E,B:E,...", help="Launch shards for these layer ranges."),
-        click.option("--devices", metavar="DEV,DEV,...", help="Device of each launched shard (one value: all). Default cpu."),
+        devices_option,
         click.option("--transport", type=click.Choice(TRANSPORTS), default="tcp", show_default=True,
                      help="Endpoints of launched shards: loopback TCP or ipc:// sockets."),
         click.option("--dtype", type=click.Choice(DTYPES), default=None, help="Weight dtype of launched shards."),
-        click.option("--timeout", type=click.FloatRange(0, min_open=True), default=120.0, show_default=True,
-                     help="Seconds to wait for a shard's reply."),
+        timeout_option,
         *curve_options,
     ], func)
+
+
+capacity_options = [
+    click.option("--max-sequences", type=click.IntRange(1), default=None, help="Open sequences per shard (shardd's default: 8)."),
+    click.option("--max-context", type=click.IntRange(1), default=None, help="Tokens per sequence (shardd's default: 4096)."),
+]
+
+
+def launched_capacity_options(func):
+    """--max-sequences/--max-context for the shards a command launches (with --shards, the daemons' own)."""
+    return _apply(capacity_options, func)
 
 
 def daemon_options(func):
@@ -74,9 +92,9 @@ def daemon_options(func):
         click.option("--dtype", type=click.Choice(DTYPES), default=None, help="Weight dtype."),
         click.option("--max-verify-tokens", type=click.IntRange(0), default=None,
                      help="Rollback storage per sequence, in tokens (0: none)."),
-        click.option("--rollback-mode", type=click.Choice(SHARD_ROLLBACK_MODES), default=None),
-        click.option("--max-sequences", type=click.IntRange(1), default=None),
-        click.option("--max-context", type=click.IntRange(1), default=None),
+        click.option("--rollback-mode", "--rollback", "rollback_mode", type=click.Choice(SHARD_ROLLBACK_MODES), default=None,
+                     help="Rollback storage kind: checkpoint or replay-ssm."),
+        *capacity_options,
         click.option("--max-tokens-per-request", type=click.IntRange(1), default=None),
     ], func)
 

@@ -4,6 +4,8 @@ launch here for a model (`--model`/`--synthetic` with `--split`/`--layers`), and
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,11 +15,13 @@ import click
 
 from coordinator.cli.options import parse_list
 from coordinator.cli.output import progress
-from coordinator.client import CurveKeys
+from coordinator.client import CurveKeys, ShardClient, ShardTimeout
 from coordinator.launch import ShardSet, drafter_set, launched_sets
 from coordinator.pipeline import Pipeline, PipelineError
+from protocol import Hello
 from protocol.layout import REPLAY, check_layer_range, even_split, parse_layer_ranges
 from shardd.config import load_config
+from shardd.listen import ipc_file, ipc_in_use
 from shardd.presets import parse_synthetic, preset_config
 
 
@@ -152,7 +156,59 @@ def dflash_daemon(plan: ShardPlan, draft_shard: Optional[str], draft: Optional[s
     return None, draft
 
 
+class ShardUnreachable(ConnectionError):
+    """Nothing listens at a shard's endpoint: no point waiting for a reply."""
+
+
+def not_listening(endpoint: str) -> Optional[str]:
+    """Why nothing can be listening at `endpoint` (refused, no socket file), or None when something may be."""
+    path = ipc_file(endpoint)
+    if path is not None:
+        if not os.path.exists(path):
+            return f"no socket file {path}"
+        return None if ipc_in_use(path) else f"{path} is a stale socket file: no process serves it"
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://"):].rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+        except ConnectionRefusedError:
+            return "connection refused"
+        except (OSError, ValueError):
+            return None  # unreachable or slow: the HELLO's timeout decides
+    return None
+
+
+def hello_or_wait(client: ShardClient, timeout: float, *, wait_to_start: bool = True) -> dict:
+    """HELLO. A shard that is not up yet, or does not answer within a second, is named on stderr at once and
+    waited for up to `timeout`; with `wait_to_start=False` (status: a snapshot) nothing listening fails at once."""
+    deadline = time.monotonic() + timeout
+    reason = not_listening(client.endpoint)
+    if reason is not None and wait_to_start:
+        progress(f"waiting for the shard at {client.endpoint} to start: nothing is listening yet ({reason}); "
+                 f"giving up after {timeout:g} s")
+        while reason is not None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            reason = not_listening(client.endpoint)
+    if reason is not None:
+        raise ShardUnreachable(f"{client.endpoint}: nothing is listening ({reason}); is the daemon running?")
+    sent = client.send(Hello(id=0))
+    try:
+        return client.receive(sent, max(0.001, min(1.0, deadline - time.monotonic()))).result
+    except ShardTimeout:
+        if time.monotonic() >= deadline:
+            raise ShardTimeout(client.endpoint, "HELLO", timeout) from None
+    progress(f"waiting for the shard at {client.endpoint}: no answer to HELLO yet (still loading its weights?); "
+             f"giving up after {timeout:g} s")
+    try:
+        return client.receive(sent, max(0.001, deadline - time.monotonic())).result
+    except ShardTimeout:
+        raise ShardTimeout(client.endpoint, "HELLO", timeout) from None
+
+
 def connect_pipeline(endpoints: Sequence[str], timeout: float, curve: Optional[CurveKeys] = None) -> Pipeline:
+    for endpoint in endpoints:
+        with ShardClient(endpoint, timeout_s=timeout, curve=curve) as client:
+            hello_or_wait(client, timeout)
     try:
         return Pipeline.connect(endpoints, timeout_s=timeout, curve=curve)
     except PipelineError as error:

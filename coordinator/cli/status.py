@@ -1,4 +1,7 @@
-"""`shardctl status`: each shard's HELLO and STATS as a table (or JSON), and whether the set forms the model."""
+"""`shardctl status`: each shard's HELLO and STATS as a table (or JSON), and whether the set forms the model.
+
+Exit 0 when every shard answers and together they serve the whole model; 1 otherwise (a shard down, a gap, mixed
+weights), so `shardctl status --shards ... && start-traffic` is a health check."""
 
 from __future__ import annotations
 
@@ -6,22 +9,28 @@ import sys
 
 import click
 
-from coordinator.cli.options import EXIT_FAILURE, curve_options, load_curve, parse_list
+from coordinator.cli.options import EXIT_FAILURE, curve_options, load_curve, parse_list, timeout_option
 from coordinator.cli.output import emit_json, fmt_bytes, format_table
+from coordinator.cli.plan import ShardUnreachable, hello_or_wait
 from coordinator.client import ShardClient
 from coordinator.pipeline import SHARD_FAILURES, PipelineError, ShardInfo, order_shards
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--shards", metavar="EP,EP,...", required=True, help="Endpoints of running shard daemons.")
-@click.option("--timeout", type=click.FloatRange(0, min_open=True), default=5.0, show_default=True,
-              help="Seconds to wait for each shard.")
+@timeout_option
 @curve_options[0]
 @curve_options[1]
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def status(shards, timeout, curve_server_key, curve_client_key, as_json):
-    """Each shard's layers, device, rollback storage, memory and counters (HELLO + STATS).
-    Exit 1 when a shard does not answer."""
+    """Each shard's pid, version, uptime, layers, device and its memory, open sequences and counters
+    (HELLO + STATS), and whether together they serve the model. Exit 1 when a shard is down or the
+    set is not a usable pipeline.
+
+    \b
+    Example:
+      shardctl status --shards tcp://127.0.0.1:7700,ipc:///tmp/$USER-shard1.sock
+    """
     curve = load_curve(curve_server_key, curve_client_key)
     entries, infos = [], []
     endpoints = parse_list(shards)
@@ -31,11 +40,11 @@ def status(shards, timeout, curve_server_key, curve_client_key, as_json):
         entry = {"endpoint": endpoint, "ok": False, "hello": None, "stats": None, "error": None}
         with ShardClient(endpoint, timeout_s=timeout, curve=curve) as client:
             try:
-                entry["hello"] = client.hello()
+                entry["hello"] = hello_or_wait(client, timeout, wait_to_start=False)  # a snapshot: down is down
                 entry["stats"] = client.stats()
                 entry["ok"] = True
                 infos.append(ShardInfo(endpoint, entry["hello"]))
-            except SHARD_FAILURES as error:
+            except (*SHARD_FAILURES, ShardUnreachable) as error:
                 entry["error"] = str(error)
         entries.append(entry)
     pipeline = {"ok": False, "message": "not every shard answered"}
@@ -52,7 +61,7 @@ def status(shards, timeout, curve_server_key, curve_client_key, as_json):
         emit_json({"shards": entries, "pipeline": pipeline})
     else:
         print_status(entries, pipeline)
-    if not all(entry["ok"] for entry in entries):
+    if not pipeline["ok"]:
         sys.exit(EXIT_FAILURE)
 
 
@@ -61,14 +70,19 @@ def print_status(entries: list[dict], pipeline: dict) -> None:
     for entry in entries:
         hello, stats = entry["hello"] or {}, entry["stats"] or {}
         if not entry["ok"]:
-            rows.append([entry["endpoint"], "DOWN"] + [None] * 10)
+            rows.append([entry["endpoint"], "DOWN"] + [None] * 14)
             continue
         storage = hello.get("rollback") or {}
         limits = hello.get("limits") or {}
+        memory = hello.get("device_memory") or {}
         rows.append([
             entry["endpoint"],
             serving_label(hello),
+            hello.get("pid"),
+            hello.get("version"),
+            fmt_duration(hello.get("uptime_seconds")),
             hello.get("device"),
+            fmt_memory(memory),
             hello.get("dtype"),
             f"{storage.get('mode') or 'none'}/{storage.get('max_verify_tokens')}",
             f"{stats.get('open_sequences', '-')}/{limits.get('max_sequences', '-')}",
@@ -80,7 +94,7 @@ def print_status(entries: list[dict], pipeline: dict) -> None:
             sum((stats.get("errors") or {}).values()) if isinstance(stats.get("errors"), dict) else stats.get("errors"),
         ])
     click.echo(format_table(
-        ["ENDPOINT", "LAYERS", "DEVICE", "DTYPE", "ROLLBACK", "OPEN", "WEIGHTS", "STATE", "CKPT", "CKPT/SEQ",
+        ["ENDPOINT", "LAYERS", "PID", "VERSION", "UPTIME", "DEVICE", "DEVICE MEM", "DTYPE", "ROLLBACK", "OPEN", "WEIGHTS", "STATE", "CKPT", "CKPT/SEQ",
          "FORWARDS", "ERRORS"], rows))
     for entry in entries:
         stats = entry["stats"]
@@ -91,6 +105,21 @@ def print_status(entries: list[dict], pipeline: dict) -> None:
         counters = ", ".join(f"{key}={_compact(value)}" for key, value in stats.items() if value not in ({}, None))
         click.echo(f"\n{entry['endpoint']}: {counters}")
     click.echo(f"\npipeline: {'ok' if pipeline['ok'] else 'NOT USABLE'}: {pipeline['message']}")
+
+
+def fmt_duration(seconds) -> str | None:
+    if seconds is None:
+        return None
+    seconds = int(seconds)
+    days, rest = divmod(seconds, 86400)
+    return (f"{days}d" if days else "") + f"{rest // 3600:d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+
+
+def fmt_memory(memory: dict) -> str | None:
+    """'12.3/80.0 GiB' of the daemon's device (host memory for a CPU shard)."""
+    if "used_bytes" not in memory or "total_bytes" not in memory:
+        return None
+    return f"{memory['used_bytes'] / (1 << 30):.1f}/{memory['total_bytes'] / (1 << 30):.1f} GiB"
 
 
 def serving_label(hello: dict) -> str:
