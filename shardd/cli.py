@@ -6,6 +6,7 @@ import json
 import signal
 import sys
 import time
+from pathlib import Path
 
 import click
 
