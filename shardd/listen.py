@@ -96,6 +96,10 @@ def bind(endpoint: str, *, max_message_bytes: Optional[int] = None, configure=No
             if error.errno == zmq.EADDRINUSE else ""
         raise BindError(f"cannot bind {endpoint}: {error.strerror}{hint}") from None
     bound = socket.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
+    # With IPv6 enabled an IPv4 bind reports its IPv4-mapped form: report the address as it was asked for.
+    if bound.startswith("tcp://[::ffff:") and not endpoint.startswith("tcp://["):
+        address, _, port = bound[len("tcp://[::ffff:"):].partition("]:")
+        bound = f"tcp://{address}:{port}"
     return Listener(context, socket, bound, authenticator)
 
 

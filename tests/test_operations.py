@@ -336,7 +336,8 @@ def test_status_exits_1_when_the_shards_do_not_form_the_model(workdir):
 def test_generate_passes_capacity_options_to_the_shards_it_starts():
     result = shardctl("generate", "--synthetic", "tiny", "--split", 1, "--max-context", 12, "--max-sequences", 1,
                       "--prompt-ids", "1,2,3,4,5,6,7,8", "--max-new-tokens", 16, "--drafter", "none", "--ignore-eos")
-    assert result.exit_code == 1, result.output
-    assert "exceed the context the shards hold" in result.stderr and "(layers 0:6): 12)" in result.stderr
+    # the shards hold 12 tokens: the 8-token prompt leaves room for 4, and the request ends there ("length")
+    assert result.exit_code == 0, result.output
+    assert "4 tokens" in result.stderr
     result = shardctl("generate", "--shards", "tcp://127.0.0.1:9", "--max-context", 12, "--prompt", "x")
     assert result.exit_code == 2 and "--max-context" in result.output

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from coordinator.cli.options import daemon_args_from, load_curve, shard_source_options
-from coordinator.cli.output import progress
+from coordinator.cli.output import emit_json, progress
 from coordinator.cli.plan import connect_pipeline, dflash_daemon, make_plan, mode_daemon_args
 from coordinator.pipeline import PipelineError
 from coordinator.tokenizer import TokenizerUnavailable, load_tokenizer
@@ -29,10 +29,17 @@ from protocol.layout import CHECKPOINT, ROLLBACK_MODES
 @click.option("--rollback", type=click.Choice(ROLLBACK_MODES), default=CHECKPOINT, show_default=True)
 @click.option("--log-level", type=click.Choice(("critical", "error", "warning", "info", "debug")), default="info",
               show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Once the shards are ready, print what is served as one JSON line.")
 def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
           curve_client_key, host, port, tokenizer_dir, served_model_name, drafter, draft_shard, draft, block_size,
-          rollback, log_level):
-    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
+          rollback, log_level, as_json):
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
+
+    \b
+    Examples:
+      shardctl serve --shards tcp://127.0.0.1:7700,ipc:///tmp/$USER-shard1.sock --port 8000
+      shardctl serve --model /srv/Qwen3.5-27B --split 2 --devices cuda:0,cuda:1 --drafter ngram --json
+    """
     import uvicorn
 
     from coordinator.serve.app import build_app
@@ -66,6 +73,9 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
         progress(f"tokenizer: {tokenizer.source}; chat template: {template.origin if template else 'none'}; "
                  f"model {name!r}, {len(endpoints)} shards, context {engine.max_context}, "
                  f"{engine.max_sequences} concurrent sequences, drafter {drafter}")
+        if as_json:
+            emit_json({"url": f"http://{host}:{port}/v1", "model": name, "shards": list(endpoints),
+                       "max_context": engine.max_context, "max_sequences": engine.max_sequences, "drafter": drafter})
         try:
             uvicorn.Server(uvicorn.Config(build_app(engine), host=host, port=port, log_level=log_level)).run()
         finally:
