@@ -101,10 +101,10 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
         raise click.UsageError("--layers none serves only a drafter: give --draft DIR|synthetic[:LAYERS]")
     import torch
 
-    from shardd.daemon import ServeOptions, ShardDaemon, is_loopback, listen
+    from shardd.daemon import ServeOptions, ShardDaemon, is_loopback, largest_frame_bytes, listen
     from shardd.engine import resolve_engine, serve_with
     from shardd.listen import BindError, write_endpoint_file
-    from shardd.loading import ModelSource, build_drafter, build_shard, parse_draft
+    from shardd.loading import ModelSource, build_drafter, build_shard, draft_feature_size, parse_draft
     from shardd.model.rollback import RollbackStorage
 
     if curve_secret_key is None and not is_loopback(bind):
@@ -133,8 +133,13 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
                            curve_allow_dir=curve_allow_dir, sequence_idle_timeout=sequence_idle_timeout)
     if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
         options.tokenizer_dir = str(Path(model_dir).resolve())  # HELLO names it: the coordinator must not guess
+    try:  # the drafter's feature width sizes the frame limit; a bad drafter config fails at its load below
+        feature_size = draft_feature_size(config, draft) if draft is not None else 0
+    except (ValueError, OSError):
+        feature_size = 0
     try:
-        listener = listen(options)  # before the weights: a taken port fails now, not after minutes of loading
+        # before the weights: a taken port fails now, not after minutes of loading
+        listener = listen(options, largest_frame_bytes(config.hidden_size, feature_size, max_tokens_per_request))
     except BindError as exc:
         log.error("%s", exc)
         sys.exit(EXIT_FAILURE)

@@ -138,7 +138,10 @@ class ShardDaemon:
         self.options = options
         self.limits = Limits(
             max_tokens_per_request=options.max_tokens_per_request,
-            max_frame_bytes=largest_frame_bytes(self.config.hidden_size, drafter, options.max_tokens_per_request),
+            max_frame_bytes=largest_frame_bytes(
+                self.config.hidden_size, drafter.config.feature_size if drafter is not None else 0,
+                options.max_tokens_per_request,
+            ),
         )
         # Keyed by (owner, seq): a sequence belongs to the peer that opened it (PROTOCOL.md, "Who may do what").
         self.sequences: dict[tuple[bytes, int], Sequence] = {}
@@ -502,12 +505,8 @@ class ShardDaemon:
     def serve(self, listener: Listener | None = None) -> None:
         """Serve until stopped, on `listener` (bound early by `shardd serve`) or a socket bound now."""
         options = self.options
-        listener = listener if listener is not None else listen(options)
+        listener = listener if listener is not None else listen(options, self.limits.max_frame_bytes)
         socket = listener.socket
-        # Bound early with the loose total limit (the model was not loaded yet); from here a frame over
-        # max_frame_bytes is refused by libzmq from its length prefix, before any memory is allocated for it,
-        # and the connection dropped (PROTOCOL.md, "Limits"). It applies to connections made from now on.
-        socket.setsockopt(zmq.MAXMSGSIZE, max(self.limits.max_frame_bytes, self.limits.max_header_bytes))
         curve = options.curve_secret_key is not None
         trusted_transport = curve or is_file_ipc(options.bind)
         next_sweep = time.monotonic()
@@ -550,18 +549,17 @@ class ShardDaemon:
 MIN_FRAME_BYTES = 16 << 20  # small models still answer a modestly oversized frame with TOO_LARGE
 
 
-def largest_frame_bytes(hidden_size: int, drafter: HostedDrafter | None, max_tokens: int) -> int:
+def largest_frame_bytes(hidden_size: int, feature_size: int, max_tokens: int) -> int:
     """The frame limit: twice the largest tensor a valid request can carry (max_tokens rows of hidden
-    states or drafter features, float32), so a slightly oversized one is still answered TOO_LARGE."""
-    width = max(hidden_size, drafter.config.feature_size if drafter is not None else 0)
-    return max(MIN_FRAME_BYTES, 2 * max_tokens * width * 4)
+    states or of a hosted drafter's features, float32), so a slightly oversized one is still answered TOO_LARGE."""
+    return max(MIN_FRAME_BYTES, 2 * max_tokens * max(hidden_size, feature_size) * 4)
 
 
-def listen(options: ServeOptions) -> Listener:
-    """Bind the daemon's ROUTER socket (BindError says why not, in one line)."""
-    # Frames up to max_total_bytes are read and answered (TOO_LARGE past max_frame_bytes); a frame beyond
-    # that would only fill memory, so libzmq drops the connection instead (PROTOCOL.md, "Limits").
-    max_bytes = Limits(max_tokens_per_request=options.max_tokens_per_request).max_total_bytes
+def listen(options: ServeOptions, max_frame_bytes: int) -> Listener:
+    """Bind the daemon's ROUTER socket (BindError says why not, in one line). A frame over `max_frame_bytes`
+    (largest_frame_bytes) is refused by libzmq from its length prefix, before any memory is allocated for it,
+    and the connection dropped (PROTOCOL.md, "Limits"); set at bind, so it holds for every connection."""
+    max_bytes = max(max_frame_bytes, Limits().max_header_bytes)
 
     def configure(context, socket):
         socket.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT; IPv4 binds are unaffected

@@ -115,6 +115,15 @@ def parse_draft(spec: str) -> tuple[str | None, int | None]:
     return None, count
 
 
+def draft_feature_size(target: ModelConfig, draft: str) -> int:
+    """The width of the features the drafter named by `draft` reads, from its config alone (before any weight
+    loads: the daemon sizes its frame limit with it when it binds)."""
+    draft_dir, layers = parse_draft(draft)
+    if draft_dir is not None:
+        return load_draft_config(draft_dir).feature_size
+    return synthetic_draft_config(target, num_layers=layers).feature_size
+
+
 @dataclass
 class HostedDrafter:
     """A DFlash drafter as a daemon hosts it: the model, what it was built from, and the target it drafts for."""
