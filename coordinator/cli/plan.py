@@ -178,19 +178,29 @@ def not_listening(endpoint: str) -> Optional[str]:
     return None
 
 
+# A daemon binds its socket within seconds of starting (before it loads weights): a shard with nothing
+# listening for this long is down, not starting (a dead shard is reported within seconds, issue 9).
+START_GRACE_S = 10.0
+
+
 def hello_or_wait(client: ShardClient, timeout: float, *, wait_to_start: bool = True) -> dict:
-    """HELLO. A shard that is not up yet, or does not answer within a second, is named on stderr at once and
-    waited for up to `timeout`; with `wait_to_start=False` (status: a snapshot) nothing listening fails at once."""
-    deadline = time.monotonic() + timeout
+    """HELLO. A shard that is not up yet, or does not answer within a second, is named on stderr at once;
+    one that is not listening is waited for up to START_GRACE_S (a daemon just started), one that is
+    listening but silent (loading its weights) up to `timeout`. With `wait_to_start=False` (status: a
+    snapshot) nothing listening fails at once."""
+    started = time.monotonic()
+    deadline = started + timeout
     reason = not_listening(client.endpoint)
     if reason is not None and wait_to_start:
+        grace = min(timeout, START_GRACE_S)
         progress(f"waiting for the shard at {client.endpoint} to start: nothing is listening yet ({reason}); "
-                 f"giving up after {timeout:g} s")
-        while reason is not None and time.monotonic() < deadline:
+                 f"giving up after {grace:g} s")
+        while reason is not None and time.monotonic() < started + grace:
             time.sleep(0.2)
             reason = not_listening(client.endpoint)
     if reason is not None:
-        raise ShardUnreachable(f"{client.endpoint}: nothing is listening ({reason}); is the daemon running?")
+        waited = f" after {time.monotonic() - started:.0f} s" if wait_to_start else ""
+        raise ShardUnreachable(f"{client.endpoint}: nothing is listening ({reason}){waited}; is the daemon running?")
     sent = client.send(Hello(id=0))
     try:
         return client.receive(sent, max(0.001, min(1.0, deadline - time.monotonic()))).result
