@@ -199,6 +199,15 @@ def start_daemons(specs: dict[str, tuple[str, list[str]]], workdir: Path, env: d
     return daemons
 
 
+def kill_and_replace(daemons: list, index: int, name: str, args: list[str], workdir: Path) -> None:
+    """SIGKILL daemons[index], then start `name` with `args` on the same endpoint in its place, ready."""
+    old = daemons[index]
+    old.signal(signal.SIGKILL)
+    old.wait(10)
+    daemons[index] = Daemon(name, old.bind, args, workdir)
+    daemons[index].wait_ready()
+
+
 def stop_all(daemons) -> None:
     """SIGTERM to every daemon first, so they stop in parallel, then wait for (or kill) each."""
     daemons = list(daemons)

@@ -3,7 +3,6 @@ the restarted shard from that history, and the output is exactly plain greedy de
 
 from __future__ import annotations
 
-import signal
 
 import pytest
 
@@ -11,7 +10,7 @@ from coordinator.decoding import greedy_decode, speculative_decode
 from coordinator.drafters import OracleDrafter
 from coordinator.pipeline import Pipeline
 from shardd.loading import ModelSource
-from tests.daemons import Daemon, free_tcp_endpoint, stop_all
+from tests.daemons import Daemon, free_tcp_endpoint, kill_and_replace, stop_all
 from tests.local import LocalTarget
 
 PROMPT = list(b"restart me, then carry on: ")
@@ -37,10 +36,7 @@ def test_killed_and_restarted_shard_is_refilled(tmp_path, expected, mode):
         def kill_and_restart_second_shard(new_ids):
             commits.append(new_ids)
             if len(commits) == 3:  # mid-generation: the head shard loses every sequence
-                daemons[1].signal(signal.SIGKILL)
-                daemons[1].wait(10)
-                daemons[1] = Daemon("shard1-restarted", binds[1], args[1], tmp_path)
-                daemons[1].wait_ready()
+                kill_and_replace(daemons, 1, "shard1-restarted", args[1], tmp_path)
 
         drafter = OracleDrafter.with_mean_commit(expected, len(PROMPT), block_size=8, mean_commit=3.0, seed=1)
         result = speculative_decode(pipeline, 7, PROMPT, drafter, block_size=8, rollback=mode,
@@ -70,10 +66,7 @@ def test_killed_and_restarted_drafter_daemon_is_refilled(tmp_path, expected):
         def kill_and_restart_drafter(new_ids):
             commits.append(new_ids)
             if len(commits) == 3:
-                daemons[1].signal(signal.SIGKILL)
-                daemons[1].wait(10)
-                daemons[1] = Daemon("drafter-restarted", binds[1], drafter_args, tmp_path)
-                daemons[1].wait_ready()
+                kill_and_replace(daemons, 1, "drafter-restarted", drafter_args, tmp_path)
 
         with Pipeline.connect(binds[:1], timeout_s=30.0) as pipeline, ShardClient(binds[1], timeout_s=30.0) as client:
             drafter = DFlashDrafterClient(client, pipeline)

@@ -28,7 +28,7 @@ from protocol import ErrorCode, encode_request
 from protocol.messages import Forward
 from shardd.loading import ModelSource
 from shardd.security import is_loopback
-from tests.daemons import Client, Daemon, free_tcp_endpoint, stop_all
+from tests.daemons import Client, Daemon, free_tcp_endpoint, kill_and_replace, stop_all
 from tests.local import LocalTarget
 
 PROMPT = list(b"fail fast, recover exactly: ")
@@ -158,10 +158,7 @@ def test_a_different_daemon_on_the_endpoint_is_not_refilled(tmp_path, replacemen
     def replace_head_shard(new_ids):
         commits.append(new_ids)
         if len(commits) == 2:
-            daemons[1].signal(signal.SIGKILL)
-            daemons[1].wait(10)
-            daemons[1] = Daemon("impostor", binds[1], replacement, tmp_path)
-            daemons[1].wait_ready()
+            kill_and_replace(daemons, 1, "impostor", replacement, tmp_path)
 
     try:
         with pytest.raises(ShardReplaced, match=f"{binds[1]} is no longer the shard this generation started on"):
