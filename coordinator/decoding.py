@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from coordinator.acceptance import accept_length, commit_tokens
 from coordinator.drafters import Drafter
+from coordinator.sampling import TokenIds
 from coordinator.target import ReplayTarget, RollbackFailed, SequenceLost, Target
 from protocol.layout import CHECKPOINT, REPLAY, ROLLBACK_MODES
 
@@ -53,6 +54,7 @@ class DecodeResult:
     replays: int = 0  # replay mode: restore plus a forward of the kept tokens
     recoveries: int = 0  # SequenceLost (e.g. a restarted shard), state re-filled from history
     commits: list[int] = field(default_factory=list)  # tokens committed per step
+    logprobs: list | None = None  # with sampling.logprobs: per token [logprob, [[id, logprob], ...top]]
     finish_reason: str = LENGTH  # "stop": an EOS or a StopDecoding; "length": max_new_tokens or the context limit
 
     @property
@@ -109,8 +111,10 @@ def greedy_decode(
     sampled = _sampled(sampling)
 
     def step(history: list[int], room: int, result: DecodeResult) -> None:
-        (token,) = target.forward(seq, len(history) - 1, [history[-1]], **sampled)
+        ids = target.forward(seq, len(history) - 1, [history[-1]], **_at(sampled, history, result))
+        (token,) = ids
         history.append(token)
+        _keep_logprobs(result, ids, 1)
 
     return _decode(target, seq, prompt, max_new_tokens, frozenset(eos_ids), on_commit, step, sampled,
                    recovery_timeout_s)
@@ -156,10 +160,12 @@ def speculative_decode(
             raise ValueError(f"drafter {drafter.name!r} proposed {len(drafts)} tokens, asked for {wanted}")
         # Verify [t0, d1 .. d_{T-1}] in one forward; the state holds history[:-1].
         block = [history[-1]] + drafts
-        verified = verifier.forward(seq, len(history) - 1, block, checkpoint=True, **_with_drafts(sampled, drafts))
+        verified = verifier.forward(seq, len(history) - 1, block, checkpoint=True,
+                                    **_with_drafts(_at(sampled, history, result), drafts))
         # Accept the longest agreeing prefix plus the target's own next token.
         committed, keep = commit_tokens(drafts, verified, room, eos)
         history.extend(committed)
+        _keep_logprobs(result, verified, len(committed))
         result.drafted += len(drafts)
         result.accepted += accept_length(drafts, verified)
         # Roll the rejected rest of the block back.
@@ -174,8 +180,27 @@ def speculative_decode(
 
 
 def _sampled(sampling) -> dict:
-    """Extra forward keywords of a sampled request; none for greedy, so greedy calls stay as they were."""
-    return {} if sampling is None or sampling.greedy else {"sampling": sampling}
+    """Extra forward keywords of a sampled request; none for plain greedy, so greedy calls stay as they were."""
+    return {} if sampling is None or sampling.plain else {"sampling": sampling}
+
+
+def _at(sampled: dict, history: list[int], result: DecodeResult) -> dict:
+    """The step's keywords: penalties see the prompt and the tokens generated so far (t0 included)."""
+    if not sampled:
+        return sampled
+    prompt_len = result.prompt_tokens
+    return {"sampling": sampled["sampling"].at(history[:prompt_len], history[prompt_len:])}
+
+
+def _keep_logprobs(result: DecodeResult, ids, committed: int) -> None:
+    """The logprobs of the first `committed` answered rows, when the request asked for logprobs."""
+    if result.logprobs is None:
+        return
+    rows = getattr(ids, "logprobs", None)
+    if rows is None or len(rows) < committed:
+        raise RuntimeError(f"the head shard answered {None if rows is None else len(rows)} logprob rows, "
+                           f"{committed} tokens were committed")
+    result.logprobs.extend(rows[:committed])
 
 
 def _with_drafts(sampled: dict, drafts: list[int]) -> dict:
@@ -215,6 +240,8 @@ def _decode(
         raise ValueError(f"the prompt holds {len(prompt)} tokens; the shards hold {limit} per sequence, "
                          f"prompt and output together")
     result = DecodeResult(prompt_tokens=len(prompt))
+    if sampled and sampled["sampling"].logprobs is not None:
+        result.logprobs = []
     if max_new_tokens == 0:
         return result
     start = time.perf_counter()
@@ -270,14 +297,16 @@ def _prefill(
     target: Target, seq: int, prompt: list[int], result: DecodeResult, on_commit: OnCommit | None, sampled: dict
 ) -> list[int]:
     start = time.perf_counter()
-    outputs = target.forward(seq, 0, list(prompt), **sampled)
+    outputs = target.forward(seq, 0, list(prompt), **_at(sampled, list(prompt), result))
     result.prefill_seconds = time.perf_counter() - start
     if len(outputs) != len(prompt):
         raise RuntimeError(f"prefill of {len(prompt)} tokens returned {len(outputs)} ids")
     first = outputs[-1]
+    if result.logprobs is not None:
+        _keep_logprobs(result, _last_row(outputs), 1)
     result.tokens.append(first)
     if on_commit is not None:
-        on_commit([first])
+        on_commit(_committed(result, [first]))
     return list(prompt) + [first]
 
 
@@ -286,7 +315,22 @@ def _record(result: DecodeResult, committed: list[int], on_commit: OnCommit | No
     result.commits.append(len(committed))
     result.tokens.extend(committed)
     if on_commit is not None:
-        on_commit(list(committed))
+        on_commit(_committed(result, committed))
+
+
+def _last_row(outputs) -> "TokenIds":
+    last = TokenIds(outputs[-1:])
+    rows = getattr(outputs, "logprobs", None)
+    last.logprobs = rows[-1:] if rows else None
+    return last
+
+
+def _committed(result: DecodeResult, committed: list[int]) -> "TokenIds":
+    """What on_commit gets: the committed ids, with their logprobs when the request asked for them."""
+    ids = TokenIds(committed)
+    if result.logprobs is not None:
+        ids.logprobs = result.logprobs[len(result.logprobs) - len(committed):]
+    return ids
 
 
 def _finished(tokens: list[int], max_new_tokens: int, eos: frozenset[int]) -> bool:

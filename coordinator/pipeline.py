@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 from coordinator.client import CurveKeys, ShardClient, ShardError, ShardTimeout, forward_record
+from coordinator.sampling import TokenIds
 from coordinator.target import RollbackFailed, SequenceLost
 from protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, Reply, WireTensor
 from protocol.layout import REPLAY, SHARD_ROLLBACK_MODES, coverage_problems
@@ -386,7 +387,7 @@ class Pipeline:
         shard untouched. One chunk is the plain relay of a decode or verify step."""
         starts = [pos + sum(len(chunk) for chunk in chunks[:c]) for c in range(len(chunks))]
         carry: dict[int, WireTensor] = {}  # shard index -> the hidden chunk it takes next
-        ids: list[int] = []
+        ids = TokenIds()  # with the head shard's logprobs of the last chunk, when asked for
         # Per shard, the capture layers it owns: CAPTURE there, FORWARD (None) where it owns none.
         owned: list[Optional[list[int]]] = [None] * len(self.shards)
         if capture:
@@ -417,6 +418,7 @@ class Pipeline:
                     carry[index + 1] = hidden
                 else:
                     ids.extend(reply.result["ids"])
+                    ids.logprobs = reply.result.get("logprobs")
                 for layer, output in layer_outputs.items():
                     parts[layer].append(output)
             if failure is not None:
@@ -475,9 +477,9 @@ class Pipeline:
 
 def _head_fields(sampling, drafts) -> Optional[dict]:
     """The head shard's extra FORWARD fields for a sampled step; None for greedy (today's argmax request)."""
-    if sampling is None or sampling.greedy:
+    fields = sampling.wire() if sampling is not None else {}
+    if not fields:
         return None
-    fields = sampling.wire()
     if drafts:
         fields["drafts"] = list(drafts)
     return fields

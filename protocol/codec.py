@@ -278,6 +278,9 @@ def _check_sizes(frames: Any, limits: Limits) -> list[memoryview]:
     return views
 
 
+PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
 def _check_request(record: Request, limits: Limits) -> None:
     """Rules that span fields: token source, sizes, checkpoint geometry, capture layers."""
     if isinstance(record, Forward):
@@ -295,9 +298,16 @@ def _check_request(record: Request, limits: Limits) -> None:
             check_verify_geometry(record.parents, n)
         elif record.parents is not None:
             raise _bad(f"field 'parents' is only allowed with checkpoint: true")
+        penalised = any(getattr(record, name) is not None for name in PENALTY_FIELDS)
+        if record.repetition_penalty is not None and record.repetition_penalty <= 0:
+            raise _bad(f"field 'repetition_penalty' = {record.repetition_penalty} must be > 0")
+        for name in ("output_tokens", "prompt_tokens"):
+            if getattr(record, name) is not None and not penalised:
+                raise _bad(f"field '{name}' of {kind} is only read by a penalty ({', '.join(PENALTY_FIELDS)})")
         if record.drafts is not None:
-            if not record.temperature:
-                raise _bad(f"field 'drafts' of {kind} needs temperature > 0 (at 0 the coordinator compares argmax ids)")
+            if not (record.temperature or penalised or record.logprobs is not None):
+                raise _bad(f"field 'drafts' of {kind} needs temperature > 0, a penalty or logprobs (otherwise the "
+                           f"coordinator compares argmax ids)")
             if len(record.drafts) >= n:
                 raise _bad(f"{len(record.drafts)} drafts for {n} rows: a verify has one row more than drafts")
     if isinstance(record, Capture):

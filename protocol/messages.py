@@ -154,7 +154,21 @@ class Forward(_SequenceRequest):
                                   minimum=0, limit=ID_LIMIT, default=None)
     drafts: Optional[list[int]] = _header(
         "int_list", "draft tokens of a speculative verify: the last len(drafts)+1 rows are verified by rejection "
-        "sampling (needs temperature > 0)", minimum=0, limit=TOKEN_LIMIT, default=None)
+        "sampling (needs temperature > 0, a penalty or logprobs)", minimum=0, limit=TOKEN_LIMIT, default=None)
+    # Head-shard extras (shardd.head): penalties over the output so far, and logprobs of the answered rows.
+    logprobs: Optional[int] = _header("int", "also answer the logprob of each answered row's id and this many top "
+                                      "logprobs (absent: none)", minimum=0, limit=21, default=None)
+    presence_penalty: Optional[float] = _header("float", "vLLM's presence penalty over the output (absent: 0)",
+                                                minimum=-2, limit=2, default=None)
+    frequency_penalty: Optional[float] = _header("float", "vLLM's frequency penalty over the output (absent: 0)",
+                                                 minimum=-2, limit=2, default=None)
+    repetition_penalty: Optional[float] = _header("float", "vLLM's repetition penalty over prompt and output "
+                                                  "(absent: 1; > 0)", minimum=0, limit=100, default=None)
+    output_tokens: Optional[list[int]] = _header(
+        "int_list", "the tokens generated before the first answered row (penalties)", minimum=0, limit=TOKEN_LIMIT,
+        default=None)
+    prompt_tokens: Optional[list[int]] = _header(
+        "int_list", "the prompt (repetition penalty)", minimum=0, limit=TOKEN_LIMIT, default=None)
 
     @property
     def n_tokens(self) -> int:

@@ -53,7 +53,9 @@ from shardd.model.errors import (
 )
 from shardd.model.shard import ShardModel
 from shardd.model.state import SequenceState
-from shardd.sampling import SamplingParams, sample_rows
+from shardd.head import HeadRequest, answer_rows
+from shardd.penalties import Penalties
+from shardd.sampling import SamplingParams
 
 log = logging.getLogger("shardd")
 
@@ -340,8 +342,10 @@ class ShardDaemon:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"capture layer {bad[0]} is outside 0..{shard.config.num_layers - 1}")
         if request.return_logits and not shard.owns_head:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "return_logits asks for logits from a shard without the head")
-        if request.temperature and not shard.owns_head:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "sampling (temperature > 0) asks a shard without the head")
+        head = head_request(request)
+        if head.needed and not shard.owns_head:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "sampling (temperature > 0), penalties or logprobs ask a shard "
+                                                       "without the head")
         hidden = request.hidden.to_torch() if request.hidden is not None else None
         out = shard.forward(  # validates everything (shard.check_forward) before it changes the state
             entry.state,
@@ -365,12 +369,12 @@ class ShardDaemon:
         tensors = {}
         if out.ids is not None:
             result["ids"] = out.ids.tolist()
-            if request.temperature:  # on out.logits now: the fast path's buffer is valid until the next step
-                params = SamplingParams(request.temperature, 1.0 if request.top_p is None else request.top_p,
-                                        request.top_k or 0, request.seed or 0)
-                result["ids"], accepted = sample_rows(out.logits, result["ids"], request.pos, params, request.drafts)
+            if head.needed:  # on out.logits now: the fast path's buffer is valid until the next step
+                result["ids"], accepted, logprobs = answer_rows(out.logits, result["ids"], request.pos, head)
                 if request.drafts is not None:
                     result["accepted"] = accepted
+                if logprobs is not None:
+                    result["logprobs"] = logprobs
             if request.return_logits:
                 # float32 on the wire, copied: the GPU step's logits are a view of a buffer its next step reuses
                 tensors["logits"] = WireTensor.from_torch(out.logits.to("cpu", torch.float32, copy=True))
@@ -547,6 +551,18 @@ class ShardDaemon:
 
 
 MIN_FRAME_BYTES = 16 << 20  # small models still answer a modestly oversized frame with TOO_LARGE
+
+
+def head_request(request) -> HeadRequest:
+    """The head-shard extras a FORWARD/CAPTURE asks for (all absent: today's argmax request)."""
+    sampling = None
+    if request.temperature:
+        sampling = SamplingParams(request.temperature, 1.0 if request.top_p is None else request.top_p,
+                                  request.top_k or 0, request.seed or 0)
+    penalties = Penalties(request.presence_penalty or 0.0, request.frequency_penalty or 0.0,
+                          1.0 if request.repetition_penalty is None else request.repetition_penalty)
+    return HeadRequest(sampling, penalties, request.prompt_tokens or (), request.output_tokens or (),
+                       request.drafts or (), request.logprobs)
 
 
 def largest_frame_bytes(hidden_size: int, feature_size: int, max_tokens: int) -> int:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -76,7 +76,8 @@ def row_rng(seed: int, position: int) -> random.Random:
 
 
 def sample_rows(
-    logits: torch.Tensor, ids: Sequence[int], pos: int, params: SamplingParams, drafts: Optional[Sequence[int]] = None
+    logits: torch.Tensor, ids: Sequence[int], pos: int, params: SamplingParams, drafts: Optional[Sequence[int]] = None,
+    adjust: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
 ) -> tuple[list[int], int]:
     """Sampled ids for a forward's rows, and how many drafts were accepted.
 
@@ -95,7 +96,7 @@ def sample_rows(
     for j in range(len(drafts) + 1):
         row = first + j
         rng = row_rng(params.seed, pos + row)
-        probs = target_probs(logits[row], params)
+        probs = target_probs(logits[row] if adjust is None else adjust(j, logits[row]), params)
         if j == len(drafts):
             out[row] = draw(probs, rng.random())
             break

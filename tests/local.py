@@ -77,10 +77,17 @@ class LocalTarget:
     def forward(self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False, sampling=None,
                 drafts=None) -> list[int]:
         ids, _ = self.capture(seq, pos, tokens, (), checkpoint=checkpoint)
-        if sampling is not None and not sampling.greedy:  # what the head shard's daemon does (shardd.sampling)
-            from shardd.sampling import SamplingParams, sample_rows
+        if sampling is not None and not sampling.plain:  # what the head shard's daemon does (shardd.head)
+            from coordinator.sampling import TokenIds
+            from protocol.messages import Forward
+            from shardd.daemon import head_request
+            from shardd.head import answer_rows
 
-            ids, _ = sample_rows(self._logits, ids, pos, SamplingParams(**sampling.wire()), drafts)
+            record = Forward(id=0, seq=seq, pos=pos, tokens=list(tokens), **sampling.wire(),
+                             drafts=list(drafts) if drafts else None)
+            answered, _, logprobs = answer_rows(self._logits, ids, pos, head_request(record))
+            ids = TokenIds(answered)
+            ids.logprobs = logprobs
         return ids
 
     @torch.inference_mode()
