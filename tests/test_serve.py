@@ -222,13 +222,17 @@ def test_chat_greedy_equals_transformers(server, model, stream):
 
 
 def test_context_limit_ends_with_length_and_long_prompts_are_refused(server, model):
+    from openai import BadRequestError
+
     client = server.client()
-    response = client.completions.create(model=model_name(model), prompt=PROMPT, max_tokens=500, temperature=1.0,
+    room = MAX_CONTEXT - len(model["prompt_ids"])
+    response = client.completions.create(model=model_name(model), prompt=PROMPT, max_tokens=room, temperature=1.0,
                                          seed=3, extra_body={"ignore_eos": True})
     assert response.choices[0].finish_reason == "length"
     assert response.usage.total_tokens == MAX_CONTEXT
-    from openai import BadRequestError
-
+    # A budget beyond the context is refused as vLLM refuses it, not cut silently.
+    with pytest.raises(BadRequestError, match=rf"'max_tokens' or 'max_completion_tokens' is too large: {room + 1}\."):
+        client.completions.create(model=model_name(model), prompt=PROMPT, max_tokens=room + 1)
     with pytest.raises(BadRequestError, match="maximum context length"):
         client.completions.create(model=model_name(model), prompt=list(range(MAX_CONTEXT)), max_tokens=1)
 

@@ -30,10 +30,14 @@ from protocol.layout import CHECKPOINT, ROLLBACK_MODES
 @click.option("--log-level", type=click.Choice(("critical", "error", "warning", "info", "debug")), default="info",
               show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Once the shards are ready, print what is served as one JSON line.")
+@click.option("--api-key", envvar=["SHARDCTL_API_KEY", "VLLM_API_KEY"], show_envvar=True,
+              help="Clients must send 'Authorization: Bearer KEY' on /v1 and the tokenizer routes (/health and "
+                   "/metrics stay open); required when --host is not loopback.")
 def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
           curve_client_key, host, port, tokenizer_dir, served_model_name, drafter, draft_shard, draft, block_size,
-          rollback, log_level, as_json):
-    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
+          rollback, log_level, as_json, api_key):
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
+    /version, /health, /metrics).
 
     \b
     Examples:
@@ -46,6 +50,11 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
     from coordinator.serve.chat import load_chat_template
     from coordinator.serve.engine import Engine, generation_defaults
 
+    from coordinator.serve.auth import is_loopback_host
+
+    if not api_key and not is_loopback_host(host):
+        raise click.UsageError(f"--host {host} is not loopback: give --api-key (or SHARDCTL_API_KEY) so that not "
+                               f"everyone who reaches it can use the model")
     speculating = drafter != "none"
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
                      daemon_args_from(dtype=dtype), curve=curve_server_key or curve_client_key)
@@ -77,6 +86,6 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
             emit_json({"url": f"http://{host}:{port}/v1", "model": name, "shards": list(endpoints),
                        "max_context": engine.max_context, "max_sequences": engine.max_sequences, "drafter": drafter})
         try:
-            uvicorn.Server(uvicorn.Config(build_app(engine), host=host, port=port, log_level=log_level)).run()
+            uvicorn.Server(uvicorn.Config(build_app(engine, api_key), host=host, port=port, log_level=log_level)).run()
         finally:
             engine.close()

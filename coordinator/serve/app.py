@@ -1,20 +1,24 @@
 """The FastAPI app of `shardctl serve`: thin routes over `Engine`, OpenAI's request and response shapes
 (`coordinator.serve.protocol`), streaming as server-sent events from an async generator, errors as OpenAI
-error objects."""
+error objects. `n > 1` runs n sequences of the same prompt, choice i with seed + i (as vLLM seeds them)."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import time
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from coordinator.serve.auth import authorized, needs_key
 from coordinator.serve.chat import ChatTemplateError
 from coordinator.serve.engine import Engine, GenerateParams, RequestError
+from coordinator.serve.logprobs import chat_logprobs, completion_logprobs
 from coordinator.serve.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -24,15 +28,23 @@ from coordinator.serve.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
     ResponseMessage,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     UsageInfo,
     random_id,
 )
+from coordinator.serve.tools import ToolCallStream, ToolError, check_tool_choice, parse_tool_calls, template_messages
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default
 
@@ -42,9 +54,11 @@ def error_response(status: int, message: str, kind: str = "BadRequestError", par
     return JSONResponse(body.model_dump(), status_code=status)
 
 
-def usage_of(result) -> UsageInfo:
-    completion = len(result.tokens) if result is not None else 0
-    prompt = result.prompt_tokens if result is not None else 0
+def usage_of(results) -> UsageInfo:
+    """One result or the n results of one request: the prompt counted once, every choice's tokens."""
+    results = [r for r in (results if isinstance(results, list) else [results]) if r is not None]
+    completion = sum(len(result.tokens) for result in results)
+    prompt = results[0].prompt_tokens if results else 0
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
@@ -53,24 +67,65 @@ def sse(payload) -> str:
     return f"data: {data}\n\n"
 
 
-def build_app(engine: Engine) -> FastAPI:
+def validation_message(error: RequestValidationError) -> tuple[str, Optional[str]]:
+    """A 400's message: an unknown field by name (extra="forbid"), else pydantic's list of problems."""
+    unknown = sorted({str(e["loc"][-1]) for e in error.errors() if e.get("type") == "extra_forbidden"})
+    if unknown:
+        return f"unsupported field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}", unknown[0]
+    return json.dumps(error.errors(), default=str), None
+
+
+async def merged(streams: list) -> AsyncIterator[tuple[int, object]]:
+    """(choice index, item) from several async iterators as items arrive; the first failure is raised."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item))
+            await queue.put((index, done))
+        except Exception as error:  # noqa: BLE001 - raised in the consumer
+            await queue.put((index, error))
+        finally:
+            await stream.aclose()
+
+    tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def build_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
+    from shardd import __version__
+
     app = FastAPI(title="shardd", description="OpenAI-compatible API over shardd shard daemons")
     metrics = engine.metrics
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, error: RequestError):
         metrics.requests.labels(request.url.path, "400").inc()
-        return error_response(400, str(error))
+        return error_response(400, str(error), param=getattr(error, "param", None))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError):
         metrics.requests.labels(request.url.path, "400").inc()
-        return error_response(400, json.dumps(error.errors(), default=str))
+        message, param = validation_message(error)
+        return error_response(400, message, param=param)
 
     @app.get("/health")
     async def health():
-        import asyncio
-
         ready, body = await asyncio.to_thread(engine.health)
         return JSONResponse(body, status_code=200 if ready else 503)
 
@@ -78,28 +133,57 @@ def build_app(engine: Engine) -> FastAPI:
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
     @app.get("/v1/models")
     async def models():
         return ModelList(data=[ModelCard(id=engine.model_name, max_model_len=engine.max_context)])
 
+    def refuse(message: str, param: str):
+        error = RequestError(message)
+        error.param = param
+        raise error
+
     def check_common(body) -> Optional[JSONResponse]:
         if body.model is not None and body.model != engine.model_name:
             return error_response(404, f"The model `{body.model}` does not exist.", "NotFoundError", "model")
-        if body.n != 1:
-            raise RequestError("only n=1 is supported")
-        if body.logprobs:
-            raise RequestError("logprobs are not supported")
+        name = getattr(body, "unsupported", lambda: None)()
+        if name is not None:
+            refuse(f"'{name}' is not supported by this server (value {getattr(body, name)!r})", name)
         return None
 
-    def params_of(body, prompt_ids: list[int], max_tokens: Optional[int], default_max: int) -> GenerateParams:
+    def max_tokens_of(requested: Optional[int], prompt_len: int, default: int) -> int:
+        """vLLM's answer to a budget beyond the context: 400; no budget: the default, cut to the room left."""
+        room = engine.max_context - prompt_len
+        if requested is None:
+            return min(default, room)
+        if requested > room:
+            refuse(f"'max_tokens' or 'max_completion_tokens' is too large: {requested}. This model's maximum context "
+                   f"length is {engine.max_context} tokens and your request has {prompt_len} input tokens "
+                   f"({requested} > {engine.max_context} - {prompt_len}).", "max_tokens")
+        return requested
+
+    def params_of(body, prompt_ids: list[int], max_tokens: Optional[int], default_max: int,
+                  logprobs: Optional[int]) -> list[GenerateParams]:
+        """One GenerateParams per choice; choice i samples with seed + i."""
         engine.check_prompt(prompt_ids)
-        return GenerateParams(
+        sampling = engine.sampling(body.temperature, body.top_p, body.top_k, body.seed,
+                                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                                   repetition_penalty=body.repetition_penalty, logprobs=logprobs)
+        first = GenerateParams(
             prompt_ids=prompt_ids,
-            max_tokens=default_max if max_tokens is None else max_tokens,
-            sampling=engine.sampling(body.temperature, body.top_p, body.top_k, body.seed),
+            max_tokens=max_tokens_of(max_tokens, len(prompt_ids), default_max),
+            sampling=sampling,
             stop=body.stop_strings(),
             ignore_eos=body.ignore_eos,
+            skip_special_tokens=body.skip_special_tokens,
         )
+        return [dataclasses.replace(first, sampling=dataclasses.replace(sampling, seed=(sampling.seed + i) % (1 << 63)))
+                for i in range(body.n)]
+
+    # ---- completions ---------------------------------------------------------------------
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
@@ -107,91 +191,160 @@ def build_app(engine: Engine) -> FastAPI:
         if refused is not None:
             return refused
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
             if len(prompt) != 1:
-                raise RequestError("one prompt per request (a list of several prompts is not supported)")
+                refuse("one prompt per request (a list of several prompts is not supported)", "prompt")
             prompt = prompt[0]
+        if body.echo and body.logprobs is not None:
+            refuse("'echo' with 'logprobs' asks for prompt logprobs, which this server does not compute", "echo")
         ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        params = params_of(body, ids, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
+        choices = params_of(body, ids, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs)
         prefix = (prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids)) if body.echo else ""
         route = "/v1/completions"
         if body.stream:
-            return StreamingResponse(stream_completion(params, prefix, body.include_usage(), route),
+            return StreamingResponse(stream_completion(choices, prefix, body.logprobs, body.include_usage(), route),
                                      media_type="text/event-stream")
-        text, result = await engine.complete(params)
+        outputs = await asyncio.gather(*(engine.complete(params) for params in choices))
         metrics.requests.labels(route, "200").inc()
-        return CompletionResponse(model=engine.model_name, usage=usage_of(result), choices=[
-            CompletionChoice(text=prefix + text, finish_reason=result.finish_reason)])
+        return CompletionResponse(model=engine.model_name, usage=usage_of([r for _, r, _ in outputs]), choices=[
+            CompletionChoice(index=i, text=prefix + text, finish_reason=result.finish_reason,
+                             logprobs=None if body.logprobs is None else
+                             completion_logprobs(engine.tokenizer, entries, body.logprobs, len(prefix)))
+            for i, (text, result, entries) in enumerate(outputs)])
 
-    async def stream_completion(params: GenerateParams, prefix: str, include_usage: bool, route: str) -> AsyncIterator[str]:
+    async def stream_completion(choices: list[GenerateParams], prefix: str, logprobs: Optional[int],
+                                include_usage: bool, route: str) -> AsyncIterator[str]:
         ident, created = random_id("cmpl"), int(time.time())
+        offsets = [0] * len(choices)
+        results: list = [None] * len(choices)
 
-        def chunk(text: str, finish_reason=None, usage=None) -> str:
-            return sse(CompletionResponse(id=ident, created=created, model=engine.model_name, usage=usage,
-                                          choices=[] if usage is not None and not text and finish_reason is None else
-                                          [CompletionChoice(text=text, finish_reason=finish_reason)]))
+        def chunk(index: int, text: str, finish_reason=None, entries=None) -> str:
+            scores = None
+            if logprobs is not None:
+                scores = completion_logprobs(engine.tokenizer, entries or [], logprobs, offsets[index])
+            offsets[index] += len(text)
+            return sse(CompletionResponse(id=ident, created=created, model=engine.model_name, choices=[
+                CompletionChoice(index=index, text=text, finish_reason=finish_reason, logprobs=scores)]))
 
-        async for item in guarded(engine.generate(params), route):
+        if prefix:
+            for index in range(len(choices)):
+                yield chunk(index, prefix)
+        async for index, item in guarded(merged([engine.generate(params) for params in choices]), route):
             if isinstance(item, str):
                 yield item
                 return
-            if prefix:
-                yield chunk(prefix)
-                prefix = ""
             if item.result is None:
-                if item.text:
-                    yield chunk(item.text)
+                if item.text or item.logprobs:
+                    yield chunk(index, item.text, entries=item.logprobs)
                 continue
-            yield chunk(item.text, item.finish_reason)
-            if include_usage:
-                yield chunk("", usage=usage_of(item.result))
+            results[index] = item.result
+            yield chunk(index, item.text, item.finish_reason, item.logprobs)
+        if include_usage:
+            yield sse(CompletionResponse(id=ident, created=created, model=engine.model_name, choices=[],
+                                         usage=usage_of(results)))
         yield sse("[DONE]")
+
+    # ---- chat ----------------------------------------------------------------------------
+
+    def chat_prompt(messages, tools, add_generation_prompt: bool, kwargs) -> list[int]:
+        if engine.chat_template is None:
+            raise RequestError("the model ships no chat template (chat_template.jinja or tokenizer_config.json's "
+                               "chat_template); use /v1/completions")
+        extra = dict(kwargs or {})
+        if tools:
+            extra["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
+        try:
+            text = engine.chat_template.render(template_messages(messages),
+                                               add_generation_prompt=add_generation_prompt, **extra)
+        except (ChatTemplateError, ValueError) as error:
+            raise RequestError(str(error)) from None
+        return engine.tokenizer.encode(text)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
         refused = check_common(body)
         if refused is not None:
             return refused
-        if engine.chat_template is None:
-            raise RequestError("the model ships no chat template (chat_template.jinja or tokenizer_config.json's "
-                               "chat_template); use /v1/completions")
+        if body.top_logprobs is not None and not body.logprobs:
+            refuse("when using 'top_logprobs', 'logprobs' must be set to true", "top_logprobs")
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            text = engine.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt,
-                                               **(body.chat_template_kwargs or {}))
-        except (ChatTemplateError, ValueError) as error:
-            raise RequestError(str(error)) from None
-        ids = engine.tokenizer.encode(text)
+            parse_tools = check_tool_choice(body.tools, body.tool_choice)
+        except ToolError as error:
+            refuse(str(error), "tool_choice")
+        ids = chat_prompt(body.messages, body.tools, body.add_generation_prompt, body.chat_template_kwargs)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = params_of(body, ids, max_tokens, engine.max_context - len(ids))
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        choices = params_of(body, ids, max_tokens, engine.max_context - len(ids), top)
         route = "/v1/chat/completions"
         if body.stream:
-            return StreamingResponse(stream_chat(params, body.include_usage(), route), media_type="text/event-stream")
-        content, result = await engine.complete(params)
+            return StreamingResponse(stream_chat(choices, top, parse_tools, body.include_usage(), route),
+                                     media_type="text/event-stream")
+        outputs = await asyncio.gather(*(engine.complete(params) for params in choices))
         metrics.requests.labels(route, "200").inc()
-        return ChatCompletionResponse(model=engine.model_name, usage=usage_of(result), choices=[
-            ChatChoice(message=ResponseMessage(content=content), finish_reason=result.finish_reason)])
+        answers = []
+        for i, (content, result, entries) in enumerate(outputs):
+            calls, finish = [], result.finish_reason
+            if parse_tools:
+                content, calls = parse_tool_calls(content)
+                finish = "tool_calls" if calls else finish
+            answers.append(ChatChoice(index=i, message=ResponseMessage(content=content, tool_calls=calls),
+                                      finish_reason=finish,
+                                      logprobs=None if top is None else chat_logprobs(engine.tokenizer, entries, top)))
+        return ChatCompletionResponse(model=engine.model_name, usage=usage_of([r for _, r, _ in outputs]),
+                                      choices=answers)
 
-    async def stream_chat(params: GenerateParams, include_usage: bool, route: str) -> AsyncIterator[str]:
+    async def stream_chat(choices: list[GenerateParams], top: Optional[int], parse_tools: bool, include_usage: bool,
+                          route: str) -> AsyncIterator[str]:
         ident, created = random_id("chatcmpl"), int(time.time())
+        parsers = [ToolCallStream() if parse_tools else None for _ in choices]
+        results: list = [None] * len(choices)
 
-        def chunk(delta: Optional[DeltaMessage], finish_reason=None, usage=None) -> str:
-            choices = [] if delta is None else [ChatStreamChoice(delta=delta, finish_reason=finish_reason)]
-            return sse(ChatCompletionChunk(id=ident, created=created, model=engine.model_name, choices=choices,
-                                           usage=usage))
+        def chunk(index: int, delta: DeltaMessage, finish_reason=None, entries=None) -> str:
+            scores = None if top is None or entries is None else chat_logprobs(engine.tokenizer, entries, top)
+            return sse(ChatCompletionChunk(id=ident, created=created, model=engine.model_name, choices=[
+                ChatStreamChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=scores)]))
 
-        yield chunk(DeltaMessage(role="assistant", content=""))
-        async for item in guarded(engine.generate(params), route):
+        def deltas(index: int, text: str, final: bool) -> list[DeltaMessage]:
+            parser = parsers[index]
+            if parser is None:
+                return [DeltaMessage(content=text)] if text else []
+            events = parser.feed(text) + (parser.finish() if final else [])
+            out = []
+            for event in events:
+                if isinstance(event, str):
+                    out.append(DeltaMessage(content=event))
+                else:
+                    out.append(DeltaMessage(tool_calls=[DeltaToolCall(
+                        index=parser.calls_sent, id=event.id, type="function",
+                        function=DeltaFunctionCall(name=event.function.name, arguments=event.function.arguments))]))
+                    parser.calls_sent += 1
+            return out
+
+        for index in range(len(choices)):
+            yield chunk(index, DeltaMessage(role="assistant", content=""))
+        async for index, item in guarded(merged([engine.generate(params) for params in choices]), route):
             if isinstance(item, str):
                 yield item
                 return
-            if item.result is None:
-                if item.text:
-                    yield chunk(DeltaMessage(content=item.text))
+            final = item.result is not None
+            messages = deltas(index, item.text, final)
+            entries = item.logprobs if top is not None else None
+            if not final:
+                for n, message in enumerate(messages):
+                    yield chunk(index, message, entries=entries if n == 0 else None)
+                if not messages and entries:
+                    yield chunk(index, DeltaMessage(), entries=entries)
                 continue
-            yield chunk(DeltaMessage(content=item.text) if item.text else DeltaMessage(), item.finish_reason)
-            if include_usage:
-                yield chunk(None, usage=usage_of(item.result))
+            results[index] = item.result
+            for message in messages:
+                yield chunk(index, message, entries=entries)
+                entries = None
+            parser = parsers[index]
+            finish = "tool_calls" if parser is not None and parser.calls else item.finish_reason
+            yield chunk(index, DeltaMessage(), finish, entries)
+        if include_usage:
+            yield sse(ChatCompletionChunk(id=ident, created=created, model=engine.model_name, choices=[],
+                                          usage=usage_of(results)))
         yield sse("[DONE]")
 
     async def guarded(deltas, route: str):
@@ -203,9 +356,32 @@ def build_app(engine: Engine) -> FastAPI:
         except Exception as error:  # noqa: BLE001 - reported to the client in the stream
             metrics.requests.labels(route, "500").inc()
             body = ErrorResponse(error=ErrorInfo(message=str(error), type="InternalServerError", code=500))
-            yield sse(body.model_dump_json()) + sse("[DONE]")
+            yield None, sse(body.model_dump_json()) + sse("[DONE]")
         finally:
             await deltas.aclose()
+
+    # ---- tokenizer endpoints (vLLM's) ----------------------------------------------------------
+
+    @app.post("/tokenize")
+    async def tokenize(body: Union[TokenizeCompletionRequest, TokenizeChatRequest]):
+        refused = check_common(body)
+        if refused is not None:
+            return refused
+        if isinstance(body, TokenizeChatRequest):
+            ids = chat_prompt(body.messages, body.tools, body.add_generation_prompt, body.chat_template_kwargs)
+        else:
+            ids = engine.tokenizer.encode(body.prompt)
+        return TokenizeResponse(count=len(ids), max_model_len=engine.max_context, tokens=ids)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        refused = check_common(body)
+        if refused is not None:
+            return refused
+        bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
+        if bad:
+            refuse(f"token id {bad[0]} is outside the vocabulary 0..{engine.vocab_size - 1}", "tokens")
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
 
     @app.middleware("http")
     async def failures(request: Request, call_next):
@@ -214,5 +390,15 @@ def build_app(engine: Engine) -> FastAPI:
         except Exception as error:  # noqa: BLE001 - a shard failure outside a stream: an OpenAI error object
             metrics.requests.labels(request.url.path, "500").inc()
             return error_response(500, f"{type(error).__name__}: {error}", "InternalServerError")
+
+    if api_key:
+        @app.middleware("http")
+        async def authentication(request: Request, call_next):
+            if request.method != "OPTIONS" and needs_key(request.url.path) and \
+                    not authorized(request.headers.get("authorization"), api_key):
+                metrics.requests.labels(request.url.path, "401").inc()
+                return error_response(401, "Unauthorized: a valid API key is required (Authorization: Bearer <key>)",
+                                      "AuthenticationError")
+            return await call_next(request)
 
     return app

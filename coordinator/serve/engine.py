@@ -40,11 +40,13 @@ class GenerateParams:
     sampling: Sampling
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # as vLLM: special tokens (<|im_start|>, <|endoftext|>) are not text
 
 
 @dataclass
 class Delta:
     text: str = ""
+    logprobs: list = field(default_factory=list)  # (token, head-shard entry) of the tokens this text covers
     finish_reason: Optional[str] = None
     result: Optional[DecodeResult] = None  # on the last delta
 
@@ -164,11 +166,13 @@ class Engine:
 
     # ---- requests --------------------------------------------------------------------------
 
-    def sampling(self, temperature, top_p, top_k, seed) -> Sampling:
+    def sampling(self, temperature, top_p, top_k, seed, **extras) -> Sampling:
+        """`extras`: penalties and logprobs (coordinator.sampling.Sampling's fields); None: the default."""
         pick = lambda value, key, default: value if value is not None else self.defaults.get(key, default)  # noqa: E731
         try:
             return Sampling.make(pick(temperature, "temperature", 1.0), pick(top_p, "top_p", None),
-                                 pick(top_k, "top_k", None), seed)
+                                 pick(top_k, "top_k", None), seed,
+                                 **{key: value for key, value in extras.items() if value is not None})
         except ValueError as error:
             raise RequestError(str(error)) from None
 
@@ -184,12 +188,15 @@ class Engine:
                 f"tokens, leaving no room for output"
             )
 
-    def decode_blocking(self, params: GenerateParams, on_text: Callable[[str], None],
+    def decode_blocking(self, params: GenerateParams, on_text: Callable[[str, list], None],
                         cancelled: threading.Event) -> DecodeResult:
-        """One request on this thread: decode, report text deltas as tokens commit, return the result."""
-        text = TextTracker(self.tokenizer, params.stop, () if params.ignore_eos else self.eos_ids)
+        """One request on this thread: decode, report text deltas (and the logprobs of the tokens they cover)
+        as tokens commit, return the result."""
+        text = TextTracker(self.tokenizer, params.stop, () if params.ignore_eos else self.eos_ids,
+                           params.skip_special_tokens)
         last = [time.perf_counter()]
         started = last[0]
+        pending: list = []  # (token, logprobs entry) committed since the last text delta; an EOS is not text
 
         def on_commit(committed: list[int]) -> None:
             now = time.perf_counter()
@@ -198,9 +205,13 @@ class Engine:
             else:
                 self.metrics.step_seconds.observe(now - last[0])
             last[0] = now
+            entries = getattr(committed, "logprobs", None)
+            if entries is not None:
+                pending.extend((t, e) for t, e in zip(committed, entries) if t not in text.eos)
             delta, stopped = text.add(committed)
             if delta:
-                on_text(delta)
+                on_text(delta, pending[:])
+                pending.clear()
             if stopped or cancelled.is_set():
                 raise StopDecoding
 
@@ -228,8 +239,8 @@ class Engine:
             else:
                 connection.close()
         rest = text.finish()
-        if rest:
-            on_text(rest)
+        if rest or pending:
+            on_text(rest, pending[:])
         if text.stopped:
             result.finish_reason = "stop"
         self.metrics.record(result, self.rollback if self.drafter != GREEDY else None)
@@ -246,8 +257,8 @@ class Engine:
 
         def run() -> None:
             try:
-                result = self.decode_blocking(params, lambda t: loop.call_soon_threadsafe(deltas.put_nowait, t),
-                                              cancelled)
+                result = self.decode_blocking(
+                    params, lambda t, lp: loop.call_soon_threadsafe(deltas.put_nowait, (t, lp)), cancelled)
                 loop.call_soon_threadsafe(deltas.put_nowait, result)
             except BaseException as error:  # noqa: BLE001 - handed to the request's coroutine
                 loop.call_soon_threadsafe(deltas.put_nowait, error)
@@ -264,19 +275,21 @@ class Engine:
                     if isinstance(item, DecodeResult):
                         yield Delta(finish_reason=item.finish_reason, result=item)
                         return
-                    yield Delta(text=item)
+                    yield Delta(text=item[0], logprobs=item[1])
             finally:
                 cancelled.set()
                 self.metrics.running.dec()
                 if thread.is_alive():
                     await asyncio.to_thread(thread.join, self.timeout)
 
-    async def complete(self, params: GenerateParams) -> tuple[str, DecodeResult]:
-        parts, result = [], None
+    async def complete(self, params: GenerateParams) -> tuple[str, DecodeResult, list]:
+        """The whole text, the result, and the logprobs of the tokens the text covers."""
+        parts, result, logprobs = [], None, []
         async for delta in self.generate(params):
             parts.append(delta.text)
+            logprobs.extend(delta.logprobs)
             result = delta.result or result
-        return "".join(parts), result
+        return "".join(parts), result, logprobs
 
 
 class TextTracker:
@@ -284,8 +297,9 @@ class TextTracker:
     (the stop string itself is not returned), an incomplete UTF-8 character or a possible stop-string prefix
     is held back until it resolves."""
 
-    def __init__(self, tokenizer, stop: Sequence[str], eos_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer, stop: Sequence[str], eos_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in stop if s]
         self.eos = frozenset(eos_ids)
         self.tokens: list[int] = []
@@ -294,7 +308,7 @@ class TextTracker:
 
     def _text(self) -> str:
         visible = self.tokens[:-1] if self.tokens and self.tokens[-1] in self.eos else self.tokens
-        return self.tokenizer.decode(visible)
+        return self.tokenizer.decode(visible, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, committed: list[int]) -> tuple[str, bool]:
         if self.stopped:

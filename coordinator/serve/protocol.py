@@ -1,7 +1,8 @@
 """OpenAI API request and response models (the subset `shardctl serve` implements), as pydantic classes.
 
-Fields the OpenAI API has and this server does not implement are accepted when they ask for the default and
-refused (400) otherwise, so a client never silently gets something other than what it asked for."""
+Requests are strict: a field the server does not know is refused (400 naming it) rather than ignored, and a
+field it knows but does not implement (`UNSUPPORTED`) is accepted only when it asks for the default. The
+`openai` client sends only the fields a caller gives, so ordinary calls pass."""
 
 from __future__ import annotations
 
@@ -11,13 +12,37 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown vendor fields are ignored, as vLLM does
+    model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 naming it, never silently ignored
+
+
+def _default_or_text(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("type") == "text"
+
+
+# Fields of the OpenAI API (and vLLM's extensions) this server knows but does not implement: accepted only when
+# the value is the default (the check returns True), refused by name otherwise.
+UNSUPPORTED = {
+    "logit_bias": lambda value: not value,
+    "suffix": lambda value: not value,
+    "response_format": _default_or_text,
+    "guided_json": lambda value: False,
+    "guided_regex": lambda value: False,
+    "guided_choice": lambda value: False,
+    "guided_grammar": lambda value: False,
+    "guided_decoding_backend": lambda value: False,
+    "structured_outputs": lambda value: False,
+    "min_p": lambda value: value == 0,
+    "min_tokens": lambda value: value == 0,
+    "stop_token_ids": lambda value: not value,
+    "include_stop_str_in_output": lambda value: value is False,
+    "prompt_logprobs": lambda value: False,
+    "truncate_prompt_tokens": lambda value: False,
+}
 
 
 class SamplingFields(OpenAIModel):
@@ -30,9 +55,28 @@ class SamplingFields(OpenAIModel):
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
     stream_options: Optional[dict[str, Any]] = None
-    n: int = 1
+    n: int = Field(default=1, ge=1)
+    best_of: Optional[int] = None  # only equal to n (vLLM v1 has no best_of either)
+    presence_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0, le=100)  # vLLM's extension
     ignore_eos: bool = False  # vLLM's extension
+    skip_special_tokens: bool = True  # vLLM's extension: special tokens are not returned text
     user: Optional[str] = None
+    # UNSUPPORTED: known, refused unless default
+    logit_bias: Optional[dict[str, float]] = None
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[Any] = None
+    guided_choice: Optional[Any] = None
+    guided_grammar: Optional[Any] = None
+    guided_decoding_backend: Optional[Any] = None
+    structured_outputs: Optional[Any] = None
+    min_p: Optional[float] = None
+    min_tokens: Optional[int] = None
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: Optional[bool] = None
+    prompt_logprobs: Optional[int] = None
+    truncate_prompt_tokens: Optional[int] = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -42,16 +86,53 @@ class SamplingFields(OpenAIModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
+    def unsupported(self) -> Optional[str]:
+        """The first field set to something this server does not implement, or None."""
+        for name, is_default in UNSUPPORTED.items():
+            value = getattr(self, name, None)
+            if value is not None and not is_default(value):
+                return name
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of"
+        return None
+
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[str], list[int]]
+    prompt: Union[str, list[str], list[int], list[list[int]]]
     echo: bool = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    suffix: Optional[str] = None
+
+
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl-tool"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ToolDefinition(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class ChatMessage(OpenAIModel):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[dict[str, Any]]]] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -67,9 +148,44 @@ class ChatMessage(OpenAIModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = Field(default=None, ge=0)
-    logprobs: Optional[bool] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    tools: Optional[list[ToolDefinition]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None  # every call the model writes is returned
+    response_format: Optional[dict[str, Any]] = None
     add_generation_prompt: bool = True  # vLLM's extension
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's extension
+
+
+class TokenizeCompletionRequest(OpenAIModel):
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(OpenAIModel):
+    model: Optional[str] = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    tools: Optional[list[ToolDefinition]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class UsageInfo(BaseModel):
@@ -78,10 +194,17 @@ class UsageInfo(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[Literal["stop", "length"]] = None
 
 
@@ -94,16 +217,34 @@ class CompletionResponse(BaseModel):
     usage: Optional[UsageInfo] = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: Optional[list[TokenLogprob]] = None
+
+
+FinishReason = Optional[Literal["stop", "length", "tool_calls"]]
+
+
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str] = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: ResponseMessage
-    logprobs: None = None
-    finish_reason: Optional[Literal["stop", "length"]] = None
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: FinishReason = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -115,16 +256,29 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatStreamChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
-    finish_reason: Optional[Literal["stop", "length"]] = None
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: FinishReason = None
 
 
 class ChatCompletionChunk(BaseModel):
