@@ -25,7 +25,7 @@ from coordinator.sampling import Sampling
 from shardd.loading import ModelSource
 from shardd.penalties import Penalties, penalise
 from tests.local import LocalTarget
-from tests.test_sampling import LikelyDrafter, chi2_critical, two_sample_chi2
+from tests.test_sampling import chi2_critical, two_sample_chi2
 from tests.test_serve import PROMPT, Server, build_tokenizer, hf_greedy, model, model_name, shards  # noqa: F401
 
 KEY = "sk-test-" + "k" * 24
@@ -185,6 +185,23 @@ def test_penalise_equals_the_reference():
     assert got.tolist() == pytest.approx(want, abs=1e-6)
 
 
+def test_each_verify_row_sees_the_drafts_before_it():
+    """Four equal rows: plain greedy decoding with a presence penalty picks a new token each time, so the drafts
+    of that chain are all accepted only if row j counts drafts 0..j-1 as output."""
+    from shardd.head import HeadRequest, answer_rows
+
+    logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(2)).repeat(4, 1)
+    prompt, output = [1, 2], [3]
+    chain = []
+    for row in logits:
+        scores = reference_penalised(row.tolist(), prompt, output + chain, 5.0, 0.0, 1.0)
+        chain.append(max(range(12), key=scores.__getitem__))
+    assert len(set(chain)) == 4
+    head = HeadRequest(None, Penalties(presence=5.0), prompt, output, chain[:3])
+    ids, accepted, _ = answer_rows(logits, [0, 0, 0, 0], 10, head)
+    assert (ids, accepted) == (chain, 3)
+
+
 def test_greedy_with_penalties_equals_the_reference_plain_and_speculative(plain_server, spec_server, model):
     hf, prompt = model["hf"], model["prompt_ids"]
     tokens = list(prompt)
@@ -201,15 +218,30 @@ def test_greedy_with_penalties_equals_the_reference_plain_and_speculative(plain_
         assert response.choices[0].text == expected
 
 
-PENALTY_PROMPT = [5, 9, 5, 9, 5, 9, 5]
-SAMPLES = 600
+PENALTY_PROMPT = [105, 294, 150]
+SAMPLES = 300
+
+
+class Likely:
+    """Drafts the continuation plain sampling gave most often (deterministic, as every drafter here)."""
+
+    name = "likely"
+
+    def __init__(self, likely: tuple[int, ...]):
+        self.likely = list(likely)
+
+    def propose(self, history, n):
+        done = len(history) - len(PENALTY_PROMPT)
+        drafts = self.likely[done:done + n]
+        return drafts + [0] * (n - len(drafts))
 
 
 def penalised_sequences(local, drafter) -> tuple[Counter, int]:
     counts, accepted = Counter(), 0
     for seed in range(SAMPLES):
-        sampling = Sampling(temperature=1.0, top_k=3, seed=seed, presence_penalty=1.5, frequency_penalty=0.5,
-                            repetition_penalty=1.3)
+        # Negative presence/frequency penalties make the output repeat itself: each row's output context matters.
+        sampling = Sampling(temperature=1.0, top_k=3, seed=seed, presence_penalty=-2.0, frequency_penalty=-1.0,
+                            repetition_penalty=1.1)
         if drafter is None:
             result = greedy_decode(local, 1, PENALTY_PROMPT, 3, sampling=sampling)
         else:
@@ -225,7 +257,7 @@ def test_penalised_sampling_is_the_same_distribution_plain_and_speculative():
     local = LocalTarget(ModelSource(synthetic="tiny"), max_context=32)
     plain, _ = penalised_sequences(local, None)
     likely = plain.most_common(1)[0][0]
-    speculated, accepted = penalised_sequences(local, LikelyDrafter(likely))
+    speculated, accepted = penalised_sequences(local, Likely(likely))
     assert accepted > SAMPLES // 4 and len(plain) > 3  # drafts were accepted: later rows saw them as output
     stat, df = two_sample_chi2(plain, speculated)
     assert stat < chi2_critical(df), (stat, df, plain.most_common(6), speculated.most_common(6))

@@ -107,6 +107,16 @@ async def merged(streams: list) -> AsyncIterator[tuple[int, object]]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def complete_all(engine: Engine, choices: list[GenerateParams]) -> list:
+    """Every choice's (text, result, logprobs); the first failure cancels the others and is raised as itself."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(engine.complete(params)) for params in choices]
+    except BaseExceptionGroup as failures:
+        raise failures.exceptions[0] from None
+    return [task.result() for task in tasks]
+
+
 def build_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
     from shardd import __version__
 
@@ -204,7 +214,7 @@ def build_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
         if body.stream:
             return StreamingResponse(stream_completion(choices, prefix, body.logprobs, body.include_usage(), route),
                                      media_type="text/event-stream")
-        outputs = await asyncio.gather(*(engine.complete(params) for params in choices))
+        outputs = await complete_all(engine, choices)
         metrics.requests.labels(route, "200").inc()
         return CompletionResponse(model=engine.model_name, usage=usage_of([r for _, r, _ in outputs]), choices=[
             CompletionChoice(index=i, text=prefix + text, finish_reason=result.finish_reason,
@@ -279,7 +289,7 @@ def build_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
         if body.stream:
             return StreamingResponse(stream_chat(choices, top, parse_tools, body.include_usage(), route),
                                      media_type="text/event-stream")
-        outputs = await asyncio.gather(*(engine.complete(params) for params in choices))
+        outputs = await complete_all(engine, choices)
         metrics.requests.labels(route, "200").inc()
         answers = []
         for i, (content, result, entries) in enumerate(outputs):
