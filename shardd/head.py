@@ -7,7 +7,7 @@ alike read them. Each function here works on one row, so a batched step can call
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import torch
 
-MAX_LOGPROBS = 20  # vLLM's default --max-logprobs, the OpenAI API's top_logprobs bound
-
-
 def row_logprobs(logits: torch.Tensor, token: int, top: int) -> list:
     """[logprob of `token`, [[id, logprob], ...] of the `top` most likely tokens, most likely first]."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
