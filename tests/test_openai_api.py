@@ -202,6 +202,24 @@ def test_each_verify_row_sees_the_drafts_before_it():
     assert (ids, accepted) == (chain, 3)
 
 
+@pytest.mark.parametrize("fields,message", [
+    (dict(output_tokens=[3]), "only read by a penalty"),
+    (dict(repetition_penalty=0.0), "must be > 0"),
+    (dict(drafts=[2]), "needs temperature > 0, a penalty or logprobs"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+])
+def test_the_head_fields_are_checked_on_the_wire(fields, message):
+    from protocol import ProtocolError, decode_request, encode_request
+    from protocol.messages import Forward
+
+    good = Forward(id=1, seq=1, pos=0, tokens=[1, 2], presence_penalty=0.5, output_tokens=[3], prompt_tokens=[1],
+                   drafts=[2], logprobs=2)
+    assert decode_request(encode_request(good)) == good
+    with pytest.raises(ProtocolError, match=message):
+        decode_request(encode_request(Forward(id=1, seq=1, pos=0, tokens=[1, 2], **fields), validate=False))
+
+
 def test_greedy_with_penalties_equals_the_reference_plain_and_speculative(plain_server, spec_server, model):
     hf, prompt = model["hf"], model["prompt_ids"]
     tokens = list(prompt)
