@@ -301,7 +301,10 @@ class Fp8Linear:
         return self.weight.nbytes + self.scale.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel(x, self.weight, self.scale, self.block)
+        if x.dim() == 2:
+            return self.kernel(x, self.weight, self.scale, self.block)
+        rows = x.reshape(-1, x.shape[-1])
+        return self.kernel(rows, self.weight, self.scale, self.block).reshape(*x.shape[:-1], self.shape[0])
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

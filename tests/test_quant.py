@@ -144,7 +144,9 @@ def test_fast_step_keeps_the_fp8_bytes_and_matches_the_reference(layout, tmp_pat
     written = write_checkpoint(tmp_path / "m", ragged_config(layers=3), seed=5, quantize=layout)
     source = ModelSource(model_dir=str(written))
     storage = RollbackStorage(CHECKPOINT, 4)
-    fast = FastShard(build_shard(source, 0, 3, storage=storage, keep_fp8=True), max_sequences=2, max_context=64)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: the FP8 kernel, graphs on
+    fast = FastShard(build_shard(source, 0, 3, storage=storage, keep_fp8=True, device=device), max_sequences=2,
+                     max_context=64)
     gdn, attention = fast.layers[0], fast.layers[2]
     in_proj = gdn.mixer.in_proj
     assert isinstance(in_proj, quant.StackedLinear) and not quant.is_quantized(in_proj.groups[-1])  # a: not converted
@@ -158,7 +160,7 @@ def test_fast_step_keeps_the_fp8_bytes_and_matches_the_reference(layout, tmp_pat
         assert len(in_proj.groups) == 2  # qkv|z|b, a
         assert isinstance(attention.mixer.qkv, quant.Fp8Linear) and isinstance(gdn.gate_up, quant.Fp8Linear)
         assert attention.mixer.qkv.weight.dtype == torch.float8_e4m3fn
-    reference = build_shard(source, 0, 3, storage=storage)
+    reference = build_shard(source, 0, 3, storage=storage, device=device)
     tokens = prompt(5, 320)
     target_fast, target_ref = LocalTarget.from_shards([fast], 64), LocalTarget.from_shards([reference], 64)
     greedy = greedy_decode(target_ref, 1, tokens, 4).tokens
