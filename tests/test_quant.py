@@ -182,6 +182,16 @@ def test_fusing_block_scales_is_exact_only_at_block_boundaries():
         assert torch.equal(view.dequantized(), part.dequantized())
 
 
+def test_dequantize_is_the_kernel_modules_reference():
+    """shardd.quant.dequantize (Triton-free, for the CPU) and the kernel's dequantize_fp8 are the same function."""
+    fp8_gemm = pytest.importorskip("shardd.kernels.fp8_gemm")
+    gen = torch.Generator().manual_seed(1)
+    for layout in LAYOUTS:
+        weight, scale = quant.quantize(torch.randn(200, 160, generator=gen), layout)
+        block = (128, 128) if layout == quant.FP8_BLOCK else None
+        assert torch.equal(quant.dequantize(weight, scale, block), fp8_gemm.dequantize_fp8(weight, scale, block))
+
+
 # ---- refusals ---------------------------------------------------------------------------------------
 
 _CT_FP8 = quant.quantization_config(quant.FP8_CHANNEL, ["lm_head"])
@@ -302,8 +312,12 @@ def test_hello_reports_the_memory_plan_and_the_quantization(tmp_path):
                                       "--max-sequences", "2", "--max-context", "256"], tmp_path)
     try:
         hello = daemon.wait_ready()
+        status = subprocess.run([sys.executable, "-m", "coordinator.cli", "status", "--shards", endpoint],
+                                capture_output=True, text=True, timeout=60)
     finally:
         daemon.stop()
+    assert status.returncode == 0, status.stderr
+    assert f"{endpoint}: memory plan: weights " in status.stdout and "of a 1.00 GiB cap" in status.stdout
     memory = hello["memory"]
     assert memory["cap_bytes"] == GiB and memory["total_bytes"] == sum(memory["items"].values())
     config = preset_config("tiny")
