@@ -326,3 +326,15 @@ def test_hello_reports_the_memory_plan_and_the_quantization(tmp_path):
     assert memory["items"]["gdn_states"] == 2 * 4 * (config.recurrent_state_bytes() + config.conv_state_bytes())
     assert hello["quantization"]["layout"] == "fp8-channel"
     assert hello["model"]["fingerprint"].endswith(":fp8-channel")
+
+
+def test_a_quantized_drafter_checkpoint_is_refused_by_name(tmp_path):
+    from shardd.draft.config import load_draft_config
+    from shardd.draft.synthetic import synthetic_draft_config, write_draft_checkpoint
+
+    draft = write_draft_checkpoint(tmp_path / "draft", synthetic_draft_config(preset_config("tiny"), num_layers=1), 0)
+    raw = json.loads((draft / "config.json").read_text())
+    raw["quantization_config"] = quant.quantization_config(quant.FP8_BLOCK, [])
+    (draft / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="quantized drafter .*'fp8'"):
+        load_draft_config(draft)
