@@ -110,13 +110,13 @@ def test_every_rollback_mode_gives_the_greedy_tokens_of_transformers(fp8_model):
     splits = [(0, 2), (2, 4), (4, 6)]
     tokens = prompt(10, config.vocab_size)
     targets = {mode: LocalTarget(source, splits, RollbackStorage(mode, 4)) for mode in (CHECKPOINT, REPLAY_SSM)}
-    greedy = greedy_decode(targets[CHECKPOINT], 1, tokens, 12).tokens
+    greedy = greedy_decode(targets[CHECKPOINT], 1, tokens, 8).tokens
     logits, _ = hf_logits_and_hidden(hf_model(fp8_model["dequantized"]), tokens + greedy[:-1])
     assert logits[len(tokens) - 1 :].argmax(-1).tolist() == greedy
     for mode in (CHECKPOINT, REPLAY_SSM, REPLAY):
         target = targets[CHECKPOINT if mode == REPLAY else mode]
         drafter = OracleDrafter.with_mean_commit(greedy, len(tokens), block_size=4, mean_commit=2)
-        result = speculative_decode(target, 2, tokens, drafter, block_size=4, rollback=mode, max_new_tokens=12)
+        result = speculative_decode(target, 2, tokens, drafter, block_size=4, rollback=mode, max_new_tokens=8)
         assert result.tokens == greedy, mode
         assert result.rollbacks_fast + result.replays > 0
 
