@@ -156,8 +156,10 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
     except (ValueError, OSError) as exc:
         log.error("cannot plan memory: %s", exc)
         sys.exit(EXIT_FAILURE)
-    if not plan.fits():
-        log.error("refusing to start: %s", MemoryBudgetError.message(plan))
+    try:
+        plan.check()
+    except MemoryBudgetError as exc:
+        log.error("refusing to start: %s", exc)
         sys.exit(EXIT_FAILURE)
     options.memory = plan.describe()
     options.quantization = scheme.describe() if scheme is not None else None

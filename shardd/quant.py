@@ -293,10 +293,6 @@ class Fp8Linear:
         return self.weight.shape
 
     @property
-    def device(self) -> torch.device:
-        return self.weight.device
-
-    @property
     def nbytes(self) -> int:
         return self.weight.nbytes + self.scale.nbytes
 
