@@ -30,7 +30,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 FAST, REPLAY = "checkpoint", "replay"
-GiB = 1 << 30
 
 
 def token_hash(tokens: list[int]) -> str:

@@ -22,7 +22,7 @@ from protocol.layout import CHECKPOINT, REPLAY, REPLAY_SSM
 from shardd import quant
 from shardd.config import ConfigError, config_from_dict, load_config
 from shardd.loading import ModelSource, build_shard
-from shardd.memory import GiB, parse_memory, plan_memory
+from shardd.memory import GiB, parse_memory
 from shardd.model.rollback import RollbackStorage
 from shardd.presets import PRESETS, preset_config
 from shardd.synthetic import write_checkpoint
@@ -272,29 +272,27 @@ def test_memory_sizes_parse():
 
 
 def test_the_27b_fits_two_24gib_daemons_in_fp8_and_not_in_bf16():
-    """The seed's configuration: two daemons, 0:32 and 32:64, one sequence at 4,096 tokens with checkpoint
-    storage for 16-token verify steps, the fast engine, bf16 activations."""
-    config = preset_config("qwen3.5-27b")
-    from shardd.model.rollback import storage_bytes_per_sequence
+    """The seed's configuration as bench_seed.py starts it: 0:32 with the 5-layer DFlash drafter and 32:64, one
+    sequence at 4,096 tokens with checkpoint storage for 16-token verify steps, the fast engine, bf16 activations."""
+    from shardd.daemon import ServeOptions
+    from shardd.loading import daemon_memory_plan
 
-    storage = RollbackStorage(CHECKPOINT, 16)
-    totals = {}
+    config = preset_config("qwen3.5-27b")
+    options = ServeOptions(max_sequences=1, max_context=4096, max_tokens_per_request=1024)
+    plans = {}
     for layout in (quant.FP8_BLOCK, None):
         source = ModelSource(synthetic="qwen3.5-27b", quantize=layout)
-        for begin, end in ((0, 32), (32, 64)):
-            weights = source.weight_bytes(shard_shapes(config, begin, end), dtype=torch.bfloat16, keep_fp8=True)
-            gdn = [i for i in range(begin, end) if config.is_gdn(i)]
-            plan = plan_memory(config, begin, end, weight_bytes=weights, dtype_bytes=2, engine="fast", max_sequences=1,
-                               max_context=4096, max_tokens_per_request=4096, step_rows=16,
-                               checkpoint_bytes_per_sequence=storage_bytes_per_sequence(config, gdn, storage),
-                               cap=24 * GiB)
-            totals[(layout, begin)] = plan
-    assert all(totals[(quant.FP8_BLOCK, b)].fits() for b in (0, 32)), [totals[(quant.FP8_BLOCK, b)].line() for b in (0, 32)]
-    assert not any(totals[(None, b)].fits() for b in (0, 32))
+        for layers, draft in (((0, 32), "synthetic:5"), ((32, 64), None)):
+            plans[(layout, layers[0])] = daemon_memory_plan(
+                source, config, layers, draft, dtype="bfloat16", keep_fp8=True, engine="fast",
+                storage=RollbackStorage(CHECKPOINT, 16), options=options, cap=24 * GiB)
+    assert all(plans[(quant.FP8_BLOCK, b)].fits() for b in (0, 32)), [plans[(quant.FP8_BLOCK, b)].line() for b in (0, 32)]
+    assert not any(plans[(None, b)].fits() for b in (0, 32))
     # FP8 weights are about half the bf16 ones (the embedding / head stay bf16)
-    fp8, bf16 = totals[(quant.FP8_BLOCK, 32)].items["weights"], totals[(None, 32)].items["weights"]
+    fp8, bf16 = plans[(quant.FP8_BLOCK, 32)].items["weights"], plans[(None, 32)].items["weights"]
     assert 0.5 < fp8 / bf16 < 0.65
-    assert totals[(quant.FP8_BLOCK, 0)].items["checkpoint_buffers"] > 0.5 * GiB
+    assert plans[(quant.FP8_BLOCK, 0)].items["checkpoint_buffers"] > GiB  # float32 states after every token
+    assert plans[(quant.FP8_BLOCK, 0)].items["drafter"] > plans[(quant.FP8_BLOCK, 32)].items.get("drafter", 0)
 
 
 def test_a_daemon_over_its_cap_refuses_to_start_naming_each_part(tmp_path):
