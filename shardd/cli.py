@@ -58,6 +58,14 @@ def main():
 @click.option("--max-sequences", type=click.IntRange(1, 65536), default=8, show_default=True)
 @click.option("--max-context", type=click.IntRange(1, 1 << 22), default=4096, show_default=True, help="Tokens per sequence.")
 @click.option("--max-tokens-per-request", type=click.IntRange(1, 1 << 20), default=4096, show_default=True)
+@click.option("--max-gpu-memory", default=None, metavar="SIZE|FRACTION",
+              help="Cap what this daemon may allocate: 24GiB, 24GB, 20000MiB, or a fraction of the device (0.9). "
+                   "Before loading it adds up weights, KV cache, GDN states, checkpoint buffers and step buffers / "
+                   "CUDA graphs, and refuses to start, naming each, if they do not fit; on CUDA the allocator "
+                   "enforces the cap too.")
+@click.option("--quantize", type=click.Choice(("fp8-block", "fp8-channel")), default=None,
+              help="With --synthetic: the linears as FP8 in this layout, as `shardctl make-model --quantize` writes "
+                   "them (a checkpoint's config.json says its own).")
 @click.option("--curve-secret-key", type=click.Path(exists=True, dir_okay=False), help="Server key file from `shardd keygen` (needed for non-loopback binds).")
 @click.option("--curve-allow", "curve_allow_dir", type=click.Path(exists=True, file_okay=False), help="Directory of allowed client public keys.")
 @click.option("--sequence-idle-timeout", type=click.FloatRange(0), default=300.0, show_default=True,
@@ -70,7 +78,8 @@ def main():
 @click.option("--log-format", type=click.Choice(FORMATS), default="text", show_default=True,
               help="text lines, or one JSON object per line.")
 def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_file, max_verify_tokens, rollback_mode, engine,
-          max_sequences, max_context, max_tokens_per_request, curve_secret_key, curve_allow_dir, sequence_idle_timeout,
+          max_sequences, max_context, max_tokens_per_request, max_gpu_memory, quantize, curve_secret_key, curve_allow_dir,
+          sequence_idle_timeout,
           threads, metrics_port,
           metrics_host, log_level, log_format):
     """Load a layer range (and/or a drafter) and serve it until SIGTERM, SIGINT or SHUTDOWN.
@@ -104,7 +113,8 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
     from shardd.daemon import ServeOptions, ShardDaemon, is_loopback, largest_frame_bytes, listen
     from shardd.engine import resolve_engine, serve_with
     from shardd.listen import BindError, write_endpoint_file
-    from shardd.loading import ModelSource, build_drafter, build_shard, draft_feature_size, parse_draft
+    from shardd.loading import ModelSource, build_drafter, build_shard, daemon_memory_plan, draft_feature_size, parse_draft
+    from shardd.memory import MemoryBudgetError, fmt_gib, parse_memory
     from shardd.model.rollback import RollbackStorage
 
     if curve_secret_key is None and not is_loopback(bind):
@@ -116,7 +126,7 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
         torch.set_num_threads(threads)
     try:
         check_device(torch, device)
-        source = ModelSource(model_dir=model_dir, synthetic=synthetic)
+        source = ModelSource(model_dir=model_dir, synthetic=synthetic, quantize=quantize)
         config = source.config()
         begin, end = 0, config.num_layers
         if layers and not draft_only:
@@ -125,12 +135,38 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
         if draft is not None:
             parse_draft(draft)
         engine = resolve_engine(engine, device)
+        # FP8 weights stay FP8 on a GPU (and in the fast step); the CPU reference dequantizes them at load
+        keep_fp8 = engine == "fast" or torch.device(device).type == "cuda"
+        scheme = source.scheme()
+        cap = None
+        if max_gpu_memory is not None:
+            from shardd.health import device_memory
+
+            # a fraction is of the GPU; of the host's memory for a CPU shard (the accounting is the same)
+            cap = parse_memory(max_gpu_memory, device_memory(torch.device(device))["total_bytes"])
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     storage = RollbackStorage(rollback_mode if max_verify_tokens else None, max_verify_tokens)
     options = ServeOptions(bind=bind, max_sequences=max_sequences, max_context=max_context,
                            max_tokens_per_request=max_tokens_per_request, curve_secret_key=curve_secret_key,
                            curve_allow_dir=curve_allow_dir, sequence_idle_timeout=sequence_idle_timeout)
+    try:
+        plan = daemon_memory_plan(source, config, None if draft_only else (begin, end), draft, dtype=dtype,
+                                  keep_fp8=keep_fp8, engine=engine, storage=storage, options=options, cap=cap)
+    except (ValueError, OSError) as exc:
+        log.error("cannot plan memory: %s", exc)
+        sys.exit(EXIT_FAILURE)
+    try:
+        plan.check()
+    except MemoryBudgetError as exc:
+        log.error("refusing to start: %s", exc)
+        sys.exit(EXIT_FAILURE)
+    options.memory = plan.describe()
+    options.quantization = scheme.describe() if scheme is not None else None
+    log.info("memory plan: %s = %s%s", plan.line(), fmt_gib(plan.total),
+             f" of --max-gpu-memory {fmt_gib(cap)}" if cap else "")
+    if cap is not None and torch.device(device).type == "cuda":
+        limit_device_memory(torch, torch.device(device), cap)
     if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
         options.tokenizer_dir = str(Path(model_dir).resolve())  # HELLO names it: the coordinator must not guess
     try:  # the drafter's feature width sizes the frame limit; a bad drafter config fails at its load below
@@ -152,7 +188,8 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
     started = time.perf_counter()
     try:
         shard = None if draft_only else serve_with(engine, build_shard(
-            source, begin, end, dtype=dtype, device=device, storage=storage, progress=LoadProgress(what, log)
+            source, begin, end, dtype=dtype, device=device, storage=storage, progress=LoadProgress(what, log),
+            keep_fp8=keep_fp8,
         ), max_sequences=max_sequences, max_context=max_context)
         drafter = build_drafter(source, draft, dtype=dtype, device=device, shard=shard) if draft else None
     except BaseException as exc:  # a signal while loading (SystemExit) too: no socket file left behind
@@ -187,6 +224,12 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
         storage.mode if storage.enabled else "none", shard.checkpoint_bytes_per_sequence() / MiB, shard.fingerprint,
     )
     daemon.serve(listener)
+
+
+def limit_device_memory(torch, device, cap: int) -> None:
+    """Have the CUDA caching allocator refuse to grow past `cap` bytes on `device`."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
 
 
 def check_device(torch, device: str) -> None:

@@ -235,19 +235,16 @@ def read_config_json(model_dir: str | Path) -> dict:
 
 def load_config(model_dir: str | Path) -> ModelConfig:
     raw = read_config_json(model_dir)
-    check_not_quantized(raw, model_dir)
+    check_quantization(raw, model_dir)
     return config_from_dict(raw)
 
 
-def check_not_quantized(raw: dict, model_dir: str | Path) -> None:
-    """A quantized checkpoint (FP8 with `*_scale_inv`, GPTQ, AWQ, ...) would load with its scales ignored and
-    compute garbage: refuse it, naming the method. No quantization method is supported yet."""
-    for section in (raw, raw.get("text_config") or {}):
-        quant = section.get("quantization_config")
-        if quant is not None:
-            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-            raise ConfigError(
-                f"{model_dir} is a quantized checkpoint (quantization_config: quant_method {method!r}); shardd loads "
-                f"only unquantized bf16/fp16/fp32 weights and would ignore the quantization scales: use the "
-                f"unquantized checkpoint"
-            )
+def check_quantization(raw: dict, model_dir: str | Path):
+    """The checkpoint's FP8 scheme (shardd.quant), None when unquantized; a ConfigError naming the method for any
+    quantization we cannot load exactly (GPTQ, AWQ, ...: their scales would be ignored and compute garbage)."""
+    from shardd.quant import QuantizationError, scheme_from_config
+
+    try:
+        return scheme_from_config(raw, str(model_dir))
+    except QuantizationError as exc:
+        raise ConfigError(str(exc)) from None

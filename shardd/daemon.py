@@ -79,6 +79,8 @@ class ServeOptions:
     curve_secret_key: str | None = None  # file written by `shardd keygen`
     curve_allow_dir: str | None = None  # directory of allowed client public keys
     tokenizer_dir: str | None = None  # the model directory when it ships a tokenizer.json (HELLO "tokenizer")
+    memory: dict | None = None  # the memory plan (shardd.memory.MemoryPlan.describe), HELLO "memory"
+    quantization: dict | None = None  # the FP8 scheme of the weights (shardd.quant.Fp8Scheme.describe), HELLO
     sequence_idle_timeout: float = 300.0  # seconds without a request before a sequence is closed; 0: never
 
 
@@ -281,6 +283,8 @@ class ShardDaemon:
             },
             "state_bytes_per_sequence": state_bytes,
             "drafter": self.drafter.describe(self.options.max_context) if self.drafter is not None else None,
+            "memory": self.options.memory,
+            "quantization": self.options.quantization,
             "pid": os.getpid(),
         }
 

@@ -4,35 +4,53 @@ place a daemon gets weights."""
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from shardd.config import ModelConfig, dtype_name, load_config
+from shardd import quant
+from shardd.config import ModelConfig, check_quantization, dtype_name, load_config, read_config_json
 from shardd.draft.config import DraftConfig, load_draft_config
 from shardd.draft.model import DFlashDrafter
 from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights
 from shardd.model.rollback import RollbackStorage
 from shardd.model.shard import ShardModel
 from shardd.presets import parse_synthetic, preset_config
-from shardd.synthetic import synthetic_tensors
-from shardd.weights import draft_name, draft_shapes, embedding_and_head_shapes, head_name, load_tensors, shard_shapes
+from shardd.synthetic import synthetic_tensor, synthetic_tensors
+from shardd.weights import (
+    WeightError, checkpoint_keys, draft_name, draft_shapes, embedding_and_head_shapes, head_name, load_tensors,
+    shard_shapes, stored_headers,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where weights come from: a checkpoint directory, or `synthetic` = 'PRESET[:SEED]'."""
+    """Where weights come from: a checkpoint directory, or `synthetic` = 'PRESET[:SEED]' (with `quantize`, its
+    linears as FP8 in that layout, exactly as `shardctl make-model --quantize` writes them)."""
 
     model_dir: str | None = None
     synthetic: str | None = None
+    quantize: str | None = None  # synthetic only: 'fp8-block' or 'fp8-channel'
 
     def __post_init__(self):
         if (self.model_dir is None) == (self.synthetic is None):
             raise ValueError("give exactly one of a model directory or a synthetic preset")
+        if self.quantize is not None:
+            if self.synthetic is None:
+                raise ValueError("--quantize applies to --synthetic; a checkpoint's config.json says how it is quantized")
+            if self.quantize not in quant.LAYOUTS:
+                raise ValueError(f"--quantize must be one of {', '.join(quant.LAYOUTS)}, got {self.quantize!r}")
+
+    def scheme(self) -> quant.Fp8Scheme | None:
+        """How the linears are stored: None for unquantized weights."""
+        if self.synthetic is not None:
+            return quant.synthetic_scheme(self.quantize) if self.quantize else None
+        return check_quantization(read_config_json(self.model_dir), self.model_dir)
 
     def config(self) -> ModelConfig:
         if self.synthetic is not None:
@@ -49,16 +67,79 @@ class ModelSource:
         if self.synthetic is not None:
             preset, seed = parse_synthetic(self.synthetic)
             # The generator's device type is part of the identity: CPU and CUDA generators differ.
-            return f"synthetic:{preset}:{seed}:{device.type}"
+            return f"synthetic:{preset}:{seed}:{device.type}" + (f":{self.quantize}" if self.quantize else "")
         return checkpoint_fingerprint(self.model_dir)
 
     def tensors(
-        self, shapes: dict[str, tuple[int, ...]], *, dtype: torch.dtype, device: str = "cpu", progress=None
+        self, shapes: dict[str, tuple[int, ...]], *, dtype: torch.dtype, device: str = "cpu", progress=None,
+        keep_fp8: bool = False,
     ) -> dict[str, torch.Tensor]:
-        """Exactly the named tensors (our names -> shapes): generated, or read from the checkpoint."""
+        """Exactly the named tensors (our names -> shapes): generated, or read from the checkpoint. FP8 linears come
+        back as `quant.Fp8Linear`s with `keep_fp8`, else dequantized to `dtype` (the CPU reference path)."""
+        scheme = self.scheme()
+        fp8 = self.fp8_names(shapes, scheme)
+        plain = {name: shape for name, shape in shapes.items() if name not in fp8}
         if self.synthetic is not None:
-            return synthetic_tensors(self.config(), shapes, self.seed, dtype=dtype, device=device, progress=progress)
-        return load_tensors(self.model_dir, shapes, dtype=dtype, device=device, progress=progress).tensors
+            tensors = synthetic_tensors(self.config(), plain, self.seed, dtype=dtype, device=device, progress=progress)
+            stored = {name: quant.quantize(synthetic_tensor(self.config(), name, shapes[name], self.seed, device),
+                                           self.quantize) for name in fp8}
+        else:
+            tensors = load_tensors(self.model_dir, plain, dtype=dtype, device=device, progress=progress).tensors
+            stored = self._read_fp8(fp8, shapes, scheme, device) if fp8 else {}
+        for name, (weight, scale) in stored.items():
+            if keep_fp8:
+                tensors[name] = quant.Fp8Linear(weight, scale, scheme.block)
+            else:
+                tensors[name] = quant.dequantize(weight, scale, scheme.block).to(dtype)
+        return tensors
+
+    def fp8_names(self, shapes: dict[str, tuple[int, ...]], scheme: quant.Fp8Scheme | None) -> set[str]:
+        """Our names of the tensors among `shapes` that are stored as FP8."""
+        if scheme is None:
+            return set()
+        keys = checkpoint_keys(self.model_dir) if self.model_dir is not None else {}
+        module = lambda name: keys.get(name, f"model.language_model.{name}").removesuffix(".weight")  # noqa: E731
+        return {name for name, shape in shapes.items()
+                if name.endswith(".weight") and len(shape) == 2 and scheme.quantizes(module(name))}
+
+    def _read_fp8(self, fp8: set[str], shapes, scheme: quant.Fp8Scheme, device) -> dict:
+        """(weight, scale) of each FP8 linear, as stored; a WeightError naming the tensor when the checkpoint's
+        dtypes disagree with its quantization_config."""
+        scale_name = lambda name: name.removesuffix("weight") + scheme.scale_key  # noqa: E731
+        headers = stored_headers(self.model_dir, [*shapes, *(scale_name(n) for n in fp8)])
+        for name in shapes:
+            if name in headers and (headers[name][0] == "F8_E4M3") != (name in fp8):
+                raise WeightError(
+                    f"tensor {name!r} of {self.model_dir} is stored as {headers[name][0]}, but its quantization_config "
+                    f"({scheme.method}) {'quantizes' if name in fp8 else 'leaves unquantized'} it")
+        wanted = {}
+        for name in sorted(fp8):
+            wanted[name] = shapes[name]
+            expected = quant.scale_shape(scheme, shapes[name])
+            found = headers.get(scale_name(name), (None, expected))[1]
+            if scheme.block is None and found in ((shapes[name][0],), (1,), (1, 1), ()):
+                expected = found  # per-channel [N], or one scale per tensor: broadcast below
+            wanted[scale_name(name)] = expected
+        loaded = load_tensors(self.model_dir, wanted, dtype=None, device=device).tensors
+        stored = {}
+        for name in fp8:
+            scale = loaded[scale_name(name)].to(torch.float32)
+            if scheme.block is None:
+                scale = scale.reshape(-1, 1).expand(shapes[name][0], 1).contiguous()
+            stored[name] = (loaded[name], scale)
+        return stored
+
+    def weight_bytes(self, shapes: dict[str, tuple[int, ...]], *, dtype: torch.dtype, keep_fp8: bool) -> int:
+        """The bytes `tensors(shapes, ...)` will hold, before loading anything (the memory budget's first line)."""
+        scheme = self.scheme()
+        fp8 = self.fp8_names(shapes, scheme) if keep_fp8 else set()
+        total = 0
+        for name, shape in shapes.items():
+            if name in fp8:
+                total += math.prod(shape) + 4 * math.prod(quant.scale_shape(scheme, shape))
+            else:
+                total += math.prod(shape) * dtype.itemsize
+        return total
 
 
 def checkpoint_fingerprint(directory: str | Path) -> str:
@@ -83,6 +164,7 @@ def build_shard(
     device: str = "cpu",
     storage: RollbackStorage = RollbackStorage(None, 0),
     progress=None,
+    keep_fp8: bool = False,
 ) -> ShardModel:
     config = source.config()
     torch_dtype = DTYPES[dtype]
@@ -90,7 +172,8 @@ def build_shard(
         # float32 means float32: TF32 matmuls and convs would break token-exact agreement with greedy decoding.
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    weights = source.tensors(shard_shapes(config, begin, end), dtype=torch_dtype, device=device, progress=progress)
+    weights = source.tensors(shard_shapes(config, begin, end), dtype=torch_dtype, device=device, progress=progress,
+                             keep_fp8=keep_fp8)
     fingerprint = source.fingerprint(torch.device(device))
     return ShardModel(config, weights, begin, end, dtype=torch_dtype, device=device, storage=storage, fingerprint=fingerprint)
 
@@ -201,3 +284,33 @@ def build_drafter(
         model, fingerprint, target, source.fingerprint(torch.device(device)),
         borrowed_bytes=sum(t.nbytes for t in {id(t): t for t in loaded.values()}.values()),
     )
+
+
+def daemon_memory_plan(source: ModelSource, config: ModelConfig, layers: tuple[int, int] | None, draft: str | None, *,
+                       dtype: str, keep_fp8: bool, engine: str, storage: RollbackStorage, options, cap: int | None):
+    """The memory a daemon serving `layers` (None: only a drafter) and `draft` will allocate (shardd.memory), from
+    the configs alone: nothing is loaded."""
+    from shardd.memory import drafter_weight_bytes, plan_memory
+    from shardd.model import rollback as rb
+
+    torch_dtype = DTYPES[dtype]
+    begin, end = layers if layers is not None else (0, 0)
+    drafter_bytes = 0
+    if draft is not None:
+        draft_dir, draft_layers = parse_draft(draft)
+        draft_config = load_draft_config(draft_dir) if draft_dir is not None else \
+            synthetic_draft_config(config, num_layers=draft_layers)
+        drafter_bytes = drafter_weight_bytes(
+            draft_config, config, torch_dtype.itemsize, shares_embedding=layers is not None and begin == 0,
+            shares_head=layers is not None and end == config.num_layers)
+    gdn = [i for i in range(begin, end) if config.is_gdn(i)]
+    weights = source.weight_bytes(shard_shapes(config, begin, end), dtype=torch_dtype, keep_fp8=keep_fp8) \
+        if layers is not None else 0
+    return plan_memory(
+        config, begin, end, weight_bytes=weights, dtype_bytes=torch_dtype.itemsize,
+        engine=engine if layers is not None else "reference",
+        max_sequences=options.max_sequences if layers is not None else 0, max_context=options.max_context,
+        max_tokens_per_request=options.max_tokens_per_request,
+        checkpoint_bytes_per_sequence=rb.storage_bytes_per_sequence(config, gdn, storage),
+        step_rows=storage.max_verify_tokens if storage.enabled else 16,  # FastShard's DEFAULT_ROWS without storage
+        drafter_bytes=drafter_bytes, cap=cap)

@@ -18,7 +18,8 @@ from shardd.presets import preset_config
 from shardd.synthetic import write_checkpoint
 
 
-def write_synthetic_model(preset: str, seed: int, dtype: str, out: Path, *, show_progress: bool = True) -> Path:
+def write_synthetic_model(preset: str, seed: int, dtype: str, out: Path, *, show_progress: bool = True,
+                          quantize: str | None = None) -> Path:
     """config.json, *.safetensors and the index of the preset in the Qwen3.5 layout, with a progress bar (bytes,
     ETA) on stderr when it is a terminal."""
     config = preset_config(preset)
@@ -28,7 +29,7 @@ def write_synthetic_model(preset: str, seed: int, dtype: str, out: Path, *, show
             bar.total = total
             bar.update(done - bar.n)
 
-        return write_checkpoint(out, config, seed, dtype=getattr(torch, dtype), progress=progress)
+        return write_checkpoint(out, config, seed, dtype=getattr(torch, dtype), progress=progress, quantize=quantize)
 
 
 def write_synthetic_drafter(model_dir: Path, preset: str, seed: int, dtype: str, layers: Optional[int]) -> Path:

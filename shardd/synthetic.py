@@ -77,7 +77,7 @@ def synthetic_tensors(
 
 def write_checkpoint(
     out_dir: str | Path, config: ModelConfig, seed: int, *, max_file_bytes: int = 2 << 30, dtype=torch.float32,
-    progress=None,
+    progress=None, quantize: str | None = None,
 ) -> Path:
     """Write config.json, sharded *.safetensors and the index, in the real Qwen3.5 layout.
 
@@ -85,7 +85,12 @@ def write_checkpoint(
     `text_config`, as in released checkpoints; one small `mtp.*` tensor is included (readers must skip it).
     Files are written one at a time as their tensors are made (at most one file's tensors in memory: the
     27B preset is 54 GB in bf16). `progress(done_bytes, total_bytes)` after each file.
+    `quantize` ('fp8-block' or 'fp8-channel', shardd.quant) writes the linears as FP8 with their scales and the
+    method's `quantization_config`, as the tools that make released FP8 checkpoints do.
     """
+    from shardd import quant
+
+    scheme = quant.synthetic_scheme(quantize) if quantize else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     text = config.to_hf_dict()
@@ -94,8 +99,10 @@ def write_checkpoint(
         "model_type": "qwen3_5",
         "tie_word_embeddings": config.tie_word_embeddings,
         "text_config": text,
-        "shardd_synthetic": {"seed": seed},
+        "shardd_synthetic": {"seed": seed, "quantize": quantize},
     }
+    if scheme is not None:
+        full["quantization_config"] = quant.quantization_config(quantize, quant.SYNTHETIC_IGNORE[quantize])
     (out / "config.json").write_text(json.dumps(full, indent=2) + "\n")
 
     # Plan the files from the shapes first, so each can be named (-of-N) and written as soon as it is full.
@@ -114,12 +121,18 @@ def write_checkpoint(
     weight_map, done = {}, 0
     for i, file in enumerate(files):
         filename = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        tensors = {key: synthetic_tensor(config, name, shape, seed).to(dtype).contiguous() for key, name, shape in file}
+        tensors = {}
+        for key, name, shape in file:
+            value = synthetic_tensor(config, name, shape, seed)
+            if scheme is not None and len(shape) == 2 and key.endswith(".weight") and scheme.quantizes(key[: -len(".weight")]):
+                tensors[key], tensors[key.removesuffix("weight") + scheme.scale_key] = quant.quantize(value, quantize)
+            else:
+                tensors[key] = value.to(dtype).contiguous()
         if i == len(files) - 1:
             tensors["mtp.fc.weight"] = torch.zeros(2, 2, dtype=dtype)
         save_file(tensors, str(out / filename), metadata={"format": "pt"})
         weight_map.update({key: filename for key in tensors})
-        done += sum(t.nbytes for key, t in tensors.items() if key != "mtp.fc.weight")
+        done += sum(math.prod(shape) for _, _, shape in file) * dtype.itemsize
         del tensors
         if progress is not None:
             progress(done, total)

@@ -155,6 +155,28 @@ def _key_locations(model_dir: Path, names: Callable[[str], str | None]) -> dict[
     return locations
 
 
+def checkpoint_keys(model_dir: str | Path, names: Callable[[str], str | None] = target_name) -> dict[str, str]:
+    """Our name -> the checkpoint's key, for every tensor the checkpoint holds that we may read."""
+    return {name: key for name, (_, key) in _key_locations(Path(model_dir), names).items()}
+
+
+def stored_headers(model_dir: str | Path, wanted: list[str], names: Callable[[str], str | None] = target_name) -> dict:
+    """Our name -> (dtype as safetensors names it, e.g. 'F8_E4M3', shape) of each tensor the checkpoint holds, from
+    the file headers (no data read)."""
+    locations = _key_locations(Path(model_dir), names)
+    by_file: dict[Path, list[str]] = {}
+    for name in wanted:
+        if name in locations:
+            by_file.setdefault(locations[name][0], []).append(name)
+    headers = {}
+    for path, in_file in by_file.items():
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in in_file:
+                tensor = f.get_slice(locations[name][1])
+                headers[name] = (tensor.get_dtype(), tuple(tensor.get_shape()))
+    return headers
+
+
 @dataclass
 class LoadedWeights:
     tensors: dict[str, torch.Tensor]
@@ -166,12 +188,12 @@ def load_tensors(
     wanted: dict[str, tuple[int, ...]],
     *,
     names: Callable[[str], str | None] = target_name,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = torch.float32,
     device: torch.device | str = "cpu",
     progress=None,
 ) -> LoadedWeights:
     """Load exactly the `wanted` tensors (our names -> expected shapes), nothing else; `names` maps the checkpoint's
-    keys to our names (None: never read)."""
+    keys to our names (None: never read). `dtype` None keeps each tensor's stored dtype (FP8 weights, their scales)."""
     model_dir = Path(model_dir)
     locations = _key_locations(model_dir, names)
     missing = [name for name in wanted if name not in locations]
@@ -186,7 +208,7 @@ def load_tensors(
     for name in wanted:
         by_file.setdefault(locations[name][0], []).append(name)
     loaded = LoadedWeights({})
-    total, done = sum(math.prod(shape) for shape in wanted.values()) * dtype.itemsize, 0
+    total, done = sum(math.prod(shape) for shape in wanted.values()) * (dtype.itemsize if dtype else 1), 0
     for path, in_file in sorted(by_file.items()):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in in_file:
@@ -196,7 +218,7 @@ def load_tensors(
                     raise WeightError(f"tensor {key!r} in {path.name} has shape {list(shape)}, expected {list(wanted[name])}")
                 tensor = f.get_tensor(key)
                 loaded.keys_read.append(key)
-                loaded.tensors[name] = tensor.to(device=device, dtype=dtype)
+                loaded.tensors[name] = tensor.to(device=device, dtype=dtype or tensor.dtype)
                 done += loaded.tensors[name].nbytes
                 if progress is not None:
                     progress(done, total)  # bytes

@@ -20,11 +20,15 @@ from shardd.presets import PRESETS
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Directory to write.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
+@click.option("--quantize", type=click.Choice(("fp8-block", "fp8-channel")), default=None,
+              help="Write the linears as FP8: fp8-block (quant_method 'fp8', 128x128 weight_scale_inv, partial blocks "
+                   "at the edges) or fp8-channel (compressed-tensors, per-channel weight_scale); the head and "
+                   "linear_attn.in_proj_a stay in --dtype, listed as not converted.")
 @click.option("--force", is_flag=True, help="Overwrite a model already in --out.")
 @click.option("--with-drafter", is_flag=True, help="Also write a matched synthetic DFlash drafter to OUT/draft/.")
 @click.option("--draft-layers", type=click.IntRange(1), default=None, help="Layers of that drafter (default 2).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def make_model(preset, out_dir, seed, dtype, force, with_drafter, draft_layers, as_json):
+def make_model(preset, out_dir, seed, dtype, quantize, force, with_drafter, draft_layers, as_json):
     """Write a synthetic checkpoint (config.json, *.safetensors, index) in the Qwen3.5 layout;
     with --with-drafter also a DFlash draft checkpoint in OUT/draft/ (`--draft OUT/draft`).
     Files are written as their tensors are made, with a progress bar on a terminal.
@@ -32,6 +36,7 @@ def make_model(preset, out_dir, seed, dtype, force, with_drafter, draft_layers, 
     \b
     Example:
       shardctl make-model --preset tiny --out /tmp/$USER-tiny --with-drafter
+      shardctl make-model --preset tiny --out /tmp/$USER-tiny-fp8 --quantize fp8-block --dtype bfloat16
     """
     if draft_layers is not None and not with_drafter:
         raise click.UsageError("--draft-layers goes with --with-drafter")
@@ -40,15 +45,17 @@ def make_model(preset, out_dir, seed, dtype, force, with_drafter, draft_layers, 
         raise click.UsageError(f"{out} already holds a model (config.json); pass --force to overwrite it")
     from shardd.make_model import write_synthetic_drafter, write_synthetic_model  # torch: only this command needs it
 
-    progress(f"writing synthetic {preset} (seed {seed}, {dtype}) to {out}")
+    what = dtype + (f", {quantize}" if quantize else "")
+    progress(f"writing synthetic {preset} (seed {seed}, {what}) to {out}")
     started = time.perf_counter()
-    path = write_synthetic_model(preset, seed, dtype, out)
+    path = write_synthetic_model(preset, seed, dtype, out, quantize=quantize)
     draft = write_synthetic_drafter(path, preset, seed, dtype, draft_layers) if with_drafter else None
     files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
     size = sum((path / name).stat().st_size for name in files)
-    record = {"path": str(path), "preset": preset, "seed": seed, "dtype": dtype, "files": files, "bytes": size,
+    record = {"path": str(path), "preset": preset, "seed": seed, "dtype": dtype, "quantize": quantize,
+              "files": files, "bytes": size,
               "draft": None if draft is None else str(draft), "seconds": time.perf_counter() - started}
     if as_json:
         emit_json(record)
     else:
-        click.echo(f"{path}: {len(files)} files, {size / MiB:.1f} MiB ({preset}, seed {seed}, {dtype})")
+        click.echo(f"{path}: {len(files)} files, {size / MiB:.1f} MiB ({preset}, seed {seed}, {what})")

@@ -104,6 +104,9 @@ def print_status(entries: list[dict], pipeline: dict) -> None:
             continue
         counters = ", ".join(f"{key}={_compact(value)}" for key, value in stats.items() if value not in ({}, None))
         click.echo(f"\n{entry['endpoint']}: {counters}")
+        plan = (entry["hello"] or {}).get("memory")
+        if plan:
+            click.echo(f"{entry['endpoint']}: memory plan: {fmt_plan(plan)}")
     click.echo(f"\npipeline: {'ok' if pipeline['ok'] else 'NOT USABLE'}: {pipeline['message']}")
 
 
@@ -120,6 +123,14 @@ def fmt_memory(memory: dict) -> str | None:
     if "used_bytes" not in memory or "total_bytes" not in memory:
         return None
     return f"{memory['used_bytes'] / (1 << 30):.1f}/{memory['total_bytes'] / (1 << 30):.1f} GiB"
+
+
+def fmt_plan(plan: dict) -> str:
+    """'weights 12.10 GiB, kv_cache 0.13 GiB, ... = 14.02 GiB of 24.00 GiB' (shardd.memory's breakdown)."""
+    gib = lambda n: f"{n / (1 << 30):.2f} GiB"  # noqa: E731
+    items = ", ".join(f"{name} {gib(n)}" for name, n in (plan.get("items") or {}).items() if n)
+    cap = plan.get("cap_bytes")
+    return f"{items} = {gib(plan.get('total_bytes') or 0)}" + (f" of a {gib(cap)} cap" if cap else " (no cap)")
 
 
 def serving_label(hello: dict) -> str:

@@ -390,4 +390,9 @@ def draft_config_from_dict(raw: dict) -> DraftConfig:
 
 
 def load_draft_config(draft_dir: str | Path) -> DraftConfig:
-    return draft_config_from_dict(read_config_json(draft_dir))
+    raw = read_config_json(draft_dir)
+    if isinstance(raw, dict) and raw.get("quantization_config") is not None:  # its scales would be ignored
+        method = (raw["quantization_config"] or {}).get("quant_method") if isinstance(raw["quantization_config"], dict) else None
+        raise ConfigError(f"{draft_dir}: a quantized drafter (quant_method {method!r}) is not supported; only the "
+                          f"target's layers load FP8: use the drafter's unquantized checkpoint")
+    return draft_config_from_dict(raw)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from shardd.model.shard import ShardModel
+from shardd.quant import fuse_rows
 
 
 @dataclass
@@ -39,13 +40,11 @@ class FusedLayer:
 
 
 def _fuse(owner, names: list[str]) -> torch.Tensor:
-    """Concatenate owner's matrices along the output dim and point the owner's attributes at views of it."""
-    parts = [getattr(owner, name) for name in names]
-    fused = torch.cat(parts, dim=0)
-    start = 0
-    for name, part in zip(names, parts):
-        setattr(owner, name, fused[start : start + part.shape[0]])
-        start += part.shape[0]
+    """Concatenate owner's matrices along the output dim and point the owner's attributes at views of it.
+    FP8 parts keep their bytes and scales (shardd.quant.fuse_rows: one Fp8Linear where the scales fuse exactly)."""
+    fused, views = fuse_rows([getattr(owner, name) for name in names])
+    for name, view in zip(names, views):
+        setattr(owner, name, view)
     return fused
 
 
