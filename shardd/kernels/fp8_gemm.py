@@ -129,7 +129,7 @@ def _dequantized_tile(w, CONVERT: tl.constexpr, dtype: tl.constexpr):
         return _fp8_bits_to_float(w).to(dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M: the same code computes each row
 def _fp8_gemm_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr, partial_ptr, counter_ptr,
     M, N, K, x_stride, out_stride, scale_stride_n, scale_stride_k, scale_block_n, k_tiles, partial_rows,
