@@ -35,11 +35,12 @@ def quantized(n: int, k: int, blockwise: bool, *, seed: int, device="cpu"):
 
 
 def assert_matches_reference(y: torch.Tensor, x: torch.Tensor, dequantized: torch.Tensor):
-    """|y - x @ w.T| within y's own rounding (bf16: 2^-8 relative) plus float32 summation-order noise."""
+    """|y - x @ w.T| within y's own rounding (bf16: 2^-8 relative) plus float32 summation-order noise (the MMA's
+    accumulator on a GPU), relative to sum |x| |w|."""
     reference = x.float() @ dequantized.t()
     magnitude = x.float().abs() @ dequantized.abs().t()
-    relative = 2.0**-8 if y.dtype == torch.bfloat16 else 0.0
-    bound = relative * reference.abs() + 1e-5 * magnitude + 1e-30
+    bf16 = y.dtype == torch.bfloat16
+    bound = (2.0**-8 if bf16 else 0.0) * reference.abs() + (1e-4 if bf16 else 1e-5) * magnitude + 1e-30
     excess = ((y.float() - reference).abs() - bound).max().item()
     assert excess <= 0, f"exceeds the bound by {excess}"
 
@@ -104,8 +105,8 @@ def test_every_fp8_byte_converts_exactly_without_fp8_instructions():
     weight = codes.view(torch.float8_e4m3fn).reshape(16, 16).to(DEVICE)
     eye = torch.eye(16, dtype=DTYPE, device=DEVICE)
     ones = torch.ones(16, dtype=torch.float32, device=DEVICE)
-    for convert in ["bits", "native"] + (["asm"] if CUDA else []):
-        y = fp8.fp8_gemm(eye, weight, ones, None, fp8.TileConfig(block_n=16, block_k=16), convert=convert)
+    for convert in ["bits", "native"] + (["asm"] if CUDA else []):  # a 16 x 32 tile: 4 bytes a thread for the asm
+        y = fp8.fp8_gemm(eye, weight, ones, None, fp8.TileConfig(block_n=16, block_k=32), convert=convert)
         assert torch.equal(y.t().float(), weight.float()), convert
 
 

@@ -159,19 +159,27 @@ def _fp8_gemm_kernel(
         if SWAP:
             w = tl.load(w_rows[:, None] + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             x = tl.load(x_ptr + offs_m[None, :] * x_stride + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)
-            part = tl.dot(_dequantized_tile(w, CONVERT, dtype), x, input_precision=PRECISION)
+            w = _dequantized_tile(w, CONVERT, dtype)
+            if BLOCKWISE:
+                part = tl.dot(w, x, input_precision=PRECISION)
+            else:
+                part = tl.dot(w, x, acc, input_precision=PRECISION)
         else:
             w = tl.load(w_rows[None, :] + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
             x = tl.load(x_ptr + offs_m[:, None] * x_stride + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            part = tl.dot(x, _dequantized_tile(w, CONVERT, dtype), input_precision=PRECISION)
+            w = _dequantized_tile(w, CONVERT, dtype)
+            if BLOCKWISE:
+                part = tl.dot(x, w, input_precision=PRECISION)
+            else:
+                part = tl.dot(x, w, acc, input_precision=PRECISION)
         if BLOCKWISE:  # one scale per (row block, K tile): BLOCK_K divides SCALE_BLOCK_K
             s = tl.load(scale_row + (tile * BLOCK_K // SCALE_BLOCK_K) * scale_stride_k, mask=n_mask & (tile < k_tiles), other=0.0)
             if SWAP:
                 acc += part * s[:, None]
             else:
                 acc += part * s[None, :]
-        else:
-            acc += part
+        else:  # the channel scale multiplies the sum: the MMA accumulates in place
+            acc = part
     if not BLOCKWISE:
         s = tl.load(scale_row, mask=n_mask, other=0.0)
         if SWAP:
