@@ -37,6 +37,9 @@ BLOCK_M = 16          # rows per tile, whatever M: a row's MMA never sees a diff
 LARGE_M = 128         # more rows than this take the dequantize-then-matmul path
 CHUNK_ELEMENTS = 1 << 23  # weight elements dequantized at once on the large-M path (32 MiB in float32)
 AMPERE_CONVERT = "asm"    # how the Ampere path rebuilds bf16 on a GPU: "asm" (PTX, 4 bytes a time) or "bits"
+# How the sm_89+ path does: Triton's conversion (e4m3x2 -> f16x2, then one f16 -> bf16 per value), or "asm" if
+# scripts/bench_fp8_gemm.py finds the Ampere path's bit shuffle faster there too
+HOPPER_CONVERT = "native"
 _CONVERTS = {"native": 0, "asm": 1, "bits": 2}
 
 
@@ -345,6 +348,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         return _large_m(x, weight, scale2d, None if block is None else tuple(block), out)
     if ampere is None:
         ampere = ampere_default(x.device)
-    convert = ("bits" if _interpreted() else AMPERE_CONVERT) if ampere else "native"
+    convert = ("bits" if _interpreted() else AMPERE_CONVERT) if ampere else HOPPER_CONVERT
     config = tile_config(weight.shape[0], weight.shape[1], block is not None)
     return fp8_gemm(x, weight, scale, block, config, convert=convert, out=out)
