@@ -21,7 +21,7 @@ export PYTHONPATH=/tmp/site:/tmp/fla-site:$PWD
 echo "== GPU tests (tests/test_fp8_gemm.py)"
 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -x -p no:cacheprovider tests/test_fp8_gemm.py 2>&1 | tail -25 | tee "$OUT/fp8_gemm_tests.txt"
 echo "== bench_fp8_gemm (log: $OUT/fp8_gemm_bench.log)"
-timeout ${BENCH_TIMEOUT:-170} python3 scripts/bench_fp8_gemm.py --json "$OUT/fp8_gemm.json" --budget-s ${BENCH_BUDGET:-110} "$@" > "$OUT/fp8_gemm_bench.log" 2>&1
+timeout ${BENCH_TIMEOUT:-190} python3 scripts/bench_fp8_gemm.py --json "$OUT/fp8_gemm.json" --budget-s ${BENCH_BUDGET:-150} "$@" > "$OUT/fp8_gemm_bench.log" 2>&1
 status=$?
 grep -v '^{' "$OUT/fp8_gemm_bench.log" | tail -40
 [ $status -eq 0 ] || echo "bench_fp8_gemm exited with $status (124: timed out; partial JSON lines in the log)"

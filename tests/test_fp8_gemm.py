@@ -98,6 +98,17 @@ def test_split_k_and_swapped_tiles(config):
         assert torch.equal(run(x[:m]), full[:m])
 
 
+def test_other_block_shapes():
+    """Scales per (1 row x 128) block (a fused matrix whose parts' rows are not multiples of 128 can carry its
+    parts' scales that way) and per 64 x 64 block (K tiles shrink to fit)."""
+    n, k = 72, 200
+    weight = quantized(n, k, True, seed=11)[0].to(DEVICE)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(12)).to(DEVICE, DTYPE)
+    for block in ((1, 128), (64, 64)):
+        scale = (torch.rand(math.ceil(n / block[0]), math.ceil(k / block[1]), generator=torch.Generator().manual_seed(13)) * 1e-3).to(DEVICE)
+        assert_matches_reference(fp8.fp8_linear(x, weight, scale, block), x, fp8.dequantize_fp8(weight, scale, block))
+
+
 def test_every_fp8_byte_converts_exactly_without_fp8_instructions():
     """The Ampere path's bit manipulation gives each of the 256 e4m3fn bytes its exact value (NaN aside)."""
     codes = torch.arange(256, dtype=torch.uint8)

@@ -27,7 +27,7 @@ multiplied by torch.matmul; row independence is not promised there.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -350,4 +350,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         ampere = ampere_default(x.device)
     convert = ("bits" if _interpreted() else AMPERE_CONVERT) if ampere else HOPPER_CONVERT
     config = tile_config(weight.shape[0], weight.shape[1], block is not None)
+    if block is not None and int(block[1]) % config.block_k:  # a K tile never straddles two scale blocks
+        block_k = math.gcd(config.block_k, int(block[1]))
+        if block_k < 16:
+            raise ValueError(f"fp8_linear: a scale block {tuple(block)} needs K tiles of a multiple of 16 that divides {block[1]}")
+        config = replace(config, block_k=block_k)
     return fp8_gemm(x, weight, scale, block, config, convert=convert, out=out)
