@@ -299,6 +299,10 @@ def fp8_gemm(x, weight, scale, block, config: TileConfig, *, convert: str, out=N
         raise ValueError(f"fp8_linear: tile block_k {config.block_k} must divide the scale block {scale_block_k}")
     if m == 0:
         return out
+    if x.device.type != "cuda" and not _interpreted():
+        raise ValueError("fp8_linear: the kernel runs on a CUDA device (or under TRITON_INTERPRET=1); a CPU model dequantizes at load")
+    if weight.device != x.device or scale.device != x.device:
+        raise ValueError(f"fp8_linear: x, weight and scale must be on one device, got {x.device}, {weight.device}, {scale.device}")
     if not weight.is_contiguous():
         raise ValueError("fp8_linear: weight must be contiguous (rows of K bytes)")
     w = weight if convert == "native" else weight.view(torch.uint8)
