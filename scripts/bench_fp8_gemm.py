@@ -52,6 +52,7 @@ SWEEP = [
     fp8.TileConfig(block_n=128, block_k=128, swap=True),
     fp8.TileConfig(block_n=64, block_k=128, split_k=2),
     fp8.TileConfig(block_n=128, block_k=128, split_k=4),
+    fp8.TileConfig(block_n=64, block_k=128, stages=6),
 ]
 
 
