@@ -55,8 +55,8 @@ class TileConfig:
     swap: bool = False  # acc[BLOCK_N, BLOCK_M] = w @ x.T (the weight tile as the MMA's M side)
 
 
-# Fixed per 27B shape (N, K, blockwise) from scripts/bench_fp8_gemm.py's sweep on an H200; other shapes take
-# `_rule`. The shapes: GDN in_proj qkv|z|b|a 16480x5120, out_proj 5120x6144, attention q|k|v 14336x5120,
+# Fixed per 27B shape (N, K, blockwise): the lines scripts/bench_fp8_gemm.py's sweep prints on an H200 go here
+# (none measured yet); a shape not listed takes `_rule`. The shapes: GDN in_proj qkv|z|b|a 16480x5120, out_proj 5120x6144, attention q|k|v 14336x5120,
 # o_proj 5120x6144, MLP gate|up 34816x5120, down 5120x17408.
 TILE_TABLE: dict[tuple[int, int, bool], TileConfig] = {}
 
@@ -349,6 +349,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         scale2d, _, _, _ = _check(x, weight, scale, block)
         if out is None:
             out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        elif out.shape != (x.shape[0], weight.shape[0]) or out.dtype != x.dtype:
+            raise ValueError(f"fp8_linear: out must be [{x.shape[0]}, {weight.shape[0]}] {x.dtype}")
         return _large_m(x, weight, scale2d, None if block is None else tuple(block), out)
     if ampere is None:
         ampere = ampere_default(x.device)
