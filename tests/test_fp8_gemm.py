@@ -105,7 +105,8 @@ def test_other_block_shapes():
     weight = quantized(n, k, True, seed=11)[0].to(DEVICE)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(12)).to(DEVICE, DTYPE)
     for block in ((1, 128), (64, 64)):
-        scale = (torch.rand(math.ceil(n / block[0]), math.ceil(k / block[1]), generator=torch.Generator().manual_seed(13)) * 1e-3).to(DEVICE)
+        shape = (math.ceil(n / block[0]), math.ceil(k / block[1]))
+        scale = (torch.rand(shape, generator=torch.Generator().manual_seed(13)) * 1e-3).to(DEVICE)
         assert_matches_reference(fp8.fp8_linear(x, weight, scale, block), x, fp8.dequantize_fp8(weight, scale, block))
 
 
