@@ -57,8 +57,7 @@ class TileConfig:
 
 # Fixed per 27B shape (N, K, blockwise): the lines scripts/bench_fp8_gemm.py's sweep prints on an H200 go here
 # (none measured yet); a shape not listed takes `_rule`. The shapes: GDN in_proj qkv|z|b|a 16480x5120,
-# out_proj 5120x6144, attention q|k|v 14336x5120,
-# o_proj 5120x6144, MLP gate|up 34816x5120, down 5120x17408.
+# out_proj and o_proj 5120x6144, attention q|k|v 14336x5120, MLP gate|up 34816x5120, down 5120x17408.
 TILE_TABLE: dict[tuple[int, int, bool], TileConfig] = {}
 
 
