@@ -9,16 +9,19 @@ Two scale layouts (what the checkpoints carry):
 
 A row's bits never depend on the other rows or on how many there are: the rows are cut into tiles of
 BLOCK_M = 16 whatever M, the tile shape (and the split of K, when there is one) is a function of (N, K)
-only, and a split-K's partial sums are added in the fixed split order. The block scale multiplies each
-K tile's float32 partial product (the FP8 value itself is exact in bf16), the channel scale the sum.
+only, and a split-K's partial sums are added in the fixed split order. One program computes every 16-row
+tile of the call (up to LARGE_M rows) from one read and one conversion of each weight tile, each row tile
+with its own accumulator and its own dot of the same shape: 64 rows cost the weight bytes once, and a row's
+arithmetic is the same as in a 16-row call. The block scale multiplies each K tile's float32 partial
+product (the FP8 value itself is exact in bf16), the channel scale the sum.
 
 Two ways to turn the bytes into bf16 before the bf16 MMA (neither uses FP8 tensor cores, which would
 need FP8 activations):
 - `native` (sm_89 and later): Triton's float8e4nv load and conversion;
-- `ampere` (sm_80/86, which have no FP8 type): the bytes are loaded as uint8 and rebuilt as bf16 by bit
-  manipulation, four at a time in PTX (`prmt`, `and`/`shr`/`or`, one `fma.rn.bf16x2` by 2^120, all sm_80
-  instructions), or in plain Triton integer ops (`bits`: the interpreter's version, and a fallback).
-  `fp8_linear(..., ampere=True)` forces it on any GPU, which is how an H200 tests it.
+- `ampere`/`asm` (needs no FP8 type; sm_80/86, and the faster one on an H200 too): the bytes are loaded as
+  uint8 and rebuilt as bf16 by bit manipulation, four at a time in PTX (`prmt`, `and`, `shl`, one
+  `fma.rn.bf16x2` by 2^120, all sm_80 instructions), or in plain Triton integer ops (`bits`: the
+  interpreter's version, and a fallback). `fp8_linear(..., ampere=True)` forces it on any GPU.
 
 Above LARGE_M rows (a prefill) the matrix is dequantized to bf16 a chunk of output rows at a time and
 multiplied by torch.matmul; row independence is not promised there.
@@ -35,12 +38,15 @@ import triton.language as tl
 
 BLOCK_M = 16          # rows per tile, whatever M: a row's MMA never sees a different tile shape
 LARGE_M = 128         # more rows than this take the dequantize-then-matmul path
+MAX_ROW_TILES = LARGE_M // BLOCK_M  # row tiles one program computes from one read of each weight tile
 CHUNK_ELEMENTS = 1 << 23  # weight elements dequantized at once on the large-M path (32 MiB in float32)
 AMPERE_CONVERT = "asm"    # how the Ampere path rebuilds bf16 on a GPU: "asm" (PTX, 4 bytes a time) or "bits"
-# How the sm_89+ path does: Triton's conversion (e4m3x2 -> f16x2, then one f16 -> bf16 per value), or "asm" if
-# scripts/bench_fp8_gemm.py finds the Ampere path's bit shuffle faster there too
-HOPPER_CONVERT = "native"
-_CONVERTS = {"native": 0, "asm": 1, "bits": 2}
+# The sm_89+ path: the asm bit shuffle measured faster on an H200 than Triton's conversion ("native": e4m3x2 ->
+# f16x2, then one f16 -> bf16 per value; 11.46 vs 9.38 ms for the 64 layers at 16 rows, commit bef3bcc)
+HOPPER_CONVERT = "asm"
+# "asm_v1": the first asm shuffle (4 integer ops a pair instead of 2), kept for the benchmark's comparison
+_CONVERTS = {"native": 0, "asm": 1, "bits": 2, "asm_v1": 3}
+SMEM_BUDGET = 200 * 1024  # shared memory a program's pipeline may take: stages are cut to fit (never the tile)
 
 
 @dataclass(frozen=True)
@@ -55,20 +61,29 @@ class TileConfig:
     swap: bool = False  # acc[BLOCK_N, BLOCK_M] = w @ x.T (the weight tile as the MMA's M side)
 
 
-# Fixed per 27B shape (N, K, blockwise): the lines scripts/bench_fp8_gemm.py's sweep prints on an H200 go here
-# (none measured yet); a shape not listed takes `_rule`. The shapes: GDN in_proj qkv|z|b|a 16480x5120,
-# out_proj and o_proj 5120x6144, attention q|k|v 14336x5120, MLP gate|up 34816x5120, down 5120x17408.
-TILE_TABLE: dict[tuple[int, int, bool], TileConfig] = {}
+# Fixed per 27B shape (N, K, blockwise): the lines scripts/bench_fp8_gemm.py's sweep prints on an H200 go here; a
+# shape not listed takes `_rule`. The shapes: GDN in_proj qkv|z|b|a 16480x5120, out_proj and o_proj 5120x6144,
+# attention q|k|v 14336x5120, MLP gate|up 34816x5120, down 5120x17408. Until the wider sweep runs: the best of the
+# first sweep (commit bef3bcc, 16 rows, native conversion), split 8 ways for down (its trend: 1 -> 2 -> 4 splits
+# 69 -> 68 -> 45 us at 64-wide N tiles).
+TILE_TABLE: dict[tuple[int, int, bool], TileConfig] = {
+    (16480, 5120, True): TileConfig(block_n=32, block_k=128, split_k=1, warps=4, stages=4),
+    (5120, 6144, True): TileConfig(block_n=64, block_k=128, split_k=4, warps=4, stages=4),
+    (14336, 5120, True): TileConfig(block_n=32, block_k=128, split_k=1, warps=4, stages=4),
+    (34816, 5120, True): TileConfig(block_n=32, block_k=128, split_k=1, warps=4, stages=4),
+    (5120, 17408, True): TileConfig(block_n=64, block_k=128, split_k=8, warps=4, stages=4),
+}
 
 
 def _rule(n: int, k: int, blockwise: bool) -> TileConfig:
-    """Enough programs to fill a GPU at one row tile: wide N tiles, and a split of K when N alone is short."""
+    """Enough programs to fill a GPU (132 SMs on an H200) ~3 deep: 32-wide N tiles, and a split of K when N
+    alone is short (each split keeps at least 8 K tiles)."""
     block_k = 128 if blockwise else 256
-    block_n = 64
+    block_n = 32
     n_tiles = triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k, block_k)
     split_k = 1
-    while n_tiles * split_k < 256 and k_tiles // (split_k * 2) >= 8:
+    while n_tiles * split_k < 400 and k_tiles // (split_k * 2) >= 8:
         split_k *= 2
     return TileConfig(block_n=block_n, block_k=block_k, split_k=split_k)
 
@@ -91,9 +106,39 @@ def _fp8_bits_to_float(u):
 
 @triton.jit
 def _fp8_bytes_to_bf16_asm(u):
-    """uint8 e4m3fn bytes -> bf16, four per 32-bit register: each byte moved to the top of a 16-bit lane,
-    its exponent and mantissa shifted into bf16's fields, then one bf16x2 fma by 2^120 (exact; subnormals
-    kept) re-biases the exponent. sm_80 instructions only."""
+    """uint8 e4m3fn bytes -> bf16, four per 32-bit register, two integer ops a pair of values: one `prmt` puts
+    each byte in the low half of a 16-bit lane with its sign bit replicated over the high half, one `and` keeps
+    the sign as bit 11 and exponent|mantissa in bits 0-6; a shift by 4 (ptxas may put it on the FMA pipe) moves
+    them into bf16's fields and one bf16x2 fma by 2^120 re-biases the exponent (exact; subnormals kept).
+    sm_80 instructions only."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 lo, hi, bias, negzero;
+        mov.b32 bias, 0x7B807B80;
+        mov.b32 negzero, 0x80008000;
+        prmt.b32 lo, $2, 0, 0x9180;
+        prmt.b32 hi, $2, 0, 0xB3A2;
+        and.b32 lo, lo, 0x087F087F;
+        and.b32 hi, hi, 0x087F087F;
+        shl.b32 lo, lo, 4;
+        shl.b32 hi, hi, 4;
+        fma.rn.bf16x2 $0, lo, bias, negzero;
+        fma.rn.bf16x2 $1, hi, bias, negzero;
+        }
+        """,
+        constraints="=r,=r,r",
+        args=[u],
+        dtype=tl.bfloat16,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _fp8_bytes_to_bf16_asm_v1(u):
+    """The first Ampere conversion (kept for the benchmark's comparison): the byte moved to the top of a 16-bit
+    lane, sign and exponent|mantissa masked apart, shifted, or-ed (4 integer ops a pair), the same fma."""
     return tl.inline_asm_elementwise(
         asm="""
         {
@@ -128,92 +173,189 @@ def _dequantized_tile(w, CONVERT: tl.constexpr, dtype: tl.constexpr):
         return w.to(dtype)
     elif CONVERT == 1:
         return _fp8_bytes_to_bf16_asm(w).to(dtype)
+    elif CONVERT == 3:
+        return _fp8_bytes_to_bf16_asm_v1(w).to(dtype)
     else:
         return _fp8_bits_to_float(w).to(dtype)
 
 
-@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M: the same code computes each row
+@triton.jit
+def _row_tile_step(acc, x_ptr, r, M, x_stride, offs_k, k_mask, w, s,
+                   BLOCK_M: tl.constexpr, BLOCKWISE: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr):
+    """One K tile of one 16-row tile: the same operations for every row tile, whatever their number."""
+    offs_m = r * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    if SWAP:
+        x = tl.load(x_ptr + offs_m[None, :] * x_stride + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+        if BLOCKWISE:
+            acc += tl.dot(w, x, input_precision=PRECISION) * s
+        else:
+            acc = tl.dot(w, x, acc, input_precision=PRECISION)
+    else:
+        x = tl.load(x_ptr + offs_m[:, None] * x_stride + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if BLOCKWISE:
+            acc += tl.dot(x, w, input_precision=PRECISION) * s
+        else:
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
+    if SWAP:
+        return tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        return tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+
+
+@triton.jit
+def _tile_ptrs(base, r, row_stride, offs_n, M, N, BLOCK_M: tl.constexpr, SWAP: tl.constexpr):
+    offs_m = r * BLOCK_M + tl.arange(0, BLOCK_M)
+    if SWAP:
+        return base + offs_m[None, :] * row_stride + offs_n[:, None], (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    else:
+        return base + offs_m[:, None] * row_stride + offs_n[None, :], (offs_m[:, None] < M) & (offs_n[None, :] < N)
+
+
+@triton.jit
+def _finish_row_tile(acc, r, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k, channel_scale,
+                     BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, BLOCKWISE: tl.constexpr, SWAP: tl.constexpr):
+    """Without split-K: scale (channel) and store; with it: store this split's float32 partial."""
+    if not BLOCKWISE:
+        acc = acc * channel_scale
+    if SPLIT_K == 1:
+        ptrs, mask = _tile_ptrs(out_ptr, r, out_stride, offs_n, M, N, BLOCK_M, SWAP)
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        ptrs, mask = _tile_ptrs(partial_ptr + pid_k * partial_rows * N, r, N, offs_n, M, N, BLOCK_M, SWAP)
+        tl.store(ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _reduce_row_tile(r, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n,
+                     BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, SWAP: tl.constexpr):
+    """The last split to arrive adds the partials in split order 0, 1, ... (never in arrival order)."""
+    ptrs, mask = _tile_ptrs(partial_ptr, r, N, offs_n, M, N, BLOCK_M, SWAP)
+    total = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    for split in tl.static_range(1, SPLIT_K):
+        total += tl.load(ptrs + split * partial_rows * N, mask=mask, other=0.0, cache_modifier=".cg")
+    out_ptrs, _ = _tile_ptrs(out_ptr, r, out_stride, offs_n, M, N, BLOCK_M, SWAP)
+    tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel per row-tile count: the same code computes each row
 def _fp8_gemm_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr, partial_ptr, counter_ptr,
     M, N, K, x_stride, out_stride, scale_stride_n, scale_stride_k, scale_block_n, k_tiles, partial_rows,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
-    BLOCKWISE: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, CONVERT: tl.constexpr, SWAP: tl.constexpr,
-    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, SPLIT_K: tl.constexpr,
+    TILES_PER_SPLIT: tl.constexpr,
+    ROW_TILES: tl.constexpr, BLOCKWISE: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, SCALE_UNIFORM: tl.constexpr,
+    CONVERT: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)  # fastest: the row tiles of one weight tile run together and share it in L2
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    # One program per (N tile, K split) computes every 16-row tile of the call (ROW_TILES of them, unrolled:
+    # each its own accumulator and its own dot of the same shape) from one load and one conversion of each
+    # weight tile. UNROLL K tiles of BLOCK_K (one scale each) are loaded per iteration: more bytes in flight
+    # without changing any row's arithmetic.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
     n_mask = offs_n < N
-    scale_row = scale_ptr + (offs_n // scale_block_n) * scale_stride_n
     w_rows = w_ptr + offs_n.to(tl.int64) * K
-    if SWAP:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if SCALE_UNIFORM:  # the N tile lies in one scale block: one scalar per K tile
+        scale_row = scale_ptr + (pid_n * BLOCK_N // scale_block_n) * scale_stride_n
     else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        scale_row = scale_ptr + (offs_n // scale_block_n) * scale_stride_n
+    acc0 = _zeros(BLOCK_M, BLOCK_N, SWAP)
+    acc1 = _zeros(BLOCK_M, BLOCK_N, SWAP)
+    acc2 = _zeros(BLOCK_M, BLOCK_N, SWAP)
+    acc3 = _zeros(BLOCK_M, BLOCK_N, SWAP)
+    acc4 = _zeros(BLOCK_M, BLOCK_N, SWAP)
+    acc5 = _zeros(BLOCK_M, BLOCK_N, SWAP)
+    acc6 = _zeros(BLOCK_M, BLOCK_N, SWAP)
+    acc7 = _zeros(BLOCK_M, BLOCK_N, SWAP)
     # a fixed count per split (a constant: the interpreter loops only to those); the last split's tiles past K load nothing
     for i in range(0, TILES_PER_SPLIT):
-        tile = pid_k * TILES_PER_SPLIT + i
-        offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        if SWAP:
-            w = tl.load(w_rows[:, None] + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            x = tl.load(x_ptr + offs_m[None, :] * x_stride + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)
-            w = _dequantized_tile(w, CONVERT, dtype)
-            if BLOCKWISE:
-                part = tl.dot(w, x, input_precision=PRECISION)
-            else:
-                part = tl.dot(w, x, acc, input_precision=PRECISION)
-        else:
-            w = tl.load(w_rows[None, :] + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-            x = tl.load(x_ptr + offs_m[:, None] * x_stride + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            w = _dequantized_tile(w, CONVERT, dtype)
-            if BLOCKWISE:
-                part = tl.dot(x, w, input_precision=PRECISION)
-            else:
-                part = tl.dot(x, w, acc, input_precision=PRECISION)
-        if BLOCKWISE:  # one scale per (row block, K tile): BLOCK_K divides SCALE_BLOCK_K
-            s = tl.load(scale_row + (tile * BLOCK_K // SCALE_BLOCK_K) * scale_stride_k, mask=n_mask & (tile < k_tiles), other=0.0)
+        for j in tl.static_range(UNROLL):
+            tile = (pid_k * TILES_PER_SPLIT + i) * UNROLL + j
+            offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
             if SWAP:
-                acc += part * s[:, None]
+                w = tl.load(w_rows[:, None] + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             else:
-                acc += part * s[None, :]
-        else:  # the channel scale multiplies the sum: the MMA accumulates in place
-            acc = part
-    if not BLOCKWISE:
-        s = tl.load(scale_row, mask=n_mask, other=0.0)
-        if SWAP:
-            acc = acc * s[:, None]
-        else:
-            acc = acc * s[None, :]
+                w = tl.load(w_rows[None, :] + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+            w = _dequantized_tile(w, CONVERT, dtype)
+            s = 1.0
+            if BLOCKWISE:  # one scale per (row block, K tile): BLOCK_K divides SCALE_BLOCK_K
+                scale_ptrs = scale_row + (tile * BLOCK_K // SCALE_BLOCK_K) * scale_stride_k
+                if SCALE_UNIFORM:
+                    s = tl.load(scale_ptrs, mask=tile < k_tiles, other=0.0)
+                else:
+                    s = tl.load(scale_ptrs, mask=n_mask & (tile < k_tiles), other=0.0)
+                    if SWAP:
+                        s = s[:, None]
+                    else:
+                        s = s[None, :]
+            acc0 = _row_tile_step(acc0, x_ptr, 0, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
+            if ROW_TILES > 1:
+                acc1 = _row_tile_step(acc1, x_ptr, 1, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
+            if ROW_TILES > 2:
+                acc2 = _row_tile_step(acc2, x_ptr, 2, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
+            if ROW_TILES > 3:
+                acc3 = _row_tile_step(acc3, x_ptr, 3, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
+            if ROW_TILES > 4:
+                acc4 = _row_tile_step(acc4, x_ptr, 4, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
+            if ROW_TILES > 5:
+                acc5 = _row_tile_step(acc5, x_ptr, 5, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
+            if ROW_TILES > 6:
+                acc6 = _row_tile_step(acc6, x_ptr, 6, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
+            if ROW_TILES > 7:
+                acc7 = _row_tile_step(acc7, x_ptr, 7, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
 
-    if SWAP:
-        rows = offs_m[None, :]
-        cols = offs_n[:, None]
-        mask = m_mask[None, :] & n_mask[:, None]
-    else:
-        rows = offs_m[:, None]
-        cols = offs_n[None, :]
-        mask = m_mask[:, None] & n_mask[None, :]
-    out_ptrs = out_ptr + rows * out_stride + cols
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        # every split stores its float32 partial; the last to arrive adds them in split order 0, 1, ...
-        # (so the sum never depends on which finished first) and resets the tile's counter for the next launch
-        partials = partial_ptr + rows * N + cols
-        tl.store(partials + pid_k * partial_rows * N, acc, mask=mask)
+    channel_scale = 1.0
+    if not BLOCKWISE:  # the channel scale multiplies the sum
+        channel_scale = tl.load(scale_row, mask=n_mask, other=0.0)
+        if SWAP:
+            channel_scale = channel_scale[:, None]
+        else:
+            channel_scale = channel_scale[None, :]
+    _finish_row_tile(acc0, 0, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k, channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
+    if ROW_TILES > 1:
+        _finish_row_tile(acc1, 1, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k, channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
+    if ROW_TILES > 2:
+        _finish_row_tile(acc2, 2, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k, channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
+    if ROW_TILES > 3:
+        _finish_row_tile(acc3, 3, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k, channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
+    if ROW_TILES > 4:
+        _finish_row_tile(acc4, 4, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k, channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
+    if ROW_TILES > 5:
+        _finish_row_tile(acc5, 5, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k, channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
+    if ROW_TILES > 6:
+        _finish_row_tile(acc6, 6, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k, channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
+    if ROW_TILES > 7:
+        _finish_row_tile(acc7, 7, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k, channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
+    if SPLIT_K > 1:
+        # every split stored its float32 partials; the last to arrive adds them and resets the tile's counter
+        # for the next launch
         tl.debug_barrier()
-        counter = counter_ptr + pid_m * tl.num_programs(1) + pid_n
+        counter = counter_ptr + pid_n
         arrived = tl.atomic_add(counter, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
-            total = tl.load(partials, mask=mask, other=0.0, cache_modifier=".cg")
-            for split in tl.static_range(1, SPLIT_K):
-                total += tl.load(partials + split * partial_rows * N, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            _reduce_row_tile(0, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
+            if ROW_TILES > 1:
+                _reduce_row_tile(1, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
+            if ROW_TILES > 2:
+                _reduce_row_tile(2, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
+            if ROW_TILES > 3:
+                _reduce_row_tile(3, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
+            if ROW_TILES > 4:
+                _reduce_row_tile(4, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
+            if ROW_TILES > 5:
+                _reduce_row_tile(5, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
+            if ROW_TILES > 6:
+                _reduce_row_tile(6, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
+            if ROW_TILES > 7:
+                _reduce_row_tile(7, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
             tl.atomic_xchg(counter, 0)
 
 
@@ -295,8 +437,8 @@ def fp8_gemm(x, weight, scale, block, config: TileConfig, *, convert: str, out=N
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"fp8_linear: out must be [{m}, {n}] {x.dtype} with unit column stride")
-    if blockwise and scale_block_k % config.block_k:
-        raise ValueError(f"fp8_linear: tile block_k {config.block_k} must divide the scale block {scale_block_k}")
+    if blockwise and scale_block_k % config.block_k and config.block_k % scale_block_k:
+        raise ValueError(f"fp8_linear: tile block_k {config.block_k} must divide the scale block {scale_block_k} or be a multiple of it")
     if m == 0:
         return out
     if x.device.type != "cuda" and not _interpreted():
@@ -306,25 +448,40 @@ def fp8_gemm(x, weight, scale, block, config: TileConfig, *, convert: str, out=N
     if not weight.is_contiguous():
         raise ValueError("fp8_linear: weight must be contiguous (rows of K bytes)")
     w = weight if convert == "native" else weight.view(torch.uint8)
-    m_tiles = triton.cdiv(m, BLOCK_M)
+    block_k, unroll = config.block_k, 1
+    if blockwise and block_k > scale_block_k:  # a K tile per scale block, several loaded per iteration
+        if block_k % scale_block_k:
+            raise ValueError(f"fp8_linear: tile block_k {block_k} must be a multiple of the scale block {scale_block_k} (or divide it)")
+        block_k, unroll = scale_block_k, block_k // scale_block_k
+    row_tiles = triton.cdiv(m, BLOCK_M)
+    if row_tiles > MAX_ROW_TILES:
+        raise ValueError(f"fp8_linear: the kernel takes at most {MAX_ROW_TILES * BLOCK_M} rows, got {m}")
     n_tiles = triton.cdiv(n, config.block_n)
-    k_tiles = triton.cdiv(k, config.block_k)
-    tiles_per_split = triton.cdiv(k_tiles, config.split_k)
+    k_tiles = triton.cdiv(k, block_k)
+    tiles_per_split = triton.cdiv(triton.cdiv(k_tiles, unroll), config.split_k)
     if config.split_k > 1:
-        partials = torch.empty(config.split_k, m_tiles * BLOCK_M, n, dtype=torch.float32, device=x.device)
-        counters = _counters(x.device, m_tiles * n_tiles)
+        partials = torch.empty(config.split_k, row_tiles * BLOCK_M, n, dtype=torch.float32, device=x.device)
+        counters = _counters(x.device, n_tiles)
     else:
         partials, counters = out, out  # never touched
-    _fp8_gemm_kernel[(m_tiles, n_tiles, config.split_k)](
+    _fp8_gemm_kernel[(n_tiles, config.split_k)](
         x, w, scale2d, out, partials, counters,
         m, n, k, x.stride(0), out.stride(0), scale2d.stride(0), scale2d.stride(1), scale_block_n, k_tiles,
-        m_tiles * BLOCK_M,
-        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k, TILES_PER_SPLIT=tiles_per_split,
-        BLOCKWISE=blockwise, SCALE_BLOCK_K=scale_block_k if blockwise else 1, CONVERT=_CONVERTS[convert],
+        row_tiles * BLOCK_M,
+        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=block_k, UNROLL=unroll, SPLIT_K=config.split_k,
+        TILES_PER_SPLIT=tiles_per_split, ROW_TILES=row_tiles,
+        BLOCKWISE=blockwise, SCALE_BLOCK_K=scale_block_k if blockwise else 1,
+        SCALE_UNIFORM=blockwise and scale_block_n % config.block_n == 0, CONVERT=_CONVERTS[convert],
         SWAP=config.swap, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=config.warps, num_stages=config.stages,
+        num_warps=config.warps, num_stages=_stages(config, block_k * unroll, row_tiles, x.element_size()),
     )
     return out
+
+
+def _stages(config: TileConfig, block_k: int, row_tiles: int, x_bytes: int) -> int:
+    """The config's pipeline depth, cut (to 2 at least) where its weight and x tiles would pass SMEM_BUDGET."""
+    per_stage = config.block_n * block_k + row_tiles * BLOCK_M * block_k * x_bytes
+    return max(2, min(config.stages, SMEM_BUDGET // per_stage))
 
 
 def _interpreted() -> bool:
@@ -354,9 +511,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         return _large_m(x, weight, scale2d, None if block is None else tuple(block), out)
     if ampere is None:
         ampere = ampere_default(x.device)
-    convert = ("bits" if _interpreted() else AMPERE_CONVERT) if ampere else HOPPER_CONVERT
+    convert = AMPERE_CONVERT if ampere else HOPPER_CONVERT
+    if _interpreted() and convert.startswith("asm"):  # the interpreter runs no PTX: the same bits in Triton ops
+        convert = "bits"
     config = tile_config(weight.shape[0], weight.shape[1], block is not None)
-    if block is not None and int(block[1]) % config.block_k:  # a K tile never straddles two scale blocks
+    if block is not None and int(block[1]) % config.block_k and config.block_k % int(block[1]):  # a K tile never straddles two scale blocks
         block_k = math.gcd(config.block_k, int(block[1]))
         if block_k < 16:
             raise ValueError(f"fp8_linear: a scale block {tuple(block)} needs K tiles of a multiple of 16 that divides {block[1]}")
