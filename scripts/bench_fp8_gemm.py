@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
 """Time the weight-only FP8 GEMM (shardd/kernels/fp8_gemm.py) on every matrix shape of the 27B step.
 
-For each shape and row count (1, 16, 64): our kernel on its native path and on the forced Ampere path,
-bf16 cuBLAS on the same matrix in bf16, and torch._scaled_mm (FP8 activations, row-wise scales, fast
-accumulation: the library FP8 GEMM), each as one CUDA graph replayed over enough distinct copies of the
-matrix (1 GiB of FP8) that L2 holds none of them. Against the floor: the FP8 bytes and their scales at the
-copy bandwidth measured in the same run. The step's sum weighs each shape by its count in the 64 layers
-(the bf16 head, 248320 x 5120, timed with cuBLAS and added apart).
+For each shape and row count (1, 16, 64): our kernel as fp8_linear runs it (its TILE_TABLE config and
+conversion), the same tiles with Triton's native FP8 conversion, bf16 cuBLAS on the same matrix in bf16,
+and torch._scaled_mm (FP8 activations, row-wise scales, fast accumulation: the library FP8 GEMM), each as
+one CUDA graph replayed over enough distinct copies of the matrix (1 GiB of FP8) that L2 holds none of
+them; "before" is what commit bef3bcc measured (its faster path, the first asm conversion). Against the
+floor: the FP8 bytes and their scales at the copy bandwidth measured in the same run. The step's sum weighs
+each shape by its count in the 64 layers (the bf16 head, 248320 x 5120, timed with cuBLAS and added apart).
 
-Then a sweep of tile configs at 16 rows prints the fastest per shape, as the line to put in
-fp8_gemm.TILE_TABLE. The table of figures is printed last.
+Then a sweep at 16 rows, within --budget-s: per shape a coordinate descent from the TILE_TABLE config over
+block_n 16/32/64/128, block_k 128/256/512, split_k 1/2/4/8, warps 2/4/8, stages 3/4/6, the conversion
+(asm, native, asm_v1) and the orientation, plus a few joint moves; the best few are timed at 64 rows too.
+It prints the fastest per shape as the line to put in fp8_gemm.TILE_TABLE, and a before/after table last.
 
     python3 scripts/bench_fp8_gemm.py --json bench/results/h200/fp8_gemm.json
 """
@@ -43,17 +46,16 @@ SHAPES = [
 HEAD = (248320, 5120)
 BLOCK = (128, 128)
 COPY_BYTES = 1 << 30  # FP8 bytes of distinct copies per shape: 20x the H200's L2
-SWEEP = [
-    fp8.TileConfig(block_n=32, block_k=128),
-    fp8.TileConfig(block_n=64, block_k=128),
-    fp8.TileConfig(block_n=128, block_k=128),
-    fp8.TileConfig(block_n=128, block_k=128, warps=8),
-    fp8.TileConfig(block_n=64, block_k=128, swap=True),
-    fp8.TileConfig(block_n=128, block_k=128, swap=True),
-    fp8.TileConfig(block_n=64, block_k=128, split_k=2),
-    fp8.TileConfig(block_n=128, block_k=128, split_k=4),
-    fp8.TileConfig(block_n=64, block_k=128, stages=6),
-]
+# The sweep's axes (coordinate descent: one axis moved at a time from the best so far)
+AXES = {"block_n": [16, 32, 64, 128], "block_k": [128, 256, 512], "split_k": [1, 2, 4, 8], "warps": [2, 4, 8],
+        "stages": [3, 4, 6], "convert": ["asm", "native", "asm_v1"], "swap": [False, True]}
+# joint moves tried once per shape (fewer warps with wider tiles: fewer x reloads per weight byte)
+JOINT = [{"block_n": 32, "warps": 2}, {"block_n": 64, "warps": 2}, {"block_n": 128, "warps": 4},
+         {"block_n": 128, "warps": 8}, {"block_n": 32, "warps": 2, "block_k": 256}, {"block_n": 64, "block_k": 256, "stages": 3}]
+# What commit bef3bcc measured on an H200 (us per matrix; fp8_ampere, the first asm conversion, its faster path)
+BEFORE = {16: {"gdn_in_proj": 30.19, "out_proj": 17.28, "attn_qkv": 29.63, "gate_up": 62.34, "down": 36.92},
+          64: {"gdn_in_proj": 91.66, "out_proj": 41.01, "attn_qkv": 85.6, "gate_up": 188.68, "down": 102.77},
+          1: {"gdn_in_proj": 29.95, "out_proj": 16.7, "attn_qkv": 29.44, "gate_up": 61.65, "down": 36.54}}
 
 
 def graph_us(fn, calls: int, replays: int = 20) -> float:
@@ -104,9 +106,10 @@ def bench_shape(name, n, k, rows_list, bandwidth):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         outs = [torch.empty(rows, n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         results = {}
-        for label, ampere in (("fp8_native", False), ("fp8_ampere", True)):
-            timed(results, label, lambda: [fp8.fp8_linear(x, w, s, BLOCK, ampere=ampere, out=o)
-                                           for w, s, o in zip(weights, scales, outs)], copies)
+        timed(results, "fp8", lambda: [fp8.fp8_linear(x, w, s, BLOCK, out=o) for w, s, o in zip(weights, scales, outs)], copies)
+        config = fp8.tile_config(n, k, True)
+        timed(results, "fp8_native", lambda: [fp8.fp8_gemm(x, w, s, BLOCK, config, convert="native", out=o)
+                                              for w, s, o in zip(weights, scales, outs)], copies)
         x_fp8 = x.to(torch.float8_e4m3fn)
         scale_a = torch.ones(rows, 1, device="cuda")
         scale_b = torch.ones(1, n, device="cuda")
@@ -123,48 +126,94 @@ def bench_shape(name, n, k, rows_list, bandwidth):
     return entry
 
 
-def sweep_shape(name, n, k, rows=16):
+def _config(point: dict) -> fp8.TileConfig:
+    return fp8.TileConfig(**{key: value for key, value in point.items() if key != "convert"})
+
+
+def sweep_shape(name, n, k, deadline: float, rows=16):
+    """Coordinate descent at `rows` rows from the shape's TILE_TABLE config (asm conversion), until no axis
+    move helps or the deadline; then the best three at 64 rows."""
     weights, scales = shape_copies(n, k)
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
-    results = []
-    current = fp8.tile_config(n, k, True)
-    for config in SWEEP + ([current] if current not in SWEEP else []):
-        times = {}
-        timed(times, "us", lambda: [fp8.fp8_gemm(x, w, s, BLOCK, config, convert="native", out=out)
-                                    for w, s in zip(weights, scales)], len(weights))
-        results.append({"config": config.__dict__, "us": times["us"], **({"error": times["errors"]["us"]} if "errors" in times else {})})
+    x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(64, n, device="cuda", dtype=torch.bfloat16)
+    seen: dict[tuple, dict] = {}
+
+    def measure(point: dict, m: int = rows) -> float | None:
+        key = (m, *sorted(point.items()))
+        if key not in seen:
+            config, times = _config(point), {}
+            timed(times, "us", lambda: [fp8.fp8_gemm(x[:m], w, s, BLOCK, config, convert=point["convert"], out=out[:m])
+                                        for w, s in zip(weights, scales)], len(weights))
+            seen[key] = {"config": dict(point), "rows": m, "us": times["us"],
+                         **({"error": times["errors"]["us"]} if "errors" in times else {})}
+        return seen[key]["us"]
+
+    start = {**fp8.tile_config(n, k, True).__dict__, "convert": fp8.HOPPER_CONVERT}
+    best, best_us = start, measure(start)
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        moves = [{axis: value} for axis, values in AXES.items() for value in values if best[axis] != value] + JOINT
+        for move in moves:
+            if time.perf_counter() > deadline:
+                break
+            point = {**best, **move}
+            us = measure(point)
+            if us is not None and (best_us is None or us < best_us):
+                best, best_us, improved = point, us, True
+    ranked = sorted((r for r in seen.values() if r["us"] is not None), key=lambda r: r["us"])[:3]
+    at64 = []
+    for r in ranked:
+        at64.append({"config": r["config"], "us16": r["us"], "us64": measure(r["config"], 64)})
     del weights, scales
     torch.cuda.empty_cache()
-    ok = [r for r in results if r["us"] is not None]
-    best = min(ok, key=lambda r: r["us"]) if ok else None
-    return {"name": name, "n": n, "k": k, "configs": results, "best": best}
+    return {"name": name, "n": n, "k": k, "tried": len(seen), "configs": list(seen.values()),
+            "best": {"config": best, "us": best_us}, "top_at_64": at64}
+
+
+def _cell(us, floor) -> str:
+    return f"{'-':>14}" if us is None else f"{us:>8.1f} {us / floor:4.2f}x"
 
 
 def table(out) -> str:
+    keys = ("before", "fp8", "fp8_native", "bf16_cublas", "scaled_mm")
     lines = []
     for rows in out["rows"]:
-        lines.append(f"-- {rows} rows: us per matrix (x its FP8 floor)")
-        lines.append(f"{'shape':12} {'N x K':>12} {'floor':>7} {'fp8':>14} {'fp8 ampere':>14} {'bf16 cuBLAS':>14} {'_scaled_mm':>14}")
+        lines.append(f"-- {rows} rows: us per matrix (x its FP8 floor); before = commit bef3bcc's faster path")
+        lines.append(f"{'shape':12} {'N x K':>12} {'floor':>7} {'before':>14} {'fp8 now':>14} {'native conv':>14} "
+                     f"{'bf16 cuBLAS':>14} {'_scaled_mm':>14}")
         for shape in out["shapes"]:
-            r = shape["rows"][rows]
-            cells = []
-            for key in ("fp8_native", "fp8_ampere", "bf16_cublas", "scaled_mm"):
-                us = r.get(key)
-                cells.append(f"{'-':>14}" if us is None else f"{us:>8.1f} {us / shape['floor_us']:4.2f}x")
-            lines.append(f"{shape['name']:12} {shape['n']:>6}x{shape['k']:<5} {shape['floor_us']:>7.1f} " + " ".join(cells))
+            r = {**shape["rows"][rows], "before": BEFORE.get(rows, {}).get(shape["name"])}
+            lines.append(f"{shape['name']:12} {shape['n']:>6}x{shape['k']:<5} {shape['floor_us']:>7.1f} "
+                         + " ".join(_cell(r.get(key), shape["floor_us"]) for key in keys))
         step = out["step_ms"][rows]
-        cells = [f"{'-':>14}" if step.get(key) is None else f"{step[key]:>8.2f} {step[key] / step['floor']:4.2f}x"
-                 for key in ("fp8_native", "fp8_ampere", "bf16_cublas", "scaled_mm")]
-        lines.append(f"{'64 layers ms':12} {'':>12} {step['floor']:>7.2f} " + " ".join(cells)
+        lines.append(f"{'64 layers ms':12} {'':>12} {step['floor']:>7.2f} " + " ".join(_cell(step.get(key), step["floor"]) for key in keys)
                      + f"   (+ bf16 head {step['head_bf16']:.2f} ms)")
     if out.get("sweep"):
-        lines.append("-- sweep at 16 rows (native): best per shape -> fp8_gemm.TILE_TABLE")
+        lines.append("-- sweep at 16 rows: best per shape -> fp8_gemm.TILE_TABLE (and its convert); 64-row us of the top 3")
+        total = {"floor": 0.0, "before": 0.0, "now": 0.0, "best": 0.0}
         for s in out["sweep"]:
-            if s["best"]:
-                c = s["best"]["config"]
-                lines.append(f"    ({s['n']}, {s['k']}, True): TileConfig(block_n={c['block_n']}, block_k={c['block_k']}, "
-                             f"split_k={c['split_k']}, warps={c['warps']}, stages={c['stages']}, swap={c['swap']}),  # {s['name']} {s['best']['us']} us")
+            best = s["best"]
+            if not best or best["us"] is None:
+                continue
+            c = best["config"]
+            shape = next(sh for sh in out["shapes"] if sh["name"] == s["name"])
+            now = shape["rows"].get(16, {}).get("fp8")
+            lines.append(f"    ({s['n']}, {s['k']}, True): TileConfig(block_n={c['block_n']}, block_k={c['block_k']}, "
+                         f"split_k={c['split_k']}, warps={c['warps']}, stages={c['stages']}, swap={c['swap']}),  "
+                         f"# {s['name']} {best['us']} us {best['us'] / shape['floor_us']:.2f}x, convert {c['convert']}, "
+                         f"{s['tried']} tried")
+            lines.append("        64 rows: " + "; ".join(
+                f"{t['config']['block_n']}/{t['config']['block_k']}/s{t['config']['split_k']}/w{t['config']['warps']}/"
+                f"st{t['config']['stages']}/{t['config']['convert']}{'/swap' if t['config']['swap'] else ''}: "
+                f"{t['us16']} -> {t['us64']} us" for t in s["top_at_64"]))
+            total["floor"] += shape["count"] * shape["floor_us"] / 1e3
+            total["before"] += shape["count"] * BEFORE[16][s["name"]] / 1e3
+            total["now"] += shape["count"] * (now or float("nan")) / 1e3
+            total["best"] += shape["count"] * best["us"] / 1e3
+        lines.append(f"-- 64 layers at 16 rows: floor {total['floor']:.2f} ms; before {total['before']:.2f} ({total['before'] / total['floor']:.2f}x); "
+                     f"now {total['now']:.2f} ({total['now'] / total['floor']:.2f}x); "
+                     f"with the sweep's best {total['best']:.2f} ({total['best'] / total['floor']:.2f}x) (shapes swept: {len(out['sweep'])})")
     return "\n".join(lines)
 
 
@@ -173,14 +222,16 @@ def main() -> int:
     parser.add_argument("--json")
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--no-sweep", action="store_true")
-    parser.add_argument("--budget-s", type=float, default=240, help="stop starting new shapes (and sweeps) after this")
+    parser.add_argument("--budget-s", type=float, default=120, help="stop starting new shapes in the timing part after this")
+    parser.add_argument("--sweep-s", type=float, default=140, help="seconds for the whole sweep (shared by the shapes)")
     args = parser.parse_args()
     t0 = time.perf_counter()
     rows_list = [int(r) for r in args.rows.split(",")]
     bandwidth = copy_bandwidth(torch, torch.device("cuda"))
     out = {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
            "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "rows": rows_list, "shapes": [], "step_ms": {},
-           "table": {f"{n}x{k}": fp8.tile_config(n, k, True).__dict__ for _, n, k, _ in SHAPES}}
+           "table": {f"{n}x{k}": fp8.tile_config(n, k, True).__dict__ for _, n, k, _ in SHAPES},
+           "hopper_convert": fp8.HOPPER_CONVERT}
     print(f"{out['device']}: copy bandwidth {out['copy_bandwidth_tb_s']} TB/s", flush=True)
     for name, n, k, count in SHAPES:
         if time.perf_counter() - t0 > args.budget_s:
@@ -195,7 +246,9 @@ def main() -> int:
         x = torch.randn(rows, HEAD[1], device="cuda", dtype=torch.bfloat16)
         step = {"floor": sum(s["count"] * s["floor_us"] for s in out["shapes"]) / 1e3,
                 "head_bf16": graph_us(lambda: x @ head.t(), 1) / 1e3}
-        for key in ("fp8_native", "fp8_ampere", "bf16_cublas", "scaled_mm"):
+        for s in out["shapes"]:
+            s["rows"][rows]["before"] = BEFORE.get(rows, {}).get(s["name"])
+        for key in ("before", "fp8", "fp8_native", "bf16_cublas", "scaled_mm"):
             values = [s["rows"][rows].get(key) for s in out["shapes"]]
             step[key] = None if None in values else sum(s["count"] * v for s, v in zip(out["shapes"], values)) / 1e3
         out["step_ms"][rows] = {key: None if v is None else round(v, 3) for key, v in step.items()}
@@ -203,11 +256,15 @@ def main() -> int:
     torch.cuda.empty_cache()
     out["sweep"] = []
     if not args.no_sweep:
-        for name, n, k, _ in SHAPES:
-            if time.perf_counter() - t0 > args.budget_s:
-                print(f"budget spent: sweep of {name} skipped", flush=True)
+        sweep_start = time.perf_counter()
+        sweep_end = sweep_start + args.sweep_s
+        for index, (name, n, k, _) in enumerate(SHAPES):
+            now = time.perf_counter()
+            if now > sweep_end - 5:
+                print(f"sweep budget spent: {name} not swept", flush=True)
                 break
-            out["sweep"].append(sweep_shape(name, n, k))
+            deadline = now + (sweep_end - now) / (len(SHAPES) - index)  # an equal share of what is left
+            out["sweep"].append(sweep_shape(name, n, k, deadline))
             print(json.dumps(out["sweep"][-1]), flush=True)
     out["seconds"] = round(time.perf_counter() - t0, 1)
     if args.json:

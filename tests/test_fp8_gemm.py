@@ -117,9 +117,30 @@ def test_every_fp8_byte_converts_exactly_without_fp8_instructions():
     weight = codes.view(torch.float8_e4m3fn).reshape(16, 16).to(DEVICE)
     eye = torch.eye(16, dtype=DTYPE, device=DEVICE)
     ones = torch.ones(16, dtype=torch.float32, device=DEVICE)
-    for convert in ["bits", "native"] + (["asm"] if CUDA else []):  # a 16 x 32 tile: 4 bytes a thread for the asm
+    for convert in ["bits", "native"] + (["asm", "asm_v1"] if CUDA else []):  # a 16 x 32 tile: 4 bytes a thread for the asm
         y = fp8.fp8_gemm(eye, weight, ones, None, fp8.TileConfig(block_n=16, block_k=32), convert=convert)
         assert torch.equal(y.t().float(), weight.float()), convert
+
+
+@pytest.mark.parametrize("config", [
+    fp8.TileConfig(block_n=64, block_k=128),
+    fp8.TileConfig(block_n=32, block_k=256, split_k=2, swap=True),
+], ids=["plain", "wide-k-split2-swap"])
+def test_row_tiles_of_one_launch_are_each_the_16_row_result(config):
+    """Up to LARGE_M rows run in one launch that reads each weight tile once for all its 16-row tiles: each
+    tile's rows are the bits that tile gets alone (same K order, same tile shapes), and a K tile loaded 256
+    wide (two scale blocks, one dot each) gives the bits of 128-wide ones."""
+    weight, scale, block = quantized(*SMALL, True, seed=14)
+    weight, scale = weight.to(DEVICE), scale.to(DEVICE)
+    x = torch.randn(40, SMALL[1], generator=torch.Generator().manual_seed(15)).to(DEVICE, DTYPE)
+    run = lambda rows, c=config: fp8.fp8_gemm(rows, weight, scale, block, c, convert="bits")  # noqa: E731
+    full = run(x)
+    assert_matches_reference(full, x, fp8.dequantize_fp8(weight, scale, block))
+    for start, stop in ((0, 16), (16, 32), (32, 40)):
+        assert torch.equal(run(x[start:stop]), full[start:stop]), f"rows {start}:{stop}"
+    if config.block_k > BLOCK[1]:
+        narrow = fp8.TileConfig(block_n=config.block_n, block_k=BLOCK[1], split_k=config.split_k, swap=config.swap)
+        assert torch.equal(run(x[:16], narrow), full[:16])
 
 
 def test_large_m_dequantizes_in_chunks(monkeypatch):
@@ -164,9 +185,11 @@ SHAPES_27B = {"gdn_in_proj": (16480, 5120), "out_proj": (5120, 6144), "attn_qkv"
 
 
 @gpu_only
-@pytest.mark.parametrize("ampere", [False, True], ids=["native", "ampere"])
+@pytest.mark.parametrize("convert", ["native", "asm"])
 @pytest.mark.parametrize("name", list(SHAPES_27B))
-def test_27b_shapes_block_scales(name, ampere):
+def test_27b_shapes_block_scales(name, convert, monkeypatch):
+    monkeypatch.setattr(fp8, "HOPPER_CONVERT", convert)
+    ampere = False
     n, k = SHAPES_27B[name]
     weight, scale, block = quantized(n, k, True, seed=8, device="cuda")
     x = torch.randn(128, k, device="cuda", dtype=torch.bfloat16)
@@ -174,8 +197,14 @@ def test_27b_shapes_block_scales(name, ampere):
     full = run(x[:16])
     assert_matches_reference(full, x[:16], fp8.dequantize_fp8(weight, scale, block))
     assert_rows_independent(run, x[:16], full)
-    for m in (64, 128):  # the largest steps the kernel takes: its first 16 rows are the same bits
-        assert torch.equal(run(x[:m])[:16], full)
+    for m in (40, 64, 128):  # one launch for all row tiles: each tile's rows are the bits it gets alone
+        rows = run(x[:m])
+        assert torch.equal(rows[:16], full)
+        assert torch.equal(rows[16:32], run(x[16:32]))
+        last = (m - 1) // 16 * 16
+        assert torch.equal(rows[last:], run(x[last:m]))
+    ampere_rows = fp8.fp8_linear(x[:16], weight, scale, block, ampere=True)
+    assert_matches_reference(ampere_rows, x[:16], fp8.dequantize_fp8(weight, scale, block))
 
 
 @gpu_only

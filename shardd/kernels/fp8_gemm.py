@@ -63,15 +63,16 @@ class TileConfig:
 
 # Fixed per 27B shape (N, K, blockwise): the lines scripts/bench_fp8_gemm.py's sweep prints on an H200 go here; a
 # shape not listed takes `_rule`. The shapes: GDN in_proj qkv|z|b|a 16480x5120, out_proj and o_proj 5120x6144,
-# attention q|k|v 14336x5120, MLP gate|up 34816x5120, down 5120x17408. Until the wider sweep runs: the best of the
-# first sweep (commit bef3bcc, 16 rows, native conversion), split 8 ways for down (its trend: 1 -> 2 -> 4 splits
-# 69 -> 68 -> 45 us at 64-wide N tiles).
+# attention q|k|v 14336x5120, MLP gate|up 34816x5120, down 5120x17408. Until the wider sweep runs: the configs
+# the first H200 run measured fastest with the (first) asm conversion (commit bef3bcc, 16 rows: 1.47-1.74x the
+# floor; its native-conversion sweep found 32-wide N tiles 2% faster, but they run 28% more instructions per
+# weight byte than 64-wide ones with the asm conversion).
 TILE_TABLE: dict[tuple[int, int, bool], TileConfig] = {
-    (16480, 5120, True): TileConfig(block_n=32, block_k=128, split_k=1, warps=4, stages=4),
+    (16480, 5120, True): TileConfig(block_n=64, block_k=128, split_k=1, warps=4, stages=4),
     (5120, 6144, True): TileConfig(block_n=64, block_k=128, split_k=4, warps=4, stages=4),
-    (14336, 5120, True): TileConfig(block_n=32, block_k=128, split_k=1, warps=4, stages=4),
-    (34816, 5120, True): TileConfig(block_n=32, block_k=128, split_k=1, warps=4, stages=4),
-    (5120, 17408, True): TileConfig(block_n=64, block_k=128, split_k=8, warps=4, stages=4),
+    (14336, 5120, True): TileConfig(block_n=64, block_k=128, split_k=2, warps=4, stages=4),
+    (34816, 5120, True): TileConfig(block_n=64, block_k=128, split_k=1, warps=4, stages=4),
+    (5120, 17408, True): TileConfig(block_n=64, block_k=128, split_k=4, warps=4, stages=4),
 }
 
 
