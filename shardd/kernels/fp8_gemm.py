@@ -320,21 +320,29 @@ def _fp8_gemm_kernel(
             channel_scale = channel_scale[:, None]
         else:
             channel_scale = channel_scale[None, :]
-    _finish_row_tile(acc0, 0, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k, channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
+    _finish_row_tile(acc0, 0, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
+                     channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
     if ROW_TILES > 1:
-        _finish_row_tile(acc1, 1, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k, channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
+        _finish_row_tile(acc1, 1, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
+                         channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
     if ROW_TILES > 2:
-        _finish_row_tile(acc2, 2, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k, channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
+        _finish_row_tile(acc2, 2, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
+                         channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
     if ROW_TILES > 3:
-        _finish_row_tile(acc3, 3, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k, channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
+        _finish_row_tile(acc3, 3, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
+                         channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
     if ROW_TILES > 4:
-        _finish_row_tile(acc4, 4, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k, channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
+        _finish_row_tile(acc4, 4, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
+                         channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
     if ROW_TILES > 5:
-        _finish_row_tile(acc5, 5, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k, channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
+        _finish_row_tile(acc5, 5, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
+                         channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
     if ROW_TILES > 6:
-        _finish_row_tile(acc6, 6, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k, channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
+        _finish_row_tile(acc6, 6, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
+                         channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
     if ROW_TILES > 7:
-        _finish_row_tile(acc7, 7, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k, channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
+        _finish_row_tile(acc7, 7, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
+                         channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
     if SPLIT_K > 1:
         # every split stored its float32 partials; the last to arrive adds them and resets the tile's counter
         # for the next launch
@@ -427,7 +435,7 @@ def _large_m(x, weight, scale2d, block, out):
 
 
 def fp8_gemm(x, weight, scale, block, config: TileConfig, *, convert: str, out=None) -> torch.Tensor:
-    """One launch with a given tile config and conversion ("native", "asm", "bits"); fp8_linear picks both.
+    """One launch with a given tile config and conversion ("native", "asm", "bits", "asm_v1"); fp8_linear picks both.
     Tests and the benchmark's sweep call it directly."""
     scale2d, scale_block_n, scale_block_k, blockwise = _check(x, weight, scale, block)
     m, k = x.shape
@@ -516,7 +524,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     if _interpreted() and convert.startswith("asm"):  # the interpreter runs no PTX: the same bits in Triton ops
         convert = "bits"
     config = tile_config(weight.shape[0], weight.shape[1], block is not None)
-    if block is not None and int(block[1]) % config.block_k and config.block_k % int(block[1]):  # a K tile never straddles two scale blocks
+    # a K tile never straddles two scale blocks
+    if block is not None and int(block[1]) % config.block_k and config.block_k % int(block[1]):
         block_k = math.gcd(config.block_k, int(block[1]))
         if block_k < 16:
             raise ValueError(f"fp8_linear: a scale block {tuple(block)} needs K tiles of a multiple of 16 that divides {block[1]}")
