@@ -225,7 +225,7 @@ def main() -> int:
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--budget-s", type=float, default=120, help="stop starting new shapes in the timing part after this")
-    parser.add_argument("--sweep-s", type=float, default=140, help="seconds for the whole sweep (shared by the shapes)")
+    parser.add_argument("--sweep-s", type=float, default=130, help="seconds for the whole sweep (shared by the shapes)")
     args = parser.parse_args()
     t0 = time.perf_counter()
     rows_list = [int(r) for r in args.rows.split(",")]

@@ -197,7 +197,7 @@ def test_27b_shapes_block_scales(name, convert, monkeypatch):
     full = run(x[:16])
     assert_matches_reference(full, x[:16], fp8.dequantize_fp8(weight, scale, block))
     assert_rows_independent(run, x[:16], full)
-    for m in (40, 64, 128):  # one launch for all row tiles: each tile's rows are the bits it gets alone
+    for m in (64, 128):  # one launch for all row tiles: each tile's rows are the bits it gets alone
         rows = run(x[:m])
         assert torch.equal(rows[:16], full)
         assert torch.equal(rows[16:32], run(x[16:32]))
