@@ -50,9 +50,12 @@ COPY_BYTES = 1 << 30  # FP8 bytes of distinct copies per shape: 20x the H200's L
 # case the budget ends a round: the native conversion is in the main table already)
 AXES = {"block_n": [16, 32, 64, 128], "split_k": [1, 2, 4, 8], "warps": [2, 4, 8], "block_k": [128, 256, 512],
         "stages": [3, 4, 6], "swap": [False, True], "convert": ["asm", "native", "asm_v1"]}
-# joint moves tried once per shape (fewer warps with wider tiles: fewer x reloads per weight byte)
+# joint moves tried in each round (fewer warps with wider tiles: fewer x reloads per weight byte;
+# and more programs for them through a split of K)
 JOINT = [{"block_n": 32, "warps": 2}, {"block_n": 64, "warps": 2}, {"block_n": 128, "warps": 4},
-         {"block_n": 128, "warps": 8}, {"block_n": 32, "warps": 2, "block_k": 256}, {"block_n": 64, "block_k": 256, "stages": 3}]
+         {"block_n": 128, "warps": 8}, {"block_n": 32, "warps": 2, "block_k": 256}, {"block_n": 64, "block_k": 256, "stages": 3},
+         {"block_n": 32, "warps": 2, "split_k": 2}, {"block_n": 64, "warps": 2, "split_k": 2}, {"block_n": 32, "split_k": 2},
+         {"block_n": 128, "warps": 8, "split_k": 2}]
 # What commit bef3bcc measured on an H200 (us per matrix; fp8_ampere, the first asm conversion, its faster path)
 BEFORE = {16: {"gdn_in_proj": 30.19, "out_proj": 17.28, "attn_qkv": 29.63, "gate_up": 62.34, "down": 36.92},
           64: {"gdn_in_proj": 91.66, "out_proj": 41.01, "attn_qkv": 85.6, "gate_up": 188.68, "down": 102.77},
