@@ -126,7 +126,7 @@ def test_every_fp8_byte_converts_exactly_without_fp8_instructions():
     fp8.TileConfig(block_n=64, block_k=128),
     fp8.TileConfig(block_n=32, block_k=256, split_k=2, swap=True),
 ], ids=["plain", "wide-k-split2-swap"])
-def test_row_tiles_of_one_launch_are_each_the_16_row_result(config):
+def test_row_tiles_of_one_launch_are_each_the_16_row_result(config, monkeypatch):
     """Up to LARGE_M rows run in one launch that reads each weight tile once for all its 16-row tiles: each
     tile's rows are the bits that tile gets alone (same K order, same tile shapes), and a K tile loaded 256
     wide (two scale blocks, one dot each) gives the bits of 128-wide ones."""
@@ -141,6 +141,8 @@ def test_row_tiles_of_one_launch_are_each_the_16_row_result(config):
     if config.block_k > BLOCK[1]:
         narrow = fp8.TileConfig(block_n=config.block_n, block_k=BLOCK[1], split_k=config.split_k, swap=config.swap)
         assert torch.equal(run(x[:16], narrow), full[:16])
+    monkeypatch.setattr(fp8, "MAX_ROW_TILES", 2)  # more row tiles than one program takes: groups of programs
+    assert torch.equal(run(x), full)
 
 
 def test_large_m_dequantizes_in_chunks(monkeypatch):

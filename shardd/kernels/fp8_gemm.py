@@ -250,15 +250,19 @@ def _fp8_gemm_kernel(
     M, N, K, x_stride, out_stride, scale_stride_n, scale_stride_k, scale_block_n, k_tiles, partial_rows,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, SPLIT_K: tl.constexpr,
     TILES_PER_SPLIT: tl.constexpr,
-    ROW_TILES: tl.constexpr, BLOCKWISE: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, SCALE_UNIFORM: tl.constexpr,
+    ROW_TILES: tl.constexpr, GROUPED: tl.constexpr, BLOCKWISE: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, SCALE_UNIFORM: tl.constexpr,
     CONVERT: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # One program per (N tile, K split) computes every 16-row tile of the call (ROW_TILES of them, unrolled:
-    # each its own accumulator and its own dot of the same shape) from one load and one conversion of each
-    # weight tile. UNROLL K tiles of BLOCK_K (one scale each) are loaded per iteration: more bytes in flight
+    # One program per (N tile, K split, group of ROW_TILES row tiles: one group up to LARGE_M rows) computes its
+    # 16-row tiles (unrolled: each its own accumulator and its own dot of the same shape) from one load and one
+    # conversion of each weight tile. UNROLL K tiles of BLOCK_K (one scale each) are loaded per iteration: more bytes in flight
     # without changing any row's arithmetic.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    if GROUPED:  # more than MAX_ROW_TILES row tiles: this program's first
+        t0 = tl.program_id(2) * ROW_TILES
+    else:  # a constant keeps the row addressing out of the loop
+        t0 = 0
     dtype = x_ptr.dtype.element_ty
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -297,21 +301,21 @@ def _fp8_gemm_kernel(
                         s = s[:, None]
                     else:
                         s = s[None, :]
-            acc0 = _row_tile_step(acc0, x_ptr, 0, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
+            acc0 = _row_tile_step(acc0, x_ptr, t0 + 0, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
             if ROW_TILES > 1:
-                acc1 = _row_tile_step(acc1, x_ptr, 1, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
+                acc1 = _row_tile_step(acc1, x_ptr, t0 + 1, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
             if ROW_TILES > 2:
-                acc2 = _row_tile_step(acc2, x_ptr, 2, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
+                acc2 = _row_tile_step(acc2, x_ptr, t0 + 2, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
             if ROW_TILES > 3:
-                acc3 = _row_tile_step(acc3, x_ptr, 3, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
+                acc3 = _row_tile_step(acc3, x_ptr, t0 + 3, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
             if ROW_TILES > 4:
-                acc4 = _row_tile_step(acc4, x_ptr, 4, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
+                acc4 = _row_tile_step(acc4, x_ptr, t0 + 4, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
             if ROW_TILES > 5:
-                acc5 = _row_tile_step(acc5, x_ptr, 5, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
+                acc5 = _row_tile_step(acc5, x_ptr, t0 + 5, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
             if ROW_TILES > 6:
-                acc6 = _row_tile_step(acc6, x_ptr, 6, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
+                acc6 = _row_tile_step(acc6, x_ptr, t0 + 6, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
             if ROW_TILES > 7:
-                acc7 = _row_tile_step(acc7, x_ptr, 7, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
+                acc7 = _row_tile_step(acc7, x_ptr, t0 + 7, M, x_stride, offs_k, k_mask, w, s, BLOCK_M, BLOCKWISE, SWAP, PRECISION)
 
     channel_scale = 1.0
     if not BLOCKWISE:  # the channel scale multiplies the sum
@@ -320,51 +324,51 @@ def _fp8_gemm_kernel(
             channel_scale = channel_scale[:, None]
         else:
             channel_scale = channel_scale[None, :]
-    _finish_row_tile(acc0, 0, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
+    _finish_row_tile(acc0, t0 + 0, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
                      channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
     if ROW_TILES > 1:
-        _finish_row_tile(acc1, 1, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
+        _finish_row_tile(acc1, t0 + 1, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
                          channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
     if ROW_TILES > 2:
-        _finish_row_tile(acc2, 2, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
+        _finish_row_tile(acc2, t0 + 2, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
                          channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
     if ROW_TILES > 3:
-        _finish_row_tile(acc3, 3, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
+        _finish_row_tile(acc3, t0 + 3, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
                          channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
     if ROW_TILES > 4:
-        _finish_row_tile(acc4, 4, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
+        _finish_row_tile(acc4, t0 + 4, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
                          channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
     if ROW_TILES > 5:
-        _finish_row_tile(acc5, 5, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
+        _finish_row_tile(acc5, t0 + 5, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
                          channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
     if ROW_TILES > 6:
-        _finish_row_tile(acc6, 6, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
+        _finish_row_tile(acc6, t0 + 6, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
                          channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
     if ROW_TILES > 7:
-        _finish_row_tile(acc7, 7, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
+        _finish_row_tile(acc7, t0 + 7, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, pid_k,
                          channel_scale, BLOCK_M, SPLIT_K, BLOCKWISE, SWAP)
     if SPLIT_K > 1:
         # every split stored its float32 partials; the last to arrive adds them and resets the tile's counter
         # for the next launch
         tl.debug_barrier()
-        counter = counter_ptr + pid_n
+        counter = counter_ptr + tl.program_id(2) * tl.num_programs(0) + pid_n
         arrived = tl.atomic_add(counter, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
-            _reduce_row_tile(0, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
+            _reduce_row_tile(t0 + 0, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
             if ROW_TILES > 1:
-                _reduce_row_tile(1, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
+                _reduce_row_tile(t0 + 1, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
             if ROW_TILES > 2:
-                _reduce_row_tile(2, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
+                _reduce_row_tile(t0 + 2, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
             if ROW_TILES > 3:
-                _reduce_row_tile(3, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
+                _reduce_row_tile(t0 + 3, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
             if ROW_TILES > 4:
-                _reduce_row_tile(4, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
+                _reduce_row_tile(t0 + 4, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
             if ROW_TILES > 5:
-                _reduce_row_tile(5, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
+                _reduce_row_tile(t0 + 5, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
             if ROW_TILES > 6:
-                _reduce_row_tile(6, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
+                _reduce_row_tile(t0 + 6, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
             if ROW_TILES > 7:
-                _reduce_row_tile(7, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
+                _reduce_row_tile(t0 + 7, out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLIT_K, SWAP)
             tl.atomic_xchg(counter, 0)
 
 
@@ -462,23 +466,23 @@ def fp8_gemm(x, weight, scale, block, config: TileConfig, *, convert: str, out=N
         if block_k % scale_block_k:
             raise ValueError(f"fp8_linear: tile block_k {block_k} must be a multiple of the scale block {scale_block_k} (or divide it)")
         block_k, unroll = scale_block_k, block_k // scale_block_k
-    row_tiles = triton.cdiv(m, BLOCK_M)
-    if row_tiles > MAX_ROW_TILES:
-        raise ValueError(f"fp8_linear: the kernel takes at most {MAX_ROW_TILES * BLOCK_M} rows, got {m}")
+    m_tiles = triton.cdiv(m, BLOCK_M)
+    row_tiles = min(m_tiles, MAX_ROW_TILES)  # per program; more rows take more programs, each its own weight read
+    groups = triton.cdiv(m_tiles, row_tiles)
     n_tiles = triton.cdiv(n, config.block_n)
     k_tiles = triton.cdiv(k, block_k)
     tiles_per_split = triton.cdiv(triton.cdiv(k_tiles, unroll), config.split_k)
     if config.split_k > 1:
-        partials = torch.empty(config.split_k, row_tiles * BLOCK_M, n, dtype=torch.float32, device=x.device)
-        counters = _counters(x.device, n_tiles)
+        partials = torch.empty(config.split_k, groups * row_tiles * BLOCK_M, n, dtype=torch.float32, device=x.device)
+        counters = _counters(x.device, groups * n_tiles)
     else:
         partials, counters = out, out  # never touched
-    _fp8_gemm_kernel[(n_tiles, config.split_k)](
+    _fp8_gemm_kernel[(n_tiles, config.split_k, groups)](
         x, w, scale2d, out, partials, counters,
         m, n, k, x.stride(0), out.stride(0), scale2d.stride(0), scale2d.stride(1), scale_block_n, k_tiles,
-        row_tiles * BLOCK_M,
+        groups * row_tiles * BLOCK_M,
         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=block_k, UNROLL=unroll, SPLIT_K=config.split_k,
-        TILES_PER_SPLIT=tiles_per_split, ROW_TILES=row_tiles,
+        TILES_PER_SPLIT=tiles_per_split, ROW_TILES=row_tiles, GROUPED=groups > 1,
         BLOCKWISE=blockwise, SCALE_BLOCK_K=scale_block_k if blockwise else 1,
         SCALE_UNIFORM=blockwise and scale_block_n % config.block_n == 0, CONVERT=_CONVERTS[convert],
         SWAP=config.swap, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
