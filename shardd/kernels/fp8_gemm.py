@@ -249,14 +249,14 @@ def _fp8_gemm_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr, partial_ptr, counter_ptr,
     M, N, K, x_stride, out_stride, scale_stride_n, scale_stride_k, scale_block_n, k_tiles, partial_rows,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, SPLIT_K: tl.constexpr,
-    TILES_PER_SPLIT: tl.constexpr,
-    ROW_TILES: tl.constexpr, GROUPED: tl.constexpr, BLOCKWISE: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, SCALE_UNIFORM: tl.constexpr,
-    CONVERT: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
+    TILES_PER_SPLIT: tl.constexpr, ROW_TILES: tl.constexpr, GROUPED: tl.constexpr, BLOCKWISE: tl.constexpr,
+    SCALE_BLOCK_K: tl.constexpr, SCALE_UNIFORM: tl.constexpr, CONVERT: tl.constexpr, SWAP: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     # One program per (N tile, K split, group of ROW_TILES row tiles: one group up to LARGE_M rows) computes its
     # 16-row tiles (unrolled: each its own accumulator and its own dot of the same shape) from one load and one
-    # conversion of each weight tile. UNROLL K tiles of BLOCK_K (one scale each) are loaded per iteration: more bytes in flight
-    # without changing any row's arithmetic.
+    # conversion of each weight tile. UNROLL K tiles of BLOCK_K (one scale each) are loaded per iteration: more
+    # bytes in flight without changing any row's arithmetic.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if GROUPED:  # more than MAX_ROW_TILES row tiles: this program's first
