@@ -315,6 +315,8 @@ class ShardDaemon:
         entry = self.sequences.pop(key)
         if self.shard is not None and entry.state is not None:
             self.shard.release_state(entry.state)
+        if self.drafter is not None and entry.draft is not None:
+            self.drafter.model.release_state(entry.draft)
 
     def expire_idle(self, now: float | None = None) -> int:
         """Close every sequence idle past --sequence-idle-timeout (its owner is gone or forgot it)."""
