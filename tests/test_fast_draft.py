@@ -1,0 +1,125 @@
+"""The DFlash drafter's fast path (shardd/fast/draft.py) against the reference drafter (shardd/draft/model.py).
+
+On the CPU its Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1, conftest.py), float32, tiny
+drafters; on a CUDA machine the same checks run with CUDA graphs, in float32 and bf16 (the interpreter's bf16 is
+not the GPU's, so bf16 is GPU-only, as in tests/test_fast_path.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="the fast path's kernels need triton")
+
+from shardd.draft.model import DFlashDrafter  # noqa: E402
+from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights  # noqa: E402
+from shardd.fast.draft import FastDrafter  # noqa: E402
+from shardd.presets import preset_config  # noqa: E402
+from shardd.synthetic import synthetic_weights  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+if CUDA:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+DEVICE = "cuda" if CUDA else "cpu"
+gpu_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+CONTEXT = 48
+
+# windows shorter than the context the tests add; "windowed" also shorter than its block
+DRAFTS = {
+    "full": dict(num_layers=2, block_size=8),
+    "windowed": dict(num_layers=2, block_size=8, target_layer_ids=[0, 2, 4], sliding_window=5, sliding_layers=(0,)),
+    "sliding-then-full": dict(num_layers=3, block_size=6, sliding_window=11, sliding_layers=(0, 1)),
+}
+
+
+def drafter(name: str, dtype=torch.float32, preset: str = "tiny") -> DFlashDrafter:
+    target = preset_config(preset)
+    weights = synthetic_weights(target, 0, target.num_layers, seed=0, device=DEVICE)
+    config = synthetic_draft_config(target, **DRAFTS[name])
+    return DFlashDrafter(config, synthetic_draft_weights(config, 1), target_embed=weights["embed_tokens.weight"],
+                         target_lm_head=weights["lm_head.weight"], device=DEVICE, dtype=dtype)
+
+
+def features(model: DFlashDrafter, n: int, seed: int) -> torch.Tensor:
+    rows = torch.randn(n, model.config.feature_size, generator=torch.Generator().manual_seed(seed))
+    return rows.to(model.dtype)
+
+
+def schedule(reference: DFlashDrafter, fast: FastDrafter):
+    """The same PROPOSE sequence on both: a context longer than one context step, every block size, a crop of
+    rolled-back rows with new rows after it. Yields (what, reference (ids, logits), fast (ids, logits))."""
+    a, b = reference.new_state(CONTEXT), fast.new_state(CONTEXT)
+    for model, state in ((reference, a), (fast, b)):
+        model.add_context(state, features(reference, 13, 0))  # two context steps of C = block_size rows
+    for block in range(2, reference.config.block_size + 1):
+        yield f"block {block}", reference.propose(a, 40 + block, block), fast.propose(b, 40 + block, block)
+    for length, added in ((9, 3), (12, 1)):  # rollback: the rows past `length` belonged to rejected tokens
+        for model, state in ((reference, a), (fast, b)):
+            model.crop(state, length)
+            model.add_context(state, features(reference, added, length))
+        block = reference.config.block_size
+        yield f"crop to {length} + {added}", reference.propose(a, 7, block), fast.propose(b, 7, block)
+    assert a.length == b.length == 13
+    fast.release_state(b)
+
+
+@pytest.mark.parametrize("name", sorted(DRAFTS))
+def test_fast_drafter_matches_the_reference(name):
+    """float32: every block size and the proposals after crops give the reference's tokens and logits."""
+    reference = drafter(name)
+    fast = FastDrafter(reference, max_sequences=2, max_context=CONTEXT)
+    for what, (ref_ids, ref_logits), (ids, logits) in schedule(reference, fast):
+        torch.testing.assert_close(logits.cpu(), ref_logits.cpu(), rtol=1e-4, atol=1e-4, msg=what)
+        assert ids.tolist() == ref_ids.tolist(), what
+
+
+def test_fast_drafter_slots_are_separate_and_reused():
+    """Two sequences in two slots draft as they would alone; a released slot serves the next sequence."""
+    reference = drafter("full")
+    fast = FastDrafter(reference, max_sequences=2, max_context=CONTEXT)
+    first, second = fast.new_state(CONTEXT), fast.new_state(CONTEXT)
+    with pytest.raises(MemoryError):
+        fast.new_state(CONTEXT)
+    fast.add_context(first, features(reference, 5, 1))
+    fast.add_context(second, features(reference, 6, 2))
+    alone = reference.new_state(CONTEXT)
+    reference.add_context(alone, features(reference, 5, 1))
+    assert fast.propose(first, 3, 8)[0].tolist() == reference.propose(alone, 3, 8)[0].tolist()
+    fast.release_state(first)
+    third = fast.new_state(CONTEXT)
+    assert third.slot == first.slot and third.length == 0
+    with pytest.raises(ValueError, match="hold 48 rows"):
+        fast.new_state(CONTEXT + 1)
+
+
+@gpu_only
+@pytest.mark.parametrize("name", sorted(DRAFTS))
+def test_bf16_fast_drafter_matches_the_reference_on_the_gpu(name):
+    """bf16 with CUDA graphs: logits within bf16 rounding of the reference, the same argmax almost everywhere
+    (the reference's SDPA and the split-KV kernel round differently), and graphs equal to the eager step."""
+    reference = drafter(name, torch.bfloat16, preset="small")
+    fast = FastDrafter(reference, max_sequences=2, max_context=CONTEXT)
+    eager = FastDrafter(reference, max_sequences=2, max_context=CONTEXT, use_graphs=False)
+    agree = total = 0
+    for (what, (ref_ids, ref_logits), (ids, logits)), (_, _, (eager_ids, eager_logits)) in zip(
+        schedule(reference, fast), schedule(reference, eager)
+    ):
+        error = ((logits - ref_logits).norm() / ref_logits.norm()).item()
+        assert error < 2e-2, (what, error)
+        assert torch.equal(logits, eager_logits), what
+        assert ids.tolist() == eager_ids.tolist(), what
+        agree += sum(x == y for x, y in zip(ids.tolist(), ref_ids.tolist()))
+        total += len(ids)
+    assert agree >= 0.9 * total, (agree, total)
+
+
+@gpu_only
+def test_float32_fast_drafter_with_graphs_matches_the_reference_on_the_gpu():
+    reference = drafter("sliding-then-full", preset="small")
+    fast = FastDrafter(reference, max_sequences=2, max_context=CONTEXT)
+    assert fast.block_step.use_graphs
+    for what, (ref_ids, ref_logits), (ids, logits) in schedule(reference, fast):
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-3, atol=1e-3, msg=what)
+        assert ids.tolist() == ref_ids.tolist(), what
