@@ -47,13 +47,13 @@ def features(model: DFlashDrafter, n: int, seed: int) -> torch.Tensor:
     return rows.to(model.dtype)
 
 
-def schedule(reference: DFlashDrafter, fast: FastDrafter):
-    """The same PROPOSE sequence on both: a context longer than one context step, every block size, a crop of
-    rolled-back rows with new rows after it. Yields (what, reference (ids, logits), fast (ids, logits))."""
+def schedule(reference: DFlashDrafter, fast: FastDrafter, blocks=None):
+    """The same PROPOSE sequence on both: a context longer than one context step, every block size (or `blocks`),
+    crops of rolled-back rows with new rows after them. Yields (what, reference (ids, logits), fast (ids, logits))."""
     a, b = reference.new_state(CONTEXT), fast.new_state(CONTEXT)
     for model, state in ((reference, a), (fast, b)):
         model.add_context(state, features(reference, 13, 0))  # two context steps of C = block_size rows
-    for block in range(2, reference.config.block_size + 1):
+    for block in blocks or range(2, reference.config.block_size + 1):
         yield f"block {block}", reference.propose(a, 40 + block, block), fast.propose(b, 40 + block, block)
     for length, added in ((9, 3), (12, 1)):  # rollback: the rows past `length` belonged to rejected tokens
         for model, state in ((reference, a), (fast, b)):
@@ -67,10 +67,12 @@ def schedule(reference: DFlashDrafter, fast: FastDrafter):
 
 @pytest.mark.parametrize("name", sorted(DRAFTS))
 def test_fast_drafter_matches_the_reference(name):
-    """float32: every block size and the proposals after crops give the reference's tokens and logits."""
+    """float32: every block size the daemon accepts (the windowed drafters: the shortest and the longest) and the
+    proposals after crops give the reference's tokens and logits."""
     reference = drafter(name)
     fast = FastDrafter(reference, max_sequences=2, max_context=CONTEXT)
-    for what, (ref_ids, ref_logits), (ids, logits) in schedule(reference, fast):
+    blocks = None if name == "full" else (2, reference.config.block_size)
+    for what, (ref_ids, ref_logits), (ids, logits) in schedule(reference, fast, blocks):
         torch.testing.assert_close(logits.cpu(), ref_logits.cpu(), rtol=1e-4, atol=1e-4, msg=what)
         assert ids.tolist() == ref_ids.tolist(), what
 
@@ -123,3 +125,39 @@ def test_float32_fast_drafter_with_graphs_matches_the_reference_on_the_gpu():
     for what, (ref_ids, ref_logits), (ids, logits) in schedule(reference, fast):
         torch.testing.assert_close(logits, ref_logits, rtol=1e-3, atol=1e-3, msg=what)
         assert ids.tolist() == ref_ids.tolist(), what
+
+
+def test_daemons_serve_the_fast_drafter(tmp_path):
+    """`shardd serve --layers none --draft synthetic:2 --engine fast` over a real socket: HELLO says the drafter's
+    engine, and PROPOSE (a context in two context steps, then a crop after a rollback) answers the same tokens
+    as the reference engine's daemon; a closed sequence's slot serves the next one."""
+    from coordinator.client import ShardClient
+    from protocol import WireTensor
+    from tests.daemons import free_tcp_endpoint, start_daemons, stop_all
+
+    device = "cuda:0" if CUDA else "cpu"
+    common = ["--layers", "none", "--draft", "synthetic:2", "--device", device, "--max-context", "64",
+              "--max-sequences", "1"]
+    specs = {engine: (free_tcp_endpoint(), [*common, "--engine", engine]) for engine in ("fast", "reference")}
+    daemons = start_daemons(specs, tmp_path)
+    try:
+        answers = {}
+        for engine, (endpoint, _) in specs.items():
+            with ShardClient(endpoint, timeout_s=600) as client:
+                info = client.hello()["drafter"]
+                assert info["engine"] == engine
+                rows = torch.randn(10, info["feature_size"], generator=torch.Generator().manual_seed(5))
+                client.open(1)
+                tokens = [client.propose(1, 10, 9, 15, WireTensor.from_torch(rows))["tokens"]]
+                reply = client.propose(1, 8, 4, 6, WireTensor.from_torch(rows[5:8]))  # rolled back to 5
+                assert reply["context_length"] == 8
+                tokens.append(reply["tokens"])
+                client.close(1)
+                client.open(2)  # max-sequences 1: the freed slot, empty again
+                tokens.append(client.propose(2, 10, 9, 15, WireTensor.from_torch(rows))["tokens"])
+                client.close(2)
+                answers[engine] = tokens
+        assert answers["fast"] == answers["reference"]
+        assert answers["fast"][0] == answers["fast"][2]
+    finally:
+        stop_all(daemons.values())
