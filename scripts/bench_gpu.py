@@ -20,6 +20,7 @@ whether they are all the same tokens.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -474,8 +475,6 @@ def drafter_in_process(args) -> dict:
             out["profile_propose_top"] = profile_top(torch, propose, 5)
         model.release_state(state)
     out["draft_floor_ratio"] = round(out["draft_propose_ms_fast"] / out["draft_floor_ms"], 3)
-    del fast, reference, embed, head
-    torch.cuda.empty_cache()
     return out
 
 
@@ -575,6 +574,8 @@ def run_dflash(args) -> dict:
     out: dict = {"dflash_draft": args.draft, "dflash_device": args.dflash_device, "dflash_block": BLOCK}
     if args.dflash_device.startswith("cuda"):
         out.update(drafter_in_process(args))
+        gc.collect()  # the drafter's graphs and buffers (a reference cycle through its steps), then the cache:
+        torch.cuda.empty_cache()  # the daemons share this GPU
         print(f"drafter PROPOSE in process: fast {out['draft_propose_ms_fast']} ms, reference "
               f"{out['draft_propose_ms_reference']} ms, floor {out['draft_floor_ms']} ms", flush=True)
     config = preset_config(args.preset)
