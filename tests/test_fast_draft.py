@@ -161,3 +161,56 @@ def test_daemons_serve_the_fast_drafter(tmp_path):
         assert answers["fast"][0] == answers["fast"][2]
     finally:
         stop_all(daemons.values())
+
+
+def test_the_head_shard_proposes_in_the_verify_reply(tmp_path):
+    """With the drafter beside the last shard's layers, each verify's CAPTURE reply carries the next block (the
+    first shard's captured layers ride along as `carried`): one PROPOSE round trip for the whole decode, the same
+    proposals as a drafter in its own daemon, the greedy output. A `propose` the shard cannot honour is refused
+    before anything changes."""
+    from coordinator.client import ShardClient, ShardError
+    from coordinator.decoding import greedy_decode, speculative_decode
+    from coordinator.dflash import DFlashDrafterClient
+    from coordinator.pipeline import Pipeline
+    from protocol import Capture, ErrorCode
+    from tests.daemons import free_tcp_endpoint, start_daemons, stop_all
+
+    common = ["--max-verify-tokens", "8", "--max-context", "96", "--max-sequences", "2", "--engine", "reference"]
+    specs = {"first": (free_tcp_endpoint(), ["--layers", "0:3", *common]),  # synthetic: target layers 1 and 3
+             "last": (free_tcp_endpoint(), ["--layers", "3:6", "--draft", "synthetic:2", *common]),
+             "own": (free_tcp_endpoint(), ["--layers", "none", "--draft", "synthetic:2", *common])}
+    daemons = start_daemons(specs, tmp_path)
+    endpoints = {name: endpoint for name, (endpoint, _) in specs.items()}
+    try:
+        prompt = list(range(5, 25))
+        with Pipeline.connect([endpoints["first"], endpoints["last"]]) as pipeline:
+            greedy = greedy_decode(pipeline, 1, prompt, 16).tokens
+            proposals, in_reply = {}, None
+            for placement in ("own", "last"):
+                with ShardClient(endpoints[placement]) as client:
+                    dflash = DFlashDrafterClient(client, pipeline)
+                    asked = []
+                    propose = dflash.propose
+                    dflash.propose = lambda history, n: asked.append((len(history), n, propose(history, n))) or asked[-1][2]
+                    result = speculative_decode(dflash.target, 2, prompt, dflash, block_size=8, max_new_tokens=16)
+                    assert result.tokens == greedy
+                    proposals[placement] = [(at, tokens) for at, n, tokens in asked if n == 7]
+                    if placement == "last":
+                        assert dflash.proposes_in_reply  # every block but the first came in a verify reply
+                        assert dflash.proposals_in_reply == sum(1 for _, n, _ in asked if n > 0) - 1
+                        in_reply = client.stats()["drafter"]
+                    else:
+                        assert not dflash.proposes_in_reply
+            assert proposals["last"] == proposals["own"] and proposals["own"]
+            assert in_reply["proposals"] - in_reply["proposals_in_reply"] == 1  # the first block, after the prompt
+
+            with ShardClient(endpoints["first"]) as first:
+                first.open(7)
+                first.forward(7, 0, [1, 2, 3])
+                verify = dict(id=0, seq=7, pos=3, tokens=[4, 5], checkpoint=True, parents=[-1, 0], layers=[1])
+                with pytest.raises(ShardError) as refused:  # no drafter here (nor the head): nothing changes
+                    first.request(Capture(**verify, drafts=[5], propose=1))
+                assert refused.value.code is ErrorCode.NO_DRAFTER
+                assert first.request(Capture(**verify)).result["length"] == 5  # still at 3 before it
+    finally:
+        stop_all(daemons.values())
