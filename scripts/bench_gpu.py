@@ -558,7 +558,9 @@ class ProposingOracle:
 
 def run_dflash(args) -> dict:
     """Two target daemons (layers 0:L/2, L/2:L) and the drafter in each placement, all on one GPU: the drafter
-    in its own daemon ("own"), beside the first shard's layers ("first"), beside the last ("last"). Per
+    in its own daemon ("own"), beside the first shard's layers ("first"), beside the last ("last": it proposes
+    the next block in the verify's reply, no PROPOSE round trip; "last-propose": the same daemon asked with
+    PROPOSE every step). Per
     placement and mean commit: tok/s with the real PROPOSE every step, the oracle's on the same daemons, and
     the per-step breakdown (client wall time of propose / verify / rollback; daemon compute from STATS; relay =
     the step's wall time beyond the daemons' compute)."""
@@ -582,11 +584,14 @@ def run_dflash(args) -> dict:
     half = config.num_layers // 2
     placements = args.placements.split(",")
     specs = {"first": ["--layers", f"0:{half}"], "last": ["--layers", f"{half}:{config.num_layers}"]}
+    hosts = {"last-propose": "last"}  # a placement measured on another placement's daemon
     for placement in placements:
-        if placement in specs:
-            specs[placement] += ["--draft", args.draft]
+        host = hosts.get(placement, placement)
+        if host in ("first", "last"):
+            if "--draft" not in specs[host]:
+                specs[host] += ["--draft", args.draft]
         else:
-            specs[placement] = ["--layers", "none", "--draft", args.draft]
+            specs[host] = ["--layers", "none", "--draft", args.draft]
     generator = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
     commits = [float(c) for c in args.commits.split(",")]
@@ -595,7 +600,13 @@ def run_dflash(args) -> dict:
     hashes: dict = {}
     try:
         stats_clients = {name: ShardClient(endpoint, timeout_s=60) for name, endpoint in endpoints.items()}
-        draft_clients = {name: ShardClient(endpoints[name], timeout_s=600) for name in placements}
+        draft_clients = {name: ShardClient(endpoints[hosts.get(name, name)], timeout_s=600) for name in placements}
+
+        def drafter_client(placement):
+            dflash = DFlashDrafterClient(draft_clients[placement], pipeline)
+            if placement == "last-propose":
+                dflash.proposes_in_reply = False
+            return dflash
 
         def compute_seconds():
             return {name: dict(client.stats()["compute_seconds"]) for name, client in stats_clients.items()}
@@ -624,7 +635,7 @@ def run_dflash(args) -> dict:
                 return result, target, None, daemon_ms(target.at_decode, compute_seconds(), result.steps)
 
             def dflash_run(placement, commit):
-                dflash = DFlashDrafterClient(draft_clients[placement], pipeline)
+                dflash = drafter_client(placement)
                 target = TimedTarget(dflash.target)
                 oracle = OracleDrafter.with_mean_commit(greedy.tokens, len(prompt), block_size=BLOCK, mean_commit=commit)
                 drafter = ProposingOracle(dflash, oracle)
@@ -641,6 +652,7 @@ def run_dflash(args) -> dict:
                     "mean_commit": round(result.avg_commit, 2),
                     "step_ms": round(result.decode_seconds / steps * 1e3, 3),
                     "propose_ms": round(drafter.seconds / steps * 1e3, 3) if drafter else 0.0,
+                    "proposals_in_reply": drafter.dflash.proposals_in_reply if drafter else 0,
                     "verify_ms": round(target.seconds["verify"] / steps * 1e3, 3),
                     "rollback_ms": round(target.seconds["rollback"] / steps * 1e3, 3),
                     "daemon_ms": daemon,
@@ -653,7 +665,7 @@ def run_dflash(args) -> dict:
                       f"relay {entry['relay_ms']})", flush=True)
 
             for placement in placements:  # warm-up: each drafter's graphs, each daemon's first PROPOSE
-                dflash = DFlashDrafterClient(draft_clients[placement], pipeline)
+                dflash = drafter_client(placement)
                 speculative_decode(dflash.target, 91, prompt[:64], dflash, block_size=BLOCK, max_new_tokens=4)
             for commit in commits:
                 record("oracle", commit, oracle_run(commit))
@@ -661,7 +673,7 @@ def run_dflash(args) -> dict:
                     record(placement, commit, dflash_run(placement, commit))
                 record("oracle", commit, oracle_run(commit))  # A/B/A: the oracle before and after
             # the real drafter's own tokens (synthetic weights: about one token per step), still the greedy output
-            dflash = DFlashDrafterClient(draft_clients[placements[0]], pipeline)
+            dflash = drafter_client(placements[0])
             real = speculative_decode(dflash.target, 4, prompt, dflash, block_size=BLOCK, max_new_tokens=args.tokens)
             hashes["dflash/real"] = token_hash(real.tokens)
             out["dflash_real_tok_s"] = round(len(real.tokens) / real.decode_seconds, 2)
@@ -697,12 +709,12 @@ def dflash_table(merged: dict) -> str:
              f"{merged.get('draft_propose_ms_reference')} ms, floor {merged.get('draft_floor_ms')} ms "
              f"(x{merged.get('draft_floor_ratio')})"]
     runs = merged.get("dflash_runs", {})
-    lines.append(f"{'run':<8} {'commit':>6} {'tok/s':>8} {'step ms':>8} {'propose':>8} {'verify':>8} {'rollback':>8} "
+    lines.append(f"{'run':<12} {'commit':>6} {'tok/s':>8} {'step ms':>8} {'propose':>8} {'verify':>8} {'rollback':>8} "
                  f"{'relay':>7} {'vs oracle':>9}")
     for key, by_commit in runs.items():
         for commit, e in by_commit.items():
             ratio = merged.get("dflash_vs_oracle", {}).get(key, {}).get(commit, {}).get("tok_s", 1.0 if key == "oracle" else "")
-            lines.append(f"{key:<8} {commit:>6} {e['tok_s']:>8} {e['step_ms']:>8} {e['propose_ms']:>8} {e['verify_ms']:>8} "
+            lines.append(f"{key:<12} {commit:>6} {e['tok_s']:>8} {e['step_ms']:>8} {e['propose_ms']:>8} {e['verify_ms']:>8} "
                          f"{e['rollback_ms']:>8} {e['relay_ms']:>7} {ratio:>9}")
     lines.append(f"best placement: {merged.get('dflash_best_placement')}; real drafter {merged.get('dflash_real_tok_s')} tok/s "
                  f"(commit {merged.get('dflash_real_mean_commit')}), identical to greedy: "
@@ -730,8 +742,9 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--draft", default="synthetic:5", help="The dflash part's drafter (shardd serve --draft).")
     parser.add_argument("--commits", default="3,5,7", help="The dflash part's mean commits per step.")
-    parser.add_argument("--placements", default="own,first,last",
-                        help="Where the dflash part's drafter runs: its own daemon, beside the first or the last shard.")
+    parser.add_argument("--placements", default="own,first,last,last-propose",
+                        help="Where the dflash part's drafter runs: its own daemon, beside the first or the last shard "
+                             "(proposing in the verify reply; last-propose: with a PROPOSE every step).")
     parser.add_argument("--dflash-device", default="cuda:0", help="The one device of every dflash-part daemon.")
     parser.add_argument("--dflash-engine", default="fast", help="The dflash-part daemons' --engine (reference: a CPU smoke run).")
     parser.add_argument("--dflash-dtype", default="bfloat16")
