@@ -27,7 +27,8 @@ from shardd.presets import parse_synthetic, preset_config
 
 # Where a launched DFlash drafter runs: its own daemon, or beside the first or the last shard's layers (`--draft` on
 # that shard's daemon: no third process, and it borrows that shard's embedding or head instead of loading one).
-# The default is what `scripts/bench_gpu.py --parts dflash` measured best (bench/NOTES.md, issue 16).
+# Beside the last shard it proposes inside the verify reply (no PROPOSE round trip per step), hence the default;
+# `scripts/bench_gpu.py --parts dflash` measures every placement (bench/NOTES.md, issue 16).
 DRAFT_PLACEMENTS = ("own", "first", "last")
 DEFAULT_DRAFT_PLACEMENT = "last"
 
