@@ -24,7 +24,7 @@ timeout ${BENCH_TIMEOUT:-330} python3 scripts/bench_gpu.py --parts dflash --json
 echo "== GPU tests"
 # the drafter's tests, and the target step's tests that run the attention kernels the drafter now shares
 timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q tests/test_fast_draft.py tests/test_fast_path.py \
-    -k "fast_drafter or daemons_serve_the_fast_drafter or step_and_rollback or bf16 or graph_replay" 2>&1 | tail -12 \
+    -k "fast_drafter or verify_reply or step_and_rollback or bf16 or graph_replay" 2>&1 | tail -12 \
     | tee "$OUT/gpu_tests_dflash.txt"
 cp "$OUT"/gpu_bench_dflash.json "$OUT"/gpu_tests_dflash.txt "$OUT"/env_dflash.txt bench/results/h200/ 2>/dev/null
 echo "== DFlash (one H200, two target daemons + drafter)"
