@@ -118,7 +118,6 @@ class FastDrafter:
         self.context_step = CapturedCall(self._context_step, use_graphs=use_graphs, pool=pool)
         self.block_step = CapturedCall(self._block_step, use_graphs=use_graphs, pool=pool)
         pin = device.type == "cuda"
-        self._features = torch.zeros((self.context_rows, c.feature_size), dtype=dtype, pin_memory=pin)
         self._tokens = torch.full((rows,), c.mask_token_id, dtype=torch.long, pin_memory=pin)
         self._control = torch.zeros(5, dtype=torch.int32, pin_memory=pin)
         self._ids = torch.zeros(rows - 1, dtype=torch.long, pin_memory=pin)
@@ -163,14 +162,11 @@ class FastDrafter:
         for begin in range(0, features.shape[0], self.context_rows):
             chunk = features[begin : begin + self.context_rows]
             n = chunk.shape[0]
-            self._features[:n].copy_(chunk)
-            self._features[n:].zero_()
-            self._control.copy_(torch.tensor([state.slot, n, state.length, 0, 0], dtype=torch.int32))
-            self.features.copy_(self._features, non_blocking=True)
-            self.context_control.copy_(self._control, non_blocking=True)
+            # copies from pageable memory, ordered on the stream: no wait between chunks (a prompt is many)
+            self.features[:n].copy_(chunk)
+            self.features[n:].zero_()
+            self.context_control.copy_(torch.tensor([state.slot, n, state.length, 0, 0], dtype=torch.int32))
             self.context_step()
-            if self.features.is_cuda:  # the pinned inputs are reused by the next chunk
-                torch.cuda.current_stream().synchronize()
             state.length += n
 
     @torch.inference_mode()
