@@ -77,8 +77,12 @@ class CapturedRows:
             at = hi
         if at != end:
             raise ValueError(f"features of positions {at}..{end - 1} were never captured")
-        self._keep(lambda segment: (max(segment.lo, end), segment.hi))
+        self.drop_before(end)
         return WireTensor(dtype, (end - begin, k * first.shape[1]), out)
+
+    def drop_before(self, end: int) -> None:
+        """Rows of positions before `end` are in the drafter's context: no longer wanted."""
+        self._keep(lambda segment: (max(segment.lo, end), segment.hi))
 
     def _keep(self, bounds) -> None:
         kept = []
@@ -128,6 +132,14 @@ class DFlashDrafterClient:
         self.seq: Optional[int] = None
         self.rows = CapturedRows(self.layer_ids)
         self.context_length = 0  # rows the daemon's drafter context holds (its PROPOSE replies say so)
+        # On the head shard, the drafter proposes the next block inside the verify's reply (no PROPOSE round trip)
+        # when that shard captures one of the drafter's layers.
+        head = pipeline.shards[-1]
+        self.proposes_in_reply = (self.shares_pipeline_daemon and where == pipeline.endpoints[-1]
+                                  and any(head.begin <= layer < head.end for layer in self.layer_ids))
+        self.next_block: Optional[int] = None  # drafts the next verify's reply should propose
+        self.pending: Optional[dict] = None  # the proposal of the last verify's reply
+        self.proposals_in_reply = 0  # blocks taken from a verify reply (no PROPOSE sent)
 
     @property
     def max_block_size(self) -> int:
@@ -142,6 +154,14 @@ class DFlashDrafterClient:
         if self.seq is None:
             raise RuntimeError("propose before the target opened a sequence")
         committed = len(history) - 1  # the target's state holds history[:-1]
+        self.next_block = n
+        pending, self.pending = self.pending, None
+        if (pending is not None and pending["pos"] == committed and pending["last_token"] == history[committed]
+                and len(pending["tokens"]) >= n):
+            self.proposals_in_reply += 1
+            return list(pending["tokens"][:n])  # fewer near the token budget: the block's first n guesses
+        # else (the coordinator committed less than the head shard assumed: eos, the token budget) PROPOSE, which
+        # crops the context back to what was committed
         begin = self.context_length
         while True:
             # A drafter takes at most max_rows_per_request rows at once: earlier chunks ask for one
@@ -171,16 +191,27 @@ class DFlashDrafterClient:
         if not self.shares_pipeline_daemon:
             self.client.open(seq)
         self.seq, self.rows, self.context_length = seq, CapturedRows(self.layer_ids), 0
+        self.next_block, self.pending = None, None
 
     def closed(self, seq: int) -> None:
         self.seq = None
         self.rows = CapturedRows(self.layer_ids)
+        self.next_block, self.pending = None, None
         if not self.shares_pipeline_daemon:
             with contextlib.suppress(ShardError):  # already gone (a restarted daemon) is closed enough
                 self.client.close(seq)
 
     def captured(self, pos: int, outputs: dict[int, WireTensor]) -> None:
         self.rows.record(pos, outputs)
+
+    def proposed(self, proposal: dict) -> None:
+        """The head shard's proposal after a verify: its context now holds the rows up to proposal["pos"]."""
+        if proposal.get("context_length") != proposal.get("pos"):
+            raise ProtocolError(ErrorCode.INTERNAL, f"{self.client.endpoint}: a proposal at {proposal.get('pos')} "
+                                                    f"with a context of {proposal.get('context_length')} rows")
+        self.pending = proposal
+        self.context_length = proposal["context_length"]
+        self.rows.drop_before(self.context_length)
 
 
 class FeatureCapture:
@@ -206,8 +237,17 @@ class FeatureCapture:
             self.drafter.closed(seq)
 
     def forward(self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False, **sampled) -> list[int]:
-        ids, outputs = self.pipeline.capture(seq, pos, tokens, self.drafter.layer_ids, checkpoint=checkpoint, **sampled)
-        self.drafter.captured(pos, outputs)
+        drafter = self.drafter
+        if (drafter.proposes_in_reply and checkpoint and not sampled and len(tokens) > 1
+                and drafter.next_block is not None and drafter.context_length >= pos):
+            ids, outputs, proposal = self.pipeline.capture_and_propose(
+                seq, pos, tokens, drafter.layer_ids, propose=drafter.next_block)
+            drafter.captured(pos, outputs)
+            if proposal is not None:
+                drafter.proposed(proposal)
+            return ids
+        ids, outputs = self.pipeline.capture(seq, pos, tokens, drafter.layer_ids, checkpoint=checkpoint, **sampled)
+        drafter.captured(pos, outputs)
         return ids
 
     def rollback(self, seq: int, keep: int) -> None:

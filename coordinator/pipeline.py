@@ -322,6 +322,29 @@ class Pipeline:
             raise ValueError(f"capture layers must be a non-empty subset of 0..{self.num_layers - 1}, got {layers}")
         return self._forward(seq, pos, tokens, checkpoint, layers, _head_fields(sampling, drafts))
 
+    def capture_and_propose(
+        self, seq: int, pos: int, tokens: list[int], layers: Sequence[int], *, propose: int,
+    ) -> tuple[list[int], dict[int, WireTensor], Optional[dict]]:
+        """A greedy checkpointed verify `tokens` = [t0, drafts...] captured as `capture` does, whose head shard also
+        hosts the drafter: it proposes `propose` tokens for the next block in its reply (PROTOCOL.md, "Proposing in
+        the verify reply"); `layers` captured by earlier shards ride along with the hidden rows as `carried`.
+        Returns (ids, outputs, the head's `proposal`)."""
+        layers = sorted(set(layers))
+        head_layers = [layer for layer in layers if self.shards[-1].begin <= layer < self.shards[-1].end]
+        if not head_layers:
+            raise ValueError("proposing in the verify reply needs the head shard to capture one of the layers")
+        head = {"drafts": list(tokens[1:]), "propose": propose,
+                "carried_layers": [layer for layer in layers if layer not in head_layers]}
+        results: list[dict] = []
+        self._check_context(pos, len(tokens))
+        self._check_checkpointed(len(tokens))
+        try:
+            ids, outputs = self._relay(seq, pos, [list(tokens)], checkpoint=True, capture=layers, head=head,
+                                       head_results=results)
+        except SHARD_FAILURES as error:
+            raise as_sequence_lost(error, seq) from error
+        return ids, outputs, results[0].get("proposal") if results else None
+
     def _forward(
         self, seq: int, pos: int, tokens: list[int], checkpoint: bool, capture: Optional[list[int]],
         head: Optional[dict] = None,
@@ -380,7 +403,7 @@ class Pipeline:
 
     def _relay(
         self, seq: int, pos: int, chunks: list[list[int]], *, checkpoint: bool, capture: Optional[list[int]] = None,
-        head: Optional[dict] = None,
+        head: Optional[dict] = None, head_results: Optional[list] = None,
     ) -> tuple[list[int], dict[int, WireTensor]]:
         """Every chunk through every shard, as a wavefront: at tick t shard k takes chunk
         t-k, so all shards compute at once; each shard's hidden frame goes to the next
@@ -400,6 +423,11 @@ class Pipeline:
                 if 0 <= c < len(chunks):
                     inputs = {"tokens": chunks[c]} if index == 0 else {"hidden": carry.pop(index)}
                     sampling = head if head is not None and self.shards[index].owns_head else None
+                    if sampling is not None and "carried_layers" in sampling:  # capture_and_propose: one chunk
+                        carried = sampling["carried_layers"]
+                        sampling = {key: value for key, value in sampling.items() if key != "carried_layers"}
+                        if carried:
+                            sampling.update(carried_layers=carried, carried=side_by_side([parts[layer][0] for layer in carried]))
                     record = forward_record(
                         seq, starts[c], checkpoint=checkpoint, layers=owned[index], sampling=sampling, **inputs
                     )
@@ -419,6 +447,8 @@ class Pipeline:
                 else:
                     ids.extend(reply.result["ids"])
                     ids.logprobs = reply.result.get("logprobs")
+                    if head_results is not None:
+                        head_results.append(reply.result)
                 for layer, output in layer_outputs.items():
                     parts[layer].append(output)
             if failure is not None:
@@ -483,6 +513,20 @@ def _head_fields(sampling, drafts) -> Optional[dict]:
     if drafts:
         fields["drafts"] = list(drafts)
     return fields
+
+
+def side_by_side(parts: Sequence[WireTensor]) -> WireTensor:
+    """Tensors [n, H_i] of the same rows as one [n, sum H_i], row by row (pure Python, as CapturedRows does)."""
+    n = parts[0].shape[0]
+    widths = [part.shape[1] * part.itemsize for part in parts]
+    row = sum(widths)
+    out = bytearray(n * row)
+    for r in range(n):
+        at = r * row
+        for part, width in zip(parts, widths):
+            out[at:at + width] = memoryview(part.data).cast("B")[r * width:(r + 1) * width]
+            at += width
+    return WireTensor(parts[0].dtype, (n, sum(part.shape[1] for part in parts)), out)
 
 
 def join_rows(chunks: Sequence[WireTensor]) -> WireTensor:

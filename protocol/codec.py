@@ -305,9 +305,10 @@ def _check_request(record: Request, limits: Limits) -> None:
             if getattr(record, name) is not None and not penalised:
                 raise _bad(f"field '{name}' of {kind} is only read by a penalty ({', '.join(PENALTY_FIELDS)})")
         if record.drafts is not None:
-            if not (record.temperature or penalised or record.logprobs is not None):
-                raise _bad(f"field 'drafts' of {kind} needs temperature > 0, a penalty or logprobs (otherwise the "
-                           f"coordinator compares argmax ids)")
+            proposing = isinstance(record, Capture) and record.propose is not None
+            if not (record.temperature or penalised or record.logprobs is not None or proposing):
+                raise _bad(f"field 'drafts' of {kind} needs temperature > 0, a penalty, logprobs or propose (otherwise "
+                           f"the coordinator compares argmax ids)")
             if len(record.drafts) >= n:
                 raise _bad(f"{len(record.drafts)} drafts for {n} rows: a verify has one row more than drafts")
     if isinstance(record, Capture):
@@ -318,6 +319,20 @@ def _check_request(record: Request, limits: Limits) -> None:
             raise _too_large(f"{len(layers)} capture layers, limit {limits.max_capture_layers}")
         if len(set(layers)) != len(layers):
             raise _bad(f"field 'layers' of CAPTURE repeats a layer: {layers}")
+        if (record.carried is None) != (record.carried_layers is None):
+            raise _bad("field 'carried_layers' and tensor 'carried' of CAPTURE go together")
+        if record.carried is not None:
+            if record.propose is None:
+                raise _bad("tensor 'carried' of CAPTURE goes with field 'propose'")
+            if len(set(record.carried_layers)) != len(record.carried_layers) or not record.carried_layers:
+                raise _bad(f"field 'carried_layers' must be distinct and non-empty, got {record.carried_layers}")
+            if record.carried.shape[0] != record.n_tokens:
+                raise _bad(f"tensor 'carried' has {record.carried.shape[0]} rows for {record.n_tokens} tokens")
+        if record.propose is not None:
+            if record.temperature:
+                raise _bad("field 'propose' of CAPTURE is greedy only (temperature absent or 0)")
+            if record.drafts is None or len(record.drafts) != record.n_tokens - 1:
+                raise _bad("field 'propose' of CAPTURE needs the block's drafts: field 'drafts' of n - 1 tokens")
     if isinstance(record, Propose):
         if record.block_size > limits.max_tokens_per_request:
             raise _too_large(f"block_size {record.block_size}, limit {limits.max_tokens_per_request}")

@@ -184,6 +184,15 @@ class Capture(Forward):
     type: ClassVar[MessageType] = MessageType.CAPTURE
     layers: list[int] = _header("int_list", "non-empty, distinct layer indices whose outputs to return",
                                 minimum=0, limit=ID_LIMIT, kw_only=True)
+    # The next block proposed in the reply (PROTOCOL.md, "Proposing in the verify reply"): on the daemon hosting
+    # the drafter and the head, greedy; `carried` brings the drafter's target layers captured by earlier shards.
+    propose: Optional[int] = _header("int", "draft tokens to propose after this verify, in the same reply",
+                                     minimum=1, limit=TOKEN_LIMIT, default=None, kw_only=True)
+    carried_layers: Optional[list[int]] = _header(
+        "int_list", "layers of earlier shards whose outputs `carried` holds side by side (with propose)",
+        minimum=0, limit=ID_LIMIT, default=None, kw_only=True)
+    carried: Optional[WireTensor] = field(default=None, kw_only=True, metadata={"tensor": {
+        "ndim": 2, "dtypes": FLOAT_DTYPES, "doc": "[n, len(carried_layers) * H] earlier shards' captured rows"}})
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ whether they are all the same tokens.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -427,9 +428,315 @@ def run_e2e(args) -> dict:
     return out
 
 
+# ---- dflash: the real drafter's PROPOSE every step, on one GPU ------------------------------------------------
+
+
+def drafter_in_process(args) -> dict:
+    """PROPOSE's compute alone, in this process: the drafter (`--draft`) of the preset's target, its fast path
+    (CUDA graphs) and its reference (eager), one context step of MEAN_COMMIT rows plus a 16-row block, against
+    the weight-read floor of the drafter and the target head it borrows."""
+    import torch
+
+    from shardd.draft.model import DFlashDrafter
+    from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights
+    from shardd.fast.draft import FastDrafter
+    from shardd.loading import parse_draft
+    from shardd.presets import preset_config
+    from shardd.synthetic import synthetic_tensor
+
+    device = torch.device(args.dflash_device)
+    torch.cuda.set_device(device)
+    target = preset_config(args.preset)
+    _, layers = parse_draft(args.draft)
+    config = synthetic_draft_config(target, num_layers=layers)
+    vocab_shape = (target.vocab_size, target.hidden_size)
+    embed = synthetic_tensor(target, "embed_tokens.weight", vocab_shape, args.seed, device).to(torch.bfloat16)
+    head = synthetic_tensor(target, "lm_head.weight", vocab_shape, args.seed, device).to(torch.bfloat16)
+    reference = DFlashDrafter(config, synthetic_draft_weights(config, args.seed, dtype=torch.bfloat16),
+                              target_embed=embed, target_lm_head=head, device=device, dtype=torch.bfloat16)
+    bandwidth = copy_bandwidth(torch, device)
+    read_bytes = reference.weight_bytes() + head.nbytes  # the layers, fc, and the head for the mask rows
+    context = args.prompt_len + args.tokens + 4 * BLOCK
+    fast = FastDrafter(reference, max_sequences=1, max_context=context)
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt_rows = torch.randn(args.prompt_len, config.feature_size, generator=generator).to(torch.bfloat16)
+    step_rows = torch.randn(int(MEAN_COMMIT), config.feature_size, generator=generator).to(torch.bfloat16)
+    out = {"draft_read_bytes": read_bytes, "draft_floor_ms": round(read_bytes / bandwidth * 1e3, 3),
+           "draft_layers": layers, "draft_context_rows_per_step": fast.context_rows}
+    for name, model in (("fast", fast), ("reference", reference)):
+        state = model.new_state(context)
+        model.add_context(state, prompt_rows)
+        start_length = state.length
+
+        def propose():
+            model.crop(state, start_length)
+            model.add_context(state, step_rows)
+            model.propose(state, 1, BLOCK)
+
+        for _ in range(3):
+            propose()
+        samples = []
+        for _ in range(args.repeats):
+            torch.cuda.synchronize(device)
+            began = time.perf_counter()
+            propose()
+            torch.cuda.synchronize(device)
+            samples.append(time.perf_counter() - began)
+        out[f"draft_propose_ms_{name}"] = median_ms(samples)
+        if name == "fast":
+            out["profile_propose_top"] = profile_top(torch, propose, 5)
+        model.release_state(state)
+    out["draft_floor_ratio"] = round(out["draft_propose_ms_fast"] / out["draft_floor_ms"], 3)
+    return out
+
+
+def serve_processes(args, specs: dict[str, list[str]], run_dir: Path) -> tuple[list, dict[str, str]]:
+    """`shardd serve` per named spec (extra arguments), every one on `--dflash-device`; waits for every HELLO."""
+    from coordinator.client import ShardClient, ShardTimeout
+
+    processes, endpoints = [], {}
+    for name, extra in specs.items():
+        endpoint = f"ipc://{run_dir}/{name}.sock"
+        log = open(run_dir / f"{name}.log", "w")
+        command = [sys.executable, "-m", "shardd", "serve", "--synthetic", f"{args.preset}:{args.seed}",
+                   "--device", args.dflash_device, "--dtype", args.dflash_dtype, "--engine", args.dflash_engine, "--bind", endpoint,
+                   "--rollback-mode", "checkpoint", "--max-verify-tokens", str(BLOCK), "--max-sequences", "2",
+                   "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK), *extra]
+        processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+        endpoints[name] = endpoint
+    deadline = time.monotonic() + 600
+    for process, (name, endpoint) in zip(processes, endpoints.items()):
+        client = ShardClient(endpoint, timeout_s=1.0)
+        while True:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not come up: " + (run_dir / f"{name}.log").read_text()[-2000:])
+            try:
+                client.hello(timeout_s=0.5)
+                break
+            except ShardTimeout:
+                continue
+        client.close()
+    return processes, endpoints
+
+
+class TimedTarget:
+    """A decode target whose verify forwards (at most BLOCK rows: not the prefill) and rollbacks are timed;
+    `on_decode()` runs once, before the first verify (after the prefill)."""
+
+    def __init__(self, target, on_decode=None):
+        self.target = target
+        self.seconds = {"verify": 0.0, "rollback": 0.0}
+        self.on_decode = on_decode
+        self.at_decode = None
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def forward(self, seq, pos, tokens, **kwargs):
+        if self.at_decode is None and len(tokens) <= BLOCK and self.on_decode is not None:
+            self.at_decode = self.on_decode()
+        began = time.perf_counter()
+        ids = self.target.forward(seq, pos, tokens, **kwargs)
+        if len(tokens) <= BLOCK:
+            self.seconds["verify"] += time.perf_counter() - began
+        return ids
+
+    def rollback(self, seq, keep):
+        began = time.perf_counter()
+        self.target.rollback(seq, keep)
+        self.seconds["rollback"] += time.perf_counter() - began
+
+
+class ProposingOracle:
+    """The real DFlash drafter's PROPOSE every step (its whole cost: features sent, context appended, a block
+    drafted), then the oracle's tokens: the steps commit as at the oracle's mean acceptance, so the time is
+    the real drafter's even though synthetic weights accept nothing."""
+
+    name = "dflash (real PROPOSE, oracle commits)"
+
+    def __init__(self, dflash, oracle):
+        self.dflash, self.oracle = dflash, oracle
+        self.seconds = 0.0
+        self.on_first, self.at_decode = None, None
+
+    def propose(self, history, n):
+        if self.at_decode is None and self.on_first is not None:
+            self.at_decode = self.on_first()
+        began = time.perf_counter()
+        self.dflash.propose(history, n)
+        self.seconds += time.perf_counter() - began
+        return self.oracle.propose(history, n)
+
+
+def run_dflash(args) -> dict:
+    """Two target daemons (layers 0:L/2, L/2:L) and the drafter in each placement, all on one GPU: the drafter
+    in its own daemon ("own"), beside the first shard's layers ("first"), beside the last ("last": it proposes
+    the next block in the verify's reply, no PROPOSE round trip; "last-propose": the same daemon asked with
+    PROPOSE every step). Per
+    placement and mean commit: tok/s with the real PROPOSE every step, the oracle's on the same daemons, and
+    the per-step breakdown (client wall time of propose / verify / rollback; daemon compute from STATS; relay =
+    the step's wall time beyond the daemons' compute)."""
+    import torch
+
+    from coordinator.client import ShardClient
+    from coordinator.decoding import greedy_decode, speculative_decode
+    from coordinator.dflash import DFlashDrafterClient
+    from coordinator.drafters import OracleDrafter
+    from coordinator.pipeline import Pipeline
+    from shardd.presets import preset_config
+
+    out: dict = {"dflash_draft": args.draft, "dflash_device": args.dflash_device, "dflash_block": BLOCK}
+    if args.dflash_device.startswith("cuda"):
+        out.update(drafter_in_process(args))
+        gc.collect()  # the drafter's graphs and buffers (a reference cycle through its steps), then the cache:
+        torch.cuda.empty_cache()  # the daemons share this GPU
+        print(f"drafter PROPOSE in process: fast {out['draft_propose_ms_fast']} ms, reference "
+              f"{out['draft_propose_ms_reference']} ms, floor {out['draft_floor_ms']} ms", flush=True)
+    config = preset_config(args.preset)
+    half = config.num_layers // 2
+    placements = args.placements.split(",")
+    specs = {"first": ["--layers", f"0:{half}"], "last": ["--layers", f"{half}:{config.num_layers}"]}
+    hosts = {"last-propose": "last"}  # a placement measured on another placement's daemon
+    for placement in placements:
+        host = hosts.get(placement, placement)
+        if host in ("first", "last"):
+            if "--draft" not in specs[host]:
+                specs[host] += ["--draft", args.draft]
+        else:
+            specs[host] = ["--layers", "none", "--draft", args.draft]
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+    commits = [float(c) for c in args.commits.split(",")]
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-dflash-"))
+    processes, endpoints = serve_processes(args, specs, run_dir)
+    hashes: dict = {}
+    try:
+        stats_clients = {name: ShardClient(endpoint, timeout_s=60) for name, endpoint in endpoints.items()}
+        draft_clients = {name: ShardClient(endpoints[hosts.get(name, name)], timeout_s=600) for name in placements}
+
+        def drafter_client(placement):
+            dflash = DFlashDrafterClient(draft_clients[placement], pipeline)
+            if placement == "last-propose":
+                dflash.proposes_in_reply = False
+            return dflash
+
+        def compute_seconds():
+            return {name: dict(client.stats()["compute_seconds"]) for name, client in stats_clients.items()}
+
+        def daemon_ms(before, after, steps):
+            """Daemon compute per decode step by request type (a step's types), summed over the daemons."""
+            totals: dict = {}
+            for name in after:
+                for kind, seconds in after[name].items():
+                    if kind not in ("FORWARD", "CAPTURE", "PROPOSE", "ROLLBACK"):
+                        continue
+                    totals[kind] = totals.get(kind, 0.0) + seconds - before[name].get(kind, 0.0)
+            return {kind: round(seconds / steps * 1e3, 3) for kind, seconds in sorted(totals.items()) if seconds > 0}
+
+        with Pipeline.connect([endpoints["first"], endpoints["last"]], timeout_s=600) as pipeline:
+            greedy_decode(pipeline, 90, prompt[:32], 4)  # warm-up
+            greedy = greedy_decode(pipeline, 1, prompt, args.tokens)
+            hashes["dflash/greedy"] = token_hash(greedy.tokens)
+            out["dflash_greedy_ms_per_token"] = round(greedy.decode_seconds / len(greedy.tokens) * 1e3, 3)
+            runs: dict = {}
+
+            def oracle_run(commit):
+                target = TimedTarget(pipeline, compute_seconds)
+                drafter = OracleDrafter.with_mean_commit(greedy.tokens, len(prompt), block_size=BLOCK, mean_commit=commit)
+                result = speculative_decode(target, 2, prompt, drafter, block_size=BLOCK, max_new_tokens=args.tokens)
+                return result, target, None, daemon_ms(target.at_decode, compute_seconds(), result.steps)
+
+            def dflash_run(placement, commit):
+                dflash = drafter_client(placement)
+                target = TimedTarget(dflash.target)
+                oracle = OracleDrafter.with_mean_commit(greedy.tokens, len(prompt), block_size=BLOCK, mean_commit=commit)
+                drafter = ProposingOracle(dflash, oracle)
+                # the daemons' compute from the first PROPOSE on (it carries the prompt's features: a decode cost)
+                drafter.on_first = compute_seconds
+                result = speculative_decode(target, 3, prompt, drafter, block_size=BLOCK, max_new_tokens=args.tokens)
+                return result, target, drafter, daemon_ms(drafter.at_decode, compute_seconds(), result.steps)
+
+            def record(key, commit, run):
+                result, target, drafter, daemon = run
+                steps = result.steps
+                entry = {
+                    "tok_s": round(len(result.tokens) / result.decode_seconds, 2),
+                    "mean_commit": round(result.avg_commit, 2),
+                    "step_ms": round(result.decode_seconds / steps * 1e3, 3),
+                    "propose_ms": round(drafter.seconds / steps * 1e3, 3) if drafter else 0.0,
+                    "proposals_in_reply": drafter.dflash.proposals_in_reply if drafter else 0,
+                    "verify_ms": round(target.seconds["verify"] / steps * 1e3, 3),
+                    "rollback_ms": round(target.seconds["rollback"] / steps * 1e3, 3),
+                    "daemon_ms": daemon,
+                }
+                entry["relay_ms"] = round(entry["step_ms"] - sum(daemon.values()), 3)
+                runs.setdefault(key, {}).setdefault(f"{commit:g}", []).append(entry)
+                hashes[f"dflash/{key}/{commit:g}"] = token_hash(result.tokens)
+                print(f"{key} commit {commit:g}: {entry['tok_s']} tok/s, step {entry['step_ms']} ms "
+                      f"(propose {entry['propose_ms']}, verify {entry['verify_ms']}, rollback {entry['rollback_ms']}, "
+                      f"relay {entry['relay_ms']})", flush=True)
+
+            for placement in placements:  # warm-up: each drafter's graphs, each daemon's first PROPOSE
+                dflash = drafter_client(placement)
+                speculative_decode(dflash.target, 91, prompt[:64], dflash, block_size=BLOCK, max_new_tokens=4)
+            for commit in commits:
+                record("oracle", commit, oracle_run(commit))
+                for placement in placements:
+                    record(placement, commit, dflash_run(placement, commit))
+                record("oracle", commit, oracle_run(commit))  # A/B/A: the oracle before and after
+            # the real drafter's own tokens (synthetic weights: about one token per step), still the greedy output
+            dflash = drafter_client(placements[0])
+            real = speculative_decode(dflash.target, 4, prompt, dflash, block_size=BLOCK, max_new_tokens=args.tokens)
+            hashes["dflash/real"] = token_hash(real.tokens)
+            out["dflash_real_tok_s"] = round(len(real.tokens) / real.decode_seconds, 2)
+            out["dflash_real_mean_commit"] = round(real.avg_commit, 2)
+            out["dflash_real_identical_to_greedy"] = real.tokens == greedy.tokens
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=60)
+
+    def median_entry(entries):
+        return {key: (round(statistics.median(e[key] for e in entries), 3) if not isinstance(entries[0][key], dict)
+                      else entries[len(entries) // 2][key]) for key in entries[0]}
+
+    out["dflash_runs"] = {key: {c: median_entry(v) for c, v in by_commit.items()} for key, by_commit in runs.items()}
+    oracle = out["dflash_runs"]["oracle"]
+    out["dflash_vs_oracle"] = {
+        placement: {c: {"tok_s": round(entry["tok_s"] / oracle[c]["tok_s"], 3),
+                        "step": round(entry["step_ms"] / oracle[c]["step_ms"], 3)}
+                    for c, entry in out["dflash_runs"][placement].items()}
+        for placement in placements
+    }
+    best = max(placements, key=lambda p: out["dflash_vs_oracle"][p][f"{max(commits):g}"]["tok_s"])
+    out["dflash_best_placement"] = best
+    out["hashes"] = hashes
+    return out
+
+
+def dflash_table(merged: dict) -> str:
+    """The short table the GPU script prints last."""
+    lines = [f"drafter PROPOSE (in process): fast {merged.get('draft_propose_ms_fast')} ms, reference "
+             f"{merged.get('draft_propose_ms_reference')} ms, floor {merged.get('draft_floor_ms')} ms "
+             f"(x{merged.get('draft_floor_ratio')})"]
+    runs = merged.get("dflash_runs", {})
+    lines.append(f"{'run':<12} {'commit':>6} {'tok/s':>8} {'step ms':>8} {'propose':>8} {'verify':>8} {'rollback':>8} "
+                 f"{'relay':>7} {'vs oracle':>9}")
+    for key, by_commit in runs.items():
+        for commit, e in by_commit.items():
+            ratio = merged.get("dflash_vs_oracle", {}).get(key, {}).get(commit, {}).get("tok_s", 1.0 if key == "oracle" else "")
+            lines.append(f"{key:<12} {commit:>6} {e['tok_s']:>8} {e['step_ms']:>8} {e['propose_ms']:>8} {e['verify_ms']:>8} "
+                         f"{e['rollback_ms']:>8} {e['relay_ms']:>7} {ratio:>9}")
+    lines.append(f"best placement: {merged.get('dflash_best_placement')}; real drafter {merged.get('dflash_real_tok_s')} tok/s "
+                 f"(commit {merged.get('dflash_real_mean_commit')}), identical to greedy: "
+                 f"{merged.get('dflash_real_identical_to_greedy')}; all outputs identical: {merged.get('outputs_identical')}")
+    return "\n".join(lines)
+
+
 # ---- the whole run ---------------------------------------------------------------------------------------
 
-PARTS = {"local": run_local, "transformers": run_transformers, "e2e": run_e2e}
+PARTS = {"local": run_local, "transformers": run_transformers, "e2e": run_e2e, "dflash": run_dflash}
 
 
 def main() -> int:
@@ -447,6 +754,14 @@ def main() -> int:
     parser.add_argument("--fp8", choices=("fp8-block", "fp8-channel"), default=None,
                         help="FP8 linears in this layout (the head and embedding bf16); the floor is their bytes.")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--draft", default="synthetic:5", help="The dflash part's drafter (shardd serve --draft).")
+    parser.add_argument("--commits", default="3,5,7", help="The dflash part's mean commits per step.")
+    parser.add_argument("--placements", default="own,first,last,last-propose",
+                        help="Where the dflash part's drafter runs: its own daemon, beside the first or the last shard "
+                             "(proposing in the verify reply; last-propose: with a PROPOSE every step).")
+    parser.add_argument("--dflash-device", default="cuda:0", help="The one device of every dflash-part daemon.")
+    parser.add_argument("--dflash-engine", default="fast", help="The dflash-part daemons' --engine (reference: a CPU smoke run).")
+    parser.add_argument("--dflash-dtype", default="bfloat16")
     args = parser.parse_args()
 
     if args.part:
@@ -461,7 +776,10 @@ def main() -> int:
         command = [sys.executable, __file__, "--part", part, "--json", path, "--preset", args.preset, "--seed", str(args.seed),
                    "--prompt-len", str(args.prompt_len), "--tokens", str(args.tokens), "--repeats", str(args.repeats),
                    "--long-context", str(args.long_context), "--e2e-devices", args.e2e_devices, "--e2e-dtype", args.e2e_dtype,
-                   *(["--fp8", args.fp8] if args.fp8 else [])]
+                   *(["--fp8", args.fp8] if args.fp8 else []),
+                   "--draft", args.draft, "--commits", args.commits, "--placements", args.placements,
+                   "--dflash-device", args.dflash_device, "--dflash-engine", args.dflash_engine,
+                   "--dflash-dtype", args.dflash_dtype]
         print(f"== {part}", flush=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if part == "transformers":  # the baseline as a plain install runs it: without flash-linear-attention
@@ -479,6 +797,8 @@ def main() -> int:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(text)
     print(text)
+    if "dflash_runs" in merged:
+        print(dflash_table(merged))
     return 0 if merged["outputs_identical"] and "failed_parts" not in merged else 1
 
 

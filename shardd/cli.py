@@ -111,7 +111,7 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
     import torch
 
     from shardd.daemon import ServeOptions, ShardDaemon, is_loopback, largest_frame_bytes, listen
-    from shardd.engine import resolve_engine, serve_with
+    from shardd.engine import draft_with, resolve_engine, serve_with
     from shardd.listen import BindError, write_endpoint_file
     from shardd.loading import ModelSource, build_drafter, build_shard, daemon_memory_plan, draft_feature_size, parse_draft
     from shardd.memory import MemoryBudgetError, fmt_gib, parse_memory
@@ -191,7 +191,8 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
             source, begin, end, dtype=dtype, device=device, storage=storage, progress=LoadProgress(what, log),
             keep_fp8=keep_fp8,
         ), max_sequences=max_sequences, max_context=max_context)
-        drafter = build_drafter(source, draft, dtype=dtype, device=device, shard=shard) if draft else None
+        drafter = draft_with(engine, build_drafter(source, draft, dtype=dtype, device=device, shard=shard) if draft else None,
+                             max_sequences=max_sequences, max_context=max_context)
     except BaseException as exc:  # a signal while loading (SystemExit) too: no socket file left behind
         listener.close()
         if not isinstance(exc, Exception):

@@ -118,6 +118,7 @@ class Counters:
     sequences_expired: int = 0  # closed by the idle lease (--sequence-idle-timeout)
     proposals: int = 0
     draft_tokens: int = 0
+    proposals_in_reply: int = 0  # blocks proposed inside a CAPTURE reply (`propose`), no PROPOSE round trip
     draft_context_rows: int = 0  # feature rows added to drafter contexts
     draft_crops: int = 0  # PROPOSEs that first dropped context rows of rolled-back tokens
     draft_rows_cropped: int = 0
@@ -321,6 +322,8 @@ class ShardDaemon:
         entry = self.sequences.pop(key)
         if self.shard is not None and entry.state is not None:
             self.shard.release_state(entry.state)
+        if self.drafter is not None and entry.draft is not None:
+            self.drafter.model.release_state(entry.draft)
 
     def expire_idle(self, now: float | None = None) -> int:
         """Close every sequence idle past --sequence-idle-timeout (its owner is gone or forgot it)."""
@@ -350,6 +353,9 @@ class ShardDaemon:
         if head.needed and not shard.owns_head:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "sampling (temperature > 0), penalties or logprobs ask a shard "
                                                        "without the head")
+        proposing = capture and request.propose is not None
+        if proposing:
+            self._check_proposal(request, shard, entry)
         hidden = request.hidden.to_torch() if request.hidden is not None else None
         out = shard.forward(  # validates everything (shard.check_forward) before it changes the state
             entry.state,
@@ -384,6 +390,8 @@ class ShardDaemon:
                 tensors["logits"] = WireTensor.from_torch(out.logits.to("cpu", torch.float32, copy=True))
         else:
             tensors["hidden"] = WireTensor.from_torch(out.hidden)
+        if proposing:
+            result["proposal"] = self._propose_after_verify(request, entry, result["ids"], out.captured)
         if capture:
             counters.captures += 1
             counters.captured_rows += n * len(out.captured)
@@ -414,6 +422,63 @@ class ShardDaemon:
         rb.restore(entry.state)
         self.counters.restores += 1
         return {"seq": request.seq, "length": entry.state.length}, {}
+
+    def _check_proposal(self, request, shard, entry) -> None:
+        """A CAPTURE with `propose`, before it changes anything: the drafter, the head and every feature it needs."""
+        drafter = self._drafter()
+        if not shard.owns_head:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "propose asks a shard without the head (it needs the verify's ids)")
+        model, config = drafter.model, drafter.config
+        if request.propose > model.max_draft_tokens:
+            raise ProtocolError(ErrorCode.BAD_REQUEST,
+                                f"propose {request.propose} exceeds the drafter's {model.max_draft_tokens} draft tokens")
+        own = [layer for layer in request.layers if shard.begin <= layer < shard.end]
+        carried = list(request.carried_layers or ())
+        missing = [layer for layer in config.target_layer_ids if layer not in own and layer not in carried]
+        if missing:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"propose needs target layer {missing[0]}'s output: capture it "
+                                                       f"here or carry it from its shard (carried_layers)")
+        if request.carried is not None:
+            width = len(carried) * self.config.hidden_size
+            if request.carried.shape[1] != width or request.carried.dtype != dtype_name(model.dtype):
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"tensor 'carried' must be {dtype_name(model.dtype)} "
+                                                           f"[n, {width}], got {request.carried.dtype}{list(request.carried.shape)}")
+        if entry.draft.length < request.pos:
+            raise ProtocolError(ErrorCode.POSITION_MISMATCH,
+                                f"the drafter's context holds {entry.draft.length} rows, this verify starts at {request.pos}: "
+                                f"send rows {entry.draft.length}..{request.pos - 1} with PROPOSE first")
+
+    def _propose_after_verify(self, request, entry, ids: list[int], captured: dict) -> dict:
+        """The verify's committed rows (the accepted drafts' prefix plus its first row) join the drafter's context,
+        then the next block is drafted after the bonus token: what PROPOSE would answer after this step."""
+        model, config = self.drafter.model, self.drafter.config
+        drafts = request.drafts
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == ids[accepted]:
+            accepted += 1
+        keep = accepted + 1  # rows pos .. pos+accepted: the block's first token and the accepted drafts
+        carried = request.carried.to_torch() if request.carried is not None else None
+        width = self.config.hidden_size
+        columns = []
+        for layer in config.target_layer_ids:
+            if layer in captured:
+                columns.append(captured[layer][:keep])
+            else:
+                j = request.carried_layers.index(layer)
+                columns.append(carried[:keep, j * width:(j + 1) * width])
+        draft, counters = entry.draft, self.counters
+        if draft.length > request.pos:
+            counters.draft_crops += 1
+            counters.draft_rows_cropped += draft.length - request.pos
+            model.crop(draft, request.pos)
+        model.add_context(draft, torch.cat(columns, dim=1))
+        counters.draft_context_rows += keep
+        tokens, _ = model.propose(draft, ids[accepted], request.propose + 1)
+        counters.proposals += 1
+        counters.proposals_in_reply += 1
+        counters.draft_tokens += request.propose
+        return {"accepted": accepted, "pos": request.pos + keep, "last_token": ids[accepted], "tokens": tokens.tolist(),
+                "context_length": draft.length}
 
     def propose(self, request):
         """Features of positions pos-n .. pos-1 into the drafter's context, then a block after `last_token`.
@@ -477,6 +542,7 @@ class ShardDaemon:
         if self.drafter is not None:
             result["drafter"] = {
                 "proposals": c.proposals,
+                "proposals_in_reply": c.proposals_in_reply,
                 "draft_tokens": c.draft_tokens,
                 "context_rows_added": c.draft_context_rows,
                 "crops": c.draft_crops,

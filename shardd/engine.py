@@ -46,3 +46,14 @@ def serve_with(engine: str, shard, *, max_sequences: int, max_context: int):
     from shardd.fast.shard import FastShard
 
     return FastShard(shard, max_sequences=max_sequences, max_context=max_context)
+
+
+def draft_with(engine: str, hosted, *, max_sequences: int, max_context: int):
+    """The hosted drafter as the daemon serves it: its reference model, or a FastDrafter over it (shardd/fast/draft.py:
+    the layers as CUDA graphs over fused weights, caches in slots sized here)."""
+    if engine != "fast" or hosted is None:
+        return hosted
+    from shardd.fast.draft import FastDrafter
+
+    hosted.model = FastDrafter(hosted.model, max_sequences=max_sequences, max_context=max_context)
+    return hosted

@@ -238,6 +238,7 @@ class HostedDrafter:
             "num_layers": c.num_hidden_layers,
             "dtype": dtype_name(self.model.dtype),
             "state_bytes_per_sequence": self.model.state_bytes_per_sequence(max_context),
+            "engine": self.model.engine,
         }
 
 

@@ -217,11 +217,12 @@ def test_launch_serves_until_sigterm():
     )
     try:
         launched = json.loads(process.stdout.readline())
-        endpoints = launched["endpoints"] + [launched["draft_endpoint"]]
-        assert len(endpoints) == 3
+        endpoints = launched["endpoints"]
+        assert len(endpoints) == 2 and len(launched["shards"]) == 2
+        assert launched["draft_endpoint"] == endpoints[1]  # the default placement: beside the last shard
         result = shardctl("status", "--shards", ",".join(endpoints), "--json")
         assert result.exit_code == 0 and json.loads(result.stdout)["pipeline"]["ok"]
-        assert json.loads(result.stdout)["shards"][2]["hello"]["drafter"]["name"] == "dflash"
+        assert json.loads(result.stdout)["shards"][1]["hello"]["drafter"]["name"] == "dflash"
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0
     finally:

@@ -11,7 +11,7 @@ import click
 
 from coordinator.cli.options import daemon_args_from, daemon_options, devices_option
 from coordinator.cli.output import emit_json, format_table, progress
-from coordinator.cli.plan import make_plan
+from coordinator.cli.plan import DEFAULT_DRAFT_PLACEMENT, DRAFT_PLACEMENTS, make_plan
 from coordinator.launch import READY_TIMEOUT_S, TRANSPORTS, LaunchError, launched_sets
 
 
@@ -27,12 +27,15 @@ class _Stop(Exception):
 @devices_option
 @click.option("--transport", type=click.Choice(TRANSPORTS), default="tcp", show_default=True)
 @daemon_options
-@click.option("--draft", metavar="DIR|synthetic[:LAYERS]", help="Also start a drafter-only daemon hosting this DFlash drafter.")
+@click.option("--draft", metavar="DIR|synthetic[:LAYERS]", help="Also host this DFlash drafter (see --draft-placement).")
+@click.option("--draft-placement", type=click.Choice(DRAFT_PLACEMENTS), default=DEFAULT_DRAFT_PLACEMENT, show_default=True,
+              help="Where the drafter runs: its own daemon, or beside the first or the last shard's layers.")
 @click.option("--ready-timeout", type=click.FloatRange(0, min_open=True), default=READY_TIMEOUT_S, show_default=True,
               help="Seconds to wait for the shards to load.")
 @click.option("--json", "as_json", is_flag=True, help="Print the endpoints as JSON once ready.")
-def launch(model_dir, synthetic, split, layer_spec, devices, transport, draft, ready_timeout, as_json, **daemon_values):
-    """Start shard daemons (and a drafter daemon with --draft) on this machine, print their
+def launch(model_dir, synthetic, split, layer_spec, devices, transport, draft, draft_placement, ready_timeout, as_json,
+           **daemon_values):
+    """Start shard daemons (and the drafter with --draft, by default beside the last shard) on this machine, print their
     endpoints, serve until Ctrl-C or SIGTERM, then stop them all. Each daemon binds a free
     loopback port itself (or an ipc:// socket in a private directory).
 
@@ -42,7 +45,7 @@ def launch(model_dir, synthetic, split, layer_spec, devices, transport, draft, r
     """
     plan = make_plan(None, model_dir, synthetic, split, layer_spec, devices, transport, daemon_args_from(**daemon_values),
                      allow_endpoints=False)
-    sets = [plan.shard_set()] + ([plan.drafter_set(draft)] if draft is not None else [])
+    sets, draft_at = plan.sets_with_drafter(draft, draft_placement)
 
     def stop(signum, frame):
         raise _Stop()
@@ -51,21 +54,24 @@ def launch(model_dir, synthetic, split, layer_spec, devices, transport, draft, r
     try:
         with launched_sets(sets, ready_timeout_s=ready_timeout, progress=progress) as started_sets:
             layer_shards = started_sets[0]
-            drafters = started_sets[1] if draft is not None else []
+            drafters = started_sets[1] if len(started_sets) > 1 else []
             shards = layer_shards + drafters
             endpoints = [shard.endpoint for shard in layer_shards]
+            draft_endpoint = started_sets[draft_at[0]][draft_at[1]].endpoint if draft_at else None
             if as_json:
-                emit_json({"endpoints": endpoints, "draft_endpoint": drafters[0].endpoint if drafters else None, "shards": [
+                emit_json({"endpoints": endpoints, "draft_endpoint": draft_endpoint, "shards": [
                     {"endpoint": s.endpoint, "layers": None if s.layers is None else list(s.layers), "pid": s.process.pid,
                      "log": str(s.log_path)}
                     for s in shards]})
             else:
                 click.echo(format_table(
                     ["LAYERS", "ENDPOINT", "PID", "LOG"],
-                    [["drafter" if s.layers is None else f"{s.layers[0]}:{s.layers[1]}", s.endpoint, s.process.pid, s.log_path]
+                    [["drafter" if s.layers is None else f"{s.layers[0]}:{s.layers[1]}"
+                      + (" + drafter" if s.layers is not None and s.endpoint == draft_endpoint else ""),
+                      s.endpoint, s.process.pid, s.log_path]
                      for s in shards],
                 ))
-                click.echo(f"\n--shards {','.join(endpoints)}" + (f" --draft-shard {drafters[0].endpoint}" if drafters else ""))
+                click.echo(f"\n--shards {','.join(endpoints)}" + (f" --draft-shard {draft_endpoint}" if draft_endpoint else ""))
             sys.stdout.flush()
             progress("serving; Ctrl-C stops every shard")
             try:

@@ -25,6 +25,14 @@ from shardd.listen import ipc_file, ipc_in_use
 from shardd.presets import parse_synthetic, preset_config
 
 
+# Where a launched DFlash drafter runs: its own daemon, or beside the first or the last shard's layers (`--draft` on
+# that shard's daemon: no third process, and it borrows that shard's embedding or head instead of loading one).
+# Beside the last shard it proposes inside the verify reply (no PROPOSE round trip per step), hence the default;
+# `scripts/bench_gpu.py --parts dflash` measures every placement (bench/NOTES.md, issue 16).
+DRAFT_PLACEMENTS = ("own", "first", "last")
+DEFAULT_DRAFT_PLACEMENT = "last"
+
+
 @dataclass
 class ShardPlan:
     """Either running shards (`endpoints`) or shards to launch for a model."""
@@ -45,6 +53,22 @@ class ShardPlan:
 
     def shard_set(self, mode_args: Sequence[str] = ()) -> ShardSet:
         return ShardSet(self.source_args, self.splits, self.transport, (*self.daemon_args, *mode_args), self.devices or None)
+
+    def sets_with_drafter(self, draft: Optional[str], placement: str = DEFAULT_DRAFT_PLACEMENT,
+                          mode_args: Sequence[str] = ()) -> tuple[list[ShardSet], Optional[tuple[int, int]]]:
+        """The sets to launch and where the drafter's endpoint will be: (set index, daemon index), None without
+        a drafter. `placement` "first" / "last" gives that shard `--draft`; "own" adds a drafter-only daemon."""
+        if draft is None:
+            return [self.shard_set(mode_args)], None
+        if placement == "own":
+            return [self.shard_set(mode_args), self.drafter_set(draft)], (1, 0)
+        if placement not in DRAFT_PLACEMENTS:
+            raise ValueError(f"draft placement must be one of {', '.join(DRAFT_PLACEMENTS)}, got {placement!r}")
+        index = 0 if placement == "first" else len(self.splits) - 1
+        shard_args = tuple(("--draft", draft) if i == index else () for i in range(len(self.splits)))
+        shards = ShardSet(self.source_args, self.splits, self.transport, (*self.daemon_args, *mode_args),
+                          self.devices or None, shard_args)
+        return [shards], (0, index)
 
     def drafter_set(self, draft: str) -> ShardSet:
         """A drafter-only daemon for this model, on the last shard's device."""

@@ -121,6 +121,8 @@ class DraftLayer:
 class DFlashDrafter:
     """The draft layers plus the target's embedding and lm_head (shared, not copied)."""
 
+    engine = "reference"  # shardd/fast/draft.py's FastDrafter serves the same model as the "fast" engine
+
     def __init__(
         self,
         config: DraftConfig,
@@ -170,6 +172,9 @@ class DFlashDrafter:
             for _ in range(c.num_hidden_layers)
         ]
         return DraftState(max_context=max_context, kv=kv)
+
+    def release_state(self, state: DraftState) -> None:
+        """Nothing to give back: each state owns its tensors (the fast drafter's live in shared slots)."""
 
     def state_bytes_per_sequence(self, max_context: int) -> int:
         c = self.config

@@ -52,3 +52,34 @@ class StepRunner:
             run_step(self.model, self.layers, self.pools, self.buffers, captured)
         b.control.copy_(control)
         return graph
+
+
+class CapturedCall:
+    """A fixed-shape call on static buffers (the DFlash drafter's steps, shardd/fast/draft.py): replays its CUDA
+    graph, captured by `capture()` after two warm-up runs on a side stream, or runs eagerly without graphs.
+    The caller points the step's control at a scratch slot while it captures, as StepRunner does."""
+
+    def __init__(self, fn, *, use_graphs: bool, pool=None):
+        self.fn, self.use_graphs, self.pool = fn, use_graphs, pool
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def capture(self) -> None:
+        if not self.use_graphs or self.graph is not None:
+            return
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.fn()
+        self.graph = graph
+
+    def __call__(self) -> None:
+        if not self.use_graphs:
+            self.fn()
+            return
+        self.capture()
+        self.graph.replay()

@@ -23,15 +23,18 @@ def _add_rms_norm_kernel(
     x32 = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / width + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
     if ZERO_CENTRED:
-        w = 1.0 + w
-    tl.store(out_ptr + row * out_stride + cols, (x32 * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + row * out_stride + cols, (x32 * rstd * (1.0 + w)).to(dtype), mask=mask)
+    else:  # Qwen3's plain norm (plain_rms_norm): normalised and rounded, then scaled by w
+        tl.store(out_ptr + row * out_stride + cols, ((x32 * rstd).to(dtype).to(tl.float32) * w).to(dtype), mask=mask)
 
 
 def add_rms_norm(x, weight, eps, *, delta=None, sum_out=None, out=None, zero_centred=True):
     """rows of x [R, W] (plus `delta`, written to `sum_out`) -> RMS-normalised rows in `out`.
 
-    zero_centred: scale by (1 + w) (Qwen3.5's residual-stream and q/k norms) instead of w."""
+    zero_centred: scale by (1 + w) (Qwen3.5's residual-stream and q/k norms) instead of w (Qwen3's, the
+    DFlash drafter's: the normalised row rounded to the dtype first, as plain_rms_norm does)."""
     rows, width = x.shape
     out = torch.empty_like(x) if out is None else out
     if delta is not None:
