@@ -4,17 +4,21 @@ error objects."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 from typing import AsyncIterator, Optional
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from coordinator.serve.chat import ChatTemplateError
 from coordinator.serve.engine import Engine, GenerateParams, RequestError
+from coordinator.serve.frontdoor import OffLoopRoute, RequestGuard
+from coordinator.serve.limits import FrontDoorLimits, default_max_body_bytes
 from coordinator.serve.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -36,6 +40,8 @@ from coordinator.serve.protocol import (
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default
 
+log = logging.getLogger("shardctl.serve")
+
 
 def error_response(status: int, message: str, kind: str = "BadRequestError", param: Optional[str] = None) -> JSONResponse:
     body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
@@ -53,14 +59,23 @@ def sse(payload) -> str:
     return f"data: {data}\n\n"
 
 
-def build_app(engine: Engine) -> FastAPI:
+def build_app(engine: Engine, limits: Optional[FrontDoorLimits] = None) -> FastAPI:
     app = FastAPI(title="shardd", description="OpenAI-compatible API over shardd shard daemons")
+    app.router.route_class = OffLoopRoute  # request bodies are parsed on a worker thread
     metrics = engine.metrics
+    limits = limits or FrontDoorLimits(max_body_bytes=default_max_body_bytes(engine.max_context))
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, error: RequestError):
         metrics.requests.labels(request.url.path, "400").inc()
         return error_response(400, str(error))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException):
+        metrics.requests.labels(request.url.path, str(error.status_code)).inc()
+        kind = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError"}.get(error.status_code,
+                                                                                              "HTTPError")
+        return error_response(error.status_code, str(error.detail), kind, getattr(error, "param", None))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError):
@@ -111,7 +126,7 @@ def build_app(engine: Engine) -> FastAPI:
             if len(prompt) != 1:
                 raise RequestError("one prompt per request (a list of several prompts is not supported)")
             prompt = prompt[0]
-        ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = await asyncio.to_thread(engine.tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
         params = params_of(body, ids, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
         prefix = (prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids)) if body.echo else ""
         route = "/v1/completions"
@@ -155,13 +170,16 @@ def build_app(engine: Engine) -> FastAPI:
         if engine.chat_template is None:
             raise RequestError("the model ships no chat template (chat_template.jinja or tokenizer_config.json's "
                                "chat_template); use /v1/completions")
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            text = engine.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt,
-                                               **(body.chat_template_kwargs or {}))
-        except (ChatTemplateError, ValueError) as error:
-            raise RequestError(str(error)) from None
-        ids = engine.tokenizer.encode(text)
+        def render_and_encode() -> list[int]:  # on a worker thread: a template and a tokenizer take time
+            try:
+                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+                text = engine.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt,
+                                                   **(body.chat_template_kwargs or {}))
+            except (ChatTemplateError, ValueError) as error:
+                raise RequestError(str(error)) from None
+            return engine.tokenizer.encode(text)
+
+        ids = await asyncio.to_thread(render_and_encode)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = params_of(body, ids, max_tokens, engine.max_context - len(ids))
         route = "/v1/chat/completions"
@@ -202,6 +220,7 @@ def build_app(engine: Engine) -> FastAPI:
             metrics.requests.labels(route, "200").inc()
         except Exception as error:  # noqa: BLE001 - reported to the client in the stream
             metrics.requests.labels(route, "500").inc()
+            log.error("500 in a stream of %s: %s: %s", route, type(error).__name__, error, exc_info=error)
             body = ErrorResponse(error=ErrorInfo(message=str(error), type="InternalServerError", code=500))
             yield sse(body.model_dump_json()) + sse("[DONE]")
         finally:
@@ -213,6 +232,13 @@ def build_app(engine: Engine) -> FastAPI:
             return await call_next(request)
         except Exception as error:  # noqa: BLE001 - a shard failure outside a stream: an OpenAI error object
             metrics.requests.labels(request.url.path, "500").inc()
+            log.error("500 for %s %s: %s: %s", request.method, request.url.path, type(error).__name__, error,
+                      exc_info=error)
             return error_response(500, f"{type(error).__name__}: {error}", "InternalServerError")
 
+    def cancelled(path: str) -> None:
+        metrics.requests.labels(path, "499").inc()  # nginx's "client closed request"
+        log.info("client went away: request to %s cancelled, its sequence closed", path)
+
+    app.add_middleware(RequestGuard, max_body_bytes=limits.max_body_bytes, on_cancel=cancelled)
     return app
