@@ -314,3 +314,79 @@ def test_a_client_that_disconnects_has_its_request_cancelled(server, shards, str
     while open_sequences(shards) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert open_sequences(shards) == 0, "the request decoded on after its client left"
+
+
+# ---- without a server: the chat template, a 500, the log ------------------------------------------------
+
+
+def test_chat_template_kwargs_cannot_replace_what_the_server_passes():
+    """Was: chat_template_kwargs holding `messages` or `bos_token` answered 500 (a TypeError)."""
+    from coordinator.serve.chat import ChatTemplate, ChatTemplateError
+
+    template = ChatTemplate("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                            {"bos_token": "<s>", "eos_token": "</s>"}, "test")
+    assert template.render([{"role": "user", "content": "hi"}]) == "<s>hi"
+    for name in ("messages", "bos_token", "add_generation_prompt", "raise_exception"):
+        with pytest.raises(ChatTemplateError, match=f"chat_template_kwargs.{name}"):
+            template.render([{"role": "user", "content": "hi"}], **{name: "x"})
+    looping = ChatTemplate("{% for x in n %}{{ x }}{% endfor %}", {}, "test")
+    with pytest.raises(ChatTemplateError):
+        looping.render([], n=5)  # an int where the template iterates: the request's fault
+
+
+class FailingEngine:
+    """An engine whose shards fail every request: what `shardctl serve` answers and logs then."""
+
+    model_name, max_context, vocab_size = "m", 64, 256
+    chat_template = None
+
+    def __init__(self):
+        from coordinator.serve.metrics import ServeMetrics
+        from coordinator.tokenizer import ByteTokenizer
+
+        self.metrics = ServeMetrics()
+        self.tokenizer = ByteTokenizer()
+
+    def check_prompt(self, ids):
+        pass
+
+    def sampling(self, *args):
+        return None
+
+    async def complete(self, params):
+        raise RuntimeError("shard tcp://127.0.0.1:1 went away")
+
+
+def test_a_500_is_logged(caplog):
+    """Was: a 500 left no log line."""
+    import asyncio
+
+    from coordinator.serve.app import build_app
+
+    async def ask():
+        transport = httpx.ASGITransport(app=build_app(FailingEngine()))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 1})
+
+    with caplog.at_level(logging.ERROR, logger="shardctl.serve"):
+        response = asyncio.run(ask())
+    assert response.status_code == 500 and "went away" in response.json()["error"]["message"]
+    assert any("500 for POST /v1/completions" in r.getMessage() and "went away" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_repeated_error_passes_once_then_with_a_count():
+    from coordinator.serve.frontdoor import RepeatedLogFilter
+
+    now = [0.0]
+    repeated = RepeatedLogFilter(window_s=10, clock=lambda: now[0])
+
+    def record(msg):
+        return logging.LogRecord("uvicorn.error", logging.WARNING, __file__, 1, msg, (), None)
+
+    passed = [repeated.filter(record("Invalid HTTP request received.")) for _ in range(1000)]
+    assert passed.count(True) == 1
+    assert repeated.filter(record("another kind"))
+    now[0] = 11.0
+    later = record("Invalid HTTP request received.")
+    assert repeated.filter(later) and "999 more like it" in later.getMessage()

@@ -173,7 +173,7 @@ def build_app(engine: Engine, limits: Optional[FrontDoorLimits] = None) -> FastA
         def render_and_encode() -> list[int]:  # on a worker thread: a template and a tokenizer take time
             try:
                 messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-                text = engine.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt,
+                text = engine.chat_template.render(messages, body.add_generation_prompt,
                                                    **(body.chat_template_kwargs or {}))
             except (ChatTemplateError, ValueError) as error:
                 raise RequestError(str(error)) from None

@@ -34,7 +34,7 @@ class ChatTemplate:
         self.special_tokens = special_tokens
         self.origin = origin
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, /, **kwargs: Any) -> str:
         from jinja2.exceptions import TemplateError
 
         # What the server itself passes the template is not the client's to replace (chat_template_kwargs).
