@@ -114,6 +114,9 @@ class Table:
         })
         print(f"[chaos] {name}: {self.rows[-1]}", file=sys.stderr, flush=True)
 
+    def progress(self, message: str) -> None:
+        print(f"[chaos] {message}", file=sys.stderr, flush=True)
+
     def render(self) -> str:
         head = ["trial", "trials", "recovered", "recover median s", "recover max s", "errors", "RSS before MB",
                 "RSS after MB", "note"]
@@ -184,6 +187,7 @@ class Chaos:
                     errors.append(f"trial {trial}: output differs")
             except Exception as error:  # noqa: BLE001 - counted and reported
                 errors.append(f"trial {trial}: {type(error).__name__}: {error}")
+            self.table.progress(f"{name} trial {trial}: {'ok' if len(errors) == 0 or not errors[-1].startswith(f'trial {trial}:') else errors[-1]}")
             if victim.process.poll() is not None:
                 errors.append(f"trial {trial}: shard {victim.index} exited {victim.process.returncode}")
                 victim.start()
@@ -192,12 +196,25 @@ class Chaos:
         self.table.add(name, ran, recovered, times, len(errors), rss_before, rss_after, "; ".join(errors[:3]))
 
     def kill_trials(self) -> None:
+        restarts = []  # (killed, answered): when the restarted daemon first answered HELLO
+
+        def note_answer(victim, killed):
+            with ShardClient(victim.bind, timeout_s=120) as client:
+                client.hello(120)
+            restarts.append((killed, time.monotonic()))
+
         def kill(victim, trial):
             killed = time.monotonic()
             victim.kill_and_restart()
+            threading.Thread(target=note_answer, args=(victim, killed), daemon=True).start()
             return killed  # recovery time: from the kill to the next commit
 
         self.disturbed_runs("kill -9 + restart", self.args.kills, kill, 12)
+        loads = [answered - killed for killed, answered in restarts]
+        if loads:
+            self.table.rows[-1]["note"] = (f"of which the restarted daemon loading (kill to its first HELLO answer): "
+                                           f"median {statistics.median(loads):.2f} s, max {max(loads):.2f} s; "
+                                           + self.table.rows[-1]["note"]).rstrip("; ")
 
     def freeze_trials(self) -> None:
         def freeze(victim, trial):
@@ -301,22 +318,45 @@ class Chaos:
         raise RuntimeError("shardctl serve did not become healthy")
 
     def health_probe(self):
-        """A thread timing /health every 50 ms until stopped; returns (stop, latencies)."""
-        stop, latencies = threading.Event(), []
+        """A separate process timing /health every 50 ms until stopped (apart from this one's own work);
+        returns (stop, latencies, join): call stop(), then join() fills latencies."""
+        code = ("import json, sys, time, os, httpx\n"
+                "url, stop_file, out = sys.argv[1:4]; latencies = []\n"
+                "while not os.path.exists(stop_file):\n"
+                "    started = time.monotonic()\n"
+                "    try: ok = httpx.get(url, timeout=10).status_code == 200\n"
+                "    except httpx.HTTPError: ok = False\n"
+                "    latencies.append(time.monotonic() - started if ok else 1e9); time.sleep(0.05)\n"
+                "open(out, 'w').write(json.dumps(latencies))\n")
+        self.probes = getattr(self, "probes", 0) + 1
+        stop_file, out = self.workdir / f"probe{self.probes}.stop", self.workdir / f"probe{self.probes}.json"
+        child = subprocess.Popen([sys.executable, "-c", code, self.url + "/health", str(stop_file), str(out)],
+                                 env=child_env())
+        time.sleep(1.0)  # the probe's imports, before the attack starts
+        latencies: list = []
 
-        def probe():
-            while not stop.is_set():
-                started = time.monotonic()
-                try:
-                    ok = httpx.get(self.url + "/health", timeout=10).status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                latencies.append(time.monotonic() - started if ok else float("inf"))
-                time.sleep(0.05)
+        class Stop:
+            def set(self):
+                stop_file.write_text("")
 
-        thread = threading.Thread(target=probe, daemon=True)
-        thread.start()
-        return stop, latencies, thread
+        class Join:
+            def join(self):
+                child.wait(30)
+                latencies.extend(json.loads(out.read_text()))
+
+        return Stop(), latencies, Join()
+
+    def health_baseline(self) -> None:
+        """/health with nothing else going on: what the machine gives before any attack (for the rows below)."""
+        latencies = []
+        for _ in range(20):
+            started = time.monotonic()
+            httpx.get(self.url + "/health", timeout=10)
+            latencies.append(time.monotonic() - started)
+            time.sleep(0.05)
+        self.table.add("/health, undisturbed", len(latencies), len(latencies), latencies, 0,
+                       rss_bytes(self.server.pid), rss_bytes(self.server.pid),
+                       "recover = its latency (asks both shards HELLO on fresh connections)")
 
     def http_drops(self) -> None:
         errors, times, ran = [], [], 0
@@ -417,11 +457,12 @@ class Chaos:
                                                         hard))
         before = rss_bytes(self.server.pid)
         stop, latencies, thread = self.health_probe()
-        sockets, opened = [], time.monotonic()
+        sockets, opened = [], []
         errors = []
         for i in range(count):
             try:
                 sock = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+                opened.append(time.monotonic())
                 if i % 2:
                     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
                 sockets.append(sock)
@@ -438,12 +479,12 @@ class Chaos:
                 if closed_at[i] is None:
                     try:
                         sock.recv(4096)  # its 408, or the end: the server let it go
-                        closed_at[i] = time.monotonic() - opened
+                        closed_at[i] = time.monotonic() - opened[i]
                     except BlockingIOError:
                         pass
                     except OSError:
-                        closed_at[i] = time.monotonic() - opened
-            time.sleep(0.1)
+                        closed_at[i] = time.monotonic() - opened[i]
+            time.sleep(0.05)
         stop.set()
         thread.join()
         for sock in sockets:
@@ -478,6 +519,7 @@ def main() -> int:
     parser.add_argument("--half-open", type=int, default=2000)
     parser.add_argument("--frames", type=int, default=40, help="16 MiB frames in the many-frame message")
     parser.add_argument("--seed", type=int, default=19)
+    parser.add_argument("--phases", default="http,shards", help="http, shards, or both (default)")
     parser.add_argument("--json", type=Path, help="also write the table as JSON here")
     args = parser.parse_args()
     started = time.monotonic()
@@ -485,9 +527,11 @@ def main() -> int:
         chaos = Chaos(args, Path(workdir))
         try:
             chaos.start_server()
-            for phase in (chaos.big_body, chaos.junk, chaos.half_open, chaos.http_drops, chaos.many_frames,
-                          chaos.coordinator_kills, chaos.kill_trials, chaos.freeze_trials):
-                phase()
+            phases = {"http": (chaos.health_baseline, chaos.big_body, chaos.junk, chaos.half_open, chaos.http_drops),
+                      "shards": (chaos.many_frames, chaos.coordinator_kills, chaos.kill_trials, chaos.freeze_trials)}
+            for group in args.phases.split(","):
+                for phase in phases[group]:
+                    phase()
         finally:
             chaos.stop()
     table = chaos.table.render()

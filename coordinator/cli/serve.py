@@ -10,7 +10,7 @@ from coordinator.cli.options import daemon_args_from, load_curve, shard_source_o
 from coordinator.cli.output import emit_json, progress
 from coordinator.cli.plan import connect_pipeline, dflash_daemon, make_plan, mode_daemon_args
 from coordinator.pipeline import PipelineError
-from coordinator.serve.limits import MAX_CONNECTIONS, REQUEST_TIMEOUT_S
+from coordinator.serve.limits import ACCEPT_BACKLOG, MAX_CONNECTIONS, REQUEST_TIMEOUT_S
 from coordinator.tokenizer import TokenizerUnavailable, load_tokenizer
 from protocol.layout import CHECKPOINT, ROLLBACK_MODES
 
@@ -92,7 +92,7 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
             progress(f"the open-file limit allows {limits.max_connections} connections, not {max_connections}")
         try:
             config = uvicorn.Config(build_app(engine, limits), host=host, port=port, log_level=log_level,
-                                    http=GuardedH11Protocol.configured(limits), backlog=limits.max_connections)
+                                    http=GuardedH11Protocol.configured(limits), backlog=ACCEPT_BACKLOG)
             install_log_filter()  # after uvicorn set its loggers up
             uvicorn.Server(config).run()
         finally:

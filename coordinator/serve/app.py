@@ -39,6 +39,8 @@ from coordinator.serve.protocol import (
 )
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default
+HEALTH_FRESH_S = 1.0  # /health checks the shards again once its last check is this old
+HEALTH_STALE_S = 5.0  # and waits for that check only when the last one is older than this
 
 log = logging.getLogger("shardctl.serve")
 
@@ -82,11 +84,22 @@ def build_app(engine: Engine, limits: Optional[FrontDoorLimits] = None) -> FastA
         metrics.requests.labels(request.url.path, "400").inc()
         return error_response(400, json.dumps(error.errors(), default=str))
 
+    checked = {"at": -HEALTH_STALE_S, "answer": None, "refresh": None}
+
+    async def refresh_health():
+        checked["answer"] = await asyncio.to_thread(engine.health)
+        checked["at"] = time.monotonic()
+
     @app.get("/health")
     async def health():
-        import asyncio
-
-        ready, body = await asyncio.to_thread(engine.health)
+        # A probe storm costs one shard check per HEALTH_FRESH_S; an answer up to HEALTH_STALE_S old is served
+        # at once while the next check runs, so /health stays fast whatever the shards take to answer.
+        age = time.monotonic() - checked["at"]
+        if age > HEALTH_FRESH_S and (checked["refresh"] is None or checked["refresh"].done()):
+            checked["refresh"] = asyncio.ensure_future(refresh_health())
+        if age > HEALTH_STALE_S:
+            await asyncio.shield(checked["refresh"])
+        ready, body = checked["answer"]
         return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")

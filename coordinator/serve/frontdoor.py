@@ -134,8 +134,10 @@ class RequestGuard:
             "message": f"the request body {told}is over this server's limit of {self.max_body_bytes} bytes "
                        f"(shardctl serve --max-body-bytes)",
             "type": "RequestTooLargeError", "param": None, "code": 413}}).encode()
+        # connection: close: the rest of the body is not worth reading through the event loop to keep the connection
         await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def __call__(self, scope, receive, send) -> None:
