@@ -540,7 +540,8 @@ class ShardDaemon:
                 if curve:  # the authenticated key outlives a reconnect; the routing id does not
                     owner = b"curve:" + body[0].get("User-Id").encode()
                 if received.refusal is not None:
-                    reply = self._error(peek_id(body), peek_type(body), ErrorCode.TOO_LARGE, received.refusal, seq=None)
+                    reply = self._error(peek_id(body), peek_type(body), received.refusal_code(self.limits.max_frames),
+                                        received.refusal, seq=None)
                     release_memory()
                 else:
                     reply = self.handle(body, owner, trusted_transport)

@@ -18,7 +18,7 @@ from typing import Optional
 
 import zmq
 
-from protocol import REQUEST_TENSORS, MessageType, peek_type
+from protocol import REQUEST_TENSORS, ErrorCode, MessageType, peek_type
 
 log = logging.getLogger("shardd")
 
@@ -39,6 +39,11 @@ class Received:
     body: list  # the request's frames, at most frames_allowed of its type
     dropped: int = 0  # frames past that, received and let go
     dropped_bytes: int = 0
+
+    def refusal_code(self, max_frames: int) -> ErrorCode:
+        """TOO_LARGE past the frame limit of any message (`Limits.max_frames`), else BAD_REQUEST, as decoding
+        a message of too many frames answered before frames were counted by type."""
+        return ErrorCode.TOO_LARGE if len(self.body) + self.dropped > max_frames else ErrorCode.BAD_REQUEST
 
     @property
     def refusal(self) -> Optional[str]:
