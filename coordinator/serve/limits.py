@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 REQUEST_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 4096
-# asyncio accepts up to `backlog` connections per loop turn: a burst of thousands must not hold the loop that long
-ACCEPT_BACKLOG = 512
+# The listen queue: a burst of thousands of connections must not overflow it (a dropped SYN costs a client 1 s).
+# asyncio accepts up to this many per loop turn, but each accept only schedules its connection's setup.
+ACCEPT_BACKLOG = 4096
 MIN_BODY_BYTES = 1 << 20
 BODY_BYTES_PER_TOKEN = 64  # a prompt of max_context token ids ("123456, ") or of text (JSON escapes) fits easily
 
