@@ -523,7 +523,7 @@ def main() -> int:
     parser.add_argument("--frames", type=int, default=40, help="16 MiB frames in the many-frame message")
     parser.add_argument("--seed", type=int, default=19)
     parser.add_argument("--phases", default="http,shards",
-                        help="comma-separated: http, shards (frames included), frames (default: http,shards)")
+                        help="comma-separated: http, shards (all below), frames, kills, freezes (default: http,shards)")
     parser.add_argument("--json", type=Path, help="also write the table as JSON here")
     args = parser.parse_args()
     started = time.monotonic()
@@ -532,7 +532,7 @@ def main() -> int:
         try:
             chaos.start_server()
             phases = {"http": (chaos.health_baseline, chaos.big_body, chaos.junk, chaos.half_open, chaos.http_drops),
-                      "frames": (chaos.many_frames,),
+                      "frames": (chaos.many_frames,), "kills": (chaos.kill_trials,), "freezes": (chaos.freeze_trials,),
                       "shards": (chaos.many_frames, chaos.coordinator_kills, chaos.kill_trials, chaos.freeze_trials)}
             for group in args.phases.split(","):
                 for phase in phases[group]:
