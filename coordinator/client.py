@@ -57,11 +57,13 @@ class ShardError(RemoteError):
 class ShardTimeout(TimeoutError):
     """No reply from the daemon at `endpoint` within the timeout."""
 
-    def __init__(self, endpoint: str, what: str, timeout_s: float) -> None:
-        super().__init__(
-            f"{endpoint}: no reply to {what} within {timeout_s:g} s (is the daemon running? off loopback: are the "
-            f"CurveZMQ keys right?)"
-        )
+    def __init__(self, endpoint: str, what: str, timeout_s: float, connected: bool = False) -> None:
+        if connected:  # heartbeats answered all along: the daemon is there but has not answered this request
+            reason = ("the daemon is connected and answers heartbeats but is still busy with this or an earlier "
+                      "request (a long compute, or stuck: see its log)")
+        else:
+            reason = "is the daemon running? off loopback: are the CurveZMQ keys right?"
+        super().__init__(f"{endpoint}: no reply to {what} within {timeout_s:g} s ({reason})")
         self.endpoint = endpoint
         self.timeout_s = timeout_s
 
@@ -153,16 +155,30 @@ class ShardClient:
         if connect_timeout_s is None:
             connect_timeout_s = min(self.liveness_timeout_s, self.compute_timeout(record))
         wait_s = connect_timeout_s
-        # With IMMEDIATE a DEALER is writable only while a handshake-complete connection has room.
-        if not self._socket.poll(max(1, int(wait_s * 1000)), zmq.POLLOUT):
-            raise ShardUnavailable(self.endpoint, _describe(record), "no connection to the daemon", wait_s)
-        self._watch.update()  # drops before this request do not concern it
-        self._drops_at_send = self._watch.drops
+        self._await_connection(record, wait_s)
+        self._drops_at_send = self._watch.drops  # drops before this request do not concern it
         try:
             self._socket.send_multipart(encode_request(record), flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             raise ShardUnavailable(self.endpoint, _describe(record), "send queue full", 0) from None
         return record
+
+    def _await_connection(self, record: Request, wait_s: float) -> None:
+        """Until a connection is up: the monitor saw its handshake and no drop since (a socket still writable
+        into a connection the monitor already reported down would swallow the request), and it has room
+        (with IMMEDIATE a DEALER is writable only while a handshake-complete connection has room)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            self._watch.update()
+            if self._watch.up and self._socket.poll(0, zmq.POLLOUT):
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                reason = ("no connection to the daemon" if not self._watch.up
+                          else "the connection to the daemon stayed full")
+                raise ShardUnavailable(self.endpoint, _describe(record), reason, wait_s)
+            # the monitor wakes this on a handshake; a full connection is polled again shortly
+            self._watch.monitor.poll(max(1, int(min(remaining, 0.05) * 1000)))
 
     def compute_timeout(self, record: Request) -> float:
         """How long a reply to `record` may take while the daemon is alive: the base plus per token."""
@@ -182,7 +198,8 @@ class ShardClient:
         while True:
             remaining_ms = (deadline - time.monotonic()) * 1000
             if remaining_ms <= 0:
-                raise ShardTimeout(self.endpoint, what, timeout_s)
+                self._watch.update()
+                raise ShardTimeout(self.endpoint, what, timeout_s, connected=self._watch.up)
             events = dict(self._poller.poll(max(1, int(remaining_ms))))
             if self._socket not in events:
                 if self._watch.monitor in events:

@@ -23,6 +23,7 @@ from coordinator.acceptance import accept_length, commit_tokens
 from coordinator.drafters import Drafter
 from coordinator.sampling import TokenIds
 from coordinator.target import ReplayTarget, RollbackFailed, SequenceLost, Target
+from protocol import ErrorCode, RemoteError
 from protocol.layout import CHECKPOINT, REPLAY, ROLLBACK_MODES
 
 RECOVERY_TIMEOUT_S = 60.0  # how long a lost sequence is retried (a shard restarting, loading weights)
@@ -370,7 +371,10 @@ def _recover(
             target.open(seq)  # a Pipeline checks first that every shard is the one the sequence started on
             _refill(target, seq, history, prompt_len)
             break
-        except SequenceLost as error:
+        except (SequenceLost, RemoteError) as error:
+            if isinstance(error, RemoteError) and error.code is not ErrorCode.SEQUENCE_EXISTS:
+                raise
+            # SEQUENCE_EXISTS: a shard frozen while the sequence was closed holds it still; close it again
             waited = time.monotonic() - started
             if waited + RETRY_INTERVAL_S >= timeout_s:
                 raise RecoveryFailed(

@@ -55,6 +55,7 @@ from shardd.model.shard import ShardModel
 from shardd.model.state import SequenceState
 from shardd.head import HeadRequest, answer_rows
 from shardd.penalties import Penalties
+from shardd.receive import receive_request, release_memory
 from shardd.sampling import SamplingParams
 
 log = logging.getLogger("shardd")
@@ -605,14 +606,19 @@ class ShardDaemon:
                     next_sweep = time.monotonic() + 1.0
                 if not poller.poll(watchdog.poll_ms(100)):
                     continue
-                frames = socket.recv_multipart(copy=False)
-                envelope, body = split_envelope(frames)
+                received = receive_request(socket)  # frame by frame: no more frames held than the type allows
+                envelope, body = received.envelope, received.body
                 if not body:
                     continue  # an identity with nothing after it: nothing to answer
-                owner = frames[0].bytes
+                owner = envelope[0].bytes
                 if curve:  # the authenticated key outlives a reconnect; the routing id does not
-                    owner = b"curve:" + frames[-1].get("User-Id").encode()
-                reply = self.handle(body, owner, trusted_transport)
+                    owner = b"curve:" + body[0].get("User-Id").encode()
+                if received.refusal is not None:
+                    reply = self._error(peek_id(body), peek_type(body), received.refusal_code(self.limits.max_frames),
+                                        received.refusal, seq=None)
+                    release_memory()
+                else:
+                    reply = self.handle(body, owner, trusted_transport)
                 socket.send_multipart(envelope + reply, copy=False)
         finally:
             systemd.notify("STOPPING=1")
@@ -649,22 +655,14 @@ def listen(options: ServeOptions, max_frame_bytes: int) -> Listener:
 
     def configure(context, socket):
         socket.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT; IPv4 binds are unaffected
+        # A client that reconnects under its routing id (after a freeze or a network blip) takes the id over from
+        # the connection it left behind, instead of being ignored while that one lingers (PROTOCOL.md, "Liveness").
+        socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         return configure_security(context, socket, options)
 
     listener = bind(options.bind, max_message_bytes=max_bytes, configure=configure)
     restrict_ipc_socket(listener.endpoint)
     return listener
-
-
-def split_envelope(frames: list) -> tuple[list, list]:
-    """ROUTER frames -> (routing envelope, request frames). REQ clients add an empty delimiter; DEALERs may not."""
-    envelope = [frames[0]]
-    body = frames[1:]
-    # An empty first frame followed by more is a REQ delimiter; alone, it is an (invalid) empty header.
-    if len(body) > 1 and len(body[0].buffer) == 0:
-        envelope.append(body[0])
-        body = body[1:]
-    return envelope, body
 
 
 def configure_security(context, socket, options: ServeOptions):

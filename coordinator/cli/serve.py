@@ -10,6 +10,7 @@ from coordinator.cli.options import daemon_args_from, load_curve, shard_source_o
 from coordinator.cli.output import emit_json, progress
 from coordinator.cli.plan import connect_pipeline, dflash_daemon, make_plan, mode_daemon_args
 from coordinator.pipeline import PipelineError
+from coordinator.serve.limits import ACCEPT_BACKLOG, MAX_CONNECTIONS, REQUEST_TIMEOUT_S
 from coordinator.tokenizer import TokenizerUnavailable, load_tokenizer
 from protocol.layout import CHECKPOINT, ROLLBACK_MODES
 
@@ -29,13 +30,20 @@ from protocol.layout import CHECKPOINT, ROLLBACK_MODES
 @click.option("--rollback", type=click.Choice(ROLLBACK_MODES), default=CHECKPOINT, show_default=True)
 @click.option("--log-level", type=click.Choice(("critical", "error", "warning", "info", "debug")), default="info",
               show_default=True)
+@click.option("--max-body-bytes", type=click.IntRange(1024), metavar="BYTES",
+              help="Largest request body; larger ones are answered 413 unread (default: room for a prompt of the "
+                   "whole context, at least 1 MiB).")
+@click.option("--request-timeout", type=click.FloatRange(0.1), default=REQUEST_TIMEOUT_S, show_default=True,
+              metavar="SECONDS", help="A request's headers and body must arrive within this; slower ones are closed.")
+@click.option("--max-connections", type=click.IntRange(16), default=MAX_CONNECTIONS, show_default=True,
+              help="Open HTTP connections at most (the open-file limit is raised to fit); more are answered 503.")
 @click.option("--json", "as_json", is_flag=True, help="Once the shards are ready, print what is served as one JSON line.")
 @click.option("--api-key", envvar=["SHARDCTL_API_KEY", "VLLM_API_KEY"], show_envvar=True,
               help="Clients must send 'Authorization: Bearer KEY' on /v1 and the tokenizer routes (/health and "
                    "/metrics stay open); required when --host is not loopback.")
 def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
           curve_client_key, host, port, tokenizer_dir, served_model_name, drafter, draft_shard, draft, block_size,
-          rollback, log_level, as_json, api_key):
+          rollback, log_level, max_body_bytes, request_timeout, max_connections, as_json, api_key):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
     /version, /health, /metrics).
 
@@ -49,6 +57,8 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
     from coordinator.serve.app import build_app
     from coordinator.serve.chat import load_chat_template
     from coordinator.serve.engine import Engine, generation_defaults
+    from coordinator.serve.frontdoor import GuardedH11Protocol, install_log_filter
+    from coordinator.serve.limits import FrontDoorLimits, connection_budget, default_max_body_bytes
 
     from coordinator.serve.auth import is_loopback_host
 
@@ -85,7 +95,14 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
         if as_json:
             emit_json({"url": f"http://{host}:{port}/v1", "model": name, "shards": list(endpoints),
                        "max_context": engine.max_context, "max_sequences": engine.max_sequences, "drafter": drafter})
+        limits = FrontDoorLimits(max_body_bytes=max_body_bytes or default_max_body_bytes(engine.max_context),
+                                 request_timeout_s=request_timeout, max_connections=connection_budget(max_connections))
+        if limits.max_connections < max_connections:
+            progress(f"the open-file limit allows {limits.max_connections} connections, not {max_connections}")
         try:
-            uvicorn.Server(uvicorn.Config(build_app(engine, api_key), host=host, port=port, log_level=log_level)).run()
+            config = uvicorn.Config(build_app(engine, api_key, limits), host=host, port=port, log_level=log_level,
+                                    http=GuardedH11Protocol.configured(limits), backlog=ACCEPT_BACKLOG)
+            install_log_filter()  # after uvicorn set its loggers up
+            uvicorn.Server(config).run()
         finally:
             engine.close()

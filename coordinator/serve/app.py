@@ -7,10 +7,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 from typing import AsyncIterator, Optional, Union
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -19,6 +20,8 @@ from coordinator.serve.auth import authorized, needs_key
 from coordinator.serve.chat import ChatTemplateError
 from coordinator.serve.engine import Engine, GenerateParams, RequestError
 from coordinator.serve.logprobs import chat_logprobs, completion_logprobs
+from coordinator.serve.frontdoor import OffLoopRoute, RequestGuard
+from coordinator.serve.limits import FrontDoorLimits, default_max_body_bytes
 from coordinator.serve.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -47,6 +50,10 @@ from coordinator.serve.protocol import (
 from coordinator.serve.tools import ToolCallStream, ToolError, check_tool_choice, parse_tool_calls, template_messages
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default
+HEALTH_FRESH_S = 1.0  # /health checks the shards again once its last check is this old
+HEALTH_STALE_S = 5.0  # and waits for that check only when the last one is older than this
+
+log = logging.getLogger("shardctl.serve")
 
 
 def error_response(status: int, message: str, kind: str = "BadRequestError", param: Optional[str] = None) -> JSONResponse:
@@ -117,16 +124,25 @@ async def complete_all(engine: Engine, choices: list[GenerateParams]) -> list:
     return [task.result() for task in tasks]
 
 
-def build_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
+def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[FrontDoorLimits] = None) -> FastAPI:
     from shardd import __version__
 
     app = FastAPI(title="shardd", description="OpenAI-compatible API over shardd shard daemons")
+    app.router.route_class = OffLoopRoute  # request bodies are parsed on a worker thread
     metrics = engine.metrics
+    limits = limits or FrontDoorLimits(max_body_bytes=default_max_body_bytes(engine.max_context))
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, error: RequestError):
         metrics.requests.labels(request.url.path, "400").inc()
         return error_response(400, str(error), param=getattr(error, "param", None))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException):
+        metrics.requests.labels(request.url.path, str(error.status_code)).inc()
+        kind = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError"}.get(error.status_code,
+                                                                                              "HTTPError")
+        return error_response(error.status_code, str(error.detail), kind, getattr(error, "param", None))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError):
@@ -134,9 +150,22 @@ def build_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
         message, param = validation_message(error)
         return error_response(400, message, param=param)
 
+    checked = {"at": -HEALTH_STALE_S, "answer": None, "refresh": None}
+
+    async def refresh_health():
+        checked["answer"] = await asyncio.to_thread(engine.health)
+        checked["at"] = time.monotonic()
+
     @app.get("/health")
     async def health():
-        ready, body = await asyncio.to_thread(engine.health)
+        # A probe storm costs one shard check per HEALTH_FRESH_S; an answer up to HEALTH_STALE_S old is served
+        # at once while the next check runs, so /health stays fast whatever the shards take to answer.
+        age = time.monotonic() - checked["at"]
+        if age > HEALTH_FRESH_S and (checked["refresh"] is None or checked["refresh"].done()):
+            checked["refresh"] = asyncio.ensure_future(refresh_health())
+        if age > HEALTH_STALE_S:
+            await asyncio.shield(checked["refresh"])
+        ready, body = checked["answer"]
         return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")
@@ -207,7 +236,7 @@ def build_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
             prompt = prompt[0]
         if body.echo and body.logprobs is not None:
             refuse("'echo' with 'logprobs' asks for prompt logprobs, which this server does not compute", "echo")
-        ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = await asyncio.to_thread(engine.tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
         choices = params_of(body, ids, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs)
         prefix = (prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids)) if body.echo else ""
         route = "/v1/completions"
@@ -264,8 +293,7 @@ def build_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
         if tools:
             extra["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
         try:
-            text = engine.chat_template.render(template_messages(messages),
-                                               add_generation_prompt=add_generation_prompt, **extra)
+            text = engine.chat_template.render(template_messages(messages), add_generation_prompt, **extra)
         except (ChatTemplateError, ValueError) as error:
             raise RequestError(str(error)) from None
         return engine.tokenizer.encode(text)
@@ -281,7 +309,8 @@ def build_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
             parse_tools = check_tool_choice(body.tools, body.tool_choice)
         except ToolError as error:
             refuse(str(error), "tool_choice")
-        ids = chat_prompt(body.messages, body.tools, body.add_generation_prompt, body.chat_template_kwargs)
+        ids = await asyncio.to_thread(  # on a worker thread: a template and a tokenizer take time
+            chat_prompt, body.messages, body.tools, body.add_generation_prompt, body.chat_template_kwargs)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
         choices = params_of(body, ids, max_tokens, engine.max_context - len(ids), top)
@@ -365,6 +394,7 @@ def build_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
             metrics.requests.labels(route, "200").inc()
         except Exception as error:  # noqa: BLE001 - reported to the client in the stream
             metrics.requests.labels(route, "500").inc()
+            log.error("500 in a stream of %s: %s: %s", route, type(error).__name__, error, exc_info=error)
             body = ErrorResponse(error=ErrorInfo(message=str(error), type="InternalServerError", code=500))
             yield None, sse(body.model_dump_json()) + sse("[DONE]")
         finally:
@@ -399,6 +429,8 @@ def build_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
             return await call_next(request)
         except Exception as error:  # noqa: BLE001 - a shard failure outside a stream: an OpenAI error object
             metrics.requests.labels(request.url.path, "500").inc()
+            log.error("500 for %s %s: %s: %s", request.method, request.url.path, type(error).__name__, error,
+                      exc_info=error)
             return error_response(500, f"{type(error).__name__}: {error}", "InternalServerError")
 
     if api_key:
@@ -411,4 +443,9 @@ def build_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
                                       "AuthenticationError")
             return await call_next(request)
 
+    def cancelled(path: str) -> None:
+        metrics.requests.labels(path, "499").inc()  # nginx's "client closed request"
+        log.info("client went away: request to %s cancelled, its sequence closed", path)
+
+    app.add_middleware(RequestGuard, max_body_bytes=limits.max_body_bytes, on_cancel=cancelled)
     return app

@@ -34,15 +34,25 @@ class ChatTemplate:
         self.special_tokens = special_tokens
         self.origin = origin
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, /, **kwargs: Any) -> str:
         from jinja2.exceptions import TemplateError
 
+        # What the server itself passes the template is not the client's to replace (chat_template_kwargs).
+        reserved = sorted(set(kwargs) & ({"messages", "add_generation_prompt", *self.special_tokens}
+                                         | set(self.template.environment.globals)))
+        if reserved:
+            raise ChatTemplateError(f"chat_template_kwargs.{reserved[0]} is set by the server and cannot be "
+                                    f"given: {', '.join(reserved)}")
         try:
             return self.template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **kwargs
             )
         except TemplateError as error:
             raise ChatTemplateError(f"the chat template refused the messages: {error}") from None
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, ArithmeticError, RecursionError) as error:
+            # a kwarg of a type the template does not expect fails inside it: the request's fault, not a 500
+            raise ChatTemplateError(f"the chat template failed on these messages or chat_template_kwargs: "
+                                    f"{type(error).__name__}: {error}") from None
 
 
 def _token_text(value: Any) -> Optional[str]:

@@ -169,6 +169,8 @@ class Engine:
     def sampling(self, temperature, top_p, top_k, seed, **extras) -> Sampling:
         """`extras`: penalties and logprobs (coordinator.sampling.Sampling's fields); None: the default."""
         pick = lambda value, key, default: value if value is not None else self.defaults.get(key, default)  # noqa: E731
+        if top_k is not None and top_k >= self.vocab_size:
+            top_k = 0  # at least the whole vocabulary: all tokens (the wire carries top_k below 2**31)
         try:
             return Sampling.make(pick(temperature, "temperature", 1.0), pick(top_p, "top_p", None),
                                  pick(top_k, "top_k", None), seed,

@@ -141,7 +141,10 @@ class ChatMessage(OpenAIModel):
         for part in self.content:
             if part.get("type") != "text":
                 raise ValueError(f"only text content parts are supported, got {part.get('type')!r}")
-            parts.append(part.get("text", ""))
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise ValueError(f"a text content part's `text` must be a string, got {type(text).__name__}")
+            parts.append(text)
         return "".join(parts)
 
 
