@@ -350,8 +350,10 @@ class FailingEngine:
     def check_prompt(self, ids):
         pass
 
-    def sampling(self, *args):
-        return None
+    def sampling(self, *args, **extras):
+        from coordinator.sampling import GREEDY
+
+        return GREEDY
 
     async def complete(self, params):
         raise RuntimeError("shard tcp://127.0.0.1:1 went away")
