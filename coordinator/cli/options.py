@@ -7,6 +7,7 @@ from typing import Optional
 import click
 
 from coordinator.client import CurveKeys
+from coordinator.decoding import RECOVERY_TIMEOUT_S
 from coordinator.launch import TRANSPORTS
 from protocol.layout import SHARD_ROLLBACK_MODES
 
@@ -15,6 +16,19 @@ EXIT_FAILURE, EXIT_DIFFER = 1, 3
 # Seconds to wait for a shard's reply, the same for every command (a first step on a GPU may compile kernels).
 TIMEOUT_S = 60.0
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+class MissingExtra(RuntimeError):
+    """A command needs an optional dependency that is not installed: name it and the command that installs it."""
+
+    def __init__(self, module: str, extra: str) -> None:
+        super().__init__(f"this command needs {module!r}, from shardd's {extra!r} extra: pip install 'shardd[{extra}]' "
+                         f"(from a clone: pip install -e '.[{extra}]')")
+
+
+recovery_timeout_option = click.option(
+    "--recovery-timeout", type=click.FloatRange(0), default=RECOVERY_TIMEOUT_S, show_default=True,
+    help="Seconds a lost shard is retried (restarted on its endpoint, re-filled from the history) before giving up.")
 
 
 def parse_ids(text: str, what: str) -> list[int]:
