@@ -99,3 +99,32 @@ def start_authenticator(context, allow_dir: str):
     authenticator.start()
     authenticator.configure_curve(domain="*", location=allow_dir)
     return authenticator
+
+
+def log_refused_handshakes(server: zmq.Socket) -> None:
+    """Log every handshake a Curve server refuses before ZAP sees it: a client that sent no Curve keys (libzmq's
+    mechanism mismatch) is otherwise refused in silence. A thread reads the socket's monitor until it closes."""
+    import threading
+
+    from zmq.utils.monitor import recv_monitor_message
+
+    monitor = server.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+
+    def watch() -> None:
+        try:
+            while not server.closed:
+                if monitor.poll(200):
+                    event = recv_monitor_message(monitor)
+                    if event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                        log.warning("refused a handshake on %s: the client sent no CurveZMQ keys (this daemon requires "
+                                    "Curve; give shardctl --curve-server-key and --curve-client-key)",
+                                    event["endpoint"].decode("utf-8", "replace"))
+                    else:
+                        log.warning("refused a handshake on %s: ZMTP protocol error %#x",
+                                    event["endpoint"].decode("utf-8", "replace"), event["value"])
+        except zmq.ZMQError:
+            pass  # the context is going away
+        finally:
+            monitor.close(linger=0)
+
+    threading.Thread(target=watch, name="handshake-log", daemon=True).start()

@@ -75,8 +75,8 @@ def shard_source_options(func):
     """--shards | --model/--synthetic with --split/--layers, for commands that use shards."""
     return _apply([
         click.option("--shards", metavar="EP,EP,...", help="Endpoints of running shard daemons."),
-        click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False),
-                     help="Checkpoint directory: launch local shards for it."),
+        click.option("--model", "model_dir", metavar="DIR|ORG/NAME",
+                     help="Checkpoint directory or Hugging Face model id (downloaded to its cache): launch local shards for it."),
         click.option("--synthetic", metavar="PRESET[:SEED]", help="Synthetic model: launch local shards for it."),
         click.option("--split", type=click.IntRange(1), help="Launch this many shards, layers split evenly."),
         click.option("--layers", "layer_spec", metavar="B:E,B:E,...", help="Launch shards for these layer ranges."),
