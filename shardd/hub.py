@@ -58,3 +58,14 @@ def resolve_model(spec: str) -> str:
                             f"cache ({constants.HF_HUB_CACHE})") from None
     except (HfHubHTTPError, OSError) as error:  # the hub unreachable mid-download, a full disk, ...
         raise ModelNotFound(f"cannot get {repo_id} from the Hugging Face hub: {error}") from None
+
+
+def model_name(model_dir: str | Path) -> str:
+    """The name a model is served as: the hub id for a snapshot in the hub cache (as vLLM serves it), else the
+    directory's name."""
+    path = Path(model_dir).resolve()
+    repo = path.parent.parent.name if path.parent.name == "snapshots" else ""
+    if repo.startswith("models--") and repo.count("--") >= 2:
+        _, org, name = repo.split("--", 2)
+        return f"{org}/{name}"
+    return path.name

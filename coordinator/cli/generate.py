@@ -282,6 +282,9 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
                 on_commit=stream, draft_client=draft_client, sampling=sampling, recovery_timeout_s=recovery_timeout,
             )
             record = generation_record(generation, tokenizer, pipeline.shards, eos_ids)
+            if record.get("recoveries"):  # on stderr also under --json: a shard went away and came back
+                progress(f"recovered {record['recoveries']} time(s): a shard was lost and its sequence re-filled "
+                         f"from the committed tokens (the output is unchanged)")
     if as_json:
         emit_json(record)
     else:

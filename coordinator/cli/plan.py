@@ -15,7 +15,8 @@ import click
 
 from coordinator.cli.options import parse_list
 from coordinator.cli.output import progress
-from coordinator.client import CurveKeys, ShardClient, ShardTimeout
+from coordinator.client import CurveKeys, ShardClient, ShardTimeout, ShardUnavailable
+from coordinator.liveness import LIVENESS_TIMEOUT_S
 from coordinator.launch import ShardSet, drafter_set, launched_sets
 from coordinator.pipeline import Pipeline, PipelineError
 from protocol import Hello
@@ -256,7 +257,15 @@ def hello_or_wait(client: ShardClient, timeout: float, *, wait_to_start: bool = 
     if reason is not None:
         waited = f" after {time.monotonic() - started:.0f} s" if wait_to_start else ""
         raise ShardUnreachable(f"{client.endpoint}: nothing is listening ({reason}){waited}; is the daemon running?")
-    sent = client.send(Hello(id=0))
+    try:
+        sent = client.send(Hello(id=0), max(0.001, min(1.0, deadline - time.monotonic())))
+    except ShardUnavailable:  # listening, but no handshake within a second: a refused one, or a busy daemon
+        refusal = handshake_refusal(client.endpoint, curve)
+        if refusal is not None:
+            raise ShardUnreachable(f"{client.endpoint}: {refusal}") from None
+        if time.monotonic() >= deadline:
+            raise
+        sent = client.send(Hello(id=0), max(0.001, min(LIVENESS_TIMEOUT_S, deadline - time.monotonic())))
     try:
         return client.receive(sent, max(0.001, min(1.0, deadline - time.monotonic()))).result
     except ShardTimeout:

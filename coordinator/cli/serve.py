@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import click
 
@@ -18,6 +17,7 @@ from coordinator.cli.output import emit_json, progress
 from coordinator.cli.plan import connect_pipeline, dflash_daemon, make_plan, mode_daemon_args
 from coordinator.pipeline import PipelineError
 from coordinator.tokenizer import TokenizerUnavailable, load_tokenizer, synthetic_preset
+from shardd.hub import model_name
 from protocol.layout import CHECKPOINT, ROLLBACK_MODES
 
 
@@ -91,8 +91,8 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
             config = tokenizer_config()
             special = {key: config[key] or "" for key in ("bos_token", "eos_token", "pad_token", "unk_token")}
             template = ChatTemplate(chat_template(), special, "shardd/chat_template.jinja (the synthetic model's)")
-        # The model's name, as vLLM serves it: the directory's, a synthetic model's preset, else "shardd".
-        name = served_model_name or (Path(source_dir).resolve().name if source_dir else
+        # The model's name: the directory's (a hub snapshot's: its id, as vLLM serves it), a synthetic preset's.
+        name = served_model_name or (model_name(source_dir) if source_dir else
                                      f"synthetic-{preset}" if preset else "shardd")
         try:
             engine = Engine(endpoints, tokenizer, model_name=name, drafter=drafter, rollback=rollback,
