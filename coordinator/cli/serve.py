@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import click
 
 from coordinator.cli.options import (
@@ -43,8 +42,8 @@ from protocol.layout import CHECKPOINT, ROLLBACK_MODES
               show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Once the shards are ready, print what is served as one JSON line.")
 def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
-          curve_client_key, max_sequences, max_context, max_tokens_per_request, recovery_timeout, host, port, tokenizer_dir, served_model_name, drafter, draft_shard, draft, block_size,
-          rollback, log_level, as_json):
+          curve_client_key, max_sequences, max_context, max_tokens_per_request, recovery_timeout, host, port,
+          tokenizer_dir, served_model_name, drafter, draft_shard, draft, block_size, rollback, log_level, as_json):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
 
     \b
