@@ -135,11 +135,11 @@ def print_demo(record: dict) -> None:
             f"{run['rollbacks']['fast']}/{run['rollbacks']['fallback']}/{run['rollbacks']['replays']}",
             run["sha256"][:16], "yes" if run["sha256"] == reference else "NO",
         ])
-    click.echo(f"model: {record['model']} (synthetic `small`: random weights, so its text is made-up words; "
-               f"its tokens are what count)")
+    click.echo(f"model: {record['model']} (synthetic `small`: random weights, so its text is gibberish, often one "
+               f"token repeated; its tokens are what count)")
     click.echo(f"shards: {', '.join(f'{b}:{e}' for b, e in record['shards'])}; prompt: {record['prompt']!r} "
                f"({record['prompt_tokens']} tokens)")
-    click.echo(f"text: {record['prompt']}{record['runs'][0]['text']}\n")
+    click.echo(f"text: {record['prompt'] + record['runs'][0]['text']!r}\n")
     click.echo(format_table(
         ["DRAFTER", "ROLLBACK", "TOKENS", "STEPS", "ACCEPT", "AVG COMMIT", "DECODE TOK/S", "FAST/FALLBACK/REPLAY",
          "SHA256", "SAME"], rows))
