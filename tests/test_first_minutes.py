@@ -327,6 +327,7 @@ def test_a_failed_launch_leaves_nothing_in_the_temp_dir(made, tmp_path):
 
 
 def test_a_curve_shard_tells_a_client_without_keys_and_logs_the_refusal(tmp_path):
+    import zmq
     import zmq.auth
 
     from coordinator.client import CurveKeys
@@ -344,9 +345,14 @@ def test_a_curve_shard_tells_a_client_without_keys_and_logs_the_refusal(tmp_path
         output = one_line_error(shardctl("generate", "--shards", shard.endpoint, "--prompt", "x", "--timeout", 10), 1)
         assert "the shard wants CurveZMQ keys: give --curve-server-key" in output
         assert time.monotonic() - started < 5
-        deadline = time.monotonic() + 5
-        while "the client sent no CurveZMQ keys" not in shard.log_tail() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        keyless = zmq.Context.instance().socket(zmq.DEALER)  # a client without keys, retrying as libzmq does
+        keyless.connect(shard.endpoint)
+        try:
+            deadline = time.monotonic() + 10
+            while "the client sent no CurveZMQ keys" not in shard.log_tail() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        finally:
+            keyless.close(linger=0)
         assert "the client sent no CurveZMQ keys" in shard.log_tail()
 
 
@@ -358,12 +364,14 @@ def test_every_command_spells_rollback_mode_and_serve_takes_the_launch_options()
         help_text = shardctl(command, "--help").output
         assert "--rollback-mode" in help_text, command
     serve_help, launch_help = shardctl("serve", "--help").output, shardctl("launch", "--help").output
-    for option in ("--max-context", "--max-sequences", "--max-tokens-per-request", "--recovery-timeout"):
+    for option in ("--max-context", "--max-sequences", "--max-tokens-per-request", "--recovery-timeout",
+                   "--liveness-timeout"):
         assert option in serve_help, option
     for option in re.findall(r"^\s+(--[a-z-]+)", launch_help, re.M):
         if option not in ("--split", "--layers", "--ready-timeout", "--max-verify-tokens", "--json", "--help"):
             assert option in serve_help, option
     assert "--recovery-timeout" in shardctl("generate", "--help").output
+    assert "--liveness-timeout" in shardctl("generate", "--help").output
 
 
 def test_readme_and_example_env_agree_and_the_systemd_recipe_installs_torch_first():
@@ -377,12 +385,19 @@ def test_readme_and_example_env_agree_and_the_systemd_recipe_installs_torch_firs
 
 def test_health_answers_within_a_second_with_a_shard_down_and_a_stopped_serve_leaves_no_temp_dir(server):
     down = server.record["shards"][1]
-    record = json.loads(shardctl("status", "--shards", down, "--json").stdout)
-    os.kill(record["shards"][0]["hello"]["pid"], signal.SIGKILL)  # a daemon this test's server launched
-    time.sleep(0.5)
-    started = time.monotonic()
-    response = httpx.get(server.url + "/health", timeout=10)
-    assert response.status_code == 503 and time.monotonic() - started < 1.5
-    assert down in response.json()["shards"] and "error" in response.json()["shards"][down]
+    pid = json.loads(shardctl("status", "--shards", down, "--json").stdout)["shards"][0]["hello"]["pid"]
+    os.kill(pid, signal.SIGSTOP)  # a daemon this test's server launched: stopped, its socket still accepts
+    try:
+        started = time.monotonic()
+        response = httpx.get(server.url + "/health", timeout=10)
+        assert response.status_code == 503 and time.monotonic() - started < 1.5
+        assert down in response.json()["shards"] and "error" in response.json()["shards"][down]
+
+        started = time.monotonic()  # the liveness window is an option: 1 s here, not the default 5 s
+        result = shardctl("generate", "--shards", ",".join(server.record["shards"]), "--prompt", "x",
+                          "--liveness-timeout", 1, "--recovery-timeout", 1)
+        assert down in one_line_error(result, 1) and time.monotonic() - started < 4.5
+    finally:
+        os.kill(pid, signal.SIGKILL)
     assert server.stop() in (0, 128 + signal.SIGTERM, -signal.SIGTERM)
     assert list(server.tmpdir.iterdir()) == []

@@ -20,6 +20,7 @@ from coordinator.cli.options import (
     launched_capacity_options,
     load_curve,
     parse_ids,
+    liveness_timeout_option,
     recovery_timeout_option,
     shard_source_options,
 )
@@ -210,12 +211,13 @@ def describe_generation(record: dict) -> str:
 @click.option("--seed", type=click.IntRange(0, (1 << 63) - 1), default=None,
               help="Sampling seed: the same seed gives the same output (default: a random one).")
 @recovery_timeout_option
+@liveness_timeout_option
 @click.option("--ids", "print_ids", is_flag=True, help="Stream token ids instead of text.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of streaming.")
 def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
              curve_client_key, max_sequences, max_context, prompt, prompt_ids, tokenizer_dir, max_new_tokens, drafter,
              draft_shard, draft, block_size, rollback, mean_commit, oracle_seed, ignore_eos, temperature, top_p, top_k,
-             seed, recovery_timeout, print_ids, as_json):
+             seed, recovery_timeout, liveness_timeout, print_ids, as_json):
     """Generate greedily (or sampling, --temperature), speculating with a drafter; stream the text as tokens commit.
 
     \b
@@ -246,8 +248,9 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
             contextlib.ExitStack() as stack:
         draft_client = None
         if draft_endpoint is not None:
-            draft_client = stack.enter_context(ShardClient(draft_endpoint, timeout_s=timeout, curve=curve))
-        with connect_pipeline(endpoints, timeout, curve) as pipeline:
+            draft_client = stack.enter_context(ShardClient(draft_endpoint, timeout_s=timeout, curve=curve,
+                                                           liveness_timeout_s=liveness_timeout))
+        with connect_pipeline(endpoints, timeout, curve, liveness_timeout) as pipeline:
             if speculating:
                 try:
                     pipeline.check_speculation(rollback, block_size)

@@ -9,6 +9,7 @@ import click
 from coordinator.client import CurveKeys
 from coordinator.decoding import RECOVERY_TIMEOUT_S
 from coordinator.launch import TRANSPORTS
+from coordinator.liveness import LIVENESS_TIMEOUT_S
 from protocol.layout import SHARD_ROLLBACK_MODES
 
 # Exit codes besides click's 2 for a usage error.
@@ -29,6 +30,11 @@ class MissingExtra(RuntimeError):
 recovery_timeout_option = click.option(
     "--recovery-timeout", type=click.FloatRange(0), default=RECOVERY_TIMEOUT_S, show_default=True,
     help="Seconds a lost shard is retried (restarted on its endpoint, re-filled from the history) before giving up.")
+
+
+liveness_timeout_option = click.option(
+    "--liveness-timeout", type=click.FloatRange(0.1), default=LIVENESS_TIMEOUT_S, show_default=True,
+    help="Seconds without a heartbeat (or a connection) after which a shard counts as down, apart from compute time.")
 
 
 def parse_ids(text: str, what: str) -> list[int]:

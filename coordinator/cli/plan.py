@@ -203,39 +203,37 @@ START_GRACE_S = 10.0
 
 
 def handshake_refusal(endpoint: str, curve: Optional[CurveKeys], wait_s: float = 1.0) -> Optional[str]:
-    """Why the daemon at `endpoint` refuses this client's ZeroMQ handshake (Curve wanted and not given, or the
-    other way round, or a key it does not allow), from libzmq's monitor events; None when it completes or nothing
-    is said within `wait_s`. A refused handshake otherwise looks like a daemon that does not answer."""
-    import zmq
-    from zmq.utils.monitor import recv_monitor_message
-
-    context = zmq.Context.instance()
-    probe = context.socket(zmq.DEALER)
-    probe.linger = 0
-    if curve is not None:
-        probe.curve_serverkey, probe.curve_publickey, probe.curve_secretkey = curve.server_public, curve.public, curve.secret
-    monitor = probe.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                       | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-    try:
-        probe.connect(endpoint)
-        deadline = time.monotonic() + wait_s
-        while monitor.poll(max(0, int((deadline - time.monotonic()) * 1000))):
-            event = recv_monitor_message(monitor)
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                return None
-            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                return ("the shard refused this client's CurveZMQ key: its public key must be in the daemon's "
-                        "--curve-allow directory")
-            if event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-                if curve is None:
-                    return ("the shard wants CurveZMQ keys: give --curve-server-key (the shard's NAME.key) and "
-                            "--curve-client-key (this client's NAME.key_secret, allowed by the daemon)")
-                return "the shard does not use CurveZMQ: leave out --curve-server-key and --curve-client-key"
+    """Why the daemon at a tcp:// endpoint refuses this client's ZeroMQ handshake (CurveZMQ wanted and not given,
+    or the other way round), read from the security mechanism in its ZMTP greeting; None when the mechanisms
+    agree or nothing is said within `wait_s`. A refused handshake otherwise looks like a daemon that is silent.
+    (libzmq's monitor events race with the connection reset the refusal causes; the greeting does not.)"""
+    if not endpoint.startswith("tcp://"):
         return None
-    finally:
-        probe.disable_monitor()
-        monitor.close(linger=0)
-        probe.close(linger=0)
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=wait_s) as probe:
+            probe.sendall(ZMTP_SIGNATURE + bytes((3, 1)))  # ZMTP 3.1: the daemon answers with its whole greeting
+            greeting = b""
+            while len(greeting) < 32:
+                chunk = probe.recv(64 - len(greeting))
+                if not chunk:
+                    break
+                greeting += chunk
+    except (OSError, ValueError):
+        return None
+    if len(greeting) < 32 or greeting[:1] != b"\xff":
+        return None
+    mechanism = greeting[12:32].rstrip(b"\0").decode("ascii", "replace")
+    if mechanism == "CURVE" and curve is None:
+        return ("the shard wants CurveZMQ keys: give --curve-server-key (the shard's NAME.key) and "
+                "--curve-client-key (this client's NAME.key_secret, allowed by the daemon)")
+    if mechanism == "NULL" and curve is not None:
+        return "the shard does not use CurveZMQ: leave out --curve-server-key and --curve-client-key"
+    return None
+
+
+# A ZMTP 3 greeting starts with this signature, then the version (major, minor) and the mechanism name (RFC 23).
+ZMTP_SIGNATURE = b"\xff" + bytes(8) + b"\x7f"
 
 
 def hello_or_wait(client: ShardClient, timeout: float, *, wait_to_start: bool = True,
@@ -265,7 +263,7 @@ def hello_or_wait(client: ShardClient, timeout: float, *, wait_to_start: bool = 
             raise ShardUnreachable(f"{client.endpoint}: {refusal}") from None
         if time.monotonic() >= deadline:
             raise
-        sent = client.send(Hello(id=0), max(0.001, min(LIVENESS_TIMEOUT_S, deadline - time.monotonic())))
+        sent = client.send(Hello(id=0), max(0.001, min(client.liveness_timeout_s, deadline - time.monotonic())))
     try:
         return client.receive(sent, max(0.001, min(1.0, deadline - time.monotonic()))).result
     except ShardTimeout:
@@ -282,11 +280,12 @@ def hello_or_wait(client: ShardClient, timeout: float, *, wait_to_start: bool = 
         raise ShardTimeout(client.endpoint, "HELLO", timeout) from None
 
 
-def connect_pipeline(endpoints: Sequence[str], timeout: float, curve: Optional[CurveKeys] = None) -> Pipeline:
+def connect_pipeline(endpoints: Sequence[str], timeout: float, curve: Optional[CurveKeys] = None,
+                     liveness_timeout: float = LIVENESS_TIMEOUT_S) -> Pipeline:
     for endpoint in endpoints:
-        with ShardClient(endpoint, timeout_s=timeout, curve=curve) as client:
+        with ShardClient(endpoint, timeout_s=timeout, curve=curve, liveness_timeout_s=liveness_timeout) as client:
             hello_or_wait(client, timeout, curve=curve)
     try:
-        return Pipeline.connect(endpoints, timeout_s=timeout, curve=curve)
+        return Pipeline.connect(endpoints, timeout_s=timeout, curve=curve, liveness_timeout_s=liveness_timeout)
     except PipelineError as error:
         raise click.UsageError(str(error)) from None

@@ -9,6 +9,7 @@ from coordinator.cli.options import (
     daemon_args_from,
     launched_capacity_options,
     load_curve,
+    liveness_timeout_option,
     recovery_timeout_option,
     shard_source_options,
 )
@@ -26,6 +27,7 @@ from protocol.layout import CHECKPOINT, ROLLBACK_MODES
 @click.option("--max-tokens-per-request", type=click.IntRange(1), default=None,
               help="Tokens one request to a launched shard may carry (shardd's default).")
 @recovery_timeout_option
+@liveness_timeout_option
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the HTTP server listens on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(exists=True, file_okay=False),
@@ -42,8 +44,8 @@ from protocol.layout import CHECKPOINT, ROLLBACK_MODES
               show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Once the shards are ready, print what is served as one JSON line.")
 def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
-          curve_client_key, max_sequences, max_context, max_tokens_per_request, recovery_timeout, host, port,
-          tokenizer_dir, served_model_name, drafter, draft_shard, draft, block_size, rollback, log_level, as_json):
+          curve_client_key, max_sequences, max_context, max_tokens_per_request, recovery_timeout, liveness_timeout,
+          host, port, tokenizer_dir, served_model_name, drafter, draft_shard, draft, block_size, rollback, log_level, as_json):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
 
     \b
@@ -74,7 +76,7 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
         raise click.UsageError("--draft-shard and --draft go with --drafter dflash")
     curve = load_curve(curve_server_key, curve_client_key)
     with plan.running_with_drafter(mode_daemon_args(rollback, block_size, speculating)) as (endpoints, draft_endpoint):
-        with connect_pipeline(endpoints, timeout, curve) as pipeline:
+        with connect_pipeline(endpoints, timeout, curve, liveness_timeout) as pipeline:
             try:
                 tokenizer = load_tokenizer(tokenizer_dir or plan.model_dir, pipeline.vocab_size, pipeline.shards,
                                            given=tokenizer_dir is not None)
@@ -96,10 +98,10 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
         try:
             engine = Engine(endpoints, tokenizer, model_name=name, drafter=drafter, rollback=rollback,
                             block_size=block_size, timeout=timeout, curve=curve, draft_endpoint=draft_endpoint,
-                            eos_ids=eos_ids, chat_template=template, defaults=generation_defaults(source_dir))
+                            eos_ids=eos_ids, chat_template=template, defaults=generation_defaults(source_dir),
+                            recovery_timeout_s=recovery_timeout, liveness_timeout_s=liveness_timeout)
         except (PipelineError, ValueError) as error:
             raise click.UsageError(str(error)) from None
-        engine.recovery_timeout_s = recovery_timeout
         progress(f"tokenizer: {tokenizer.source}; chat template: {template.origin if template else 'none'}; "
                  f"model {name!r}, {len(endpoints)} shards, context {engine.max_context}, "
                  f"{engine.max_sequences} concurrent sequences, drafter {drafter}")

@@ -21,6 +21,7 @@ from typing import AsyncIterator, Callable, Optional, Sequence
 from coordinator.client import ShardClient
 from coordinator.decoding import RECOVERY_TIMEOUT_S, DecodeResult, StopDecoding, greedy_decode, speculative_decode
 from coordinator.drafters import make_drafter
+from coordinator.liveness import LIVENESS_TIMEOUT_S
 from coordinator.pipeline import Pipeline, PipelineError
 from coordinator.sampling import Sampling
 from coordinator.serve.metrics import ServeMetrics
@@ -73,7 +74,6 @@ def generation_defaults(model_dir: Optional[str]) -> dict:
 
 
 class Engine:
-    recovery_timeout_s = RECOVERY_TIMEOUT_S  # shardctl serve --recovery-timeout
     health_timeout_s = 1.0  # GET /health answers within about this long, also with a shard down
 
     def __init__(
@@ -92,6 +92,8 @@ class Engine:
         chat_template=None,
         defaults: Optional[dict] = None,
         metrics: Optional[ServeMetrics] = None,
+        recovery_timeout_s: float = RECOVERY_TIMEOUT_S,
+        liveness_timeout_s: float = LIVENESS_TIMEOUT_S,
     ) -> None:
         if drafter not in SERVE_DRAFTERS:
             raise ValueError(f"shardctl serve drafts with one of {', '.join(SERVE_DRAFTERS)}, not {drafter!r}")
@@ -110,6 +112,8 @@ class Engine:
         self.chat_template = chat_template
         self.defaults = defaults or {}
         self.metrics = metrics or ServeMetrics()
+        self.recovery_timeout_s = recovery_timeout_s  # shardctl serve --recovery-timeout
+        self.liveness_timeout_s = liveness_timeout_s  # shardctl serve --liveness-timeout
         self._idle: "queue.SimpleQueue[Connection]" = queue.SimpleQueue()
         first = self._connect()  # refuses a shard set that cannot form the model, or cannot speculate so
         try:
@@ -129,10 +133,12 @@ class Engine:
     # ---- connections -----------------------------------------------------------------------
 
     def _connect(self) -> Connection:
-        pipeline = Pipeline.connect(self.endpoints, timeout_s=self.timeout, curve=self.curve)
+        pipeline = Pipeline.connect(self.endpoints, timeout_s=self.timeout, curve=self.curve,
+                                    liveness_timeout_s=self.liveness_timeout_s)
         draft_client = None
         if self.draft_endpoint is not None:
-            draft_client = ShardClient(self.draft_endpoint, timeout_s=self.timeout, curve=self.curve)
+            draft_client = ShardClient(self.draft_endpoint, timeout_s=self.timeout, curve=self.curve,
+                                       liveness_timeout_s=self.liveness_timeout_s)
         return Connection(pipeline, draft_client)
 
     def _take(self) -> Connection:
