@@ -215,8 +215,9 @@ def launched_sets(
     curve: Optional[CurveKeys] = None,
 ) -> Iterator[list[list[ShardProcess]]]:
     """Start every set's daemons at once (they load in parallel), wait until all serve,
-    yield the `ShardProcess`es per set, stop them all on exit. Logs are removed with the
-    run directory unless something failed (error messages point at them).
+    yield the `ShardProcess`es per set, stop them all on exit. The run directory (logs, ipc:// sockets) is
+    always removed, so nothing is left in the temp dir; when a daemon failed (the start, or a crash) its logs
+    are first copied to the cache (`failed_logs_dir`) and the error messages quote their tails.
     `curve`: the client keys readiness checks use, for daemons started with CurveZMQ keys."""
     # Short prefix under the temp dir: an ipc:// path must fit a unix socket address (~107 bytes).
     run_dir = Path(tempfile.mkdtemp(prefix="shardd-"))
@@ -229,12 +230,35 @@ def launched_sets(
         for index, shard_set in enumerate(shard_sets):
             started.append(start_shards(shard_set, run_dir / f"set{index}", threads_hint))
         wait_ready([shard for shards in started for shard in shards], ready_timeout_s, progress, curve)
-        yield started
         failed = False
+        yield started
+    except (KeyboardInterrupt, SystemExit):  # a requested stop (Ctrl-C, SIGTERM) is no failure
+        failed = False
+        raise
     finally:
-        stop_shards([shard for shards in started for shard in shards])
-        if not failed:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        elif progress is not None:
-            progress(f"shard logs kept in {run_dir}")
+        every = [shard for shards in started for shard in shards]
+        crashed = [shard for shard in every if shard.process.poll() not in (None, 0)]
+        stop_shards(every)
+        if failed or crashed:
+            kept = keep_logs(run_dir)
+            if progress is not None and kept is not None:
+                progress(f"shard logs kept in {kept}")
+        shutil.rmtree(run_dir, ignore_errors=True)
 
+
+def failed_logs_dir() -> Path:
+    """Where the logs of failed launches are kept: the user's cache, not the temp dir."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "shardd" / "logs"
+
+
+def keep_logs(run_dir: Path) -> Optional[Path]:
+    logs = sorted(run_dir.rglob("*.log"))
+    if not logs:
+        return None
+    kept = failed_logs_dir() / time.strftime(f"%Y%m%d-%H%M%S-{run_dir.name}")
+    for log in logs:
+        target = kept / log.relative_to(run_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(log, target)
+    return kept

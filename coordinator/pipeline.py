@@ -18,6 +18,7 @@ from typing import Iterable, Optional, Sequence
 
 from coordinator.client import CurveKeys, ShardClient, ShardError, ShardTimeout, forward_record
 from coordinator.sampling import TokenIds
+from coordinator.liveness import LIVENESS_TIMEOUT_S
 from coordinator.target import RollbackFailed, SequenceLost
 from protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, Reply, WireTensor
 from protocol.layout import REPLAY, SHARD_ROLLBACK_MODES, coverage_problems
@@ -182,8 +183,10 @@ class Pipeline:
         self.step_rows = min(rows) if rows else None
 
     @classmethod
-    def connect(cls, endpoints: Iterable[str], timeout_s: float = 120.0, curve: Optional[CurveKeys] = None) -> "Pipeline":
-        clients = [ShardClient(endpoint, timeout_s=timeout_s, curve=curve) for endpoint in endpoints]
+    def connect(cls, endpoints: Iterable[str], timeout_s: float = 120.0, curve: Optional[CurveKeys] = None,
+                liveness_timeout_s: float = LIVENESS_TIMEOUT_S) -> "Pipeline":
+        clients = [ShardClient(endpoint, timeout_s=timeout_s, curve=curve, liveness_timeout_s=liveness_timeout_s)
+                   for endpoint in endpoints]
         try:
             return cls(clients)
         except BaseException:

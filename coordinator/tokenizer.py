@@ -1,5 +1,5 @@
-"""Text <-> token ids for the CLI: a model's own `tokenizer.json`, or bytes for
-synthetic models that ship none."""
+"""Text <-> token ids for the CLI: a model's own `tokenizer.json`; the synthetic tokenizer for an in-memory
+synthetic model (`shardd.synthetic_tokenizer`, what `make-model` writes); bytes for a checkpoint that ships none."""
 
 from __future__ import annotations
 
@@ -30,19 +30,38 @@ class ByteTokenizer:
 class HFTokenizer:
     """A Hugging Face `tokenizer.json` through the `tokenizers` library."""
 
+    synthetic = False
+
     def __init__(self, path: str | Path):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as error:
-            raise ImportError("reading tokenizer.json needs the 'tokenizers' package: pip install tokenizers") from error
+        from tokenizers import Tokenizer
+
         path = Path(path)
         model_dir = path if path.is_dir() else path.parent
         file = path / "tokenizer.json" if path.is_dir() else path
-        self._tokenizer = Tokenizer.from_file(str(file))
+        try:
+            self._tokenizer = Tokenizer.from_file(str(file))
+        except Exception as error:  # tokenizers raises a plain Exception for a file it cannot parse
+            raise TokenizerUnavailable(f"cannot read the tokenizer {file}: {_first_line(error)}") from None
         self.source = str(file)
         self.model_dir = model_dir
         self.vocab_size = self._tokenizer.get_vocab_size()
         self.eos_ids = _eos_ids_from_config(model_dir)
+
+    @classmethod
+    def synthetic_for(cls, vocab_size: int) -> "HFTokenizer":
+        """The tokenizer a synthetic model of this vocabulary ships, built in memory."""
+        from tokenizers import Tokenizer
+
+        from shardd.synthetic_tokenizer import build_tokenizer_json
+
+        tokenizer = cls.__new__(cls)
+        tokenizer._tokenizer = Tokenizer.from_str(build_tokenizer_json(vocab_size))
+        tokenizer.source = f"the synthetic model's tokenizer ({vocab_size} ids: bytes, ChatML tokens, made-up words)"
+        tokenizer.model_dir = None
+        tokenizer.vocab_size = vocab_size
+        tokenizer.eos_ids = ()  # synthetic models have no EOS: a generation runs to its length
+        tokenizer.synthetic = True
+        return tokenizer
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -51,12 +70,17 @@ class HFTokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def load_tokenizer(model_dir: str | None, vocab_size: int, shards=()) -> ByteTokenizer | HFTokenizer:
+def load_tokenizer(model_dir: str | None, vocab_size: int, shards=(), *, given: bool = False) -> ByteTokenizer | HFTokenizer:
     """The model directory's tokenizer.json when there is one; else the one the shards' HELLO names (the
-    daemons' model directory); bytes only for a model that ships none (synthetic). A tokenizer the shards
-    name but this host cannot read is refused (TokenizerUnavailable): bytes would be silently wrong text."""
+    daemons' model directory); the synthetic tokenizer for shards of an in-memory synthetic model; bytes only for
+    a checkpoint that ships none. A tokenizer the shards name but this host cannot read, a corrupt one, or a
+    `--tokenizer DIR` (`given`) without tokenizer.json is refused (TokenizerUnavailable): bytes would be
+    silently wrong text."""
     if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
         return HFTokenizer(model_dir)
+    if given:
+        raise TokenizerUnavailable(f"--tokenizer {model_dir} holds no tokenizer.json: give the directory of the model's "
+                                   f"tokenizer.json (a Hugging Face checkpoint ships one)")
     named = sorted({s.hello.get("tokenizer") for s in shards if s.hello.get("tokenizer")})
     if model_dir is None and named:
         readable = [path for path in named if (Path(path) / "tokenizer.json").is_file()]
@@ -69,7 +93,19 @@ def load_tokenizer(model_dir: str | None, vocab_size: int, shards=()) -> ByteTok
         tokenizer = HFTokenizer(readable[0])
         tokenizer.source = f"{readable[0]}/tokenizer.json (named by the shards' HELLO)"
         return tokenizer
+    if model_dir is None and shards and all(synthetic_preset(s) for s in shards):
+        return HFTokenizer.synthetic_for(vocab_size)
     return ByteTokenizer(vocab_size)
+
+
+def synthetic_preset(shard) -> str | None:
+    """The preset of a shard serving an in-memory synthetic model (its fingerprint says so), else None."""
+    fingerprint = str((shard.hello.get("model") or {}).get("fingerprint") or "")
+    return fingerprint.split(":")[1] if fingerprint.startswith("synthetic:") else None
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:400]
 
 
 class TokenizerUnavailable(RuntimeError):

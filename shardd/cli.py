@@ -15,6 +15,8 @@ from shardd import __version__, logs, systemd
 from shardd.logs import FORMATS, LEVELS
 from shardd.progress import LoadProgress
 from shardd.engine import ENGINES
+from shardd.hub import ModelNotFound, resolve_model
+from shardd.listen import endpoint_problem
 
 MiB = 1 << 20
 
@@ -35,7 +37,8 @@ def main():
 
 
 @main.command(context_settings=CONTEXT)
-@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), help="Checkpoint directory (HF layout).")
+@click.option("--model", "model_dir", metavar="DIR|ORG/NAME",
+              help="Checkpoint directory (HF layout), or a Hugging Face model id (downloaded to its cache).")
 @click.option("--synthetic", help="Synthetic preset instead of a checkpoint: PRESET[:SEED] (tiny, small, qwen3.5-27b).")
 @click.option("--layers", default=None,
               help="Layer range BEGIN:END this shard owns (default: all); 'none' serves only the --draft drafter.")
@@ -105,6 +108,14 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
     signal.signal(signal.SIGINT, stop_while_loading)
     if (model_dir is None) == (synthetic is None):
         raise click.UsageError("give exactly one of --model DIR or --synthetic PRESET[:SEED]")
+    problem = endpoint_problem(bind)
+    if problem is not None:
+        raise click.BadParameter(problem, param_hint="--bind")
+    if model_dir is not None:
+        try:  # a Hugging Face id: its snapshot in the hub cache, downloaded when missing
+            model_dir = resolve_model(model_dir)
+        except ModelNotFound as error:
+            raise click.BadParameter(str(error), param_hint="--model") from None
     draft_only = layers == "none"
     if draft_only and draft is None:
         raise click.UsageError("--layers none serves only a drafter: give --draft DIR|synthetic[:LAYERS]")

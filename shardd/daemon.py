@@ -35,7 +35,7 @@ from protocol import (
 from protocol.codec import clip_message
 from protocol.layout import CHECKPOINT
 from shardd import __version__, systemd
-from shardd.security import is_file_ipc, is_loopback, restrict_ipc_socket, start_authenticator
+from shardd.security import is_file_ipc, is_loopback, log_refused_handshakes, restrict_ipc_socket, start_authenticator
 from shardd.config import dtype_name
 from shardd.draft.model import DraftState
 from shardd.health import device_memory
@@ -685,4 +685,5 @@ def configure_security(context, socket, options: ServeOptions):
     socket.curve_secretkey = secret
     socket.curve_publickey = public
     socket.curve_server = True
+    log_refused_handshakes(socket)  # a client without keys is refused before ZAP: say so in the log
     return authenticator

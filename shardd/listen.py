@@ -42,6 +42,27 @@ class Listener:
             os.unlink(path)
 
 
+def endpoint_problem(endpoint: str) -> Optional[str]:
+    """What is wrong with an endpoint as written (no scheme, a port out of range), or None. libzmq itself
+    would take `tcp://H:99999` as some other port and read `H:P` as a host name."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep:
+        guess = f"ipc://{endpoint}" if endpoint.startswith("/") else f"tcp://{endpoint}"
+        return f"{endpoint!r} has no transport: write tcp://HOST:PORT or ipc:///PATH (did you mean {guess}?)"
+    if scheme == "ipc":
+        return None if rest else f"{endpoint!r} names no socket path (ipc:///PATH)"
+    if scheme != "tcp":
+        return f"{endpoint!r}: unsupported transport {scheme!r}; use tcp:// or ipc://"
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host:
+        return f"{endpoint!r} names no port: write tcp://HOST:PORT (PORT 1-65535, or * for a free one)"
+    if port == "*":
+        return None
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return f"{endpoint!r}: port {port!r} is not a port number (1-65535, or * for a free one)"
+    return None
+
+
 def ipc_file(endpoint: str) -> Optional[str]:
     """The filesystem path of an ipc:// endpoint (None for other transports and abstract sockets)."""
     if not endpoint.startswith("ipc://"):

@@ -16,12 +16,14 @@ from shardd.draft.synthetic import synthetic_draft_config, write_draft_checkpoin
 from shardd.loading import DEFAULT_SYNTHETIC_DRAFT_LAYERS
 from shardd.presets import preset_config
 from shardd.synthetic import write_checkpoint
+from shardd.synthetic_tokenizer import write_tokenizer
 
 
 def write_synthetic_model(preset: str, seed: int, dtype: str, out: Path, *, show_progress: bool = True,
                           quantize: str | None = None) -> Path:
     """config.json, *.safetensors and the index of the preset in the Qwen3.5 layout, with a progress bar (bytes,
-    ETA) on stderr when it is a terminal."""
+    ETA) on stderr when it is a terminal, and the tokenizer with its chat template (tokenizer.json,
+    tokenizer_config.json) sized to the preset's vocabulary."""
     config = preset_config(preset)
     with tqdm(desc=f"writing {preset}", unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
               disable=None if show_progress else True) as bar:
@@ -29,7 +31,9 @@ def write_synthetic_model(preset: str, seed: int, dtype: str, out: Path, *, show
             bar.total = total
             bar.update(done - bar.n)
 
-        return write_checkpoint(out, config, seed, dtype=getattr(torch, dtype), progress=progress, quantize=quantize)
+        path = write_checkpoint(out, config, seed, dtype=getattr(torch, dtype), progress=progress, quantize=quantize)
+    write_tokenizer(path, config.vocab_size)
+    return path
 
 
 def write_synthetic_drafter(model_dir: Path, preset: str, seed: int, dtype: str, layers: Optional[int]) -> Path:

@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import stat
+import time
 from pathlib import Path
 
 import zmq
@@ -99,3 +100,42 @@ def start_authenticator(context, allow_dir: str):
     authenticator.start()
     authenticator.configure_curve(domain="*", location=allow_dir)
     return authenticator
+
+
+REFUSAL_LOG_EVERY_S = 10.0
+
+
+def log_refused_handshakes(server: zmq.Socket) -> None:
+    """Log every handshake a Curve server refuses before ZAP sees it: a client that sent no Curve keys (libzmq's
+    mechanism mismatch) is otherwise refused in silence. A thread reads the socket's monitor until it closes."""
+    import threading
+
+    from zmq.utils.monitor import recv_monitor_message
+
+    monitor = server.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+
+    def watch() -> None:
+        logged_at, refused = None, 0  # a client retries every 0.1 s: one line, then one per LOG_EVERY_S with a count
+        try:
+            while not server.closed:
+                if not monitor.poll(200):
+                    continue
+                event = recv_monitor_message(monitor)
+                refused += 1
+                now = time.monotonic()
+                if logged_at is not None and now - logged_at < REFUSAL_LOG_EVERY_S:
+                    continue
+                where = event["endpoint"].decode("utf-8", "replace")
+                times = f" ({refused} refusals since the last line)" if refused > 1 else ""
+                if event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                    log.warning("refused a handshake on %s: the client sent no CurveZMQ keys (this daemon requires "
+                                "Curve; give shardctl --curve-server-key and --curve-client-key)%s", where, times)
+                else:
+                    log.warning("refused a handshake on %s: ZMTP protocol error %#x%s", where, event["value"], times)
+                logged_at, refused = now, 0
+        except zmq.ZMQError:
+            pass  # the context is going away
+        finally:
+            monitor.close(linger=0)
+
+    threading.Thread(target=watch, name="handshake-log", daemon=True).start()

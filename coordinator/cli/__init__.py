@@ -19,7 +19,7 @@ from coordinator.cli.demo import demo
 from coordinator.cli.generate import generate
 from coordinator.cli.launch import launch
 from coordinator.cli.make_model import make_model
-from coordinator.cli.options import EXIT_FAILURE
+from coordinator.cli.options import EXIT_FAILURE, MissingExtra
 from coordinator.cli.plan import ShardUnreachable
 from coordinator.cli.serve import serve
 from coordinator.cli.status import status
@@ -30,7 +30,7 @@ from coordinator.target import RollbackFailed, SequenceLost
 from protocol import ProtocolError
 
 RUNTIME_ERRORS = (ProtocolError, ShardTimeout, ShardUnreachable, PipelineError, LaunchError, BenchError, SequenceLost,
-                  RollbackFailed)
+                  RollbackFailed, MissingExtra)
 
 
 class ShardctlGroup(click.Group):

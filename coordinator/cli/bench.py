@@ -105,7 +105,7 @@ def bench(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
             for index in range(runs + 1):
                 label = "warm-up" if index == 0 else f"run {index}/{runs}"
                 progress(f"block {name} ({mode}): {label}")
-                record = run_generate_subprocess(["--shards", ",".join(endpoints), "--rollback", mode, *generate_args])
+                record = run_generate_subprocess(["--shards", ",".join(endpoints), "--rollback-mode", mode, *generate_args])
                 record.pop("commits", None)
                 if index == 0:
                     block["warmup"] = record

@@ -38,6 +38,10 @@ def demo_model(seed: int = 0) -> Path:
     target = cache_dir() / f"small-seed{seed}"
     if (target / "model.safetensors.index.json").is_file():
         progress(f"using the cached demo model in {target}")
+        if not (target / "tokenizer.json").is_file():  # cached by a version that wrote no tokenizer
+            from shardd.synthetic_tokenizer import write_tokenizer
+
+            write_tokenizer(target, model_vocab_size(target))
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     progress(f"writing the small synthetic model to {target}")
@@ -51,6 +55,12 @@ def demo_model(seed: int = 0) -> Path:
     except OSError:  # another demo got there first
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def model_vocab_size(model_dir: Path) -> int:
+    from shardd.config import load_config
+
+    return load_config(str(model_dir)).vocab_size
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -81,7 +91,7 @@ def demo(max_new_tokens, block_size, mean_commit, transport, as_json):
     sets.append(drafter_set(source, "synthetic", transport))
     progress(f"launching 2 x 2 shards ({', '.join(f'{b}:{e}' for b, e in splits)}) for checkpoint and replay-ssm, "
              f"and a dflash drafter daemon")
-    tokenizer = load_tokenizer(str(model_dir), 256)
+    tokenizer = load_tokenizer(str(model_dir), model_vocab_size(model_dir))
     prompt = tokenizer.encode(DEMO_PROMPT)
     rows = []
     with launched_sets(sets, progress=progress) as (checkpoint_shards, ssm_shards, (drafter_daemon,)):
@@ -125,9 +135,11 @@ def print_demo(record: dict) -> None:
             f"{run['rollbacks']['fast']}/{run['rollbacks']['fallback']}/{run['rollbacks']['replays']}",
             run["sha256"][:16], "yes" if run["sha256"] == reference else "NO",
         ])
-    click.echo(f"model: {record['model']} (synthetic `small`: its text is noise, its tokens are what count)")
+    click.echo(f"model: {record['model']} (synthetic `small`: random weights, so its text is gibberish, often one "
+               f"token repeated; its tokens are what count)")
     click.echo(f"shards: {', '.join(f'{b}:{e}' for b, e in record['shards'])}; prompt: {record['prompt']!r} "
-               f"({record['prompt_tokens']} tokens)\n")
+               f"({record['prompt_tokens']} tokens)")
+    click.echo(f"text: {record['prompt'] + record['runs'][0]['text']!r}\n")
     click.echo(format_table(
         ["DRAFTER", "ROLLBACK", "TOKENS", "STEPS", "ACCEPT", "AVG COMMIT", "DECODE TOK/S", "FAST/FALLBACK/REPLAY",
          "SHA256", "SAME"], rows))

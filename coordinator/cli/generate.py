@@ -20,12 +20,14 @@ from coordinator.cli.options import (
     launched_capacity_options,
     load_curve,
     parse_ids,
+    liveness_timeout_option,
+    recovery_timeout_option,
     shard_source_options,
 )
 from coordinator.cli.output import emit_json, fmt, fmt_percent, progress
 from coordinator.cli.plan import connect_pipeline, dflash_daemon, make_plan, mode_daemon_args
 from coordinator.client import ShardClient
-from coordinator.decoding import DecodeResult, greedy_decode, speculative_decode
+from coordinator.decoding import RECOVERY_TIMEOUT_S, DecodeResult, greedy_decode, speculative_decode
 from coordinator.drafters import DRAFTERS, make_drafter
 from coordinator.pipeline import PipelineError, ShardInfo
 from coordinator.sampling import Sampling
@@ -100,13 +102,15 @@ def run_generation(
     reference: Optional[list[int]] = None,
     draft_client: Optional[ShardClient] = None,
     sampling: Optional[Sampling] = None,
+    recovery_timeout_s: float = RECOVERY_TIMEOUT_S,
 ) -> Generation:
     """One generation through `target` with fresh random sequence ids. `oracle` first
     decodes greedily through the same target, unless `reference` (those ids) is given.
     `dflash` drafts on the daemon behind `draft_client`; `target` is then a Pipeline."""
     seq = secrets.randbelow(1 << 62)
     if drafter == GREEDY:
-        result = greedy_decode(target, seq, prompt, max_new_tokens, eos_ids, on_commit, sampling=sampling)
+        result = greedy_decode(target, seq, prompt, max_new_tokens, eos_ids, on_commit, sampling=sampling,
+                               recovery_timeout_s=recovery_timeout_s)
         return Generation(result, None, drafter, None, None)
     reference_result = None
     if drafter == "oracle" and reference is None:
@@ -131,6 +135,7 @@ def run_generation(
     result = speculative_decode(
         target, seq, prompt, chosen, block_size=block_size, rollback=rollback,
         max_new_tokens=max_new_tokens, eos_ids=eos_ids, on_commit=on_commit, sampling=sampling,
+        recovery_timeout_s=recovery_timeout_s,
     )
     return Generation(result, reference_result, drafter, rollback, block_size)
 
@@ -205,12 +210,14 @@ def describe_generation(record: dict) -> str:
 @click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0: all tokens.")
 @click.option("--seed", type=click.IntRange(0, (1 << 63) - 1), default=None,
               help="Sampling seed: the same seed gives the same output (default: a random one).")
+@recovery_timeout_option
+@liveness_timeout_option
 @click.option("--ids", "print_ids", is_flag=True, help="Stream token ids instead of text.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of streaming.")
 def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
              curve_client_key, max_sequences, max_context, prompt, prompt_ids, tokenizer_dir, max_new_tokens, drafter,
              draft_shard, draft, block_size, rollback, mean_commit, oracle_seed, ignore_eos, temperature, top_p, top_k,
-             seed, print_ids, as_json):
+             seed, recovery_timeout, liveness_timeout, print_ids, as_json):
     """Generate greedily (or sampling, --temperature), speculating with a drafter; stream the text as tokens commit.
 
     \b
@@ -241,15 +248,17 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
             contextlib.ExitStack() as stack:
         draft_client = None
         if draft_endpoint is not None:
-            draft_client = stack.enter_context(ShardClient(draft_endpoint, timeout_s=timeout, curve=curve))
-        with connect_pipeline(endpoints, timeout, curve) as pipeline:
+            draft_client = stack.enter_context(ShardClient(draft_endpoint, timeout_s=timeout, curve=curve,
+                                                           liveness_timeout_s=liveness_timeout))
+        with connect_pipeline(endpoints, timeout, curve, liveness_timeout) as pipeline:
             if speculating:
                 try:
                     pipeline.check_speculation(rollback, block_size)
                 except PipelineError as error:
                     raise click.UsageError(str(error)) from None
             try:
-                tokenizer = load_tokenizer(tokenizer_dir or plan.model_dir, pipeline.vocab_size, pipeline.shards)
+                tokenizer = load_tokenizer(tokenizer_dir or plan.model_dir, pipeline.vocab_size, pipeline.shards,
+                                           given=tokenizer_dir is not None)
             except TokenizerUnavailable as error:
                 raise click.UsageError(str(error)) from None
             if prompt is not None and not as_json:
@@ -262,6 +271,10 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
             if bad:
                 raise click.BadParameter(f"token id {bad[0]} is outside the vocabulary 0..{pipeline.vocab_size - 1}",
                                          param_hint="--prompt-ids")
+            if len(ids) >= pipeline.max_context:
+                raise click.BadParameter(
+                    f"the prompt holds {len(ids)} tokens; the shards hold {pipeline.max_context} per sequence, leaving "
+                    f"no room for output (launch them with a larger --max-context)", param_hint="--prompt")
             eos_ids = () if ignore_eos else tuple(tokenizer.eos_ids) or tuple(pipeline.shards[-1].model.get("eos_token_ids") or ())
             if drafter == "oracle":
                 progress(f"{ORACLE_NOTE}; running that greedy pass now")
@@ -269,9 +282,12 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
             generation = run_generation(
                 pipeline, ids, drafter=drafter, rollback=rollback, block_size=block_size,
                 max_new_tokens=max_new_tokens, eos_ids=eos_ids, mean_commit=mean_commit, oracle_seed=oracle_seed,
-                on_commit=stream, draft_client=draft_client, sampling=sampling,
+                on_commit=stream, draft_client=draft_client, sampling=sampling, recovery_timeout_s=recovery_timeout,
             )
             record = generation_record(generation, tokenizer, pipeline.shards, eos_ids)
+            if record.get("recoveries"):  # on stderr also under --json: a shard went away and came back
+                progress(f"recovered {record['recoveries']} time(s): a shard was lost and its sequence re-filled "
+                         f"from the committed tokens (the output is unchanged)")
     if as_json:
         emit_json(record)
     else:

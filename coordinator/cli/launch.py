@@ -20,7 +20,7 @@ class _Stop(Exception):
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), help="Checkpoint directory.")
+@click.option("--model", "model_dir", metavar="DIR|ORG/NAME", help="Checkpoint directory or Hugging Face model id.")
 @click.option("--synthetic", metavar="PRESET[:SEED]", help="Synthetic model instead of a checkpoint.")
 @click.option("--split", type=click.IntRange(1), help="This many shards, layers split evenly.")
 @click.option("--layers", "layer_spec", metavar="B:E,B:E,...", help="One shard per layer range.")

@@ -7,7 +7,9 @@ from typing import Optional
 import click
 
 from coordinator.client import CurveKeys
+from coordinator.decoding import RECOVERY_TIMEOUT_S
 from coordinator.launch import TRANSPORTS
+from coordinator.liveness import LIVENESS_TIMEOUT_S
 from protocol.layout import SHARD_ROLLBACK_MODES
 
 # Exit codes besides click's 2 for a usage error.
@@ -15,6 +17,24 @@ EXIT_FAILURE, EXIT_DIFFER = 1, 3
 # Seconds to wait for a shard's reply, the same for every command (a first step on a GPU may compile kernels).
 TIMEOUT_S = 60.0
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+class MissingExtra(RuntimeError):
+    """A command needs an optional dependency that is not installed: name it and the command that installs it."""
+
+    def __init__(self, module: str, extra: str) -> None:
+        super().__init__(f"this command needs {module!r}, from shardd's {extra!r} extra: pip install 'shardd[{extra}]' "
+                         f"(from a clone: pip install -e '.[{extra}]')")
+
+
+recovery_timeout_option = click.option(
+    "--recovery-timeout", type=click.FloatRange(0), default=RECOVERY_TIMEOUT_S, show_default=True,
+    help="Seconds a lost shard is retried (restarted on its endpoint, re-filled from the history) before giving up.")
+
+
+liveness_timeout_option = click.option(
+    "--liveness-timeout", type=click.FloatRange(0.1), default=LIVENESS_TIMEOUT_S, show_default=True,
+    help="Seconds without a heartbeat (or a connection) after which a shard counts as down, apart from compute time.")
 
 
 def parse_ids(text: str, what: str) -> list[int]:
@@ -61,8 +81,8 @@ def shard_source_options(func):
     """--shards | --model/--synthetic with --split/--layers, for commands that use shards."""
     return _apply([
         click.option("--shards", metavar="EP,EP,...", help="Endpoints of running shard daemons."),
-        click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False),
-                     help="Checkpoint directory: launch local shards for it."),
+        click.option("--model", "model_dir", metavar="DIR|ORG/NAME",
+                     help="Checkpoint directory or Hugging Face model id (downloaded to its cache): launch local shards for it."),
         click.option("--synthetic", metavar="PRESET[:SEED]", help="Synthetic model: launch local shards for it."),
         click.option("--split", type=click.IntRange(1), help="Launch this many shards, layers split evenly."),
         click.option("--layers", "layer_spec", metavar="B:E,B:E,...", help="Launch shards for these layer ranges."),

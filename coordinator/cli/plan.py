@@ -15,13 +15,15 @@ import click
 
 from coordinator.cli.options import parse_list
 from coordinator.cli.output import progress
-from coordinator.client import CurveKeys, ShardClient, ShardTimeout
+from coordinator.client import CurveKeys, ShardClient, ShardTimeout, ShardUnavailable
+from coordinator.liveness import LIVENESS_TIMEOUT_S
 from coordinator.launch import ShardSet, drafter_set, launched_sets
 from coordinator.pipeline import Pipeline, PipelineError
 from protocol import Hello
-from protocol.layout import REPLAY, check_layer_range, even_split, parse_layer_ranges
+from protocol.layout import REPLAY, check_layer_range, coverage_problems, even_split, parse_layer_ranges
 from shardd.config import load_config
-from shardd.listen import ipc_file, ipc_in_use
+from shardd.hub import ModelNotFound, resolve_model
+from shardd.listen import endpoint_problem, ipc_file, ipc_in_use
 from shardd.presets import parse_synthetic, preset_config
 
 
@@ -129,18 +131,35 @@ def make_plan(
         endpoints = parse_list(shards)
         if not endpoints:
             raise click.BadParameter("name at least one endpoint", param_hint="--shards")
+        for endpoint in endpoints:
+            problem = endpoint_problem(endpoint)
+            if problem is not None:
+                raise click.BadParameter(problem, param_hint="--shards")
         return ShardPlan(endpoints=endpoints)
     if curve:
         raise click.UsageError("CurveZMQ keys are for --shards off loopback; launched shards listen on loopback")
     if (split is None) == (layer_spec is None):
         raise click.UsageError("launching shards needs exactly one of --split N or --layers 0:3,3:8")
+    if model_dir is not None:
+        try:  # a hub id becomes its snapshot directory here, once: the daemons get the directory
+            model_dir = resolve_model(model_dir)
+        except ModelNotFound as error:
+            raise click.UsageError(str(error)) from None
     num_layers = model_num_layers(model_dir, synthetic)
     try:
         splits = even_split(num_layers, split) if split else parse_layer_ranges(layer_spec)
-        for begin, end in splits:  # coverage is the pipeline's to check: `shardctl launch` may start part of a model
+        for begin, end in splits:
             check_layer_range(begin, end, num_layers)
     except ValueError as error:
         raise click.UsageError(str(error)) from None
+    # Refused before any daemon starts. `shardctl launch` may start a contiguous part of a model; shards a command
+    # drives itself must form all of it.
+    low, high = (0, num_layers) if allow_endpoints else (min(b for b, _ in splits), max(e for _, e in splits))
+    problems = coverage_problems([(b - low, e - low) for b, e in splits], high - low,
+                                 [f"layers {b}:{e}" for b, e in splits])
+    if problems:
+        raise click.BadParameter(f"the shards must form the model's {num_layers} layers: {'; '.join(problems)}",
+                                 param_hint="--layers")
     device_list = tuple(parse_list(devices))
     if device_list and len(device_list) not in (1, len(splits)):
         raise click.UsageError(f"--devices lists {len(device_list)} devices for {len(splits)} shards: give one, or one per shard")
@@ -207,7 +226,42 @@ def not_listening(endpoint: str) -> Optional[str]:
 START_GRACE_S = 10.0
 
 
-def hello_or_wait(client: ShardClient, timeout: float, *, wait_to_start: bool = True) -> dict:
+def handshake_refusal(endpoint: str, curve: Optional[CurveKeys], wait_s: float = 1.0) -> Optional[str]:
+    """Why the daemon at a tcp:// endpoint refuses this client's ZeroMQ handshake (CurveZMQ wanted and not given,
+    or the other way round), read from the security mechanism in its ZMTP greeting; None when the mechanisms
+    agree or nothing is said within `wait_s`. A refused handshake otherwise looks like a daemon that is silent.
+    (libzmq's monitor events race with the connection reset the refusal causes; the greeting does not.)"""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=wait_s) as probe:
+            probe.sendall(ZMTP_SIGNATURE + bytes((3, 1)))  # ZMTP 3.1: the daemon answers with its whole greeting
+            greeting = b""
+            while len(greeting) < 32:
+                chunk = probe.recv(64 - len(greeting))
+                if not chunk:
+                    break
+                greeting += chunk
+    except (OSError, ValueError):
+        return None
+    if len(greeting) < 32 or greeting[:1] != b"\xff":
+        return None
+    mechanism = greeting[12:32].rstrip(b"\0").decode("ascii", "replace")
+    if mechanism == "CURVE" and curve is None:
+        return ("the shard wants CurveZMQ keys: give --curve-server-key (the shard's NAME.key) and "
+                "--curve-client-key (this client's NAME.key_secret, allowed by the daemon)")
+    if mechanism == "NULL" and curve is not None:
+        return "the shard does not use CurveZMQ: leave out --curve-server-key and --curve-client-key"
+    return None
+
+
+# A ZMTP 3 greeting starts with this signature, then the version (major, minor) and the mechanism name (RFC 23).
+ZMTP_SIGNATURE = b"\xff" + bytes(8) + b"\x7f"
+
+
+def hello_or_wait(client: ShardClient, timeout: float, *, wait_to_start: bool = True,
+                  curve: Optional[CurveKeys] = None) -> dict:
     """HELLO. A shard that is not up yet, or does not answer within a second, is named on stderr at once;
     one that is not listening is waited for up to START_GRACE_S (a daemon just started), one that is
     listening but silent (loading its weights) up to `timeout`. With `wait_to_start=False` (status: a
@@ -225,10 +279,21 @@ def hello_or_wait(client: ShardClient, timeout: float, *, wait_to_start: bool = 
     if reason is not None:
         waited = f" after {time.monotonic() - started:.0f} s" if wait_to_start else ""
         raise ShardUnreachable(f"{client.endpoint}: nothing is listening ({reason}){waited}; is the daemon running?")
-    sent = client.send(Hello(id=0))
+    try:
+        sent = client.send(Hello(id=0), max(0.001, min(1.0, deadline - time.monotonic())))
+    except ShardUnavailable:  # listening, but no handshake within a second: a refused one, or a busy daemon
+        refusal = handshake_refusal(client.endpoint, curve)
+        if refusal is not None:
+            raise ShardUnreachable(f"{client.endpoint}: {refusal}") from None
+        if time.monotonic() >= deadline:
+            raise
+        sent = client.send(Hello(id=0), max(0.001, min(client.liveness_timeout_s, deadline - time.monotonic())))
     try:
         return client.receive(sent, max(0.001, min(1.0, deadline - time.monotonic()))).result
     except ShardTimeout:
+        refusal = handshake_refusal(client.endpoint, curve)
+        if refusal is not None:
+            raise ShardUnreachable(f"{client.endpoint}: {refusal}") from None
         if time.monotonic() >= deadline:
             raise ShardTimeout(client.endpoint, "HELLO", timeout) from None
     progress(f"waiting for the shard at {client.endpoint}: no answer to HELLO yet (still loading its weights?); "
@@ -239,11 +304,12 @@ def hello_or_wait(client: ShardClient, timeout: float, *, wait_to_start: bool = 
         raise ShardTimeout(client.endpoint, "HELLO", timeout) from None
 
 
-def connect_pipeline(endpoints: Sequence[str], timeout: float, curve: Optional[CurveKeys] = None) -> Pipeline:
+def connect_pipeline(endpoints: Sequence[str], timeout: float, curve: Optional[CurveKeys] = None,
+                     liveness_timeout: float = LIVENESS_TIMEOUT_S) -> Pipeline:
     for endpoint in endpoints:
-        with ShardClient(endpoint, timeout_s=timeout, curve=curve) as client:
-            hello_or_wait(client, timeout)
+        with ShardClient(endpoint, timeout_s=timeout, curve=curve, liveness_timeout_s=liveness_timeout) as client:
+            hello_or_wait(client, timeout, curve=curve)
     try:
-        return Pipeline.connect(endpoints, timeout_s=timeout, curve=curve)
+        return Pipeline.connect(endpoints, timeout_s=timeout, curve=curve, liveness_timeout_s=liveness_timeout)
     except PipelineError as error:
         raise click.UsageError(str(error)) from None

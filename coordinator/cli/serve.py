@@ -2,21 +2,33 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
-from coordinator.cli.options import daemon_args_from, load_curve, shard_source_options
+from coordinator.cli.options import (
+    MissingExtra,
+    daemon_args_from,
+    launched_capacity_options,
+    load_curve,
+    liveness_timeout_option,
+    recovery_timeout_option,
+    shard_source_options,
+)
 from coordinator.cli.output import emit_json, progress
 from coordinator.cli.plan import connect_pipeline, dflash_daemon, make_plan, mode_daemon_args
 from coordinator.pipeline import PipelineError
 from coordinator.serve.limits import ACCEPT_BACKLOG, MAX_CONNECTIONS, REQUEST_TIMEOUT_S
-from coordinator.tokenizer import TokenizerUnavailable, load_tokenizer
+from coordinator.tokenizer import TokenizerUnavailable, load_tokenizer, synthetic_preset
+from shardd.hub import model_name
 from protocol.layout import CHECKPOINT, ROLLBACK_MODES
 
 
 @click.command()
 @shard_source_options
+@launched_capacity_options
+@click.option("--max-tokens-per-request", type=click.IntRange(1), default=None,
+              help="Tokens one request to a launched shard may carry (shardd's default).")
+@recovery_timeout_option
+@liveness_timeout_option
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the HTTP server listens on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(exists=True, file_okay=False),
@@ -27,7 +39,8 @@ from protocol.layout import CHECKPOINT, ROLLBACK_MODES
 @click.option("--draft-shard", metavar="EP", help="dflash with --shards: endpoint of the daemon hosting the drafter.")
 @click.option("--draft", metavar="DIR|synthetic[:LAYERS]", help="dflash when launching shards: the drafter to launch.")
 @click.option("--block-size", type=click.IntRange(2), default=16, show_default=True, help="Tokens per verify step.")
-@click.option("--rollback", type=click.Choice(ROLLBACK_MODES), default=CHECKPOINT, show_default=True)
+@click.option("--rollback-mode", "--rollback", "rollback", type=click.Choice(ROLLBACK_MODES), default=CHECKPOINT,
+              show_default=True, help="replay (by the coordinator, any shards), checkpoint or replay-ssm (by the shards).")
 @click.option("--log-level", type=click.Choice(("critical", "error", "warning", "info", "debug")), default="info",
               show_default=True)
 @click.option("--max-body-bytes", type=click.IntRange(1024), metavar="BYTES",
@@ -42,8 +55,9 @@ from protocol.layout import CHECKPOINT, ROLLBACK_MODES
               help="Clients must send 'Authorization: Bearer KEY' on /v1 and the tokenizer routes (/health and "
                    "/metrics stay open); required when --host is not loopback.")
 def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
-          curve_client_key, host, port, tokenizer_dir, served_model_name, drafter, draft_shard, draft, block_size,
-          rollback, log_level, max_body_bytes, request_timeout, max_connections, as_json, api_key):
+          curve_client_key, max_sequences, max_context, max_tokens_per_request, recovery_timeout, liveness_timeout,
+          host, port, tokenizer_dir, served_model_name, drafter, draft_shard, draft, block_size, rollback, log_level,
+          max_body_bytes, request_timeout, max_connections, as_json, api_key):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
     /version, /health, /metrics).
 
@@ -52,13 +66,16 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
       shardctl serve --shards tcp://127.0.0.1:7700,ipc:///tmp/$USER-shard1.sock --port 8000
       shardctl serve --model /srv/Qwen3.5-27B --split 2 --devices cuda:0,cuda:1 --drafter ngram --json
     """
-    import uvicorn
+    try:
+        import uvicorn
 
-    from coordinator.serve.app import build_app
-    from coordinator.serve.chat import load_chat_template
-    from coordinator.serve.engine import Engine, generation_defaults
-    from coordinator.serve.frontdoor import GuardedH11Protocol, install_log_filter
-    from coordinator.serve.limits import FrontDoorLimits, connection_budget, default_max_body_bytes
+        from coordinator.serve.app import build_app
+        from coordinator.serve.chat import ChatTemplate, load_chat_template
+        from coordinator.serve.engine import Engine, generation_defaults
+        from coordinator.serve.frontdoor import GuardedH11Protocol, install_log_filter
+        from coordinator.serve.limits import FrontDoorLimits, connection_budget, default_max_body_bytes
+    except ImportError as error:  # installed without the serve extra
+        raise MissingExtra(error.name or str(error), "serve") from None
 
     from coordinator.serve.auth import is_loopback_host
 
@@ -67,26 +84,42 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
                                f"everyone who reaches it can use the model")
     speculating = drafter != "none"
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
-                     daemon_args_from(dtype=dtype), curve=curve_server_key or curve_client_key)
+                     daemon_args_from(dtype=dtype, max_sequences=max_sequences, max_context=max_context,
+                                      max_tokens_per_request=max_tokens_per_request),
+                     curve=curve_server_key or curve_client_key)
+    if shards and (max_sequences or max_context or max_tokens_per_request):
+        raise click.UsageError("--max-sequences, --max-context and --max-tokens-per-request size the shards serve "
+                               "launches; running shards (--shards) keep the limits they were started with")
     if drafter == "dflash":
         plan.draft_endpoint, plan.draft = dflash_daemon(plan, draft_shard, draft)
     elif draft_shard or draft:
         raise click.UsageError("--draft-shard and --draft go with --drafter dflash")
     curve = load_curve(curve_server_key, curve_client_key)
     with plan.running_with_drafter(mode_daemon_args(rollback, block_size, speculating)) as (endpoints, draft_endpoint):
-        with connect_pipeline(endpoints, timeout, curve) as pipeline:
+        with connect_pipeline(endpoints, timeout, curve, liveness_timeout) as pipeline:
             try:
-                tokenizer = load_tokenizer(tokenizer_dir or plan.model_dir, pipeline.vocab_size, pipeline.shards)
+                tokenizer = load_tokenizer(tokenizer_dir or plan.model_dir, pipeline.vocab_size, pipeline.shards,
+                                           given=tokenizer_dir is not None)
             except TokenizerUnavailable as error:
                 raise click.UsageError(str(error)) from None
             eos_ids = tuple(tokenizer.eos_ids) or tuple(pipeline.shards[-1].model.get("eos_token_ids") or ())
+            preset = synthetic_preset(pipeline.shards[0])
         source_dir = tokenizer.model_dir or plan.model_dir
         template = load_chat_template(source_dir)
-        name = served_model_name or (Path(source_dir).resolve().name if source_dir else "shardd")
+        if template is None and getattr(tokenizer, "synthetic", False):  # an in-memory synthetic model's own template
+            from shardd.synthetic_tokenizer import chat_template, tokenizer_config
+
+            config = tokenizer_config()
+            special = {key: config[key] or "" for key in ("bos_token", "eos_token", "pad_token", "unk_token")}
+            template = ChatTemplate(chat_template(), special, "shardd/chat_template.jinja (the synthetic model's)")
+        # The model's name: the directory's (a hub snapshot's: its id, as vLLM serves it), a synthetic preset's.
+        name = served_model_name or (model_name(source_dir) if source_dir else
+                                     f"synthetic-{preset}" if preset else "shardd")
         try:
             engine = Engine(endpoints, tokenizer, model_name=name, drafter=drafter, rollback=rollback,
                             block_size=block_size, timeout=timeout, curve=curve, draft_endpoint=draft_endpoint,
-                            eos_ids=eos_ids, chat_template=template, defaults=generation_defaults(source_dir))
+                            eos_ids=eos_ids, chat_template=template, defaults=generation_defaults(source_dir),
+                            recovery_timeout_s=recovery_timeout, liveness_timeout_s=liveness_timeout)
         except (PipelineError, ValueError) as error:
             raise click.UsageError(str(error)) from None
         progress(f"tokenizer: {tokenizer.source}; chat template: {template.origin if template else 'none'}; "

@@ -40,7 +40,7 @@ def status(shards, timeout, curve_server_key, curve_client_key, as_json):
         entry = {"endpoint": endpoint, "ok": False, "hello": None, "stats": None, "error": None}
         with ShardClient(endpoint, timeout_s=timeout, curve=curve) as client:
             try:
-                entry["hello"] = hello_or_wait(client, timeout, wait_to_start=False)  # a snapshot: down is down
+                entry["hello"] = hello_or_wait(client, timeout, wait_to_start=False, curve=curve)  # a snapshot: down is down
                 entry["stats"] = client.stats()
                 entry["ok"] = True
                 infos.append(ShardInfo(endpoint, entry["hello"]))

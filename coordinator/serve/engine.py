@@ -13,13 +13,15 @@ import queue
 import secrets
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable, Optional, Sequence
 
 from coordinator.client import ShardClient
-from coordinator.decoding import DecodeResult, StopDecoding, greedy_decode, speculative_decode
+from coordinator.decoding import RECOVERY_TIMEOUT_S, DecodeResult, StopDecoding, greedy_decode, speculative_decode
 from coordinator.drafters import make_drafter
+from coordinator.liveness import LIVENESS_TIMEOUT_S
 from coordinator.pipeline import Pipeline, PipelineError
 from coordinator.sampling import Sampling
 from coordinator.serve.metrics import ServeMetrics
@@ -74,6 +76,8 @@ def generation_defaults(model_dir: Optional[str]) -> dict:
 
 
 class Engine:
+    health_timeout_s = 1.0  # GET /health answers within about this long, also with a shard down
+
     def __init__(
         self,
         endpoints: Sequence[str],
@@ -90,6 +94,8 @@ class Engine:
         chat_template=None,
         defaults: Optional[dict] = None,
         metrics: Optional[ServeMetrics] = None,
+        recovery_timeout_s: float = RECOVERY_TIMEOUT_S,
+        liveness_timeout_s: float = LIVENESS_TIMEOUT_S,
     ) -> None:
         if drafter not in SERVE_DRAFTERS:
             raise ValueError(f"shardctl serve drafts with one of {', '.join(SERVE_DRAFTERS)}, not {drafter!r}")
@@ -108,6 +114,8 @@ class Engine:
         self.chat_template = chat_template
         self.defaults = defaults or {}
         self.metrics = metrics or ServeMetrics()
+        self.recovery_timeout_s = recovery_timeout_s  # shardctl serve --recovery-timeout
+        self.liveness_timeout_s = liveness_timeout_s  # shardctl serve --liveness-timeout
         self._idle: "queue.SimpleQueue[Connection]" = queue.SimpleQueue()
         first = self._connect()  # refuses a shard set that cannot form the model, or cannot speculate so
         try:
@@ -127,10 +135,12 @@ class Engine:
     # ---- connections -----------------------------------------------------------------------
 
     def _connect(self) -> Connection:
-        pipeline = Pipeline.connect(self.endpoints, timeout_s=self.timeout, curve=self.curve)
+        pipeline = Pipeline.connect(self.endpoints, timeout_s=self.timeout, curve=self.curve,
+                                    liveness_timeout_s=self.liveness_timeout_s)
         draft_client = None
         if self.draft_endpoint is not None:
-            draft_client = ShardClient(self.draft_endpoint, timeout_s=self.timeout, curve=self.curve)
+            draft_client = ShardClient(self.draft_endpoint, timeout_s=self.timeout, curve=self.curve,
+                                       liveness_timeout_s=self.liveness_timeout_s)
         return Connection(pipeline, draft_client)
 
     def _take(self) -> Connection:
@@ -148,15 +158,20 @@ class Engine:
 
     def health(self) -> tuple[bool, dict]:
         """Ready when every shard answers HELLO with one model fingerprint."""
-        shards, problems = {}, []
-        for endpoint in self.endpoints + ([self.draft_endpoint] if self.draft_endpoint else []):
+        def ask(endpoint: str) -> dict:
+            # Every shard at once, each within health_timeout_s: a shard down costs a second, not the liveness window.
             try:
-                with ShardClient(endpoint, timeout_s=min(self.timeout, 5.0), curve=self.curve) as client:
+                with ShardClient(endpoint, timeout_s=self.health_timeout_s, curve=self.curve,
+                                 liveness_timeout_s=self.health_timeout_s) as client:
                     hello = client.hello()
-                shards[endpoint] = {"fingerprint": hello["model"]["fingerprint"], "layers": hello["layers"]}
+                return {"fingerprint": hello["model"]["fingerprint"], "layers": hello["layers"]}
             except Exception as error:  # noqa: BLE001 - any failure means not ready, with its reason
-                shards[endpoint] = {"error": str(error)}
-                problems.append(f"{endpoint}: {error}")
+                return {"error": str(error)}
+
+        endpoints = self.endpoints + ([self.draft_endpoint] if self.draft_endpoint else [])
+        with ThreadPoolExecutor(max_workers=len(endpoints)) as pool:
+            shards = dict(zip(endpoints, pool.map(ask, endpoints)))
+        problems = [f"{endpoint}: {answer['error']}" for endpoint, answer in shards.items() if "error" in answer]
         fingerprints = {s["fingerprint"] for s in shards.values() if "fingerprint" in s}
         if len(fingerprints) > 1:
             problems.append(f"shards disagree on the model fingerprint: {sorted(fingerprints)}")
@@ -224,7 +239,7 @@ class Engine:
             seq = secrets.randbelow(1 << 62)
             if self.drafter == GREEDY:
                 result = greedy_decode(connection.pipeline, seq, params.prompt_ids, params.max_tokens, eos, on_commit,
-                                       sampling=params.sampling)
+                                       sampling=params.sampling, recovery_timeout_s=self.recovery_timeout_s)
             else:
                 chosen = make_drafter(self.drafter, prompt_len=len(params.prompt_ids), block_size=self.block_size,
                                       draft_client=connection.draft_client, pipeline=connection.pipeline)
@@ -233,6 +248,7 @@ class Engine:
                 result = speculative_decode(
                     target, seq, params.prompt_ids, chosen, block_size=block, rollback=self.rollback,
                     max_new_tokens=params.max_tokens, eos_ids=eos, on_commit=on_commit, sampling=params.sampling,
+                    recovery_timeout_s=self.recovery_timeout_s,
                 )
             healthy = True
         finally:
