@@ -25,7 +25,8 @@ from coordinator.cli.options import (
     shard_source_options,
 )
 from coordinator.cli.output import emit_json, fmt, fmt_percent, progress
-from coordinator.cli.plan import connect_pipeline, dflash_daemon, make_plan, mode_daemon_args
+from coordinator.cli.plan import (DEFAULT_DRAFT_PLACEMENT, DRAFT_PLACEMENTS, connect_pipeline, dflash_daemon, make_plan,
+                                  mode_daemon_args)
 from coordinator.client import ShardClient
 from coordinator.decoding import RECOVERY_TIMEOUT_S, DecodeResult, greedy_decode, speculative_decode
 from coordinator.drafters import DRAFTERS, make_drafter
@@ -197,6 +198,8 @@ def describe_generation(record: dict) -> str:
 @click.option("--draft", metavar="DIR|synthetic[:LAYERS]",
               help="dflash when launching shards: the drafter daemon to launch beside them "
                    "(default: MODEL/draft for --model when it exists, synthetic for --synthetic).")
+@click.option("--draft-placement", type=click.Choice(DRAFT_PLACEMENTS), default=DEFAULT_DRAFT_PLACEMENT, show_default=True,
+              help="Where a launched drafter runs: its own daemon, or beside the first or the last shard (proposing in the verify reply).")
 @click.option("--block-size", type=click.IntRange(2), default=16, show_default=True, help="Tokens per verify step.")
 @click.option("--rollback-mode", "--rollback", "rollback", type=click.Choice(ROLLBACK_MODES), default=CHECKPOINT,
               show_default=True, help="replay (by the coordinator, any shards), checkpoint or replay-ssm (by the shards).")
@@ -216,7 +219,7 @@ def describe_generation(record: dict) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of streaming.")
 def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
              curve_client_key, max_sequences, max_context, prompt, prompt_ids, tokenizer_dir, max_new_tokens, drafter,
-             draft_shard, draft, block_size, rollback, mean_commit, oracle_seed, ignore_eos, temperature, top_p, top_k,
+             draft_shard, draft, draft_placement, block_size, rollback, mean_commit, oracle_seed, ignore_eos, temperature, top_p, top_k,
              seed, recovery_timeout, liveness_timeout, print_ids, as_json):
     """Generate greedily (or sampling, --temperature), speculating with a drafter; stream the text as tokens commit.
 
@@ -241,6 +244,7 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
                                "running shards (--shards) keep the limits they were started with")
     if drafter == "dflash":
         plan.draft_endpoint, plan.draft = dflash_daemon(plan, draft_shard, draft)
+        plan.draft_placement = draft_placement
     elif draft_shard or draft:
         raise click.UsageError("--draft-shard and --draft go with --drafter dflash")
     curve = load_curve(curve_server_key, curve_client_key)

@@ -48,6 +48,7 @@ class ShardPlan:
     daemon_args: tuple[str, ...] = ()
     draft_endpoint: Optional[str] = None  # a running drafter daemon (--draft-shard)
     draft: Optional[str] = None  # the drafter daemon to launch: DIR or synthetic[:LAYERS] (--draft)
+    draft_placement: str = DEFAULT_DRAFT_PLACEMENT  # where a launched drafter runs (--draft-placement)
 
     @property
     def launches(self) -> bool:
@@ -84,19 +85,19 @@ class ShardPlan:
 
     @contextlib.contextmanager
     def running_with_drafter(self, mode_args: Sequence[str] = ()) -> Iterator[tuple[list[str], Optional[str]]]:
-        """The shard endpoints and the drafter daemon's endpoint (None without a drafter). Launched
-        shards get a drafter-only daemon beside them when the plan names a --draft."""
+        """The shard endpoints and the drafter's endpoint (None without a drafter). Launched shards get the
+        plan's --draft where its placement says: its own daemon, or beside the first or the last shard."""
         if not self.launches:
             yield list(self.endpoints), self.draft_endpoint
             return
-        sets = [self.shard_set(mode_args)] + ([self.drafter_set(self.draft)] if self.draft is not None else [])
-        drafter_note = f" and a drafter ({self.draft})" if self.draft is not None else ""
+        sets, draft_at = self.sets_with_drafter(self.draft, self.draft_placement, mode_args)
+        drafter_note = f" and a drafter ({self.draft}, {self.draft_placement})" if self.draft is not None else ""
         progress(f"launching {len(self.splits)} shard(s) {', '.join(f'{b}:{e}' for b, e in self.splits)}{drafter_note} "
                  f"({' '.join(self.source_args)})")
         started = time.perf_counter()
         with launched_sets(sets, progress=progress) as started_sets:
             progress(f"shards ready in {time.perf_counter() - started:.1f} s")
-            draft_endpoint = started_sets[1][0].endpoint if self.draft is not None else None
+            draft_endpoint = started_sets[draft_at[0]][draft_at[1]].endpoint if draft_at is not None else None
             yield [shard.endpoint for shard in started_sets[0]], draft_endpoint
 
 

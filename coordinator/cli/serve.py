@@ -14,7 +14,8 @@ from coordinator.cli.options import (
     shard_source_options,
 )
 from coordinator.cli.output import emit_json, progress
-from coordinator.cli.plan import connect_pipeline, dflash_daemon, make_plan, mode_daemon_args
+from coordinator.cli.plan import (DEFAULT_DRAFT_PLACEMENT, DRAFT_PLACEMENTS, connect_pipeline, dflash_daemon, make_plan,
+                                  mode_daemon_args)
 from coordinator.pipeline import PipelineError
 from coordinator.serve.limits import ACCEPT_BACKLOG, MAX_CONNECTIONS, REQUEST_TIMEOUT_S
 from coordinator.tokenizer import TokenizerUnavailable, load_tokenizer, synthetic_preset
@@ -38,6 +39,8 @@ from protocol.layout import CHECKPOINT, ROLLBACK_MODES
               help="none: one token per step; ngram: prompt lookup; dflash: the drafter daemon (--draft-shard/--draft).")
 @click.option("--draft-shard", metavar="EP", help="dflash with --shards: endpoint of the daemon hosting the drafter.")
 @click.option("--draft", metavar="DIR|synthetic[:LAYERS]", help="dflash when launching shards: the drafter to launch.")
+@click.option("--draft-placement", type=click.Choice(DRAFT_PLACEMENTS), default=DEFAULT_DRAFT_PLACEMENT, show_default=True,
+              help="Where a launched drafter runs: its own daemon, or beside the first or the last shard (proposing in the verify reply).")
 @click.option("--block-size", type=click.IntRange(2), default=16, show_default=True, help="Tokens per verify step.")
 @click.option("--rollback-mode", "--rollback", "rollback", type=click.Choice(ROLLBACK_MODES), default=CHECKPOINT,
               show_default=True, help="replay (by the coordinator, any shards), checkpoint or replay-ssm (by the shards).")
@@ -56,7 +59,7 @@ from protocol.layout import CHECKPOINT, ROLLBACK_MODES
                    "/metrics stay open); required when --host is not loopback.")
 def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
           curve_client_key, max_sequences, max_context, max_tokens_per_request, recovery_timeout, liveness_timeout,
-          host, port, tokenizer_dir, served_model_name, drafter, draft_shard, draft, block_size, rollback, log_level,
+          host, port, tokenizer_dir, served_model_name, drafter, draft_shard, draft, draft_placement, block_size, rollback, log_level,
           max_body_bytes, request_timeout, max_connections, as_json, api_key):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
     /version, /health, /metrics).
@@ -92,6 +95,7 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
                                "launches; running shards (--shards) keep the limits they were started with")
     if drafter == "dflash":
         plan.draft_endpoint, plan.draft = dflash_daemon(plan, draft_shard, draft)
+        plan.draft_placement = draft_placement
     elif draft_shard or draft:
         raise click.UsageError("--draft-shard and --draft go with --drafter dflash")
     curve = load_curve(curve_server_key, curve_client_key)
