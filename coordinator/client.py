@@ -42,6 +42,7 @@ from protocol import (
     encode_request,
     pure_chain,
 )
+from protocol.timing import PhaseClock
 
 
 class ShardError(RemoteError):
@@ -131,6 +132,8 @@ class ShardClient:
         self._poller.register(self._socket, zmq.POLLIN)
         self._poller.register(self._watch.monitor, zmq.POLLIN)
         self._drops_at_send = 0
+        # where this client's requests spend their time: encode, send, wait, receive, decode (protocol/timing.py)
+        self.phases = PhaseClock()
 
     # ---- transport -----------------------------------------------------------------------
 
@@ -149,7 +152,10 @@ class ShardClient:
         else ShardUnavailable; nothing is left queued then."""
         if self._socket.closed:
             raise RuntimeError(f"{self.endpoint}: client is closed")
+        self.phases.start()
         record = dataclasses.replace(record, id=next(self._ids))
+        frames = encode_request(record)
+        self.phases.lap("encode")
         if connect_timeout_s is None:
             connect_timeout_s = min(self.liveness_timeout_s, self.compute_timeout(record))
         wait_s = connect_timeout_s
@@ -159,9 +165,10 @@ class ShardClient:
         self._watch.update()  # drops before this request do not concern it
         self._drops_at_send = self._watch.drops
         try:
-            self._socket.send_multipart(encode_request(record), flags=zmq.NOBLOCK, copy=False)
+            self._socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             raise ShardUnavailable(self.endpoint, _describe(record), "send queue full", 0) from None
+        self.phases.lap("send")
         return record
 
     def compute_timeout(self, record: Request) -> float:
@@ -191,7 +198,9 @@ class ShardClient:
                         raise ShardUnavailable(self.endpoint, what, "connection to the daemon lost",
                                                time.monotonic() - started)
                 continue
+            self.phases.lap("wait")
             frames = self._socket.recv_multipart(copy=False)
+            self.phases.lap("receive")
             try:
                 reply = decode_reply(frames)
             except ProtocolError as error:
@@ -199,6 +208,8 @@ class ShardClient:
             # id None: the daemon could not read our id, so this error answers the one request in flight.
             if reply.id is not None and reply.id != sent.id:
                 continue  # stale: the answer to a request that timed out earlier
+            self.phases.lap("decode")
+            self.phases.finish(sent.type)
             if not reply.ok:
                 raise ShardError(reply.error_code, reply.error_message, self.endpoint)
             if reply.type is not sent.type:

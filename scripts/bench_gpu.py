@@ -10,8 +10,10 @@ Parts, each in its own process (so one part's memory never weighs on the next):
   mean commit near 7 of 16 after a 512-token prompt (A/B/A order), the step and rollback alone, prefill of
   a 1024-token prompt, a step at a 32k-token context, and the top kernels of one step (profile).
 - `transformers`: `transformers`' greedy decode on the same synthetic weights, in its own process.
-- `e2e`: with two GPUs, two `shardd serve` daemons (layers 0:L/2 and L/2:L) and the same decoding over
-  the pipeline; skipped with one GPU.
+- `e2e`: two `shardd serve` daemons (layers 0:L/2 and L/2:L; one GPU each, or both on the one GPU there
+  is) and the same decoding over the pipeline.
+- `relay`: the same two daemons, and where each request's time goes (`relay_by_phase`: the daemons'
+  STATS phases and the coordinator's client phases, protocol/timing.py, per verify step).
 
 Every output (greedy, each mode, one process and two daemons) is hashed: `outputs_identical` says
 whether they are all the same tokens.
@@ -333,20 +335,35 @@ def run_transformers(args) -> dict:
 # ---- e2e: two daemons on two GPUs ------------------------------------------------------------------------
 
 
-def start_daemons(args, ranges, mode: str, run_dir: Path) -> tuple[list, list[str]]:
+def e2e_devices(args) -> list[str]:
+    """The daemons' devices: --e2e-devices, or every daemon on cuda:0 when only one GPU is there (they share it;
+    a pipeline step runs its shards one after the other anyway)."""
+    devices = args.e2e_devices.split(",")
+    if any(d.startswith("cuda") for d in devices):
+        import torch
+
+        if torch.cuda.device_count() < len(set(devices)):
+            devices = ["cuda:0"] * len(devices)
+    return devices
+
+
+def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] | None = None,
+                  env: dict | None = None, tag: str = "") -> tuple[list, list[str]]:
     """`shardd serve` per range, one GPU each, on ipc:// endpoints; returns (processes, endpoints) once all are ready."""
     from coordinator.client import ShardClient, ShardTimeout
 
+    devices = devices or args.e2e_devices.split(",")
     processes, endpoints = [], []
     for index, (begin, end) in enumerate(ranges):
-        endpoint = f"ipc://{run_dir}/shard{index}-{mode}.sock"
-        log = open(run_dir / f"shard{index}-{mode}.log", "w")
+        endpoint = f"ipc://{run_dir}/shard{index}-{mode}{tag}.sock"
+        log = open(run_dir / f"shard{index}-{mode}{tag}.log", "w")
         command = [sys.executable, "-m", "shardd", "serve", "--synthetic", f"{args.preset}:{args.seed}",
-                   "--layers", f"{begin}:{end}", "--device", args.e2e_devices.split(",")[index], "--dtype", args.e2e_dtype,
-                   "--engine", "fast", "--bind", endpoint,
+                   "--layers", f"{begin}:{end}", "--device", devices[index], "--dtype", args.e2e_dtype,
+                   "--engine", args.e2e_engine, "--bind", endpoint,
                    "--rollback-mode", mode, "--max-verify-tokens", str(BLOCK), "--max-sequences", "2",
                    "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK)]
-        processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+        processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                          env={**os.environ, **(env or {})}))
         endpoints.append(endpoint)
     deadline = time.monotonic() + 600
     for process, endpoint in zip(processes, endpoints):
@@ -366,8 +383,6 @@ def start_daemons(args, ranges, mode: str, run_dir: Path) -> tuple[list, list[st
 def run_e2e(args) -> dict:
     import torch
 
-    if args.e2e_devices.startswith("cuda") and torch.cuda.device_count() < 2:
-        return {"e2e_skipped": "one GPU: the two-daemon run needs two"}
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafters import OracleDrafter
     from coordinator.pipeline import Pipeline
@@ -378,14 +393,15 @@ def run_e2e(args) -> dict:
     ranges = [(0, half), (half, config.num_layers)]
     generator = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
-    out: dict = {"e2e_layers": [list(r) for r in ranges]}
+    devices = e2e_devices(args)
+    out: dict = {"e2e_layers": [list(r) for r in ranges], "e2e_devices": devices}
     hashes: dict = {}
     tok_s: dict = {}
     step_ms: dict = {}
     reference = None
     run_dir = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     for storage_mode, modes in (("checkpoint", ("checkpoint", "replay", "checkpoint")), ("replay-ssm", ("replay-ssm", "replay-ssm"))):
-        processes, endpoints = start_daemons(args, ranges, storage_mode, run_dir)
+        processes, endpoints = start_daemons(args, ranges, storage_mode, run_dir, devices=devices)
         try:
             with Pipeline.connect(endpoints, timeout_s=600) as pipeline:
                 out.setdefault("e2e_engine", [info.hello.get("engine") for info in pipeline.shards])
@@ -415,9 +431,152 @@ def run_e2e(args) -> dict:
     return out
 
 
+# ---- relay: where a two-daemon step's time goes ----------------------------------------------------------
+
+
+def phase_readings(pipeline) -> tuple[list[dict], list[dict]]:
+    """The daemons' STATS phases and the coordinator's client phases, one reading per shard."""
+    return [client.stats()["phases"] for client in pipeline.clients], [client.phases.totals() for client in pipeline.clients]
+
+
+def per_step_phases(before: dict, after: dict, steps: int) -> dict:
+    """{type: {"requests": per step, phase: ms per step}} of what happened between two phase readings."""
+    from protocol.timing import per_request_ms
+
+    out = {}
+    for mtype, row in per_request_ms(before, after).items():
+        if mtype in ("STATS", "HELLO", "OPEN", "CLOSE"):  # the readings themselves, and once per sequence
+            continue
+        n = row.pop("requests")
+        out[mtype] = {"requests": round(n / steps, 3), **{phase: round(ms * n / steps, 4) for phase, ms in row.items()}}
+    return out
+
+
+def relay_breakdown(result, before, after) -> dict:
+    """One decode's steps: per shard, the daemon's phases and the coordinator's phases of its requests (ms per
+    step), the transport (coordinator wait minus the daemon's whole handling), and what is left of the step."""
+    steps = max(result.steps, 1)
+    step_ms = result.decode_seconds / steps * 1e3
+    shards, accounted = [], result.draft_seconds / steps * 1e3
+    for index in range(len(before[0])):
+        daemon = per_step_phases(before[0][index], after[0][index], steps)
+        client = per_step_phases(before[1][index], after[1][index], steps)
+        transport = {}
+        for mtype, row in client.items():
+            handled = sum(v for k, v in daemon.get(mtype, {}).items() if k != "requests")
+            transport[mtype] = round(row.get("wait", 0.0) - handled, 4)
+            accounted += sum(v for k, v in row.items() if k != "requests")
+        shards.append({"daemon": daemon, "coordinator": client, "transport": transport})
+    return {"steps": result.steps, "step_ms": round(step_ms, 3), "draft_ms": round(result.draft_seconds / steps * 1e3, 4),
+            "shards": shards, "coordinator_other_ms": round(step_ms - accounted, 4)}
+
+
+def round_trip_ms(client, count: int = 200) -> float:
+    """Median wall time of a STATS round trip: the transport and both ends' Python, no device work."""
+    samples = []
+    for _ in range(count):
+        start = time.perf_counter()
+        client.stats()
+        samples.append(time.perf_counter() - start)
+    return median_ms(samples)
+
+
+def daemon_profile_top(path: Path, top: int = 25) -> list[str]:
+    """The functions with the most own time in a daemon's cProfile dump (SHARDD_PROFILE)."""
+    import io
+    import pstats
+
+    text = io.StringIO()
+    pstats.Stats(str(path), stream=text).sort_stats("tottime").print_stats(top)
+    lines = [line.rstrip() for line in text.getvalue().splitlines()]
+    start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls")), 0)
+    return [line for line in lines[start:] if line.strip()]
+
+
+def run_relay(args) -> dict:
+    import torch
+
+    from coordinator.decoding import greedy_decode, speculative_decode
+    from coordinator.drafters import OracleDrafter
+    from coordinator.pipeline import Pipeline
+    from shardd.presets import preset_config
+
+    config = preset_config(args.preset)
+    half = config.num_layers // 2
+    ranges = [(0, half), (half, config.num_layers)]
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+    devices = e2e_devices(args)
+    out: dict = {"relay_devices": devices}
+    by_phase: dict = {}
+    hashes: dict = {}
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-relay-"))
+    runs = [(mode, {}, "") for mode in ("checkpoint", "replay-ssm")]
+    if args.daemon_profile:  # a short extra run under cProfile: slower, so apart from the timed runs
+        Path(args.daemon_profile).mkdir(parents=True, exist_ok=True)
+        runs.append(("checkpoint", {"SHARDD_PROFILE": str(Path(args.daemon_profile).resolve())}, "-profiled"))
+    for mode, env, tag in runs:
+        processes, endpoints = start_daemons(args, ranges, mode, run_dir, devices=devices, env=env, tag=tag)
+        try:
+            with Pipeline.connect(endpoints, timeout_s=600) as pipeline:
+                greedy_decode(pipeline, 98, prompt[:32], 4)  # warm-up: capture the graphs
+                if tag:
+                    reference = greedy_decode(pipeline, 1, prompt, min(args.tokens, 32)).tokens
+                    drafter = OracleDrafter.with_mean_commit(reference, len(prompt), block_size=BLOCK, mean_commit=MEAN_COMMIT)
+                    speculative_decode(pipeline, 2, prompt, drafter, block_size=BLOCK, rollback=mode,
+                                       max_new_tokens=len(reference))
+                    continue
+                out.setdefault("relay_round_trip_ms", [round_trip_ms(client) for client in pipeline.clients])
+                readings: list = []
+
+                def after_prefill(tokens):  # the first commit is the prefill's: read the clocks once, there
+                    if not readings:
+                        readings.append(phase_readings(pipeline))
+
+                greedy = greedy_decode(pipeline, 1, prompt, args.tokens, on_commit=after_prefill)
+                hashes.setdefault("relay/greedy", token_hash(greedy.tokens))
+                by_phase.setdefault("greedy", relay_breakdown(greedy, readings.pop(), phase_readings(pipeline)))
+                drafter = OracleDrafter.with_mean_commit(greedy.tokens, len(prompt), block_size=BLOCK, mean_commit=MEAN_COMMIT)
+                result = speculative_decode(pipeline, 2, prompt, drafter, block_size=BLOCK, rollback=mode,
+                                            max_new_tokens=args.tokens, on_commit=after_prefill)
+                hashes[f"relay/{mode}"] = token_hash(result.tokens)
+                by_phase[mode] = relay_breakdown(result, readings.pop(), phase_readings(pipeline))
+                print(f"relay {mode}: {by_phase[mode]['step_ms']} ms per step", flush=True)
+        finally:
+            for process in processes:
+                process.terminate()
+            for process in processes:
+                process.wait(timeout=60)
+    out["relay_by_phase"] = by_phase
+    if args.daemon_profile:
+        out["daemon_profile_top"] = {path.name: daemon_profile_top(path) for path in sorted(Path(args.daemon_profile).glob("*.prof"))}
+    out["hashes"] = hashes
+    return out
+
+
+def phase_table(by_phase: dict) -> str:
+    """relay_by_phase as text: per mode, one line per (shard, request type), ms per step in each phase."""
+    daemon_phases = ("receive", "decode", "lookup", "launch", "wait", "copy", "compute", "encode", "send")
+    client_phases = ("encode", "send", "wait", "receive", "decode")
+    lines = []
+    for mode, entry in by_phase.items():
+        lines.append(f"{mode}: {entry['step_ms']} ms/step over {entry['steps']} steps; drafter {entry['draft_ms']} ms; "
+                     f"coordinator outside the clients {entry['coordinator_other_ms']} ms")
+        lines.append("  shard type       n/step | daemon " + " ".join(f"{p[:7]:>7}" for p in daemon_phases)
+                     + " | coord " + " ".join(f"{p[:7]:>7}" for p in client_phases) + " | transport")
+        for index, shard in enumerate(entry["shards"]):
+            for mtype, row in shard["coordinator"].items():
+                d = shard["daemon"].get(mtype, {})
+                lines.append(f"  {index:>5} {mtype:<9} {row.get('requests', 0):>7} | daemon "
+                             + " ".join(f"{d.get(p, 0.0):7.3f}" for p in daemon_phases)
+                             + " | coord " + " ".join(f"{row.get(p, 0.0):7.3f}" for p in client_phases)
+                             + f" | {shard['transport'].get(mtype, 0.0):7.3f}")
+    return "\n".join(lines)
+
+
 # ---- the whole run ---------------------------------------------------------------------------------------
 
-PARTS = {"local": run_local, "transformers": run_transformers, "e2e": run_e2e}
+PARTS = {"local": run_local, "transformers": run_transformers, "e2e": run_e2e, "relay": run_relay}
 
 
 def main() -> int:
@@ -432,6 +591,9 @@ def main() -> int:
     parser.add_argument("--long-context", type=int, default=32768)
     parser.add_argument("--e2e-devices", default="cuda:0,cuda:1", help="Devices of the two daemons.")
     parser.add_argument("--e2e-dtype", default="bfloat16")
+    parser.add_argument("--e2e-engine", default="fast", help="The daemons' --engine (reference: a CPU check).")
+    parser.add_argument("--daemon-profile", default=None, help="relay: also a short run with the daemons under cProfile, "
+                        "dumps in this directory, their top functions in the JSON.")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -446,7 +608,8 @@ def main() -> int:
             path = handle.name
         command = [sys.executable, __file__, "--part", part, "--json", path, "--preset", args.preset, "--seed", str(args.seed),
                    "--prompt-len", str(args.prompt_len), "--tokens", str(args.tokens), "--repeats", str(args.repeats),
-                   "--long-context", str(args.long_context), "--e2e-devices", args.e2e_devices, "--e2e-dtype", args.e2e_dtype]
+                   "--long-context", str(args.long_context), "--e2e-devices", args.e2e_devices, "--e2e-dtype", args.e2e_dtype,
+                   "--e2e-engine", args.e2e_engine, *(["--daemon-profile", args.daemon_profile] if args.daemon_profile else [])]
         print(f"== {part}", flush=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if part == "transformers":  # the baseline as a plain install runs it: without flash-linear-attention
@@ -464,6 +627,10 @@ def main() -> int:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(text)
     print(text)
+    if "relay_by_phase" in merged:  # the per-phase table last, where a short tail of the output shows it
+        for name, top in merged.get("daemon_profile_top", {}).items():
+            print(f"== cProfile of {name} (tottime)\n" + "\n".join(top[:16]))
+        print("== relay by phase (ms per step)\n" + phase_table(merged["relay_by_phase"]))
     return 0 if merged["outputs_identical"] and "failed_parts" not in merged else 1
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from protocol.layout import CHECKPOINT, REPLAY_SSM
+from protocol.timing import DAEMON as PHASES
 from shardd.fast import prefill
 from shardd.fast.graph import StepRunner
 from shardd.fast.pools import StatePools
@@ -114,6 +115,7 @@ class FastShard:
         state.length = pos + n
         if checkpoint:
             state.pending = PendingStep(start=pos, n=n)
+        PHASES.lap("launch")
 
         out = ShardOutput()
         if self.model.owns_head:
@@ -121,13 +123,16 @@ class FastShard:
             out.logits = b.logits[:n]
             if b.ids.is_cuda:
                 torch.cuda.current_stream().synchronize()
+            PHASES.lap("wait")
             out.ids = self._ids[:n].clone()
         else:
             self._hidden.copy_(b.hidden, non_blocking=True)
             if b.hidden.is_cuda:
                 torch.cuda.current_stream().synchronize()
+            PHASES.lap("wait")
             out.hidden = self._hidden[:n].clone()
         out.captured = {layer: buffer[:n].cpu() for layer, buffer in captured.items()}
+        PHASES.lap("copy")
         return out
 
     def _prefill(self, state, pos, n, tokens, hidden, capture_layers) -> ShardOutput:
