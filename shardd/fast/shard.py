@@ -49,7 +49,7 @@ class FastShard:
         self.runner = StepRunner(model, self.layers, self.pools, self.buffers, use_graphs=use_graphs)
         self.prefill_kernels = prefill.available(model.device)
         pin = model.device.type == "cuda"
-        self._control = torch.zeros(5, dtype=torch.int32, pin_memory=pin)
+        self._control = torch.zeros(6, dtype=torch.int32, pin_memory=pin)
         self._tokens = torch.zeros(self.rows, dtype=torch.long, pin_memory=pin)
         self._hidden = torch.zeros((self.rows, model.config.hidden_size), dtype=model.dtype, pin_memory=pin)
         self._ids = torch.zeros(self.rows, dtype=torch.long, pin_memory=pin)
@@ -89,6 +89,7 @@ class FastShard:
                 capture_layers=()) -> ShardOutput:
         n = self.model.check_forward(state, pos, tokens=tokens, hidden=hidden, checkpoint=checkpoint)
         if n > self.rows:
+            rb.settle(state)  # the reference and prefill paths read the state itself
             if not self.prefill_kernels:
                 return self.model.forward(state, pos, tokens=tokens, hidden=hidden, checkpoint=checkpoint,
                                           capture_layers=capture_layers)
@@ -98,7 +99,8 @@ class FastShard:
             save, n_save = gdn_kernels.SAVE_WINDOWS, n + 1
         elif checkpoint and self.pools.mode == REPLAY_SSM:
             save, n_save = gdn_kernels.SAVE_LOG, 1
-        self._control.copy_(torch.tensor([state.slot, n, pos, save, n_save], dtype=torch.int32))
+        start = self.pools.start[state.slot]  # after a checkpoint rollback: the kept token's checkpoint slot
+        self._control.copy_(torch.tensor([state.slot, n, pos, save, n_save, start], dtype=torch.int32))
         b = self.buffers
         b.control.copy_(self._control, non_blocking=True)
         if self.model.owns_embedding:
@@ -112,6 +114,7 @@ class FastShard:
 
         state.pending = None  # a new step ends the previous pending window
         captured = self.runner.run(tuple(sorted(set(capture_layers))))
+        self.pools.start[state.slot] = -1  # the step left the state in the sequence's own buffers
         state.length = pos + n
         if checkpoint:
             state.pending = PendingStep(start=pos, n=n)
