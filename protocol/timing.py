@@ -44,6 +44,13 @@ class PhaseClock:
         self._laps.clear()
         self.active = False
 
+    def add(self, request_type, phase: str, ns: int) -> None:
+        """Book `ns` directly (an end with several requests in flight times each apart)."""
+        self.ns[(getattr(request_type, "value", request_type), phase)] += ns
+
+    def count(self, request_type) -> None:
+        self.requests[getattr(request_type, "value", request_type)] += 1
+
     def totals(self) -> dict:
         """{type: {"requests": n, "seconds": {phase: total seconds}}} (JSON-ready)."""
         out: dict = {}

@@ -348,20 +348,25 @@ def e2e_devices(args) -> list[str]:
 
 
 def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] | None = None,
-                  env: dict | None = None, tag: str = "") -> tuple[list, list[str]]:
-    """`shardd serve` per range, one GPU each, on ipc:// endpoints; returns (processes, endpoints) once all are ready."""
+                  env: dict | None = None, tag: str = "", tcp_ports: list[int] | None = None) -> tuple[list, list[str]]:
+    """`shardd serve` per range, one GPU each, on ipc:// endpoints (tcp on loopback with `tcp_ports`); returns
+    (processes, endpoints) once all are ready."""
     from coordinator.client import ShardClient, ShardTimeout
 
     devices = devices or args.e2e_devices.split(",")
     processes, endpoints = [], []
     for index, (begin, end) in enumerate(ranges):
         endpoint = f"ipc://{run_dir}/shard{index}-{mode}{tag}.sock"
+        if tcp_ports:
+            endpoint = f"tcp://127.0.0.1:{tcp_ports[index]}"
         log = open(run_dir / f"shard{index}-{mode}{tag}.log", "w")
         command = [sys.executable, "-m", "shardd", "serve", "--synthetic", f"{args.preset}:{args.seed}",
                    "--layers", f"{begin}:{end}", "--device", devices[index], "--dtype", args.e2e_dtype,
                    "--engine", args.e2e_engine, "--bind", endpoint,
                    "--rollback-mode", mode, "--max-verify-tokens", str(BLOCK), "--max-sequences", "2",
                    "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK)]
+        if devices[index] == "cpu":  # a CPU check: one torch thread per daemon, as the tests start them
+            command += ["--threads", "1"]
         processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                           env={**os.environ, **(env or {})}))
         endpoints.append(endpoint)
@@ -370,7 +375,7 @@ def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] 
         client = ShardClient(endpoint, timeout_s=1.0)
         while True:
             if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{endpoint} did not come up: " + (run_dir / f"{Path(endpoint).stem}.log").read_text()[-2000:])
+                raise RuntimeError(f"{endpoint} did not come up: " + (run_dir / f"shard{len(endpoints)}-{mode}{tag}.log").read_text()[-2000:])
             try:
                 client.hello(timeout_s=0.5)
                 break
@@ -554,6 +559,103 @@ def run_relay(args) -> dict:
     return out
 
 
+# ---- delay: two hosts, simulated by a delaying relay ----------------------------------------------------------
+
+DELAYS_MS = (0.0, 0.1, 0.5, 2.0)
+DELAY_BLOCKS = (4, 8, 16)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_proxy(target_port: int, delay_ms: float) -> tuple[subprocess.Popen, int]:
+    """scripts/delay_proxy.py in front of a daemon's port: (process, the port to connect to)."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "delay_proxy.py"), "--listen", f"127.0.0.1:{port}",
+                                "--to", f"127.0.0.1:{target_port}", "--delay-ms", str(delay_ms)],
+                               stdout=subprocess.PIPE, text=True)
+    if process.stdout.readline().strip() != "ready":
+        process.kill()
+        raise RuntimeError("the delay proxy did not start")
+    return process, port
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def run_relay_vs_delay(args) -> dict:
+    """The two daemons on tcp loopback, each behind a relay that adds a one-way delay to everything it carries
+    (0, 0.1, 0.5, 2 ms: a second host on a fast, an ordinary and a slow link); greedy and checkpoint speculative
+    decoding at block sizes 4, 8, 16 (oracle drafter at the same commit fraction). The step time's slope against
+    the one-way delay, halved, is the number of round trips a step waits for."""
+    import torch
+
+    from coordinator.decoding import greedy_decode, speculative_decode
+    from coordinator.drafters import OracleDrafter
+    from coordinator.pipeline import Pipeline
+    from shardd.presets import preset_config
+
+    config = preset_config(args.preset)
+    half = config.num_layers // 2
+    ranges = [(0, half), (half, config.num_layers)]
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+    ports = [free_port(), free_port()]
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-delay-"))
+    processes, endpoints = start_daemons(args, ranges, "checkpoint", run_dir, devices=e2e_devices(args), tag="-tcp",
+                                         tcp_ports=ports)
+    greedy_ms, step_ms, tok_s, hashes = [], {b: [] for b in DELAY_BLOCKS}, {b: [] for b in DELAY_BLOCKS}, {}
+    try:
+        with Pipeline.connect(endpoints, timeout_s=600) as pipeline:
+            greedy_decode(pipeline, 98, prompt[:32], 4)  # warm-up: capture the graphs
+            reference = greedy_decode(pipeline, 1, prompt, args.tokens).tokens
+        for delay in DELAYS_MS:
+            proxies = [start_proxy(port, delay) for port in ports]
+            try:
+                with Pipeline.connect([f"tcp://127.0.0.1:{port}" for _, port in proxies], timeout_s=600) as pipeline:
+                    greedy = greedy_decode(pipeline, 1, prompt, args.tokens)
+                    greedy_ms.append(round(greedy.decode_seconds / greedy.steps * 1e3, 3))
+                    hashes[f"delay{delay}/greedy"] = token_hash(greedy.tokens)
+                    for block in DELAY_BLOCKS:
+                        drafter = OracleDrafter.with_mean_commit(reference, len(prompt), block_size=block,
+                                                                 mean_commit=block * MEAN_COMMIT / BLOCK)
+                        result = speculative_decode(pipeline, 2, prompt, drafter, block_size=block,
+                                                    rollback="checkpoint", max_new_tokens=args.tokens)
+                        step_ms[block].append(round(result.decode_seconds / result.steps * 1e3, 3))
+                        tok_s[block].append(round(len(result.tokens) / result.decode_seconds, 2))
+                        hashes[f"delay{delay}/block{block}"] = token_hash(result.tokens)
+                print(f"delay {delay} ms: greedy {greedy_ms[-1]} ms/token, tok/s by block "
+                      f"{ {b: tok_s[b][-1] for b in DELAY_BLOCKS} }", flush=True)
+            finally:
+                for process, _ in proxies:
+                    process.kill()
+                    process.wait()
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=60)
+    delays = list(DELAYS_MS)
+    return {"relay_vs_delay": {
+        "delays_ms_one_way": delays,
+        "blocks": list(DELAY_BLOCKS),
+        "greedy_ms_per_token": greedy_ms,
+        "step_ms": {str(b): v for b, v in step_ms.items()},
+        "tok_s": {str(b): v for b, v in tok_s.items()},
+        # d(step)/d(one-way delay) / 2: round trips a step waits for (two shards: 2 when nothing else waits)
+        "round_trips_per_step": {"greedy": round(slope(delays, greedy_ms) / 2, 2),
+                                 **{str(b): round(slope(delays, v) / 2, 2) for b, v in step_ms.items()}},
+        "hidden_bytes_per_row": config.hidden_size * (2 if args.e2e_dtype == "bfloat16" else 4),
+    }, "hashes": hashes}
+
+
 def phase_table(by_phase: dict) -> str:
     """relay_by_phase as text: per mode, one line per (shard, request type), ms per step in each phase."""
     daemon_phases = ("receive", "decode", "lookup", "launch", "wait", "copy", "compute", "encode", "send")
@@ -576,7 +678,8 @@ def phase_table(by_phase: dict) -> str:
 
 # ---- the whole run ---------------------------------------------------------------------------------------
 
-PARTS = {"local": run_local, "transformers": run_transformers, "e2e": run_e2e, "relay": run_relay}
+PARTS = {"local": run_local, "transformers": run_transformers, "e2e": run_e2e, "relay": run_relay,
+         "delay": run_relay_vs_delay}
 
 
 def main() -> int:

@@ -107,10 +107,11 @@ class FastShard:
             self._tokens.zero_()
             self._tokens[:n] = torch.as_tensor(tokens, dtype=torch.long)
             b.tokens.copy_(self._tokens, non_blocking=True)
-        else:
+        else:  # only the n real rows cross (pinned, queued); the padding rows are zeroed on the device
             self._hidden[:n].copy_(hidden)
-            self._hidden[n:].zero_()
-            b.hidden_in.copy_(self._hidden, non_blocking=True)
+            b.hidden_in[:n].copy_(self._hidden[:n], non_blocking=True)
+            if n < self.rows:
+                b.hidden_in[n:].zero_()
 
         state.pending = None  # a new step ends the previous pending window
         captured = self.runner.run(tuple(sorted(set(capture_layers))))
@@ -129,7 +130,7 @@ class FastShard:
             PHASES.lap("wait")
             out.ids = self._ids[:n].clone()
         else:
-            self._hidden.copy_(b.hidden, non_blocking=True)
+            self._hidden[:n].copy_(b.hidden[:n], non_blocking=True)
             if b.hidden.is_cuda:
                 torch.cuda.current_stream().synchronize()
             PHASES.lap("wait")
