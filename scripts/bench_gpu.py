@@ -355,15 +355,17 @@ def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] 
 
     devices = devices or args.e2e_devices.split(",")
     processes, endpoints = [], []
-    for index, (begin, end) in enumerate(ranges):
+    for index, layer_range in enumerate(ranges):
         endpoint = f"ipc://{run_dir}/shard{index}-{mode}{tag}.sock"
         if tcp_ports:
             endpoint = f"tcp://127.0.0.1:{tcp_ports[index]}"
         log = open(run_dir / f"shard{index}-{mode}{tag}.log", "w")
-        command = [sys.executable, "-m", "shardd", "serve", "--synthetic", f"{args.preset}:{args.seed}",
-                   "--layers", f"{begin}:{end}", "--device", devices[index], "--dtype", args.e2e_dtype,
-                   "--engine", args.e2e_engine, "--bind", endpoint,
-                   "--rollback-mode", mode, "--max-verify-tokens", str(BLOCK), "--max-sequences", "2",
+        # a range of None: a daemon that hosts only the synthetic DFlash drafter
+        layers = ["--layers", "none", "--draft", "synthetic"] if layer_range is None else [
+            "--layers", f"{layer_range[0]}:{layer_range[1]}", "--engine", args.e2e_engine,
+            "--rollback-mode", mode, "--max-verify-tokens", str(BLOCK)]
+        command = [sys.executable, "-m", "shardd", "serve", "--synthetic", f"{args.preset}:{args.seed}", *layers,
+                   "--device", devices[index], "--dtype", args.e2e_dtype, "--bind", endpoint, "--max-sequences", "2",
                    "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK)]
         if devices[index] == "cpu":  # a CPU check: one torch thread per daemon, as the tests start them
             command += ["--threads", "1"]
@@ -439,9 +441,10 @@ def run_e2e(args) -> dict:
 # ---- relay: where a two-daemon step's time goes ----------------------------------------------------------
 
 
-def phase_readings(pipeline) -> tuple[list[dict], list[dict]]:
-    """The daemons' STATS phases and the coordinator's client phases, one reading per shard."""
-    return [client.stats()["phases"] for client in pipeline.clients], [client.phases.totals() for client in pipeline.clients]
+def phase_readings(pipeline, extra=()) -> tuple[list[dict], list[dict]]:
+    """The daemons' STATS phases and the coordinator's client phases, one reading per shard (and `extra` client)."""
+    clients = [*pipeline.clients, *extra]
+    return [client.stats()["phases"] for client in clients], [client.phases.totals() for client in clients]
 
 
 def per_step_phases(before: dict, after: dict, steps: int) -> dict:
@@ -457,12 +460,13 @@ def per_step_phases(before: dict, after: dict, steps: int) -> dict:
     return out
 
 
-def relay_breakdown(result, before, after) -> dict:
+def relay_breakdown(result, before, after, drafter_is_a_client: bool = False) -> dict:
     """One decode's steps: per shard, the daemon's phases and the coordinator's phases of its requests (ms per
     step), the transport (coordinator wait minus the daemon's whole handling), and what is left of the step."""
     steps = max(result.steps, 1)
     step_ms = result.decode_seconds / steps * 1e3
-    shards, accounted = [], result.draft_seconds / steps * 1e3
+    # a daemon-hosted drafter's time is its client's phases (one of the shards here), not counted twice
+    shards, accounted = [], 0.0 if drafter_is_a_client else result.draft_seconds / steps * 1e3
     for index in range(len(before[0])):
         daemon = per_step_phases(before[0][index], after[0][index], steps)
         client = per_step_phases(before[1][index], after[1][index], steps)
@@ -540,11 +544,15 @@ def run_relay(args) -> dict:
 
                 greedy = greedy_decode(pipeline, 1, prompt, args.tokens, on_commit=after_prefill)
                 hashes.setdefault("relay/greedy", token_hash(greedy.tokens))
+                out.setdefault("e2e_greedy_ms_per_token", round(greedy.decode_seconds / len(greedy.tokens) * 1e3, 3))
                 by_phase.setdefault("greedy", relay_breakdown(greedy, readings.pop(), phase_readings(pipeline)))
                 drafter = OracleDrafter.with_mean_commit(greedy.tokens, len(prompt), block_size=BLOCK, mean_commit=MEAN_COMMIT)
                 result = speculative_decode(pipeline, 2, prompt, drafter, block_size=BLOCK, rollback=mode,
                                             max_new_tokens=args.tokens, on_commit=after_prefill)
                 hashes[f"relay/{mode}"] = token_hash(result.tokens)
+                # the e2e part's keys too (summarize() turns them into relay_ms_per_step and e2e_vs_local)
+                out.setdefault("e2e_tok_s", {})[mode] = round(len(result.tokens) / result.decode_seconds, 2)
+                out.setdefault("e2e_step_ms", {})[mode] = round(result.decode_seconds / result.steps * 1e3, 3)
                 by_phase[mode] = relay_breakdown(result, readings.pop(), phase_readings(pipeline))
                 print(f"relay {mode}: {by_phase[mode]['step_ms']} ms per step", flush=True)
         finally:
@@ -557,6 +565,62 @@ def run_relay(args) -> dict:
         out["daemon_profile_top"] = {path.name: daemon_profile_top(path) for path in sorted(Path(args.daemon_profile).glob("*.prof"))}
     out["hashes"] = hashes
     return out
+
+
+# ---- dflash: the drafter on the same path, three daemons ---------------------------------------------------
+
+
+def run_dflash_relay(args) -> dict:
+    """Two target shards and a daemon hosting the synthetic DFlash drafter (three daemons; on one GPU when one is
+    there): CAPTURE features and PROPOSE ride the same relay as FORWARD and ROLLBACK. `e2e_dflash_step_ms` per
+    rollback mode, and where the step's time goes (`dflash_relay_by_phase`, the drafter daemon as the last shard).
+    The drafter's own compute is issue 16's; its share shows as that daemon's PROPOSE phases."""
+    import torch
+
+    from coordinator.client import ShardClient
+    from coordinator.decoding import speculative_decode
+    from coordinator.dflash import DFlashDrafterClient
+    from coordinator.pipeline import Pipeline
+    from shardd.presets import preset_config
+
+    config = preset_config(args.preset)
+    half = config.num_layers // 2
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+    devices = e2e_devices(args) + [e2e_devices(args)[-1]]
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-dflash-"))
+    step_ms, tok_s, by_phase, hashes = {}, {}, {}, {}
+    for mode in ("checkpoint", "replay-ssm"):
+        processes, endpoints = start_daemons(args, [(0, half), (half, config.num_layers), None], mode, run_dir,
+                                             devices=devices, tag="-dflash")
+        try:
+            with Pipeline.connect(endpoints[:2], timeout_s=600) as pipeline, \
+                    ShardClient(endpoints[2], timeout_s=600) as draft_client:
+                drafter = DFlashDrafterClient(draft_client, pipeline)
+                block = min(BLOCK, drafter.max_block_size)
+                speculative_decode(drafter.target, 98, prompt[:32], drafter, block_size=block, rollback=mode,
+                                   max_new_tokens=4)  # warm-up
+                readings: list = []
+
+                def after_prefill(tokens):
+                    if not readings:
+                        readings.append(phase_readings(pipeline, [draft_client]))
+
+                result = speculative_decode(drafter.target, 1, prompt, drafter, block_size=block, rollback=mode,
+                                            max_new_tokens=args.tokens, on_commit=after_prefill)
+                by_phase[mode] = relay_breakdown(result, readings.pop(), phase_readings(pipeline, [draft_client]), True)
+                step_ms[mode] = round(result.decode_seconds / result.steps * 1e3, 3)
+                tok_s[mode] = round(len(result.tokens) / result.decode_seconds, 2)
+                by_phase[mode]["mean_commit"] = round(result.avg_commit, 2)
+                hashes[f"dflash/{mode}"] = token_hash(result.tokens)
+                print(f"dflash {mode}: {step_ms[mode]} ms per step, mean commit {result.avg_commit:.2f}", flush=True)
+        finally:
+            for process in processes:
+                process.terminate()
+            for process in processes:
+                process.wait(timeout=60)
+    # whatever the drafts, the verified output is the target's greedy one: the hashes join outputs_identical
+    return {"e2e_dflash_step_ms": step_ms, "e2e_dflash_tok_s": tok_s, "dflash_relay_by_phase": by_phase, "hashes": hashes}
 
 
 # ---- delay: two hosts, simulated by a delaying relay ----------------------------------------------------------
@@ -679,13 +743,13 @@ def phase_table(by_phase: dict) -> str:
 # ---- the whole run ---------------------------------------------------------------------------------------
 
 PARTS = {"local": run_local, "transformers": run_transformers, "e2e": run_e2e, "relay": run_relay,
-         "delay": run_relay_vs_delay}
+         "delay": run_relay_vs_delay, "dflash": run_dflash_relay}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=sorted(PARTS), help="Run one part in this process.")
-    parser.add_argument("--parts", default="local,transformers,e2e")
+    parser.add_argument("--parts", default="local,transformers,e2e", help=f"Comma-separated, of {sorted(PARTS)}.")
     parser.add_argument("--preset", default="qwen3.5-27b")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt-len", type=int, default=512)
@@ -750,6 +814,8 @@ def summarize(merged: dict) -> None:
         merged["relay_ms_per_step"] = {m: round(merged["e2e_step_ms"][m] - local_step[m], 3) for m in local_step}
         merged["relay_share_of_step"] = {m: round(merged["relay_ms_per_step"][m] / merged["e2e_step_ms"][m], 3) for m in local_step}
         merged["e2e_vs_local"] = {m: round(merged["e2e_tok_s"][m] / merged["tok_s"][m], 3) for m in merged["e2e_tok_s"] if m in merged["tok_s"]}
+    if "e2e_greedy_ms_per_token" in merged and "greedy_ms_per_token" in merged:  # target: <= 1.05
+        merged["e2e_greedy_vs_local"] = round(merged["e2e_greedy_ms_per_token"] / merged["greedy_ms_per_token"], 3)
     merged["outputs_identical"] = len(set(merged["hashes"].values())) == 1
 
 
