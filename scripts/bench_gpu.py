@@ -570,6 +570,9 @@ def run_relay(args) -> dict:
 # ---- dflash: the drafter on the same path, three daemons ---------------------------------------------------
 
 
+DFLASH_MODES = ("checkpoint",)  # one mode: three daemons start per mode, and the relay is the same in both
+
+
 def run_dflash_relay(args) -> dict:
     """Two target shards and a daemon hosting the synthetic DFlash drafter (three daemons; on one GPU when one is
     there): CAPTURE features and PROPOSE ride the same relay as FORWARD and ROLLBACK. `e2e_dflash_step_ms` per
@@ -590,7 +593,7 @@ def run_dflash_relay(args) -> dict:
     devices = e2e_devices(args) + [e2e_devices(args)[-1]]
     run_dir = Path(tempfile.mkdtemp(prefix="bench-dflash-"))
     step_ms, tok_s, by_phase, hashes = {}, {}, {}, {}
-    for mode in ("checkpoint", "replay-ssm"):
+    for mode in DFLASH_MODES:
         processes, endpoints = start_daemons(args, [(0, half), (half, config.num_layers), None], mode, run_dir,
                                              devices=devices, tag="-dflash")
         try:

@@ -16,10 +16,10 @@ done
 export PYTHONPATH=/tmp/site:/tmp/fla-site:$PWD
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; python3 -c 'import torch, triton, zmq; print("torch", torch.__version__, "triton", triton.__version__, "zmq", zmq.__version__)'; } | tee "$OUT/env.txt"
 echo "== GPU tests (rollback off the critical path, bit-identical; bf16 speculative = greedy)"
-timeout ${TESTS_TIMEOUT:-120} python3 -m pytest -q tests/test_fast_path.py \
+timeout ${TESTS_TIMEOUT:-110} python3 -m pytest -q tests/test_fast_path.py \
     -k "critical_path or bit_identical or bf16 or graph_replay" 2>&1 | tail -6 | tee "$OUT/gpu_tests_relay.txt"
 echo "== bench_gpu --parts ${PARTS:-relay,local,delay,dflash}"
-timeout ${BENCH_TIMEOUT:-390} python3 scripts/bench_gpu.py --parts "${PARTS:-relay,local,delay,dflash}" --tokens 64 \
+timeout ${BENCH_TIMEOUT:-400} python3 scripts/bench_gpu.py --parts "${PARTS:-relay,local,delay,dflash}" --tokens 64 \
     --repeats 10 --json "$OUT/gpu_bench_relay.json" "$@" > "$OUT/gpu_bench_relay.txt" 2>&1
 echo "bench_gpu exit: $? (full output: $OUT/gpu_bench_relay.txt)"
 grep -E '^(==|relay|delay|dflash|greedy|built|checkpoint|replay|Traceback|RuntimeError|[A-Za-z]*Error)' "$OUT/gpu_bench_relay.txt" | tail -24
