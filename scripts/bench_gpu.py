@@ -475,7 +475,9 @@ def relay_breakdown(result, before, after, drafter_is_a_client: bool = False) ->
             handled = sum(v for k, v in daemon.get(mtype, {}).items() if k != "requests")
             transport[mtype] = round(row.get("wait", 0.0) - handled, 4)
             accounted += sum(v for k, v in row.items() if k != "requests")
-        shards.append({"daemon": daemon, "coordinator": client, "transport": transport})
+        # with ROLLBACKs pipelined behind the next FORWARD, only a shard's sum over its types is a delivery time
+        shards.append({"daemon": daemon, "coordinator": client, "transport": transport,
+                       "transport_ms": round(sum(transport.values()), 4)})
     return {"steps": result.steps, "step_ms": round(step_ms, 3), "draft_ms": round(result.draft_seconds / steps * 1e3, 4),
             "shards": shards, "coordinator_other_ms": round(step_ms - accounted, 4)}
 
