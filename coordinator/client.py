@@ -42,6 +42,7 @@ from protocol import (
     encode_request,
     pure_chain,
 )
+from protocol.timing import PhaseClock
 
 
 class ShardError(RemoteError):
@@ -132,7 +133,13 @@ class ShardClient:
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
         self._poller.register(self._watch.monitor, zmq.POLLIN)
-        self._drops_at_send = 0
+        # Requests sent and not yet answered: id -> the connection drops counted when it went out. Several may be
+        # in flight (a ROLLBACK and the next FORWARD back to back); the daemon answers in order, and a reply that
+        # comes while another is awaited waits in `_early` for its own receive().
+        self._in_flight: dict[int, int] = {}
+        self._early: dict[int, Reply] = {}
+        # where this client's requests spend their time: encode, send, wait, receive, decode (protocol/timing.py)
+        self.phases = PhaseClock()
 
     # ---- transport -----------------------------------------------------------------------
 
@@ -146,21 +153,28 @@ class ShardClient:
 
     def send(self, record: Request, connect_timeout_s: Optional[float] = None) -> Request:
         """Send without waiting for the reply; returns the record as sent (with its id) for `receive`.
-        Lets a caller keep several daemons busy at once: one request in flight per client.
+        Lets a caller keep several daemons busy at once, and send a daemon several requests back to back (it
+        serves them in order; each reply is then read with its own `receive`, in any order).
         Waits up to `connect_timeout_s` (default: the liveness timeout) for a connection to the daemon,
         else ShardUnavailable; nothing is left queued then."""
         if self._socket.closed:
             raise RuntimeError(f"{self.endpoint}: client is closed")
+        started = time.perf_counter_ns()
         record = dataclasses.replace(record, id=next(self._ids))
+        frames = encode_request(record)
+        encoded = time.perf_counter_ns()
         if connect_timeout_s is None:
             connect_timeout_s = min(self.liveness_timeout_s, self.compute_timeout(record))
         wait_s = connect_timeout_s
         self._await_connection(record, wait_s)
-        self._drops_at_send = self._watch.drops  # drops before this request do not concern it
         try:
-            self._socket.send_multipart(encode_request(record), flags=zmq.NOBLOCK, copy=False)
+            self._socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             raise ShardUnavailable(self.endpoint, _describe(record), "send queue full", 0) from None
+        self._in_flight[record.id] = self._watch.drops
+        self.phases.count(record.type)
+        self.phases.add(record.type, "encode", encoded - started)
+        self.phases.add(record.type, "send", time.perf_counter_ns() - encoded)
         return record
 
     def _await_connection(self, record: Request, wait_s: float) -> None:
@@ -189,13 +203,26 @@ class ShardClient:
 
     def receive(self, sent: Request, timeout_s: Optional[float] = None) -> Reply:
         """The reply to `sent` (as `send` returned it); replies to earlier requests that
-        timed out are dropped on the way. ShardUnavailable as soon as the connection drops
-        (the request is lost with it), ShardTimeout after the compute timeout."""
-        timeout_s = self.compute_timeout(sent) if timeout_s is None else timeout_s
+        timed out are dropped on the way, replies to other requests still in flight are kept for
+        their own receive(). ShardUnavailable as soon as the connection drops (every request in
+        flight is lost with it), ShardTimeout after the compute timeout."""
+        reply = self._early.pop(sent.id, None)
+        if reply is None:
+            try:
+                reply = self._await(sent, self.compute_timeout(sent) if timeout_s is None else timeout_s)
+            finally:
+                self._in_flight.pop(sent.id, None)  # answered, lost or timed out: a late reply is stale
+        return self._check(reply, sent)
+
+    def _await(self, sent: Request, timeout_s: float) -> Reply:
         what = _describe(sent)
         started = time.monotonic()
         deadline = started + timeout_s
+        waited = time.perf_counter_ns()
         while True:
+            # a drop since `sent` went out (seen here, or by a later send's update) took it along
+            if self._watch.drops != self._in_flight.get(sent.id, self._watch.drops):
+                raise ShardUnavailable(self.endpoint, what, "connection to the daemon lost", time.monotonic() - started)
             remaining_ms = (deadline - time.monotonic()) * 1000
             if remaining_ms <= 0:
                 self._watch.update()
@@ -204,23 +231,33 @@ class ShardClient:
             if self._socket not in events:
                 if self._watch.monitor in events:
                     self._watch.update()
-                    if self._watch.drops != self._drops_at_send:
-                        raise ShardUnavailable(self.endpoint, what, "connection to the daemon lost",
-                                               time.monotonic() - started)
                 continue
+            arrived = time.perf_counter_ns()
+            self.phases.add(sent.type, "wait", arrived - waited)
             frames = self._socket.recv_multipart(copy=False)
+            received = time.perf_counter_ns()
             try:
                 reply = decode_reply(frames)
             except ProtocolError as error:
                 raise ProtocolError(error.code, f"{self.endpoint}: malformed reply to {what}: {error.message}") from error
-            # id None: the daemon could not read our id, so this error answers the one request in flight.
-            if reply.id is not None and reply.id != sent.id:
-                continue  # stale: the answer to a request that timed out earlier
-            if not reply.ok:
-                raise ShardError(reply.error_code, reply.error_message, self.endpoint)
-            if reply.type is not sent.type:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"{self.endpoint}: reply to {what} has type {reply.type}")
-            return reply
+            waited = time.perf_counter_ns()
+            mtype = reply.type or sent.type
+            self.phases.add(mtype, "receive", received - arrived)
+            self.phases.add(mtype, "decode", waited - received)
+            # id None: the daemon could not read our id, so this error answers the oldest request in flight.
+            if reply.id is None or reply.id == sent.id:
+                return reply
+            if reply.id in self._in_flight:  # sent after or before `sent`, still awaited: its receive() takes it
+                self._in_flight.pop(reply.id)
+                self._early[reply.id] = reply
+            # else stale: the answer to a request that timed out earlier
+
+    def _check(self, reply: Reply, sent: Request) -> Reply:
+        if not reply.ok:
+            raise ShardError(reply.error_code, reply.error_message, self.endpoint)
+        if reply.type is not sent.type:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{self.endpoint}: reply to {_describe(sent)} has type {reply.type}")
+        return reply
 
     def close(self, seq: Optional[int] = None) -> Optional[dict]:
         """`close(seq)` sends CLOSE for that sequence; `close()` closes this client's socket."""

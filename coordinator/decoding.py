@@ -50,6 +50,7 @@ class DecodeResult:
     accepted: int = 0  # drafts the target agreed with, before any budget / EOS cut
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    draft_seconds: float = 0.0  # of decode_seconds, in the drafter's propose (speculative decoding)
     rollbacks_fast: int = 0  # Target.rollback calls that succeeded
     rollbacks_fallback: int = 0  # RollbackFailed, state re-filled from history
     replays: int = 0  # replay mode: restore plus a forward of the kept tokens
@@ -156,7 +157,9 @@ def speculative_decode(
     def step(history: list[int], room: int, result: DecodeResult) -> None:
         # Draft: a block of T tokens commits at most T, so never draft past the budget.
         wanted = min(block_size, room) - 1
+        started = time.perf_counter()
         drafts = drafter.propose(history, wanted)
+        result.draft_seconds += time.perf_counter() - started
         if len(drafts) != wanted:
             raise ValueError(f"drafter {drafter.name!r} proposed {len(drafts)} tokens, asked for {wanted}")
         # Verify [t0, d1 .. d_{T-1}] in one forward; the state holds history[:-1].

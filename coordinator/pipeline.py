@@ -20,7 +20,7 @@ from coordinator.client import CurveKeys, ShardClient, ShardError, ShardTimeout,
 from coordinator.sampling import TokenIds
 from coordinator.liveness import LIVENESS_TIMEOUT_S
 from coordinator.target import RollbackFailed, SequenceLost
-from protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, Reply, WireTensor
+from protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, Reply, Request, Rollback, WireTensor
 from protocol.layout import REPLAY, SHARD_ROLLBACK_MODES, coverage_problems
 
 SHARD_FAILURES = (ShardError, ShardTimeout, ProtocolError)
@@ -181,6 +181,8 @@ class Pipeline:
         # Inputs of at most this many tokens take every fast-engine shard's fixed-shape step (None: no such shard).
         rows = [s.hello.get("step_rows") for s in self.shards if s.hello.get("step_rows")]
         self.step_rows = min(rows) if rows else None
+        # ROLLBACKs sent and not yet read, per sequence: (keep, [(client, request)], send failures)
+        self._rollbacks: dict[int, tuple[int, list[tuple[ShardClient, Request]], list[Exception]]] = {}
 
     @classmethod
     def connect(cls, endpoints: Iterable[str], timeout_s: float = 120.0, curve: Optional[CurveKeys] = None,
@@ -272,6 +274,7 @@ class Pipeline:
                 )
 
     def open(self, seq: int) -> None:
+        self._settle(seq, quiet=True)
         opened = []
         try:
             self.check_same_shards()
@@ -288,6 +291,7 @@ class Pipeline:
     def close(self, seq: int) -> None:
         """Close on every shard, whatever state each is in; a shard that does not know the
         sequence is fine. Other failures are raised after every shard was tried."""
+        self._settle(seq, quiet=True)  # a last ROLLBACK's failure does not matter to a closed sequence
         failures = []
         for client in self.clients:
             try:
@@ -370,18 +374,50 @@ class Pipeline:
             raise as_sequence_lost(error, seq) from error
 
     def rollback(self, seq: int, keep: int) -> None:
-        failures, lengths = [], set()
+        """ROLLBACK on every shard, sent back to back and not waited for: the replies are read before anything
+        else is asked about `seq`, and the next FORWARD goes out first, right behind its shard's ROLLBACK on the
+        same connection (the daemon serves them in order; PROTOCOL.md, "Ordering"). A refused ROLLBACK is then
+        raised as RollbackFailed by that next call; the FORWARD behind it was refused by its pos, or the
+        sequence is re-filled anyway."""
+        self._settle(seq)
+        sent, failures = [], []
         for client in self.clients:
             try:
-                lengths.add(client.rollback(seq, keep)["length"])
+                sent.append((client, client.send(Rollback(id=0, seq=seq, keep=keep))))
             except SHARD_FAILURES as error:
                 failures.append(error)
+        self._rollbacks[seq] = (keep, sent, failures)
+
+    def _settle(self, seq: int, in_flight: Sequence[tuple[ShardClient, Request]] = (), quiet: bool = False) -> None:
+        """Read the replies of `seq`'s ROLLBACKs still unread; RollbackFailed (unless `quiet`) when one failed
+        or the shards disagree on the length, after the replies of the requests `in_flight` were read too."""
+        pending = self._rollbacks.pop(seq, None)
+        if pending is None:
+            return
+        keep, sent, failures = pending
+        failures, lengths = list(failures), set()
+        for client, record in sent:
+            try:
+                lengths.add(client.receive(record).result["length"])
+            except SHARD_FAILURES as error:
+                failures.append(error)
+        if quiet or (not failures and len(lengths) <= 1):
+            return
+        for client, record in in_flight:  # what went out behind the ROLLBACKs: its fate no longer matters
+            try:
+                client.receive(record)
+            except SHARD_FAILURES:
+                pass
+        for error in failures:  # a shard that lost the sequence (restarted, gone): as a FORWARD would report it
+            lost = as_sequence_lost(error, seq)
+            if isinstance(lost, SequenceLost):
+                raise lost
         if failures:
             raise RollbackFailed(f"rollback of sequence {seq} to keep={keep} failed: " + "; ".join(map(str, failures)))
-        if len(lengths) > 1:
-            raise RollbackFailed(f"after rollback the shards disagree on the length of sequence {seq}: {sorted(lengths)}")
+        raise RollbackFailed(f"after rollback the shards disagree on the length of sequence {seq}: {sorted(lengths)}")
 
     def snapshot(self, seq: int) -> None:
+        self._settle(seq)
         try:
             for client in self.clients:
                 client.snapshot(seq)
@@ -389,6 +425,7 @@ class Pipeline:
             raise as_sequence_lost(error, seq) from error
 
     def restore(self, seq: int) -> None:
+        self._settle(seq)
         try:
             lengths = {client.endpoint: client.restore(seq)["length"] for client in self.clients}
         except SHARD_FAILURES as error:
@@ -435,6 +472,8 @@ class Pipeline:
                         seq, starts[c], checkpoint=checkpoint, layers=owned[index], sampling=sampling, **inputs
                     )
                     in_flight.append((index, c, client.send(record)))
+            if tick == 0:  # the first FORWARD is on its way behind any ROLLBACK of this sequence: now read those
+                self._settle(seq, [(self.clients[index], sent) for index, _, sent in in_flight])
             failure = None
             for index, c, sent in in_flight:
                 shard, n = self.shards[index], len(chunks[c])

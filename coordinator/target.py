@@ -50,7 +50,8 @@ class Target(Protocol):
     def rollback(self, seq: int, keep: int) -> None:
         """Keep the first `keep` tokens (0 <= keep <= n) of the pending step, leaving the
         state equal to having forwarded only those. Raises `RollbackFailed` when a shard
-        could not do it fast."""
+        could not do it fast: here, or (a target that does not wait for the shards' replies, as the
+        `Pipeline`) from the next call about `seq`."""
 
 
 @runtime_checkable

@@ -10,8 +10,10 @@ Parts, each in its own process (so one part's memory never weighs on the next):
   mean commit near 7 of 16 after a 512-token prompt (A/B/A order), the step and rollback alone, prefill of
   a 1024-token prompt, a step at a 32k-token context, and the top kernels of one step (profile).
 - `transformers`: `transformers`' greedy decode on the same synthetic weights, in its own process.
-- `e2e`: with two GPUs, two `shardd serve` daemons (layers 0:L/2 and L/2:L) and the same decoding over
-  the pipeline; skipped with one GPU.
+- `e2e`: two `shardd serve` daemons (layers 0:L/2 and L/2:L; one GPU each, or both on the one GPU there
+  is) and the same decoding over the pipeline.
+- `relay`: the same two daemons, and where each request's time goes (`relay_by_phase`: the daemons'
+  STATS phases and the coordinator's client phases, protocol/timing.py, per verify step).
 
 Every output (greedy, each mode, one process and two daemons) is hashed: `outputs_identical` says
 whether they are all the same tokens.
@@ -346,27 +348,50 @@ def run_transformers(args) -> dict:
 # ---- e2e: two daemons on two GPUs ------------------------------------------------------------------------
 
 
-def start_daemons(args, ranges, mode: str, run_dir: Path) -> tuple[list, list[str]]:
-    """`shardd serve` per range, one GPU each, on ipc:// endpoints; returns (processes, endpoints) once all are ready."""
+def e2e_devices(args) -> list[str]:
+    """The daemons' devices: --e2e-devices, or every daemon on cuda:0 when only one GPU is there (they share it;
+    a pipeline step runs its shards one after the other anyway)."""
+    devices = args.e2e_devices.split(",")
+    if any(d.startswith("cuda") for d in devices):
+        import torch
+
+        if torch.cuda.device_count() < len(set(devices)):
+            devices = ["cuda:0"] * len(devices)
+    return devices
+
+
+def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] | None = None,
+                  env: dict | None = None, tag: str = "", tcp_ports: list[int] | None = None) -> tuple[list, list[str]]:
+    """`shardd serve` per range, one GPU each, on ipc:// endpoints (tcp on loopback with `tcp_ports`); returns
+    (processes, endpoints) once all are ready."""
     from coordinator.client import ShardClient, ShardTimeout
 
+    devices = devices or args.e2e_devices.split(",")
     processes, endpoints = [], []
-    for index, (begin, end) in enumerate(ranges):
-        endpoint = f"ipc://{run_dir}/shard{index}-{mode}.sock"
-        log = open(run_dir / f"shard{index}-{mode}.log", "w")
-        command = [sys.executable, "-m", "shardd", "serve", "--synthetic", f"{args.preset}:{args.seed}",
-                   "--layers", f"{begin}:{end}", "--device", args.e2e_devices.split(",")[index], "--dtype", args.e2e_dtype,
-                   "--engine", "fast", "--bind", endpoint, *(["--quantize", args.fp8] if args.fp8 else []),
-                   "--rollback-mode", mode, "--max-verify-tokens", str(BLOCK), "--max-sequences", "2",
+    for index, layer_range in enumerate(ranges):
+        endpoint = f"ipc://{run_dir}/shard{index}-{mode}{tag}.sock"
+        if tcp_ports:
+            endpoint = f"tcp://127.0.0.1:{tcp_ports[index]}"
+        log = open(run_dir / f"shard{index}-{mode}{tag}.log", "w")
+        # a range of None: a daemon that hosts only the synthetic DFlash drafter
+        layers = ["--layers", "none", "--draft", "synthetic"] if layer_range is None else [
+            "--layers", f"{layer_range[0]}:{layer_range[1]}", "--engine", args.e2e_engine,
+            *(["--quantize", args.fp8] if args.fp8 else []),
+            "--rollback-mode", mode, "--max-verify-tokens", str(BLOCK)]
+        command = [sys.executable, "-m", "shardd", "serve", "--synthetic", f"{args.preset}:{args.seed}", *layers,
+                   "--device", devices[index], "--dtype", args.e2e_dtype, "--bind", endpoint, "--max-sequences", "2",
                    "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK)]
-        processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+        if devices[index] == "cpu":  # a CPU check: one torch thread per daemon, as the tests start them
+            command += ["--threads", "1"]
+        processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                          env={**os.environ, **(env or {})}))
         endpoints.append(endpoint)
     deadline = time.monotonic() + 600
     for process, endpoint in zip(processes, endpoints):
         client = ShardClient(endpoint, timeout_s=1.0)
         while True:
             if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{endpoint} did not come up: " + (run_dir / f"{Path(endpoint).stem}.log").read_text()[-2000:])
+                raise RuntimeError(f"{endpoint} did not come up: " + (run_dir / f"shard{len(endpoints)}-{mode}{tag}.log").read_text()[-2000:])
             try:
                 client.hello(timeout_s=0.5)
                 break
@@ -379,8 +404,6 @@ def start_daemons(args, ranges, mode: str, run_dir: Path) -> tuple[list, list[st
 def run_e2e(args) -> dict:
     import torch
 
-    if args.e2e_devices.startswith("cuda") and torch.cuda.device_count() < 2:
-        return {"e2e_skipped": "one GPU: the two-daemon run needs two"}
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafters import OracleDrafter
     from coordinator.pipeline import Pipeline
@@ -391,14 +414,15 @@ def run_e2e(args) -> dict:
     ranges = [(0, half), (half, config.num_layers)]
     generator = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
-    out: dict = {"e2e_layers": [list(r) for r in ranges]}
+    devices = e2e_devices(args)
+    out: dict = {"e2e_layers": [list(r) for r in ranges], "e2e_devices": devices}
     hashes: dict = {}
     tok_s: dict = {}
     step_ms: dict = {}
     reference = None
     run_dir = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     for storage_mode, modes in (("checkpoint", ("checkpoint", "replay", "checkpoint")), ("replay-ssm", ("replay-ssm", "replay-ssm"))):
-        processes, endpoints = start_daemons(args, ranges, storage_mode, run_dir)
+        processes, endpoints = start_daemons(args, ranges, storage_mode, run_dir, devices=devices)
         try:
             with Pipeline.connect(endpoints, timeout_s=600) as pipeline:
                 out.setdefault("e2e_engine", [info.hello.get("engine") for info in pipeline.shards])
@@ -734,15 +758,329 @@ def dflash_table(merged: dict) -> str:
     return "\n".join(lines)
 
 
+# ---- relay: where a two-daemon step's time goes ----------------------------------------------------------
+
+
+def phase_readings(pipeline, extra=()) -> tuple[list[dict], list[dict]]:
+    """The daemons' STATS phases and the coordinator's client phases, one reading per shard (and `extra` client)."""
+    clients = [*pipeline.clients, *extra]
+    return [client.stats()["phases"] for client in clients], [client.phases.totals() for client in clients]
+
+
+def per_step_phases(before: dict, after: dict, steps: int) -> dict:
+    """{type: {"requests": per step, phase: ms per step}} of what happened between two phase readings."""
+    from protocol.timing import per_request_ms
+
+    out = {}
+    for mtype, row in per_request_ms(before, after).items():
+        if mtype in ("STATS", "HELLO", "OPEN", "CLOSE"):  # the readings themselves, and once per sequence
+            continue
+        n = row.pop("requests")
+        out[mtype] = {"requests": round(n / steps, 3), **{phase: round(ms * n / steps, 4) for phase, ms in row.items()}}
+    return out
+
+
+def relay_breakdown(result, before, after, drafter_is_a_client: bool = False) -> dict:
+    """One decode's steps: per shard, the daemon's phases and the coordinator's phases of its requests (ms per
+    step), the transport (coordinator wait minus the daemon's whole handling), and what is left of the step."""
+    steps = max(result.steps, 1)
+    step_ms = result.decode_seconds / steps * 1e3
+    # a daemon-hosted drafter's time is its client's phases (one of the shards here), not counted twice
+    shards, accounted = [], 0.0 if drafter_is_a_client else result.draft_seconds / steps * 1e3
+    for index in range(len(before[0])):
+        daemon = per_step_phases(before[0][index], after[0][index], steps)
+        client = per_step_phases(before[1][index], after[1][index], steps)
+        transport = {}
+        for mtype, row in client.items():
+            handled = sum(v for k, v in daemon.get(mtype, {}).items() if k != "requests")
+            transport[mtype] = round(row.get("wait", 0.0) - handled, 4)
+            accounted += sum(v for k, v in row.items() if k != "requests")
+        # with ROLLBACKs pipelined behind the next FORWARD, only a shard's sum over its types is a delivery time
+        shards.append({"daemon": daemon, "coordinator": client, "transport": transport,
+                       "transport_ms": round(sum(transport.values()), 4)})
+    return {"steps": result.steps, "step_ms": round(step_ms, 3), "draft_ms": round(result.draft_seconds / steps * 1e3, 4),
+            "shards": shards, "coordinator_other_ms": round(step_ms - accounted, 4)}
+
+
+def round_trip_ms(client, count: int = 200) -> float:
+    """Median wall time of a STATS round trip: the transport and both ends' Python, no device work."""
+    samples = []
+    for _ in range(count):
+        start = time.perf_counter()
+        client.stats()
+        samples.append(time.perf_counter() - start)
+    return median_ms(samples)
+
+
+def daemon_profile_top(path: Path, top: int = 25) -> list[str]:
+    """The functions with the most own time in a daemon's cProfile dump (SHARDD_PROFILE)."""
+    import io
+    import pstats
+
+    text = io.StringIO()
+    pstats.Stats(str(path), stream=text).sort_stats("tottime").print_stats(top)
+    lines = [line.rstrip() for line in text.getvalue().splitlines()]
+    start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls")), 0)
+    return [line for line in lines[start:] if line.strip()]
+
+
+def run_relay(args) -> dict:
+    import torch
+
+    from coordinator.decoding import greedy_decode, speculative_decode
+    from coordinator.drafters import OracleDrafter
+    from coordinator.pipeline import Pipeline
+    from shardd.presets import preset_config
+
+    config = preset_config(args.preset)
+    half = config.num_layers // 2
+    ranges = [(0, half), (half, config.num_layers)]
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+    devices = e2e_devices(args)
+    out: dict = {"relay_devices": devices}
+    by_phase: dict = {}
+    hashes: dict = {}
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-relay-"))
+    runs = [(mode, {}, "") for mode in ("checkpoint", "replay-ssm")]
+    if args.daemon_profile:  # a short extra run under cProfile: slower, so apart from the timed runs
+        Path(args.daemon_profile).mkdir(parents=True, exist_ok=True)
+        runs.append(("checkpoint", {"SHARDD_PROFILE": str(Path(args.daemon_profile).resolve())}, "-profiled"))
+    for mode, env, tag in runs:
+        processes, endpoints = start_daemons(args, ranges, mode, run_dir, devices=devices, env=env, tag=tag)
+        try:
+            with Pipeline.connect(endpoints, timeout_s=600) as pipeline:
+                greedy_decode(pipeline, 98, prompt[:32], 4)  # warm-up: capture the graphs
+                if tag:
+                    reference = greedy_decode(pipeline, 1, prompt, min(args.tokens, 32)).tokens
+                    drafter = OracleDrafter.with_mean_commit(reference, len(prompt), block_size=BLOCK, mean_commit=MEAN_COMMIT)
+                    speculative_decode(pipeline, 2, prompt, drafter, block_size=BLOCK, rollback=mode,
+                                       max_new_tokens=len(reference))
+                    continue
+                out.setdefault("relay_round_trip_ms", [round_trip_ms(client) for client in pipeline.clients])
+                readings: list = []
+
+                def after_prefill(tokens):  # the first commit is the prefill's: read the clocks once, there
+                    if not readings:
+                        readings.append(phase_readings(pipeline))
+
+                greedy = greedy_decode(pipeline, 1, prompt, args.tokens, on_commit=after_prefill)
+                hashes.setdefault("relay/greedy", token_hash(greedy.tokens))
+                out.setdefault("e2e_greedy_ms_per_token", round(greedy.decode_seconds / len(greedy.tokens) * 1e3, 3))
+                by_phase.setdefault("greedy", relay_breakdown(greedy, readings.pop(), phase_readings(pipeline)))
+                drafter = OracleDrafter.with_mean_commit(greedy.tokens, len(prompt), block_size=BLOCK, mean_commit=MEAN_COMMIT)
+                result = speculative_decode(pipeline, 2, prompt, drafter, block_size=BLOCK, rollback=mode,
+                                            max_new_tokens=args.tokens, on_commit=after_prefill)
+                hashes[f"relay/{mode}"] = token_hash(result.tokens)
+                # the e2e part's keys too (summarize() turns them into relay_ms_per_step and e2e_vs_local)
+                out.setdefault("e2e_tok_s", {})[mode] = round(len(result.tokens) / result.decode_seconds, 2)
+                out.setdefault("e2e_step_ms", {})[mode] = round(result.decode_seconds / result.steps * 1e3, 3)
+                by_phase[mode] = relay_breakdown(result, readings.pop(), phase_readings(pipeline))
+                print(f"relay {mode}: {by_phase[mode]['step_ms']} ms per step", flush=True)
+        finally:
+            for process in processes:
+                process.terminate()
+            for process in processes:
+                process.wait(timeout=60)
+    out["relay_by_phase"] = by_phase
+    if args.daemon_profile:
+        out["daemon_profile_top"] = {path.name: daemon_profile_top(path) for path in sorted(Path(args.daemon_profile).glob("*.prof"))}
+    out["hashes"] = hashes
+    return out
+
+
+# ---- dflash: the drafter on the same path, three daemons ---------------------------------------------------
+
+
+DFLASH_MODES = ("checkpoint",)  # one mode: three daemons start per mode, and the relay is the same in both
+
+
+def run_dflash_relay(args) -> dict:
+    """Two target shards and a daemon hosting the synthetic DFlash drafter (three daemons; on one GPU when one is
+    there): CAPTURE features and PROPOSE ride the same relay as FORWARD and ROLLBACK. `e2e_dflash_step_ms` per
+    rollback mode, and where the step's time goes (`dflash_relay_by_phase`, the drafter daemon as the last shard).
+    The drafter's own compute is issue 16's; its share shows as that daemon's PROPOSE phases."""
+    import torch
+
+    from coordinator.client import ShardClient
+    from coordinator.decoding import speculative_decode
+    from coordinator.dflash import DFlashDrafterClient
+    from coordinator.pipeline import Pipeline
+    from shardd.presets import preset_config
+
+    config = preset_config(args.preset)
+    half = config.num_layers // 2
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+    devices = e2e_devices(args) + [e2e_devices(args)[-1]]
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-dflash-"))
+    step_ms, tok_s, by_phase, hashes = {}, {}, {}, {}
+    for mode in DFLASH_MODES:
+        processes, endpoints = start_daemons(args, [(0, half), (half, config.num_layers), None], mode, run_dir,
+                                             devices=devices, tag="-dflash")
+        try:
+            with Pipeline.connect(endpoints[:2], timeout_s=600) as pipeline, \
+                    ShardClient(endpoints[2], timeout_s=600) as draft_client:
+                drafter = DFlashDrafterClient(draft_client, pipeline)
+                block = min(BLOCK, drafter.max_block_size)
+                speculative_decode(drafter.target, 98, prompt[:32], drafter, block_size=block, rollback=mode,
+                                   max_new_tokens=4)  # warm-up
+                readings: list = []
+
+                def after_prefill(tokens):
+                    if not readings:
+                        readings.append(phase_readings(pipeline, [draft_client]))
+
+                result = speculative_decode(drafter.target, 1, prompt, drafter, block_size=block, rollback=mode,
+                                            max_new_tokens=args.tokens, on_commit=after_prefill)
+                by_phase[mode] = relay_breakdown(result, readings.pop(), phase_readings(pipeline, [draft_client]), True)
+                step_ms[mode] = round(result.decode_seconds / result.steps * 1e3, 3)
+                tok_s[mode] = round(len(result.tokens) / result.decode_seconds, 2)
+                by_phase[mode]["mean_commit"] = round(result.avg_commit, 2)
+                hashes[f"dflash/{mode}"] = token_hash(result.tokens)
+                print(f"dflash {mode}: {step_ms[mode]} ms per step, mean commit {result.avg_commit:.2f}", flush=True)
+        finally:
+            for process in processes:
+                process.terminate()
+            for process in processes:
+                process.wait(timeout=60)
+    # whatever the drafts, the verified output is the target's greedy one: the hashes join outputs_identical
+    return {"e2e_dflash_step_ms": step_ms, "e2e_dflash_tok_s": tok_s, "dflash_relay_by_phase": by_phase, "hashes": hashes}
+
+
+# ---- delay: two hosts, simulated by a delaying relay ----------------------------------------------------------
+
+DELAYS_MS = (0.0, 0.1, 0.5, 2.0)
+DELAY_BLOCKS = (4, 8, 16)
+DELAY_REPEATS = 3
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_proxy(target_port: int, delay_ms: float) -> tuple[subprocess.Popen, int]:
+    """scripts/delay_proxy.py in front of a daemon's port: (process, the port to connect to)."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "delay_proxy.py"), "--listen", f"127.0.0.1:{port}",
+                                "--to", f"127.0.0.1:{target_port}", "--delay-ms", str(delay_ms)],
+                               stdout=subprocess.PIPE, text=True)
+    if process.stdout.readline().strip() != "ready":
+        process.kill()
+        raise RuntimeError("the delay proxy did not start")
+    return process, port
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def run_relay_vs_delay(args) -> dict:
+    """The two daemons on tcp loopback, each behind a relay that adds a one-way delay to everything it carries
+    (0, 0.1, 0.5, 2 ms: a second host on a fast, an ordinary and a slow link); greedy and checkpoint speculative
+    decoding at block sizes 4, 8, 16 (oracle drafter at the same commit fraction). The step time's slope against
+    the one-way delay, halved, is the number of round trips a step waits for."""
+    import torch
+
+    from coordinator.decoding import greedy_decode, speculative_decode
+    from coordinator.drafters import OracleDrafter
+    from coordinator.pipeline import Pipeline
+    from shardd.presets import preset_config
+
+    config = preset_config(args.preset)
+    half = config.num_layers // 2
+    ranges = [(0, half), (half, config.num_layers)]
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+    ports = [free_port(), free_port()]
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-delay-"))
+    processes, endpoints = start_daemons(args, ranges, "checkpoint", run_dir, devices=e2e_devices(args), tag="-tcp",
+                                         tcp_ports=ports)
+    greedy_ms, step_ms, tok_s, hashes = [], {b: [] for b in DELAY_BLOCKS}, {b: [] for b in DELAY_BLOCKS}, {}
+    try:
+        with Pipeline.connect(endpoints, timeout_s=600) as pipeline:
+            greedy_decode(pipeline, 98, prompt[:32], 4)  # warm-up: capture the graphs
+            reference = greedy_decode(pipeline, 1, prompt, args.tokens).tokens
+        for delay in DELAYS_MS:
+            proxies = [start_proxy(port, delay) for port in ports]
+            try:
+                with Pipeline.connect([f"tcp://127.0.0.1:{port}" for _, port in proxies], timeout_s=600) as pipeline:
+                    greedy_decode(pipeline, 97, prompt[:8], 2)  # the connections' first requests
+                    # the least disturbed of `repeats` runs (a shared host adds noise, never removes time)
+                    runs = [greedy_decode(pipeline, 1, prompt, args.tokens) for _ in range(DELAY_REPEATS)]
+                    greedy = min(runs, key=lambda r: r.decode_seconds / r.steps)
+                    greedy_ms.append(round(greedy.decode_seconds / greedy.steps * 1e3, 3))
+                    hashes[f"delay{delay}/greedy"] = token_hash(greedy.tokens)
+                    for block in DELAY_BLOCKS:
+                        drafter = OracleDrafter.with_mean_commit(reference, len(prompt), block_size=block,
+                                                                 mean_commit=block * MEAN_COMMIT / BLOCK)
+                        runs = [speculative_decode(pipeline, 2, prompt, drafter, block_size=block,
+                                                   rollback="checkpoint", max_new_tokens=args.tokens)
+                                for _ in range(DELAY_REPEATS)]
+                        result = min(runs, key=lambda r: r.decode_seconds / r.steps)
+                        step_ms[block].append(round(result.decode_seconds / result.steps * 1e3, 3))
+                        tok_s[block].append(round(len(result.tokens) / result.decode_seconds, 2))
+                        hashes[f"delay{delay}/block{block}"] = token_hash(result.tokens)
+                print(f"delay {delay} ms: greedy {greedy_ms[-1]} ms/token, tok/s by block "
+                      f"{ {b: tok_s[b][-1] for b in DELAY_BLOCKS} }", flush=True)
+            finally:
+                for process, _ in proxies:
+                    process.kill()
+                    process.wait()
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=60)
+    delays = list(DELAYS_MS)
+    return {"relay_vs_delay": {
+        "delays_ms_one_way": delays,
+        "blocks": list(DELAY_BLOCKS),
+        "greedy_ms_per_token": greedy_ms,
+        "step_ms": {str(b): v for b, v in step_ms.items()},
+        "tok_s": {str(b): v for b, v in tok_s.items()},
+        # d(step)/d(one-way delay) / 2: round trips a step waits for (two shards: 2 when nothing else waits)
+        "round_trips_per_step": {"greedy": round(slope(delays, greedy_ms) / 2, 2),
+                                 **{str(b): round(slope(delays, v) / 2, 2) for b, v in step_ms.items()}},
+        "hidden_bytes_per_row": config.hidden_size * (2 if args.e2e_dtype == "bfloat16" else 4),
+    }, "hashes": hashes}
+
+
+def phase_table(by_phase: dict) -> str:
+    """relay_by_phase as text: per mode, one line per (shard, request type), ms per step in each phase."""
+    daemon_phases = ("receive", "decode", "lookup", "launch", "wait", "copy", "compute", "encode", "send")
+    client_phases = ("encode", "send", "wait", "receive", "decode")
+    lines = []
+    for mode, entry in by_phase.items():
+        lines.append(f"{mode}: {entry['step_ms']} ms/step over {entry['steps']} steps; drafter {entry['draft_ms']} ms; "
+                     f"coordinator outside the clients {entry['coordinator_other_ms']} ms")
+        lines.append("  shard type       n/step | daemon " + " ".join(f"{p[:7]:>7}" for p in daemon_phases)
+                     + " | coord " + " ".join(f"{p[:7]:>7}" for p in client_phases) + " | transport")
+        for index, shard in enumerate(entry["shards"]):
+            for mtype, row in shard["coordinator"].items():
+                d = shard["daemon"].get(mtype, {})
+                lines.append(f"  {index:>5} {mtype:<9} {row.get('requests', 0):>7} | daemon "
+                             + " ".join(f"{d.get(p, 0.0):7.3f}" for p in daemon_phases)
+                             + " | coord " + " ".join(f"{row.get(p, 0.0):7.3f}" for p in client_phases)
+                             + f" | {shard['transport'].get(mtype, 0.0):7.3f}")
+    return "\n".join(lines)
+
+
 # ---- the whole run ---------------------------------------------------------------------------------------
 
-PARTS = {"local": run_local, "transformers": run_transformers, "e2e": run_e2e, "dflash": run_dflash}
+PARTS = {"local": run_local, "transformers": run_transformers, "e2e": run_e2e, "relay": run_relay,
+         "delay": run_relay_vs_delay, "relay-dflash": run_dflash_relay, "dflash": run_dflash}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=sorted(PARTS), help="Run one part in this process.")
-    parser.add_argument("--parts", default="local,transformers,e2e")
+    parser.add_argument("--parts", default="local,transformers,e2e", help=f"Comma-separated, of {sorted(PARTS)}.")
     parser.add_argument("--preset", default="qwen3.5-27b")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt-len", type=int, default=512)
@@ -751,6 +1089,9 @@ def main() -> int:
     parser.add_argument("--long-context", type=int, default=32768)
     parser.add_argument("--e2e-devices", default="cuda:0,cuda:1", help="Devices of the two daemons.")
     parser.add_argument("--e2e-dtype", default="bfloat16")
+    parser.add_argument("--e2e-engine", default="fast", help="The daemons' --engine (reference: a CPU check).")
+    parser.add_argument("--daemon-profile", default=None, help="relay: also a short run with the daemons under cProfile, "
+                        "dumps in this directory, their top functions in the JSON.")
     parser.add_argument("--fp8", choices=("fp8-block", "fp8-channel"), default=None,
                         help="FP8 linears in this layout (the head and embedding bf16); the floor is their bytes.")
     parser.add_argument("--json", default=None)
@@ -776,6 +1117,7 @@ def main() -> int:
         command = [sys.executable, __file__, "--part", part, "--json", path, "--preset", args.preset, "--seed", str(args.seed),
                    "--prompt-len", str(args.prompt_len), "--tokens", str(args.tokens), "--repeats", str(args.repeats),
                    "--long-context", str(args.long_context), "--e2e-devices", args.e2e_devices, "--e2e-dtype", args.e2e_dtype,
+                   "--e2e-engine", args.e2e_engine, *(["--daemon-profile", args.daemon_profile] if args.daemon_profile else []),
                    *(["--fp8", args.fp8] if args.fp8 else []),
                    "--draft", args.draft, "--commits", args.commits, "--placements", args.placements,
                    "--dflash-device", args.dflash_device, "--dflash-engine", args.dflash_engine,
@@ -797,6 +1139,10 @@ def main() -> int:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(text)
     print(text)
+    if "relay_by_phase" in merged:  # the per-phase table last, where a short tail of the output shows it
+        for name, top in merged.get("daemon_profile_top", {}).items():
+            print(f"== cProfile of {name} (tottime)\n" + "\n".join(top[:16]))
+        print("== relay by phase (ms per step)\n" + phase_table(merged["relay_by_phase"]))
     if "dflash_runs" in merged:
         print(dflash_table(merged))
     return 0 if merged["outputs_identical"] and "failed_parts" not in merged else 1
@@ -815,6 +1161,8 @@ def summarize(merged: dict) -> None:
         merged["relay_ms_per_step"] = {m: round(merged["e2e_step_ms"][m] - local_step[m], 3) for m in local_step}
         merged["relay_share_of_step"] = {m: round(merged["relay_ms_per_step"][m] / merged["e2e_step_ms"][m], 3) for m in local_step}
         merged["e2e_vs_local"] = {m: round(merged["e2e_tok_s"][m] / merged["tok_s"][m], 3) for m in merged["e2e_tok_s"] if m in merged["tok_s"]}
+    if "e2e_greedy_ms_per_token" in merged and "greedy_ms_per_token" in merged:  # target: <= 1.05
+        merged["e2e_greedy_vs_local"] = round(merged["e2e_greedy_ms_per_token"] / merged["greedy_ms_per_token"], 3)
     merged["outputs_identical"] = len(set(merged["hashes"].values())) == 1
 
 

@@ -73,7 +73,8 @@ def main():
 @click.option("--curve-allow", "curve_allow_dir", type=click.Path(exists=True, file_okay=False), help="Directory of allowed client public keys.")
 @click.option("--sequence-idle-timeout", type=click.FloatRange(0), default=300.0, show_default=True,
               help="Seconds a sequence may go without a request before it is closed and its memory returned (0: never).")
-@click.option("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice).")
+@click.option("--threads", type=int, default=None,
+              help="CPU threads for torch (default: 1 on a GPU, whose host work is small copies; torch's choice on the CPU).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Serve Prometheus metrics on http://--metrics-host:PORT/metrics (0: any free port, logged).")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Address the metrics endpoint listens on.")
@@ -135,6 +136,10 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
         )
     if threads:
         torch.set_num_threads(threads)
+    elif device.startswith("cuda"):
+        # A pool of OpenMP workers, spinning after each parallel copy, competes for the host's cores with the
+        # serving thread, libzmq's I/O thread and the other daemons: milliseconds a request (issue 15).
+        torch.set_num_threads(1)
     try:
         check_device(torch, device)
         source = ModelSource(model_dir=model_dir, synthetic=synthetic, quantize=quantize)

@@ -8,6 +8,7 @@ replies INTERNAL and marks only that sequence failed; the daemon keeps serving t
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -34,6 +35,7 @@ from protocol import (
 )
 from protocol.codec import clip_message
 from protocol.layout import CHECKPOINT
+from protocol.timing import DAEMON as PHASES
 from shardd import __version__, systemd
 from shardd.security import is_file_ipc, is_loopback, log_refused_handshakes, restrict_ipc_socket, start_authenticator
 from shardd.config import dtype_name
@@ -157,6 +159,7 @@ class ShardDaemon:
         self.started = time.time()
         self.metrics = None  # shardd.metrics.DaemonMetrics, with --metrics-port
         self.stopping = False
+        self.phase_type = None
         self.handlers = {
             MessageType.HELLO: self.hello,
             MessageType.OPEN: self.open,
@@ -176,12 +179,15 @@ class ShardDaemon:
     def handle(self, frames, owner: bytes = b"", trusted: bool = True) -> list:
         """Frames of one request from the peer `owner` -> frames of its reply. Never raises."""
         self.owner, self.trusted = owner, trusted
+        self.phase_type = None  # the type the serving loop books this request's phases under
         try:
             request = decode_request(frames, self.limits)
         except ProtocolError as exc:
             return self._error(peek_id(frames), peek_type(frames), exc.code, exc.message, seq=None)
         except Exception as exc:  # a decoder bug must not take the daemon down
             return self._error(peek_id(frames), None, ErrorCode.BAD_REQUEST, f"undecodable request: {exc}", seq=None)
+        PHASES.lap("decode")
+        self.phase_type = request.type
         self.counters.requests[request.type.value] += 1
         seq = getattr(request, "seq", None)
         started = time.perf_counter()
@@ -199,12 +205,15 @@ class ShardDaemon:
                 self.counters.sequences_failed += 1
             return self._error(request.id, request.type, ErrorCode.INTERNAL, message, seq=seq)
         finally:
+            PHASES.lap("compute")
             elapsed = time.perf_counter() - started
             self.counters.compute_seconds[request.type.value] += elapsed
             if self.metrics is not None:
                 self.metrics.observe(request.type.value, elapsed)
         try:
-            return encode_reply(request.id, request.type, result, tensors)
+            reply = encode_reply(request.id, request.type, result, tensors)
+            PHASES.lap("encode")
+            return reply
         except Exception as exc:  # a result that cannot be encoded is our bug, not the client's
             log.error("cannot encode reply seq=%s type=%s: %s", seq, request.type.value, exc)
             return self._error(request.id, request.type, ErrorCode.INTERNAL, f"cannot encode reply: {exc}", seq=seq)
@@ -358,6 +367,7 @@ class ShardDaemon:
         if proposing:
             self._check_proposal(request, shard, entry)
         hidden = request.hidden.to_torch() if request.hidden is not None else None
+        PHASES.lap("lookup")
         out = shard.forward(  # validates everything (shard.check_forward) before it changes the state
             entry.state,
             request.pos,
@@ -405,6 +415,7 @@ class ShardDaemon:
         shard = self._layers(request)
         entry = self._sequence(request.seq)
         shard.check_rollback_storage()
+        PHASES.lap("lookup")
         rb.rollback(entry.state, request.keep)  # validates (rb.check_rollback) before it changes the state
         self.counters.rollbacks[shard.storage.mode] += 1
         self.counters.rollbacks_by_keep[request.keep] += 1
@@ -539,6 +550,8 @@ class ShardDaemon:
             "checkpoint_bytes": sum(s.rollback_bytes() for s in states),
             "weight_bytes": self.weight_bytes(),
             "compute_seconds": dict(c.compute_seconds),
+            # where requests' time went, per type and phase (protocol/timing.py): seconds since the start
+            "phases": PHASES.totals(),
         }
         if self.drafter is not None:
             result["drafter"] = {
@@ -597,6 +610,19 @@ class ShardDaemon:
         watchdog, status = systemd.Watchdog(), systemd.Status()
         status.set(self.status_line(listener.endpoint), "READY=1")
         log.info("ready: serving on %s", listener.endpoint)
+        # SHARDD_PROFILE=DIR: the serving loop runs under cProfile, written to DIR/shardd-PID.prof on stop
+        # (a host-side profile where no sampling profiler is installed; it slows every request down)
+        # Everything loaded so far (torch, triton, the model) lives as long as the daemon: out of the garbage
+        # collector's sight, so no full collection walks it between two requests.
+        gc.collect()
+        gc.freeze()
+        profile_dir = os.environ.get("SHARDD_PROFILE")
+        profiler = None
+        if profile_dir:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
         try:
             while not self.stopping:
                 watchdog.ping()
@@ -606,10 +632,13 @@ class ShardDaemon:
                     next_sweep = time.monotonic() + 1.0
                 if not poller.poll(watchdog.poll_ms(100)):
                     continue
+                PHASES.start()
                 received = receive_request(socket)  # frame by frame: no more frames held than the type allows
                 envelope, body = received.envelope, received.body
                 if not body:
+                    PHASES.active = False
                     continue  # an identity with nothing after it: nothing to answer
+                PHASES.lap("receive")
                 owner = envelope[0].bytes
                 if curve:  # the authenticated key outlives a reconnect; the routing id does not
                     owner = b"curve:" + body[0].get("User-Id").encode()
@@ -620,7 +649,12 @@ class ShardDaemon:
                 else:
                     reply = self.handle(body, owner, trusted_transport)
                 socket.send_multipart(envelope + reply, copy=False)
+                PHASES.lap("send")
+                PHASES.finish(self.phase_type)
         finally:
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(os.path.join(profile_dir, f"shardd-{os.getpid()}.prof"))
             systemd.notify("STOPPING=1")
             listener.close()
             log.info("stopped: %d sequences were open", len(self.sequences))

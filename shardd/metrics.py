@@ -8,6 +8,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from protocol.timing import DAEMON as PHASES
 from shardd.health import device_memory
 
 # Request latencies: 1 ms (a CLOSE) .. 60 s (a long prefill on a CPU).
@@ -56,6 +57,9 @@ class DaemonMetrics:
         yield counter("shardd_checkpointed_steps", "Steps with checkpoint: true", items=[((), c.checkpointed_steps)])
         yield counter("shardd_sequences_opened", "Sequences opened", items=[((), c.sequences_opened)])
         yield counter("shardd_sequences_failed", "Sequences failed by an internal error", items=[((), c.sequences_failed)])
+        yield counter("shardd_request_phase_seconds", "Time spent in each phase of a request (protocol/timing.py), "
+                      "by message type and phase", ["type", "phase"],
+                      [((t, phase), ns / 1e9) for (t, phase), ns in list(PHASES.ns.items())])
         yield counter("shardd_proposals", "PROPOSEs served by the hosted drafter", items=[((), c.proposals)])
         entries = list(daemon.sequences.values())
         states = [entry.state for entry in entries if entry.state is not None]

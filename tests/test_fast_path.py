@@ -78,6 +78,7 @@ def test_step_and_rollback_match_the_reference(mode):
         rb.rollback(ref_state, keep)
         rb.rollback(fast_state, keep)
         assert fast_state.length == ref_state.length == pos + keep
+        rb.settle(fast_state)  # a checkpoint rollback only points the next step at the kept slot
         torch.testing.assert_close(fast_state.gdn.recurrent, ref_state.gdn.recurrent, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(fast_state.gdn.conv, ref_state.gdn.conv, rtol=1e-4, atol=1e-5)
         pos += keep
@@ -99,10 +100,55 @@ def test_checkpoint_and_replay_ssm_states_are_bit_identical():
         for mode, s in shards.items():
             s.forward(states[mode], pos, tokens=block, checkpoint=True)
             rb.rollback(states[mode], keep)
+            rb.settle(states[mode])
         a, b = states[CHECKPOINT], states[REPLAY_SSM]
         assert torch.equal(a.gdn.recurrent, b.gdn.recurrent)
         assert torch.equal(a.gdn.conv, b.gdn.conv)
         pos += keep
+
+
+def _rollback_against_the_copy(mode: str, *, preset: str, rows: int, dtype) -> None:
+    """Steps of `rows` checkpointed tokens, each rolled back to keep 0 .. rows in turn. Shard `copied` rolls back
+    by copying the kept token's checkpoint slot (the rollback as it was: settled at once); shard `served` as the
+    daemon does: in checkpoint mode the next step reads the kept slot in place (and overwrites it with its own
+    checkpoints), in replay-ssm mode the re-run is queued without a host wait. Every step's logits and the state
+    after it are bit-identical."""
+    context = 2 * rows + rows * (rows + 1) // 2 + 8  # every step's kept tokens stay
+    copied = FastShard(shard(CHECKPOINT, preset=preset, rows=rows, dtype=dtype), max_sequences=1, max_context=context)
+    served = copied.sharing_weights(rb.RollbackStorage(mode, rows))
+    vocab = copied.config.vocab_size
+    a, b = copied.new_state(context), served.new_state(context)
+    prompt = ids(rows + 3, vocab, 1)
+    copied.forward(a, 0, tokens=prompt)
+    served.forward(b, 0, tokens=prompt)
+    pos = len(prompt)
+    for keep in [*range(rows + 1), 0]:
+        block = ids(rows, vocab, 1000 + keep)
+        out_a = copied.forward(a, pos, tokens=block, checkpoint=True)
+        out_b = served.forward(b, pos, tokens=block, checkpoint=True)
+        assert torch.equal(out_a.logits.cpu(), out_b.logits.cpu()), f"step after keep {keep - 1}"
+        assert torch.equal(a.gdn.recurrent, b.gdn.recurrent) and torch.equal(a.gdn.conv, b.gdn.conv)
+        rb.rollback(a, keep)
+        rb.settle(a)
+        rb.rollback(b, keep)
+        pos += keep
+    last = served.forward(b, pos, tokens=[3])  # a plain step after a rollback reads the kept slot too
+    assert torch.equal(copied.forward(a, pos, tokens=[3]).logits.cpu(), last.logits.cpu())
+    rb.settle(b)
+    assert torch.equal(a.gdn.recurrent, b.gdn.recurrent) and torch.equal(a.gdn.conv, b.gdn.conv)
+
+
+def test_rollback_off_the_critical_path_is_bit_identical_to_the_copy():
+    # replay-ssm's re-run is the same kernel as before, only queued: test_checkpoint_and_replay_ssm_states_... on
+    # the CPU, both modes on the GPU
+    _rollback_against_the_copy(CHECKPOINT, preset="micro", rows=ROWS, dtype=torch.float32)
+
+
+@gpu_only
+@pytest.mark.parametrize("mode", [CHECKPOINT, REPLAY_SSM])
+def test_rollback_off_the_critical_path_is_bit_identical_on_the_gpu(mode):
+    """The real kernels in CUDA graphs, bf16, a 16-row step: after every keep from 0 to 16."""
+    _rollback_against_the_copy(mode, preset="tiny", rows=16, dtype=torch.bfloat16)
 
 
 def test_padding_rows_change_nothing():

@@ -199,8 +199,9 @@ def test_checkpointed_forward_is_refused_before_any_shard_changes(mixed, local):
         # Nothing moved: the same tokens go in at position 0.
         local.open(300)
         assert mixed.forward(300, 0, prompt) == local.forward(300, 0, prompt)
+        mixed.rollback(300, 1)  # sent, not waited for: the refusal comes with the next request about 300
         with pytest.raises(RollbackFailed, match="ROLLBACK_UNAVAILABLE|NO_PENDING_STEP"):
-            mixed.rollback(300, 1)
+            mixed.forward(300, 5, [1])
     finally:
         mixed.close(300)
         local.close(300)

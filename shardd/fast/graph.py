@@ -40,7 +40,7 @@ class StepRunner:
         sequence's state is touched; the real control is put back afterwards."""
         b = self.buffers
         control = b.control.clone()
-        b.control.copy_(torch.tensor([self.pools.scratch_slot, b.tokens.shape[0], 0, 0, 0], dtype=torch.int32))
+        b.control.copy_(torch.tensor([self.pools.scratch_slot, b.tokens.shape[0], 0, 0, 0, -1], dtype=torch.int32))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

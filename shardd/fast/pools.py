@@ -18,6 +18,27 @@ from shardd.model import rollback as rb
 from shardd.model.state import GDNStates, KVCache, SequenceState
 
 
+class SlotCheckpoint(rb.CheckpointBuffers):
+    """checkpoint mode, one slot: a rollback copies nothing. It leaves the kept token's checkpoint slot as the
+    state the slot's next step starts from (`StatePools.start`, control[5]: the step's kernels read the window
+    and the recurrent state there); `settle` does the copy for a reader outside the step (prefill, a snapshot)."""
+
+    @classmethod
+    def of(cls, pools: "StatePools", slot: int) -> "SlotCheckpoint":
+        buffers = cls.over(pools.saved[slot], pools.windows[slot], pools.gdn_layers)
+        buffers.pools, buffers.slot = pools, slot
+        return buffers
+
+    def restore(self, states: GDNStates, keep: int) -> None:
+        self.pools.start[self.slot] = keep
+
+    def settle(self, states: GDNStates) -> None:
+        keep = self.pools.start[self.slot]
+        if keep >= 0:
+            rb.CheckpointBuffers.restore(self, states, keep)
+            self.pools.start[self.slot] = -1
+
+
 class SlotRecurrenceLog:
     """replay-ssm mode, one slot: the state before the step, its conv inputs, and the recurrence inputs the
     step left in the pool. A rollback re-runs the step's own recurrence kernel over the kept tokens."""
@@ -28,8 +49,11 @@ class SlotRecurrenceLog:
     def restore(self, states: GDNStates, keep: int) -> None:
         pools, slot = self.pools, self.slot
         if keep:  # the recurrence kernel reads the saved state and leaves the state after `keep` tokens
+            # queued on the stream, no host wait: the control goes through pinned memory (rewritten only at the
+            # next rollback, after a step's synchronize, so this copy has long been done by then)
             control = pools.replay_control
-            control.copy_(torch.tensor([slot, keep, 0, gdn_kernels.SAVE_NOTHING, 0], dtype=torch.int32))
+            pools.replay_control_host.copy_(torch.tensor([slot, keep, 0, gdn_kernels.SAVE_NOTHING, 0, -1], dtype=torch.int32))
+            control.copy_(pools.replay_control_host, non_blocking=True)
             gdn_kernels.gdn_recurrence(
                 pools.recurrence_inputs, pools.recurrent, pools.recurrent0, pools.replay_out, control,
                 layer0=0, layers=len(pools.gdn_layers), rows=pools.rows, num_k_heads=pools.config.linear_num_key_heads,
@@ -88,8 +112,11 @@ class StatePools:
             self.conv0 = torch.zeros((slots, layers, width, conv_dim), **f32)
             self.conv_inputs = torch.zeros((slots, layers, rows, conv_dim), **f32)
             self.replay_out = torch.zeros((max(layers, 1), rows, heads, v_dim), **f32)
-            self.replay_control = torch.zeros(5, dtype=torch.int32, device=device)
+            self.replay_control = torch.zeros(6, dtype=torch.int32, device=device)
+            self.replay_control_host = torch.zeros(6, dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
         self.mode = mode
+        # per slot, the checkpoint slot its next step starts from after a checkpoint rollback (-1: its own state)
+        self.start = [-1] * slots
 
     # ---- slots -------------------------------------------------------------------------------------
 
@@ -110,9 +137,10 @@ class StatePools:
         gdn = GDNStates(self.gdn_layers, self.conv[slot], self.recurrent[slot])
         gdn.conv.zero_()
         gdn.recurrent.zero_()
+        self.start[slot] = -1
         storage = None
         if self.gdn_layers and self.mode == CHECKPOINT:
-            storage = rb.CheckpointBuffers.over(self.saved[slot], self.windows[slot], self.gdn_layers)
+            storage = SlotCheckpoint.of(self, slot)
         elif self.gdn_layers and self.mode == REPLAY_SSM:
             storage = SlotRecurrenceLog(self, slot)
         return SequenceState(max_context=self.max_context, kv=kv, gdn=gdn, rollback_storage=storage, slot=slot)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from protocol.layout import CHECKPOINT, REPLAY_SSM
+from protocol.timing import DAEMON as PHASES
 from shardd.fast import prefill
 from shardd.fast.graph import StepRunner
 from shardd.fast.pools import StatePools
@@ -48,7 +49,7 @@ class FastShard:
         self.runner = StepRunner(model, self.layers, self.pools, self.buffers, use_graphs=use_graphs)
         self.prefill_kernels = prefill.available(model.device)
         pin = model.device.type == "cuda"
-        self._control = torch.zeros(5, dtype=torch.int32, pin_memory=pin)
+        self._control = torch.zeros(6, dtype=torch.int32, pin_memory=pin)
         self._tokens = torch.zeros(self.rows, dtype=torch.long, pin_memory=pin)
         self._hidden = torch.zeros((self.rows, model.config.hidden_size), dtype=model.dtype, pin_memory=pin)
         self._ids = torch.zeros(self.rows, dtype=torch.long, pin_memory=pin)
@@ -88,6 +89,7 @@ class FastShard:
                 capture_layers=()) -> ShardOutput:
         n = self.model.check_forward(state, pos, tokens=tokens, hidden=hidden, checkpoint=checkpoint)
         if n > self.rows:
+            rb.settle(state)  # the reference and prefill paths read the state itself
             if not self.prefill_kernels:
                 return self.model.forward(state, pos, tokens=tokens, hidden=hidden, checkpoint=checkpoint,
                                           capture_layers=capture_layers)
@@ -97,23 +99,27 @@ class FastShard:
             save, n_save = gdn_kernels.SAVE_WINDOWS, n + 1
         elif checkpoint and self.pools.mode == REPLAY_SSM:
             save, n_save = gdn_kernels.SAVE_LOG, 1
-        self._control.copy_(torch.tensor([state.slot, n, pos, save, n_save], dtype=torch.int32))
+        start = self.pools.start[state.slot]  # after a checkpoint rollback: the kept token's checkpoint slot
+        self._control.copy_(torch.tensor([state.slot, n, pos, save, n_save, start], dtype=torch.int32))
         b = self.buffers
         b.control.copy_(self._control, non_blocking=True)
         if self.model.owns_embedding:
             self._tokens.zero_()
             self._tokens[:n] = torch.as_tensor(tokens, dtype=torch.long)
             b.tokens.copy_(self._tokens, non_blocking=True)
-        else:
+        else:  # only the n real rows cross (pinned, queued); the padding rows are zeroed on the device
             self._hidden[:n].copy_(hidden)
-            self._hidden[n:].zero_()
-            b.hidden_in.copy_(self._hidden, non_blocking=True)
+            b.hidden_in[:n].copy_(self._hidden[:n], non_blocking=True)
+            if n < self.rows:
+                b.hidden_in[n:].zero_()
 
         state.pending = None  # a new step ends the previous pending window
         captured = self.runner.run(tuple(sorted(set(capture_layers))))
+        self.pools.start[state.slot] = -1  # the step left the state in the sequence's own buffers
         state.length = pos + n
         if checkpoint:
             state.pending = PendingStep(start=pos, n=n)
+        PHASES.lap("launch")
 
         out = ShardOutput()
         if self.model.owns_head:
@@ -121,13 +127,16 @@ class FastShard:
             out.logits = b.logits[:n]
             if b.ids.is_cuda:
                 torch.cuda.current_stream().synchronize()
+            PHASES.lap("wait")
             out.ids = self._ids[:n].clone()
         else:
-            self._hidden.copy_(b.hidden, non_blocking=True)
+            self._hidden[:n].copy_(b.hidden[:n], non_blocking=True)
             if b.hidden.is_cuda:
                 torch.cuda.current_stream().synchronize()
+            PHASES.lap("wait")
             out.hidden = self._hidden[:n].clone()
         out.captured = {layer: buffer[:n].cpu() for layer, buffer in captured.items()}
+        PHASES.lap("copy")
         return out
 
     def _prefill(self, state, pos, n, tokens, hidden, capture_layers) -> ShardOutput:

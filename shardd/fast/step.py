@@ -17,8 +17,9 @@ from shardd.kernels import elementwise
 from shardd.kernels import gdn as gdn_kernels
 from shardd.model.shard import ShardModel
 
-# control: int32 [slot, n, pos, save, n_save]
-SLOT, ROWS, POS, SAVE, N_SAVE = range(5)
+# control: int32 [slot, n, pos, save, n_save, start]; start: the checkpoint slot the GDN state is read from
+# after a checkpoint rollback, -1 for the sequence's own state (shardd/kernels/gdn.py)
+SLOT, ROWS, POS, SAVE, N_SAVE, START = range(6)
 
 
 class StepBuffers:
@@ -26,7 +27,7 @@ class StepBuffers:
 
     def __init__(self, model: ShardModel, rows: int, max_context: int):
         c, device, dtype = model.config, model.device, model.dtype
-        self.control = torch.zeros(5, dtype=torch.int32, device=device)
+        self.control = torch.zeros(6, dtype=torch.int32, device=device)
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
         self.hidden_in = torch.zeros((rows, c.hidden_size), dtype=dtype, device=device)
         self.hidden = torch.zeros((rows, c.hidden_size), dtype=dtype, device=device)  # the residual stream

@@ -8,6 +8,11 @@ over the kept tokens, so its state is bit-identical to the `checkpoint` slot of 
 
 Per-sequence buffers are pools with a leading slot dimension; the slot, the number of real rows `n`
 and what to save are read from device scalars, so a captured CUDA graph serves every sequence.
+
+A `checkpoint` rollback copies nothing: it leaves `start` (control[5]) at the kept token's checkpoint slot,
+and the next step reads its conv window and recurrent state from that slot instead of the sequence's own
+(`start` -1). Everything read from the old window is read before anything is written, since the step's own
+checkpoint writes may overwrite that very slot.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ def _gdn_prepare_kernel(
     log_conv0_ptr, log_conv0_slot_stride,    # replay-ssm: [S, W, C] window before the step
     log_in_ptr, log_in_slot_stride,          # replay-ssm: [S, T, C] the step's conv inputs
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, rin_slot_stride_qk, rin_slot_stride_v, rin_slot_stride_g,
-    control_ptr,                             # int32 [slot, n, pos, save, n_save]
+    control_ptr,                             # int32 [slot, n, pos, save, n_save, start]
     C, K, V, HK, HV, b_col, a_col,
     T: tl.constexpr, TP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, SWP: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -35,6 +40,7 @@ def _gdn_prepare_kernel(
     slot = tl.load(control_ptr + 0)
     n = tl.load(control_ptr + 1)
     save = tl.load(control_ptr + 3)
+    start = tl.load(control_ptr + 5)
     # which channel group: q heads, then k heads, then v heads
     is_q = program < HK
     is_k = (program >= HK) & (program < 2 * HK)
@@ -45,6 +51,11 @@ def _gdn_prepare_kernel(
     cols = c0 + lanes
     cmask = lanes < width
     state_ptr = conv_state_ptr + slot.to(tl.int64) * conv_state_slot_stride
+    # the window before the step: the sequence's own, or (after a checkpoint rollback) the kept token's slot
+    if start >= 0:
+        old_ptr = windows_ptr + slot.to(tl.int64) * windows_slot_stride + start * W * C
+    else:
+        old_ptr = state_ptr
     dtype = proj_ptr.dtype.element_ty
 
     rows = tl.arange(0, TP)
@@ -54,7 +65,7 @@ def _gdn_prepare_kernel(
     acc = tl.zeros([TP, BLOCK], dtype=tl.float32)
     for j in tl.static_range(W + 1):
         tap = rows[:, None] + j
-        from_state = tl.load(state_ptr + tap * C + cols[None, :], mask=mask2 & (tap < W), other=0.0)
+        from_state = tl.load(old_ptr + tap * C + cols[None, :], mask=mask2 & (tap < W), other=0.0)
         from_proj = tl.load(proj_ptr + (tap - W) * proj_stride + cols[None, :], mask=mask2 & (tap >= W), other=0.0)
         ext = tl.where(tap < W, from_state, from_proj.to(tl.float32))
         w = tl.load(conv_w_ptr + cols * (W + 1) + j, mask=cmask, other=0.0).to(tl.float32)
@@ -84,28 +95,29 @@ def _gdn_prepare_kernel(
 
     if save == 2:  # replay-ssm: the window before the step and the step's conv inputs
         for i in tl.static_range(W):
-            old = tl.load(state_ptr + i * C + cols, mask=cmask, other=0.0)
+            old = tl.load(old_ptr + i * C + cols, mask=cmask, other=0.0)
             tl.store(log_conv0_ptr + slot.to(tl.int64) * log_conv0_slot_stride + i * C + cols, old, mask=cmask)
         step_rows = tl.load(proj_ptr + rows[:, None] * proj_stride + cols[None, :], mask=mask2, other=0.0)
         tl.store(log_in_ptr + slot.to(tl.int64) * log_in_slot_stride + rows[:, None] * C + cols[None, :],
                  step_rows.to(tl.float32), mask=mask2)
-    if save == 1:  # checkpoint: the window after each of 0 .. n tokens, slot s = ext[s .. s + W)
-        flat = tl.arange(0, SWP)  # (slot, row of the window) pairs
-        s_of, i_of = flat // W, flat % W
-        ext_row = (s_of + i_of)[:, None]
-        smask = ((flat < (T + 1) * W) & (s_of <= n))[:, None] & cmask[None, :]
-        saved_old = tl.load(state_ptr + ext_row * C + cols[None, :], mask=smask & (ext_row < W), other=0.0)
-        saved_new = tl.load(proj_ptr + (ext_row - W) * proj_stride + cols[None, :], mask=smask & (ext_row >= W), other=0.0)
-        tl.store(windows_ptr + slot.to(tl.int64) * windows_slot_stride + flat[:, None] * C + cols[None, :],
-                 tl.where(ext_row < W, saved_old, saved_new.to(tl.float32)), mask=smask)
-    # the window after the step's n real rows, ext[n .. n + W), read whole before the old one is overwritten
+    # checkpoint (save 1): the window after each of 0 .. n tokens, slot s = ext[s .. s + W)
+    flat = tl.arange(0, SWP)  # (slot, row of the window) pairs
+    s_of, i_of = flat // W, flat % W
+    ext_row = (s_of + i_of)[:, None]
+    smask = ((flat < (T + 1) * W) & (s_of <= n) & (save == 1))[:, None] & cmask[None, :]
+    saved_old = tl.load(old_ptr + ext_row * C + cols[None, :], mask=smask & (ext_row < W), other=0.0)
+    saved_new = tl.load(proj_ptr + (ext_row - W) * proj_stride + cols[None, :], mask=smask & (ext_row >= W), other=0.0)
+    # the window after the step's n real rows, ext[n .. n + W)
     wrows = tl.arange(0, WP)
     wmask = (wrows[:, None] < W) & cmask[None, :]
     new_row = n + wrows[:, None]
-    kept_old = tl.load(state_ptr + new_row * C + cols[None, :], mask=wmask & (new_row < W), other=0.0)
+    kept_old = tl.load(old_ptr + new_row * C + cols[None, :], mask=wmask & (new_row < W), other=0.0)
     kept_new = tl.load(proj_ptr + (new_row - W) * proj_stride + cols[None, :], mask=wmask & (new_row >= W), other=0.0)
     window = tl.where(new_row < W, kept_old, kept_new.to(tl.float32))
-    tl.debug_barrier()
+    tl.debug_barrier()  # every read of the old window is done: now it may be overwritten
+    if save == 1:
+        tl.store(windows_ptr + slot.to(tl.int64) * windows_slot_stride + flat[:, None] * C + cols[None, :],
+                 tl.where(ext_row < W, saved_old, saved_new.to(tl.float32)), mask=smask)
     tl.store(state_ptr + wrows[:, None] * C + cols[None, :], window, mask=wmask)
 
 
@@ -116,7 +128,7 @@ def _gdn_recurrence_kernel(
     state_ptr,                             # [S, L, HV, K, V] float32
     saved_ptr, saved_slots,                # [S, L, saved_slots, HV, K, V]: the state after 0, 1, .. tokens
     out_ptr,                               # [grid L, T, HV, V] float32
-    control_ptr,                           # int32 [slot, n, pos, save, n_save]
+    control_ptr,                           # int32 [slot, n, pos, save, n_save, start]
     layer0, layers_total, K, V, HK, HV,
     T: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
 ):
@@ -127,6 +139,7 @@ def _gdn_recurrence_kernel(
     slot = tl.load(control_ptr + 0).to(tl.int64)
     n = tl.load(control_ptr + 1)
     n_save = tl.load(control_ptr + 4)
+    start = tl.load(control_ptr + 5)  # >= 0: the state before the step is the checkpoint slot `start`
     kh = head // (HV // HK)  # each q/k head serves consecutive value heads
     seq_layer = slot * layers_total + layer
 
@@ -136,8 +149,12 @@ def _gdn_recurrence_kernel(
     mask2 = kmask[:, None] & vmask[None, :]
     head_state = (seq_layer * HV + head) * K * V
     offsets = ks[:, None] * V + vs[None, :]
-    state = tl.load(init_ptr + head_state + offsets, mask=mask2, other=0.0)
     saved_base = seq_layer * saved_slots
+    if start >= 0:
+        state = tl.load(saved_ptr + ((saved_base + start) * HV + head) * K * V + offsets, mask=mask2, other=0.0)
+    else:
+        state = tl.load(init_ptr + head_state + offsets, mask=mask2, other=0.0)
+    tl.debug_barrier()  # read whole before this step's checkpoints overwrite the slot it came from
     if n_save > 0:
         tl.store(saved_ptr + (saved_base * HV + head) * K * V + offsets, state, mask=mask2)
     qk_row = seq_layer * T * HK

@@ -196,6 +196,15 @@ def check_rollback(state: SequenceState, keep: int) -> PendingStep:
     return state.pending
 
 
+def settle(state: SequenceState) -> None:
+    """Make the state in place what the last rollback left: the GPU step's checkpoint rollback only points the
+    next step at the kept token's checkpoint slot (shardd/fast/pools.py); a reader outside the step (the
+    reference or prefill path, a snapshot, a test) settles first. Nothing to do on the reference engine."""
+    storage = state.rollback_storage
+    if storage is not None and hasattr(storage, "settle"):
+        storage.settle(state.gdn)
+
+
 def rollback(state: SequenceState, keep: int) -> None:
     """Keep the first `keep` tokens of the pending step; the state becomes what forwarding only those gives."""
     pending = check_rollback(state, keep)
@@ -217,12 +226,14 @@ def snapshot(state: SequenceState) -> None:
     A snapshot ends a pending step (all its tokens kept), as the next FORWARD would.
     """
     state.pending = None
+    settle(state)
     state.snapshot = Snapshot(state.length, state.gdn.clone())
 
 
 def restore(state: SequenceState) -> None:
     if state.snapshot is None:
         raise NoSnapshot("RESTORE with no snapshot taken for this sequence")
+    settle(state)  # the restored state is the sequence's own: no step may start from a checkpoint slot after it
     state.gdn.copy_(state.snapshot.gdn)
     state.length = state.snapshot.length
     state.pending = None

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One device call (<= 9 minutes) for issue 15: the GPU tests of the rollback that copies nothing, then the
+# benchmark parts that measure the split: relay (two daemons, relay_by_phase and the e2e keys), local (one
+# process: the reference the e2e ratios divide by), delay (relay_vs_delay through scripts/delay_proxy.py) and
+# dflash (three daemons, e2e_dflash_step_ms). Both daemons share cuda:0 when one GPU is there. Results land in
+# $OUT and bench/results/h200/ (gpu_bench_relay.json); a short table is printed last.
+# Usage: scripts/gpu_session_relay.sh [bench_gpu.py arguments]
+set -uo pipefail
+OUT=${OUT:-bench/results/gpu}
+mkdir -p "$OUT" bench/results/h200
+export PYTHONUNBUFFERED=1
+for wheel in .whl/*.whl; do
+    case "$wheel" in *fla_core*) target=/tmp/fla-site ;; *) target=/tmp/site ;; esac
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$wheel" || exit 1
+done
+export PYTHONPATH=/tmp/site:/tmp/fla-site:$PWD
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; python3 -c 'import torch, triton, zmq; print("torch", torch.__version__, "triton", triton.__version__, "zmq", zmq.__version__)'; } | tee "$OUT/env.txt"
+echo "== GPU tests (rollback off the critical path, bit-identical; bf16 speculative = greedy)"
+timeout ${TESTS_TIMEOUT:-110} python3 -m pytest -q tests/test_fast_path.py \
+    -k "critical_path or bit_identical or bf16 or graph_replay" 2>&1 | tail -6 | tee "$OUT/gpu_tests_relay.txt"
+echo "== bench_gpu --parts ${PARTS:-relay,local,delay,relay-dflash}"
+timeout ${BENCH_TIMEOUT:-400} python3 scripts/bench_gpu.py --parts "${PARTS:-relay,local,delay,relay-dflash}" --tokens 64 \
+    --repeats 10 --json "$OUT/gpu_bench_relay.json" "$@" > "$OUT/gpu_bench_relay.txt" 2>&1
+echo "bench_gpu exit: $? (full output: $OUT/gpu_bench_relay.txt)"
+grep -E '^(==|relay|delay|dflash|greedy|built|checkpoint|replay|Traceback|RuntimeError|[A-Za-z]*Error)' "$OUT/gpu_bench_relay.txt" | tail -24
+cp "$OUT"/gpu_bench_relay.json "$OUT"/gpu_tests_relay.txt bench/results/h200/ 2>/dev/null
+python3 - "$OUT/gpu_bench_relay.json" <<'PY'
+import json, sys
+sys.path.insert(0, "scripts")
+from bench_gpu import phase_table
+r = json.load(open(sys.argv[1]))
+for key in ("outputs_identical", "failed_parts", "tok_s", "e2e_tok_s", "e2e_vs_local", "relay_ms_per_step", "step_ms",
+            "e2e_step_ms", "greedy_ms_per_token", "e2e_greedy_ms_per_token", "e2e_greedy_vs_local", "rollback_ms",
+            "rollback_share_of_step", "e2e_dflash_step_ms", "relay_round_trip_ms"):
+    print(f"{key}: {r.get(key)}")
+delay = r.get("relay_vs_delay")
+if delay:
+    print("relay_vs_delay: one-way ms", delay["delays_ms_one_way"], "greedy ms/token", delay["greedy_ms_per_token"])
+    for block in delay["blocks"]:
+        print(f"  block {block}: tok/s {delay['tok_s'][str(block)]}, step ms {delay['step_ms'][str(block)]}")
+    print("  round trips per step (fit):", delay["round_trips_per_step"])
+if r.get("dflash_relay_by_phase"):
+    print("== dflash relay by phase (ms per step; last shard = the drafter daemon)\n" + phase_table(r["dflash_relay_by_phase"]))
+print("== relay by phase (ms per step)\n" + phase_table(r.get("relay_by_phase", {})))
+PY
