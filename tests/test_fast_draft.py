@@ -38,8 +38,9 @@ def drafter(name: str, dtype=torch.float32, preset: str = "tiny") -> DFlashDraft
     target = preset_config(preset)
     weights = synthetic_weights(target, 0, target.num_layers, seed=0, device=DEVICE)
     config = synthetic_draft_config(target, **DRAFTS[name])
+    head = weights["embed_tokens.weight"] if target.tie_word_embeddings else weights["lm_head.weight"]
     return DFlashDrafter(config, synthetic_draft_weights(config, 1), target_embed=weights["embed_tokens.weight"],
-                         target_lm_head=weights["lm_head.weight"], device=DEVICE, dtype=dtype)
+                         target_lm_head=head, device=DEVICE, dtype=dtype)
 
 
 def features(model: DFlashDrafter, n: int, seed: int) -> torch.Tensor:
