@@ -179,8 +179,6 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
         sys.exit(EXIT_FAILURE)
     options.memory = plan.describe()
     options.quantization = scheme.describe() if scheme is not None else None
-    log.info("memory plan: %s = %s%s", plan.line(), fmt_gib(plan.total),
-             f" of --max-gpu-memory {fmt_gib(cap)}" if cap else "")
     if cap is not None and torch.device(device).type == "cuda":
         limit_device_memory(torch, torch.device(device), cap)
     if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
@@ -196,6 +194,9 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
         log.error("%s", exc)
         sys.exit(EXIT_FAILURE)
     log.info("bound %s", listener.endpoint)
+    # after the bind: a port that is taken fails in one line, before anything else is said
+    log.info("memory plan: %s = %s%s", plan.line(), fmt_gib(plan.total),
+             f" of --max-gpu-memory {fmt_gib(cap)}" if cap else "")
     if endpoint_file:
         write_endpoint_file(endpoint_file, listener.endpoint)
 
