@@ -360,12 +360,29 @@ def e2e_devices(args) -> list[str]:
     return devices
 
 
+def wait_for_hello(daemons: list[tuple[str, subprocess.Popen, str, Path]], timeout_s: float = 600) -> None:
+    """Waits until every daemon, (name, process, endpoint, log), answers HELLO; raises with the tail of its log when
+    one exits first or `timeout_s` (for all of them) passes."""
+    from coordinator.client import ShardClient, ShardTimeout
+
+    deadline = time.monotonic() + timeout_s
+    for name, process, endpoint, log in daemons:
+        client = ShardClient(endpoint, timeout_s=1.0)
+        while True:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not come up: " + log.read_text()[-2000:])
+            try:
+                client.hello(timeout_s=0.5)
+                break
+            except ShardTimeout:
+                continue
+        client.close()
+
+
 def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] | None = None,
                   env: dict | None = None, tag: str = "", tcp_ports: list[int] | None = None) -> tuple[list, list[str]]:
     """`shardd serve` per range, one GPU each, on ipc:// endpoints (tcp on loopback with `tcp_ports`); returns
     (processes, endpoints) once all are ready."""
-    from coordinator.client import ShardClient, ShardTimeout
-
     devices = devices or args.e2e_devices.split(",")
     processes, endpoints = [], []
     for index, layer_range in enumerate(ranges):
@@ -386,18 +403,8 @@ def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] 
         processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                           env={**os.environ, **(env or {})}))
         endpoints.append(endpoint)
-    deadline = time.monotonic() + 600
-    for process, endpoint in zip(processes, endpoints):
-        client = ShardClient(endpoint, timeout_s=1.0)
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{endpoint} did not come up: " + (run_dir / f"shard{len(endpoints)}-{mode}{tag}.log").read_text()[-2000:])
-            try:
-                client.hello(timeout_s=0.5)
-                break
-            except ShardTimeout:
-                continue
-        client.close()
+    wait_for_hello([(endpoint, process, endpoint, run_dir / f"shard{index}-{mode}{tag}.log")
+                    for index, (process, endpoint) in enumerate(zip(processes, endpoints))])
     return processes, endpoints
 
 
@@ -516,8 +523,6 @@ def drafter_in_process(args) -> dict:
 
 def serve_processes(args, specs: dict[str, list[str]], run_dir: Path) -> tuple[list, dict[str, str]]:
     """`shardd serve` per named spec (extra arguments), every one on `--dflash-device`; waits for every HELLO."""
-    from coordinator.client import ShardClient, ShardTimeout
-
     processes, endpoints = [], {}
     for name, extra in specs.items():
         endpoint = f"ipc://{run_dir}/{name}.sock"
@@ -528,18 +533,8 @@ def serve_processes(args, specs: dict[str, list[str]], run_dir: Path) -> tuple[l
                    "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK), *extra]
         processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
         endpoints[name] = endpoint
-    deadline = time.monotonic() + 600
-    for process, (name, endpoint) in zip(processes, endpoints.items()):
-        client = ShardClient(endpoint, timeout_s=1.0)
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not come up: " + (run_dir / f"{name}.log").read_text()[-2000:])
-            try:
-                client.hello(timeout_s=0.5)
-                break
-            except ShardTimeout:
-                continue
-        client.close()
+    wait_for_hello([(name, process, endpoint, run_dir / f"{name}.log")
+                    for process, (name, endpoint) in zip(processes, endpoints.items())])
     return processes, endpoints
 
 
