@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator.client import ShardClient
-from tests.daemons import Daemon, _die_with_parent, free_tcp_endpoint, stop_all
+from tests.daemons import _die_with_parent, start_pair, stop_all
 
 REQUEST_TIMEOUT_S = 1.5
 MAX_CONNECTIONS = 200
@@ -80,12 +80,8 @@ class Server:
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("front-door")
-    binds = [free_tcp_endpoint(), free_tcp_endpoint()]
-    daemons = [Daemon(f"shard{i}", binds[i], ["--layers", layers], workdir) for i, layers in enumerate(["0:3", "3:6"])]
+    binds, daemons = start_pair(tmp_path_factory.mktemp("front-door"))
     try:
-        for daemon in daemons:
-            daemon.wait_ready()
         yield binds
     finally:
         stop_all(daemons)
