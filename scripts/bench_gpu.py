@@ -360,6 +360,20 @@ def e2e_devices(args) -> list[str]:
     return devices
 
 
+def halves_and_prompt(args) -> tuple[list[tuple[int, int]], list[int]]:
+    """The preset's layers in two halves (the two target daemons' ranges) and the seeded random prompt of
+    --prompt-len tokens that the daemon parts decode."""
+    import torch
+
+    from shardd.presets import preset_config
+
+    config = preset_config(args.preset)
+    half = config.num_layers // 2
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+    return [(0, half), (half, config.num_layers)], prompt
+
+
 def wait_for_hello(daemons: list[tuple[str, subprocess.Popen, str, Path]], timeout_s: float = 600) -> None:
     """Waits until every daemon, (name, process, endpoint, log), answers HELLO; raises with the tail of its log when
     one exits first or `timeout_s` (for all of them) passes."""
@@ -409,18 +423,11 @@ def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] 
 
 
 def run_e2e(args) -> dict:
-    import torch
-
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafters import OracleDrafter
     from coordinator.pipeline import Pipeline
-    from shardd.presets import preset_config
 
-    config = preset_config(args.preset)
-    half = config.num_layers // 2
-    ranges = [(0, half), (half, config.num_layers)]
-    generator = torch.Generator().manual_seed(args.seed)
-    prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+    ranges, prompt = halves_and_prompt(args)
     devices = e2e_devices(args)
     out: dict = {"e2e_layers": [list(r) for r in ranges], "e2e_devices": devices}
     hashes: dict = {}
@@ -820,18 +827,11 @@ def daemon_profile_top(path: Path, top: int = 25) -> list[str]:
 
 
 def run_relay(args) -> dict:
-    import torch
-
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafters import OracleDrafter
     from coordinator.pipeline import Pipeline
-    from shardd.presets import preset_config
 
-    config = preset_config(args.preset)
-    half = config.num_layers // 2
-    ranges = [(0, half), (half, config.num_layers)]
-    generator = torch.Generator().manual_seed(args.seed)
-    prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+    ranges, prompt = halves_and_prompt(args)
     devices = e2e_devices(args)
     out: dict = {"relay_devices": devices}
     by_phase: dict = {}
@@ -895,23 +895,17 @@ def run_dflash_relay(args) -> dict:
     there): CAPTURE features and PROPOSE ride the same relay as FORWARD and ROLLBACK. `e2e_dflash_step_ms` per
     rollback mode, and where the step's time goes (`dflash_relay_by_phase`, the drafter daemon as the last shard).
     The drafter's own compute is issue 16's; its share shows as that daemon's PROPOSE phases."""
-    import torch
-
     from coordinator.client import ShardClient
     from coordinator.decoding import speculative_decode
     from coordinator.dflash import DFlashDrafterClient
     from coordinator.pipeline import Pipeline
-    from shardd.presets import preset_config
 
-    config = preset_config(args.preset)
-    half = config.num_layers // 2
-    generator = torch.Generator().manual_seed(args.seed)
-    prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+    ranges, prompt = halves_and_prompt(args)
     devices = e2e_devices(args) + [e2e_devices(args)[-1]]
     run_dir = Path(tempfile.mkdtemp(prefix="bench-dflash-"))
     step_ms, tok_s, by_phase, hashes = {}, {}, {}, {}
     for mode in DFLASH_MODES:
-        processes, endpoints = start_daemons(args, [(0, half), (half, config.num_layers), None], mode, run_dir,
+        processes, endpoints = start_daemons(args, [*ranges, None], mode, run_dir,
                                              devices=devices, tag="-dflash")
         try:
             with Pipeline.connect(endpoints[:2], timeout_s=600) as pipeline, \
@@ -980,18 +974,12 @@ def run_relay_vs_delay(args) -> dict:
     (0, 0.1, 0.5, 2 ms: a second host on a fast, an ordinary and a slow link); greedy and checkpoint speculative
     decoding at block sizes 4, 8, 16 (oracle drafter at the same commit fraction). The step time's slope against
     the one-way delay, halved, is the number of round trips a step waits for."""
-    import torch
-
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafters import OracleDrafter
     from coordinator.pipeline import Pipeline
     from shardd.presets import preset_config
 
-    config = preset_config(args.preset)
-    half = config.num_layers // 2
-    ranges = [(0, half), (half, config.num_layers)]
-    generator = torch.Generator().manual_seed(args.seed)
-    prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+    ranges, prompt = halves_and_prompt(args)
     ports = [free_port(), free_port()]
     run_dir = Path(tempfile.mkdtemp(prefix="bench-delay-"))
     processes, endpoints = start_daemons(args, ranges, "checkpoint", run_dir, devices=e2e_devices(args), tag="-tcp",
@@ -1042,7 +1030,7 @@ def run_relay_vs_delay(args) -> dict:
         # d(step)/d(one-way delay) / 2: round trips a step waits for (two shards: 2 when nothing else waits)
         "round_trips_per_step": {"greedy": round(slope(delays, greedy_ms) / 2, 2),
                                  **{str(b): round(slope(delays, v) / 2, 2) for b, v in step_ms.items()}},
-        "hidden_bytes_per_row": config.hidden_size * (2 if args.e2e_dtype == "bfloat16" else 4),
+        "hidden_bytes_per_row": preset_config(args.preset).hidden_size * (2 if args.e2e_dtype == "bfloat16" else 4),
     }, "hashes": hashes}
 
 
