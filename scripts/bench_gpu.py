@@ -374,6 +374,14 @@ def halves_and_prompt(args) -> tuple[list[tuple[int, int]], list[int]]:
     return [(0, half), (half, config.num_layers)], prompt
 
 
+def stop_processes(processes: list) -> None:
+    """SIGTERM to every daemon first, so they stop in parallel, then wait (60 s at most) for each."""
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.wait(timeout=60)
+
+
 def wait_for_hello(daemons: list[tuple[str, subprocess.Popen, str, Path]], timeout_s: float = 600) -> None:
     """Waits until every daemon, (name, process, endpoint, log), answers HELLO; raises with the tail of its log when
     one exits first or `timeout_s` (for all of them) passes."""
@@ -456,10 +464,7 @@ def run_e2e(args) -> dict:
                     hashes[f"e2e/{mode}"] = token_hash(result.tokens)
                     print(f"e2e {mode}: {tok_s[mode][-1]:.1f} tok/s", flush=True)
         finally:
-            for process in processes:
-                process.terminate()
-            for process in processes:
-                process.wait(timeout=60)
+            stop_processes(processes)
     out["e2e_tok_s"] = {mode: round(statistics.median(v), 2) for mode, v in tok_s.items()}
     out["e2e_step_ms"] = {mode: round(statistics.median(v), 3) for mode, v in step_ms.items()}
     out["hashes"] = hashes
@@ -718,10 +723,7 @@ def run_dflash(args) -> dict:
             out["dflash_real_mean_commit"] = round(real.avg_commit, 2)
             out["dflash_real_identical_to_greedy"] = real.tokens == greedy.tokens
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(timeout=60)
+        stop_processes(processes)
 
     def median_entry(entries):
         return {key: (round(statistics.median(e[key] for e in entries), 3) if not isinstance(entries[0][key], dict)
@@ -873,10 +875,7 @@ def run_relay(args) -> dict:
                 by_phase[mode] = relay_breakdown(result, readings.pop(), phase_readings(pipeline))
                 print(f"relay {mode}: {by_phase[mode]['step_ms']} ms per step", flush=True)
         finally:
-            for process in processes:
-                process.terminate()
-            for process in processes:
-                process.wait(timeout=60)
+            stop_processes(processes)
     out["relay_by_phase"] = by_phase
     if args.daemon_profile:
         out["daemon_profile_top"] = {path.name: daemon_profile_top(path) for path in sorted(Path(args.daemon_profile).glob("*.prof"))}
@@ -929,10 +928,7 @@ def run_dflash_relay(args) -> dict:
                 hashes[f"dflash/{mode}"] = token_hash(result.tokens)
                 print(f"dflash {mode}: {step_ms[mode]} ms per step, mean commit {result.avg_commit:.2f}", flush=True)
         finally:
-            for process in processes:
-                process.terminate()
-            for process in processes:
-                process.wait(timeout=60)
+            stop_processes(processes)
     # whatever the drafts, the verified output is the target's greedy one: the hashes join outputs_identical
     return {"e2e_dflash_step_ms": step_ms, "e2e_dflash_tok_s": tok_s, "dflash_relay_by_phase": by_phase, "hashes": hashes}
 
@@ -1016,10 +1012,7 @@ def run_relay_vs_delay(args) -> dict:
                     process.kill()
                     process.wait()
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(timeout=60)
+        stop_processes(processes)
     delays = list(DELAYS_MS)
     return {"relay_vs_delay": {
         "delays_ms_one_way": delays,
