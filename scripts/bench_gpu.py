@@ -360,12 +360,51 @@ def e2e_devices(args) -> list[str]:
     return devices
 
 
+def halves_and_prompt(args) -> tuple[list[tuple[int, int]], list[int]]:
+    """The preset's layers in two halves (the two target daemons' ranges) and the seeded random prompt of
+    --prompt-len tokens that the daemon parts decode."""
+    import torch
+
+    from shardd.presets import preset_config
+
+    config = preset_config(args.preset)
+    half = config.num_layers // 2
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+    return [(0, half), (half, config.num_layers)], prompt
+
+
+def stop_processes(processes: list) -> None:
+    """SIGTERM to every daemon first, so they stop in parallel, then wait (60 s at most) for each."""
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.wait(timeout=60)
+
+
+def wait_for_hello(daemons: list[tuple[str, subprocess.Popen, str, Path]], timeout_s: float = 600) -> None:
+    """Waits until every daemon, (name, process, endpoint, log), answers HELLO; raises with the tail of its log when
+    one exits first or `timeout_s` (for all of them) passes."""
+    from coordinator.client import ShardClient, ShardTimeout
+
+    deadline = time.monotonic() + timeout_s
+    for name, process, endpoint, log in daemons:
+        client = ShardClient(endpoint, timeout_s=1.0)
+        while True:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not come up: " + log.read_text()[-2000:])
+            try:
+                client.hello(timeout_s=0.5)
+                break
+            except ShardTimeout:
+                continue
+        client.close()
+
+
 def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] | None = None,
                   env: dict | None = None, tag: str = "", tcp_ports: list[int] | None = None) -> tuple[list, list[str]]:
     """`shardd serve` per range, one GPU each, on ipc:// endpoints (tcp on loopback with `tcp_ports`); returns
     (processes, endpoints) once all are ready."""
-    from coordinator.client import ShardClient, ShardTimeout
-
     devices = devices or args.e2e_devices.split(",")
     processes, endpoints = [], []
     for index, layer_range in enumerate(ranges):
@@ -386,34 +425,17 @@ def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] 
         processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                           env={**os.environ, **(env or {})}))
         endpoints.append(endpoint)
-    deadline = time.monotonic() + 600
-    for process, endpoint in zip(processes, endpoints):
-        client = ShardClient(endpoint, timeout_s=1.0)
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{endpoint} did not come up: " + (run_dir / f"shard{len(endpoints)}-{mode}{tag}.log").read_text()[-2000:])
-            try:
-                client.hello(timeout_s=0.5)
-                break
-            except ShardTimeout:
-                continue
-        client.close()
+    wait_for_hello([(endpoint, process, endpoint, run_dir / f"shard{index}-{mode}{tag}.log")
+                    for index, (process, endpoint) in enumerate(zip(processes, endpoints))])
     return processes, endpoints
 
 
 def run_e2e(args) -> dict:
-    import torch
-
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafters import OracleDrafter
     from coordinator.pipeline import Pipeline
-    from shardd.presets import preset_config
 
-    config = preset_config(args.preset)
-    half = config.num_layers // 2
-    ranges = [(0, half), (half, config.num_layers)]
-    generator = torch.Generator().manual_seed(args.seed)
-    prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+    ranges, prompt = halves_and_prompt(args)
     devices = e2e_devices(args)
     out: dict = {"e2e_layers": [list(r) for r in ranges], "e2e_devices": devices}
     hashes: dict = {}
@@ -442,10 +464,7 @@ def run_e2e(args) -> dict:
                     hashes[f"e2e/{mode}"] = token_hash(result.tokens)
                     print(f"e2e {mode}: {tok_s[mode][-1]:.1f} tok/s", flush=True)
         finally:
-            for process in processes:
-                process.terminate()
-            for process in processes:
-                process.wait(timeout=60)
+            stop_processes(processes)
     out["e2e_tok_s"] = {mode: round(statistics.median(v), 2) for mode, v in tok_s.items()}
     out["e2e_step_ms"] = {mode: round(statistics.median(v), 3) for mode, v in step_ms.items()}
     out["hashes"] = hashes
@@ -516,8 +535,6 @@ def drafter_in_process(args) -> dict:
 
 def serve_processes(args, specs: dict[str, list[str]], run_dir: Path) -> tuple[list, dict[str, str]]:
     """`shardd serve` per named spec (extra arguments), every one on `--dflash-device`; waits for every HELLO."""
-    from coordinator.client import ShardClient, ShardTimeout
-
     processes, endpoints = [], {}
     for name, extra in specs.items():
         endpoint = f"ipc://{run_dir}/{name}.sock"
@@ -528,18 +545,8 @@ def serve_processes(args, specs: dict[str, list[str]], run_dir: Path) -> tuple[l
                    "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK), *extra]
         processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
         endpoints[name] = endpoint
-    deadline = time.monotonic() + 600
-    for process, (name, endpoint) in zip(processes, endpoints.items()):
-        client = ShardClient(endpoint, timeout_s=1.0)
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not come up: " + (run_dir / f"{name}.log").read_text()[-2000:])
-            try:
-                client.hello(timeout_s=0.5)
-                break
-            except ShardTimeout:
-                continue
-        client.close()
+    wait_for_hello([(name, process, endpoint, run_dir / f"{name}.log")
+                    for process, (name, endpoint) in zip(processes, endpoints.items())])
     return processes, endpoints
 
 
@@ -716,10 +723,7 @@ def run_dflash(args) -> dict:
             out["dflash_real_mean_commit"] = round(real.avg_commit, 2)
             out["dflash_real_identical_to_greedy"] = real.tokens == greedy.tokens
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(timeout=60)
+        stop_processes(processes)
 
     def median_entry(entries):
         return {key: (round(statistics.median(e[key] for e in entries), 3) if not isinstance(entries[0][key], dict)
@@ -825,18 +829,11 @@ def daemon_profile_top(path: Path, top: int = 25) -> list[str]:
 
 
 def run_relay(args) -> dict:
-    import torch
-
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafters import OracleDrafter
     from coordinator.pipeline import Pipeline
-    from shardd.presets import preset_config
 
-    config = preset_config(args.preset)
-    half = config.num_layers // 2
-    ranges = [(0, half), (half, config.num_layers)]
-    generator = torch.Generator().manual_seed(args.seed)
-    prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+    ranges, prompt = halves_and_prompt(args)
     devices = e2e_devices(args)
     out: dict = {"relay_devices": devices}
     by_phase: dict = {}
@@ -878,10 +875,7 @@ def run_relay(args) -> dict:
                 by_phase[mode] = relay_breakdown(result, readings.pop(), phase_readings(pipeline))
                 print(f"relay {mode}: {by_phase[mode]['step_ms']} ms per step", flush=True)
         finally:
-            for process in processes:
-                process.terminate()
-            for process in processes:
-                process.wait(timeout=60)
+            stop_processes(processes)
     out["relay_by_phase"] = by_phase
     if args.daemon_profile:
         out["daemon_profile_top"] = {path.name: daemon_profile_top(path) for path in sorted(Path(args.daemon_profile).glob("*.prof"))}
@@ -900,23 +894,17 @@ def run_dflash_relay(args) -> dict:
     there): CAPTURE features and PROPOSE ride the same relay as FORWARD and ROLLBACK. `e2e_dflash_step_ms` per
     rollback mode, and where the step's time goes (`dflash_relay_by_phase`, the drafter daemon as the last shard).
     The drafter's own compute is issue 16's; its share shows as that daemon's PROPOSE phases."""
-    import torch
-
     from coordinator.client import ShardClient
     from coordinator.decoding import speculative_decode
     from coordinator.dflash import DFlashDrafterClient
     from coordinator.pipeline import Pipeline
-    from shardd.presets import preset_config
 
-    config = preset_config(args.preset)
-    half = config.num_layers // 2
-    generator = torch.Generator().manual_seed(args.seed)
-    prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+    ranges, prompt = halves_and_prompt(args)
     devices = e2e_devices(args) + [e2e_devices(args)[-1]]
     run_dir = Path(tempfile.mkdtemp(prefix="bench-dflash-"))
     step_ms, tok_s, by_phase, hashes = {}, {}, {}, {}
     for mode in DFLASH_MODES:
-        processes, endpoints = start_daemons(args, [(0, half), (half, config.num_layers), None], mode, run_dir,
+        processes, endpoints = start_daemons(args, [*ranges, None], mode, run_dir,
                                              devices=devices, tag="-dflash")
         try:
             with Pipeline.connect(endpoints[:2], timeout_s=600) as pipeline, \
@@ -940,10 +928,7 @@ def run_dflash_relay(args) -> dict:
                 hashes[f"dflash/{mode}"] = token_hash(result.tokens)
                 print(f"dflash {mode}: {step_ms[mode]} ms per step, mean commit {result.avg_commit:.2f}", flush=True)
         finally:
-            for process in processes:
-                process.terminate()
-            for process in processes:
-                process.wait(timeout=60)
+            stop_processes(processes)
     # whatever the drafts, the verified output is the target's greedy one: the hashes join outputs_identical
     return {"e2e_dflash_step_ms": step_ms, "e2e_dflash_tok_s": tok_s, "dflash_relay_by_phase": by_phase, "hashes": hashes}
 
@@ -985,18 +970,12 @@ def run_relay_vs_delay(args) -> dict:
     (0, 0.1, 0.5, 2 ms: a second host on a fast, an ordinary and a slow link); greedy and checkpoint speculative
     decoding at block sizes 4, 8, 16 (oracle drafter at the same commit fraction). The step time's slope against
     the one-way delay, halved, is the number of round trips a step waits for."""
-    import torch
-
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafters import OracleDrafter
     from coordinator.pipeline import Pipeline
     from shardd.presets import preset_config
 
-    config = preset_config(args.preset)
-    half = config.num_layers // 2
-    ranges = [(0, half), (half, config.num_layers)]
-    generator = torch.Generator().manual_seed(args.seed)
-    prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+    ranges, prompt = halves_and_prompt(args)
     ports = [free_port(), free_port()]
     run_dir = Path(tempfile.mkdtemp(prefix="bench-delay-"))
     processes, endpoints = start_daemons(args, ranges, "checkpoint", run_dir, devices=e2e_devices(args), tag="-tcp",
@@ -1033,10 +1012,7 @@ def run_relay_vs_delay(args) -> dict:
                     process.kill()
                     process.wait()
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(timeout=60)
+        stop_processes(processes)
     delays = list(DELAYS_MS)
     return {"relay_vs_delay": {
         "delays_ms_one_way": delays,
@@ -1047,7 +1023,7 @@ def run_relay_vs_delay(args) -> dict:
         # d(step)/d(one-way delay) / 2: round trips a step waits for (two shards: 2 when nothing else waits)
         "round_trips_per_step": {"greedy": round(slope(delays, greedy_ms) / 2, 2),
                                  **{str(b): round(slope(delays, v) / 2, 2) for b, v in step_ms.items()}},
-        "hidden_bytes_per_row": config.hidden_size * (2 if args.e2e_dtype == "bfloat16" else 4),
+        "hidden_bytes_per_row": preset_config(args.preset).hidden_size * (2 if args.e2e_dtype == "bfloat16" else 4),
     }, "hashes": hashes}
 
 

@@ -8,13 +8,10 @@
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-for wheel in .whl/*.whl; do
-    case "$wheel" in *fla_core*) target=/tmp/fla-site ;; *) target=/tmp/site ;; esac
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$wheel" || exit 1
-done
-export PYTHONPATH=/tmp/site:/tmp/fla-site:$PWD
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; python3 -c 'import torch, triton, zmq, sys; print("torch", torch.__version__, "triton", triton.__version__, "zmq", zmq.__version__, "libzmq", zmq.zmq_version(), "switchinterval", sys.getswitchinterval())'; } | tee "$OUT/env.txt"
+GPU_ENV_FILE="$OUT/env.txt"
+GPU_ENV_VERSIONS='import torch, triton, zmq, sys; print("torch", torch.__version__, "triton", triton.__version__, "zmq", zmq.__version__, "libzmq", zmq.zmq_version(), "switchinterval", sys.getswitchinterval())'
+GPU_ENV_NPROC=1
+. scripts/gpu_env.sh  # wheels from .whl/, PYTHONPATH, PYTHONUNBUFFERED, the environment line
 timeout ${RELAY_TIMEOUT:-320} python3 scripts/bench_gpu.py --parts relay --tokens 64 --prompt-len 512 \
     --daemon-profile "$OUT/daemon-prof" --json "$OUT/relay_profile.json" "$@" > "$OUT/relay_profile.txt" 2>&1
 echo "bench_gpu exit: $? (full output: $OUT/relay_profile.txt)"

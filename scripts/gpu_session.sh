@@ -3,19 +3,14 @@
 # back) and in bench/results/h200/.
 #   1. environment; 2. scripts/bench_gpu.py (one process, transformers baseline, and two daemons when two GPUs
 #   are there); 3. the GPU tests (kernels and graph step against the reference, bf16 greedy vs every mode).
-# Wheels carried in .whl/: pyzmq (the daemons), fla-core (the GPU prefill), installed apart so the
+# Wheels carried in .whl/: pyzmq (the daemons), fla-core (the GPU prefill), installed apart (scripts/gpu_env.sh) so the
 # transformers baseline runs as a plain install would (without fla).
 # Usage: scripts/gpu_session.sh [bench_gpu.py arguments]
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT" bench/results/h200
-export PYTHONUNBUFFERED=1
-for wheel in .whl/*.whl; do
-    case "$wheel" in *fla_core*) target=/tmp/fla-site ;; *) target=/tmp/site ;; esac
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$wheel" || exit 1
-done
-export PYTHONPATH=/tmp/site:/tmp/fla-site:$PWD
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, triton, zmq; print("torch", torch.__version__, "triton", triton.__version__, "zmq", zmq.__version__)'; } | tee "$OUT/env.txt"
+GPU_ENV_FILE="$OUT/env.txt"
+. scripts/gpu_env.sh  # wheels from .whl/, PYTHONPATH, PYTHONUNBUFFERED, the environment line
 echo "== bench_gpu"
 timeout ${BENCH_TIMEOUT:-400} python3 scripts/bench_gpu.py --json "$OUT/gpu_bench.json" "$@" 2>&1 | grep -v '^ ' | tail -30
 echo "== GPU tests"

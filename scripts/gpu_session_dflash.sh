@@ -6,18 +6,13 @@
 #   PROPOSE every step against the oracle on the same daemons, the per-step breakdown, the real drafter's own
 #   decode (identical to greedy); 3. the GPU tests of the drafter step (tests/test_fast_draft.py) and of the
 #   target step whose kernels it shares (tests/test_fast_path.py, its kernel tests); 4. the short table, last.
-# JSON and logs land in $OUT and bench/results/h200/. Wheels in .whl/ are installed as scripts/gpu_session.sh does.
+# JSON and logs land in $OUT and bench/results/h200/. Wheels in .whl/ are installed by scripts/gpu_env.sh.
 # Usage: scripts/gpu_session_dflash.sh [bench_gpu.py arguments]
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT" bench/results/h200
-export PYTHONUNBUFFERED=1
-for wheel in .whl/*.whl; do
-    case "$wheel" in *fla_core*) target=/tmp/fla-site ;; *) target=/tmp/site ;; esac
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$wheel" || exit 1
-done
-export PYTHONPATH=/tmp/site:/tmp/fla-site:$PWD
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, triton, zmq; print("torch", torch.__version__, "triton", triton.__version__, "zmq", zmq.__version__)'; } | tee "$OUT/env_dflash.txt"
+GPU_ENV_FILE="$OUT/env_dflash.txt"
+. scripts/gpu_env.sh  # wheels from .whl/, PYTHONPATH, PYTHONUNBUFFERED, the environment line
 echo "== bench_gpu --parts dflash"
 timeout ${BENCH_TIMEOUT:-330} python3 scripts/bench_gpu.py --parts dflash --json "$OUT/gpu_bench_dflash.json" "$@" 2>&1 \
     | grep -v '^ \|^{\|^}' | tail -25

@@ -5,18 +5,13 @@
 #   tests/test_fp8*.py); 3. scripts/bench_gpu.py --fp8 (one process: greedy and verify step against the FP8 floor);
 #   4. scripts/bench_seed.py (two FP8 daemons capped at 24 GiB vs bf16 uncapped, A/B/A checkpoint vs replay, and
 #   FP8 vs its dequantized bf16 model), with fewer runs per block than its default 5 to fit.
-# Wheels carried in .whl/ (pyzmq, fla-core) as scripts/gpu_session.sh installs them.
+# Wheels carried in .whl/ (pyzmq, fla-core) installed by scripts/gpu_env.sh.
 # Usage: scripts/gpu_session_fp8.sh   (SEED_RUNS, SEED_TOKENS, BENCH_TOKENS override the sizes)
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT" bench/results/h200
-export PYTHONUNBUFFERED=1
-for wheel in .whl/*.whl; do
-    case "$wheel" in *fla_core*) target=/tmp/fla-site ;; *) target=/tmp/site ;; esac
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$wheel" || exit 1
-done
-export PYTHONPATH=/tmp/site:/tmp/fla-site:$PWD
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, triton, zmq; print("torch", torch.__version__, "triton", triton.__version__, "zmq", zmq.__version__)'; } | tee "$OUT/env.txt"
+GPU_ENV_FILE="$OUT/env.txt"
+. scripts/gpu_env.sh  # wheels from .whl/, PYTHONPATH, PYTHONUNBUFFERED, the environment line
 echo "== FP8 GPU tests"
 timeout ${TESTS_TIMEOUT:-100} python3 -m pytest -q -x tests/test_quant.py $(ls tests/test_fp8*.py 2>/dev/null) 2>&1 | tail -15 | tee "$OUT/fp8_tests.txt"
 echo "== bench_gpu --fp8 fp8-block (one process)"

@@ -6,20 +6,16 @@
 #   the FP8 read floor, commit bef3bcc's figures, bf16 cuBLAS and torch._scaled_mm; then the tile sweep within
 #   130 s). The before/after table and the TILE_TABLE lines are printed last.
 # Needs only torch, triton and pytest (no carried wheels); if .whl/ has wheels they are installed as
-# scripts/gpu_session.sh does, so the same machine state serves both scripts.
+# scripts/gpu_env.sh does for every session script, so the same machine state serves both scripts.
 # Results land in $OUT and in bench/results/h200/.
 # Usage: scripts/gpu_session_fp8_kernel.sh [bench_fp8_gemm.py arguments]
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT" bench/results/h200
-export PYTHONUNBUFFERED=1
-for wheel in .whl/*.whl; do
-    [ -e "$wheel" ] || continue
-    case "$wheel" in *fla_core*) target=/tmp/fla-site ;; *) target=/tmp/site ;; esac
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$wheel" || exit 1
-done
-export PYTHONPATH=/tmp/site:/tmp/fla-site:$PWD
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } | tee "$OUT/env.txt"
+GPU_ENV_FILE="$OUT/env.txt"
+GPU_ENV_VERSIONS='import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+GPU_ENV_WHEELS_OPTIONAL=1
+. scripts/gpu_env.sh  # wheels from .whl/, PYTHONPATH, PYTHONUNBUFFERED, the environment line
 echo "== GPU tests (tests/test_fp8_gemm.py)"
 timeout ${TESTS_TIMEOUT:-110} python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gemm.py > "$OUT/fp8_gemm_tests_full.txt" 2>&1
 tail -25 "$OUT/fp8_gemm_tests_full.txt" | tee "$OUT/fp8_gemm_tests.txt"

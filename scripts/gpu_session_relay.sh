@@ -8,13 +8,9 @@
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT" bench/results/h200
-export PYTHONUNBUFFERED=1
-for wheel in .whl/*.whl; do
-    case "$wheel" in *fla_core*) target=/tmp/fla-site ;; *) target=/tmp/site ;; esac
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$wheel" || exit 1
-done
-export PYTHONPATH=/tmp/site:/tmp/fla-site:$PWD
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; python3 -c 'import torch, triton, zmq; print("torch", torch.__version__, "triton", triton.__version__, "zmq", zmq.__version__)'; } | tee "$OUT/env.txt"
+GPU_ENV_FILE="$OUT/env.txt"
+GPU_ENV_NPROC=1
+. scripts/gpu_env.sh  # wheels from .whl/, PYTHONPATH, PYTHONUNBUFFERED, the environment line
 echo "== GPU tests (rollback off the critical path, bit-identical; bf16 speculative = greedy)"
 timeout ${TESTS_TIMEOUT:-110} python3 -m pytest -q tests/test_fast_path.py \
     -k "critical_path or bit_identical or bf16 or graph_replay" 2>&1 | tail -6 | tee "$OUT/gpu_tests_relay.txt"

@@ -199,6 +199,17 @@ def start_daemons(specs: dict[str, tuple[str, list[str]]], workdir: Path, env: d
     return daemons
 
 
+PAIR_ARGS = [["--layers", "0:3"], ["--layers", "3:6"]]  # the tiny model's six layers, split in two
+
+
+def start_pair(workdir: Path, extra=()) -> tuple[list[str], list[Daemon]]:
+    """Two daemons of the tiny model (PAIR_ARGS, `extra` to both) on free loopback tcp endpoints, ready:
+    (binds, daemons). If one fails to come up, both are stopped before the error propagates."""
+    binds = [free_tcp_endpoint(), free_tcp_endpoint()]
+    daemons = start_daemons({f"shard{i}": (binds[i], [*PAIR_ARGS[i], *extra]) for i in range(2)}, workdir)
+    return binds, list(daemons.values())
+
+
 def kill_and_replace(daemons: list, index: int, name: str, args: list[str], workdir: Path) -> None:
     """SIGKILL daemons[index], then start `name` with `args` on the same endpoint in its place, ready."""
     old = daemons[index]

@@ -25,8 +25,7 @@ from coordinator.cli import cli
 from coordinator.launch import ShardSet, child_env, launched_sets
 from coordinator.pipeline import ShardInfo
 from coordinator.tokenizer import load_tokenizer
-from tests.daemons import _die_with_parent
-from tests.test_serve import free_port
+from tests.serving import ShardctlServe, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_CONTEXT = 96
@@ -57,50 +56,27 @@ def made(tmp_path_factory) -> Path:
     return out
 
 
-class Serve:
+class Serve(ShardctlServe):
     """`shardctl serve ARGS` on a free port with its own temp dir; `--json` tells the shards it serves."""
 
     def __init__(self, tmpdir: Path, *args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         tmpdir.mkdir(parents=True, exist_ok=True)
         self.tmpdir = tmpdir
-        command = [sys.executable, "-m", "coordinator.cli", "serve", "--port", str(self.port), "--log-level", "warning",
-                   "--json", *args]
-        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        env={**child_env(), "TMPDIR": str(tmpdir)}, text=True, preexec_fn=_die_with_parent)
+        super().__init__("--log-level", "warning", "--json", *args, env={**child_env(), "TMPDIR": str(tmpdir)},
+                         stderr_apart=True, grace_s=30)
         line = self.process.stdout.readline()  # printed once the shards are ready
         if not line:
             raise AssertionError(f"shardctl serve exited {self.process.wait()}: {self.process.stderr.read()}")
         self.record = json.loads(line)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise AssertionError("shardctl serve did not answer /health")
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        return self.process.wait()
+        self.wait_healthy(30)
 
 
 @pytest.fixture(scope="module")
 def server(made, tmp_path_factory):
-    serve = Serve(tmp_path_factory.mktemp("serve-tmp"), "--model", str(made), "--split", "2",
-                  "--max-context", str(MAX_CONTEXT), "--max-sequences", "2", "--rollback-mode", "checkpoint",
-                  "--recovery-timeout", "5", "--drafter", "ngram", "--block-size", "4")
-    try:
+    with Serve(tmp_path_factory.mktemp("serve-tmp"), "--model", str(made), "--split", "2",
+               "--max-context", str(MAX_CONTEXT), "--max-sequences", "2", "--rollback-mode", "checkpoint",
+               "--recovery-timeout", "5", "--drafter", "ngram", "--block-size", "4") as serve:
         yield serve
-    finally:
-        serve.stop()
 
 
 # --- real text ------------------------------------------------------------------------------------------------
@@ -183,11 +159,8 @@ def test_generate_and_the_server_speak_text_and_serve_the_model_by_name(server, 
 
 
 def test_the_model_id_over_running_shards_is_the_model_directory_name(server, tmp_path):
-    other = Serve(tmp_path, "--shards", ",".join(server.record["shards"]), "--drafter", "none")
-    try:
+    with Serve(tmp_path, "--shards", ",".join(server.record["shards"]), "--drafter", "none") as other:
         assert [m["id"] for m in httpx.get(other.url + "/v1/models").json()["data"]] == ["tiny-chat"]
-    finally:
-        other.stop()
 
 
 def readme_block(after: str, fence: str = "```") -> str:

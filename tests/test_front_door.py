@@ -9,10 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,44 +20,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator.client import ShardClient
-from tests.daemons import Daemon, _die_with_parent, free_tcp_endpoint, stop_all
+from tests.daemons import start_pair, stop_all
+from tests.serving import ShardctlServe
 
 REQUEST_TIMEOUT_S = 1.5
 MAX_CONNECTIONS = 200
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class Server:
+class Server(ShardctlServe):
     def __init__(self, shards: list[str], workdir: Path, *args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = workdir / "serve.log"
-        command = [sys.executable, "-m", "coordinator.cli", "serve", "--shards", ",".join(shards), "--port",
-                   str(self.port), "--drafter", "none", "--request-timeout", str(REQUEST_TIMEOUT_S),
-                   "--max-connections", str(MAX_CONNECTIONS), *args]
-        with open(self.log, "wb") as log:
-            self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                            preexec_fn=_die_with_parent)
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise AssertionError(f"shardctl serve exited {self.process.returncode}: {self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise AssertionError(f"shardctl serve did not become healthy in 90 s: {self.output()}")
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
+        super().__init__("--shards", ",".join(shards), "--drafter", "none", "--request-timeout", str(REQUEST_TIMEOUT_S),
+                         "--max-connections", str(MAX_CONNECTIONS), *args, log=workdir / "serve.log")
+        self.wait_healthy()
 
     def rss_bytes(self) -> int:
         for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
@@ -68,24 +39,11 @@ class Server:
                 return int(line.split()[1]) * 1024
         raise AssertionError("no VmRSS")
 
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("front-door")
-    binds = [free_tcp_endpoint(), free_tcp_endpoint()]
-    daemons = [Daemon(f"shard{i}", binds[i], ["--layers", layers], workdir) for i, layers in enumerate(["0:3", "3:6"])]
+    binds, daemons = start_pair(tmp_path_factory.mktemp("front-door"))
     try:
-        for daemon in daemons:
-            daemon.wait_ready()
         yield binds
     finally:
         stop_all(daemons)
@@ -93,11 +51,8 @@ def shards(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(shards, tmp_path_factory):
-    server = Server(shards, tmp_path_factory.mktemp("serve"))
-    try:
+    with Server(shards, tmp_path_factory.mktemp("serve")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def health_seconds(server: Server) -> float:

@@ -33,21 +33,15 @@ KEY = "sk-test-" + "k" * 24
 
 @pytest.fixture(scope="module")
 def spec_server(shards):
-    server = Server("--shards", ",".join(shards), "--drafter", "ngram", "--block-size", "4")
-    try:
+    with Server("--shards", ",".join(shards), "--drafter", "ngram", "--block-size", "4") as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
 def plain_server(shards):
     """One token per step, and keyed: the API-key tests use it too."""
-    server = Server("--shards", ",".join(shards), "--drafter", "none", "--api-key", KEY)
-    try:
+    with Server("--shards", ",".join(shards), "--drafter", "none", "--api-key", KEY) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def client_of(server, key: str = KEY):
@@ -349,11 +343,8 @@ def tool_server(tool_model):
     sets = [ShardSet(("--model", str(tool_model["dir"])), [(0, 2)], "tcp",
                      ("--max-context", "512", "--max-verify-tokens", "8", "--threads", "1"))]
     with launched_sets(sets, ready_timeout_s=120) as ((shard,),):
-        server = Server("--shards", shard.endpoint, "--tokenizer", str(tool_model["dir"]), "--block-size", "4")
-        try:
+        with Server("--shards", shard.endpoint, "--tokenizer", str(tool_model["dir"]), "--block-size", "4") as server:
             yield server
-        finally:
-            server.stop()
 
 
 def test_a_tool_call_round_trip(tool_server, tool_model):

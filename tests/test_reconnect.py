@@ -21,7 +21,7 @@ from coordinator.pipeline import Pipeline
 from protocol import ErrorCode, MessageType, decode_reply, encode_request
 from protocol.messages import Hello
 from shardd.loading import ModelSource
-from tests.daemons import Daemon, free_tcp_endpoint, stop_all
+from tests.daemons import Daemon, free_tcp_endpoint, start_pair, stop_all
 from tests.local import LocalTarget
 
 PROMPT = list(b"freeze, then resume exactly: ")
@@ -32,18 +32,6 @@ LIVENESS_S = 1.0
 @pytest.fixture(scope="module")
 def expected():
     return greedy_decode(LocalTarget(ModelSource(synthetic="tiny")), 1, PROMPT, NEW_TOKENS).tokens
-
-
-def start_pair(tmp_path):
-    binds = [free_tcp_endpoint(), free_tcp_endpoint()]
-    daemons = [Daemon(f"shard{i}", binds[i], ["--layers", layers], tmp_path) for i, layers in enumerate(["0:3", "3:6"])]
-    try:
-        for daemon in daemons:
-            daemon.wait_ready()
-    except BaseException:
-        stop_all(daemons)
-        raise
-    return binds, daemons
 
 
 def test_a_client_reconnecting_under_its_routing_id_is_served(tmp_path):

@@ -28,30 +28,17 @@ from protocol import ErrorCode, encode_request
 from protocol.messages import Forward
 from shardd.loading import ModelSource
 from shardd.security import is_loopback
-from tests.daemons import Client, Daemon, free_tcp_endpoint, kill_and_replace, stop_all
+from tests.daemons import PAIR_ARGS, Client, Daemon, free_tcp_endpoint, kill_and_replace, start_pair, stop_all
 from tests.local import LocalTarget
 
 PROMPT = list(b"fail fast, recover exactly: ")
 NEW_TOKENS = 24
 LIVENESS_S = 1.0
-SHARD_ARGS = [["--layers", "0:3"], ["--layers", "3:6"]]
 
 
 @pytest.fixture(scope="module")
 def expected():
     return greedy_decode(LocalTarget(ModelSource(synthetic="tiny")), 1, PROMPT, NEW_TOKENS).tokens
-
-
-def start_pair(tmp_path, extra=()):
-    binds = [free_tcp_endpoint(), free_tcp_endpoint()]
-    daemons = [Daemon(f"shard{i}", binds[i], [*SHARD_ARGS[i], *extra], tmp_path) for i in range(2)]
-    try:
-        for daemon in daemons:
-            daemon.wait_ready()
-    except BaseException:
-        stop_all(daemons)
-        raise
-    return binds, daemons
 
 
 def connect(binds, timeout_s=120.0):
@@ -104,7 +91,7 @@ def test_a_shard_back_after_seconds_is_refilled_at_once(tmp_path, expected):
             daemons[1].signal(signal.SIGKILL)
             daemons[1].wait(10)
             time.sleep(1.0)  # down for a while, then back (loading takes a few seconds more)
-            daemons[1] = Daemon("shard1-restarted", binds[1], SHARD_ARGS[1], tmp_path)
+            daemons[1] = Daemon("shard1-restarted", binds[1], PAIR_ARGS[1], tmp_path)
             threading.Thread(target=note_first_answer, daemon=True).start()
 
     try:

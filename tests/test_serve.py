@@ -6,12 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -26,7 +21,7 @@ from coordinator.launch import ShardSet, child_env, launched_sets
 from coordinator.pipeline import Pipeline
 from coordinator.sampling import Sampling
 from coordinator.tokenizer import HFTokenizer
-from tests.daemons import _die_with_parent
+from tests.serving import ShardctlServe
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
@@ -114,56 +109,21 @@ def shards(model):
         yield [s.endpoint for s in pair]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class Server:
+class Server(ShardctlServe):
     def __init__(self, *args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "coordinator.cli", "serve", "--port", str(self.port), "--log-level", "warning",
-                   *args]
-        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, env=child_env(), text=True,
-                                        preexec_fn=_die_with_parent)
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise AssertionError(f"shardctl serve exited {self.process.returncode}: {self.process.stdout.read()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise AssertionError("shardctl serve did not become healthy in 90 s")
+        super().__init__("--log-level", "warning", *args, env=child_env())
+        self.wait_healthy()
 
     def client(self):
         from openai import OpenAI
 
         return OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-
 
 @pytest.fixture(scope="module")
 def server(shards):
-    server = Server("--shards", ",".join(shards), "--drafter", "ngram", "--block-size", "6")
-    try:
+    with Server("--shards", ",".join(shards), "--drafter", "ngram", "--block-size", "6") as server:
         yield server
-    finally:
-        server.stop()
 
 
 def model_name(model) -> str:
