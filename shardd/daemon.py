@@ -610,12 +610,12 @@ class ShardDaemon:
         watchdog, status = systemd.Watchdog(), systemd.Status()
         status.set(self.status_line(listener.endpoint), "READY=1")
         log.info("ready: serving on %s", listener.endpoint)
-        # SHARDD_PROFILE=DIR: the serving loop runs under cProfile, written to DIR/shardd-PID.prof on stop
-        # (a host-side profile where no sampling profiler is installed; it slows every request down)
         # Everything loaded so far (torch, triton, the model) lives as long as the daemon: out of the garbage
         # collector's sight, so no full collection walks it between two requests.
         gc.collect()
         gc.freeze()
+        # SHARDD_PROFILE=DIR: the serving loop runs under cProfile, written to DIR/shardd-PID.prof on stop
+        # (a host-side profile where no sampling profiler is installed; it slows every request down)
         profile_dir = os.environ.get("SHARDD_PROFILE")
         profiler = None
         if profile_dir:
