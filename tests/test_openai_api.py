@@ -471,3 +471,19 @@ def test_defaults_of_unimplemented_fields_pass(spec_server, model):
         model=model_name(model), messages=model["chat"], max_tokens=2, temperature=0,
         response_format={"type": "text"}, logit_bias={}, n=1, presence_penalty=0, frequency_penalty=0, user="u")
     assert response.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_transcript_sent_back_as_openai_returns_it_parses(spec_server, model):
+    """An assistant message as OpenAI-style servers return it (refusal, audio, function_call, annotations empty)
+    is accepted; one of those fields set is refused by name (the server would ignore it)."""
+    from openai import BadRequestError
+
+    client = client_of(spec_server)
+    history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "refusal": None, "audio": None,
+                                                  "function_call": None, "annotations": [], "tool_calls": []},
+               {"role": "user", "content": "c"}]
+    response = client.chat.completions.create(model=model_name(model), messages=history, max_tokens=1, temperature=0)
+    assert response.choices[0].finish_reason in ("stop", "length")
+    history[-2] = {**history[-2], "reasoning_content": "because"}
+    with pytest.raises(BadRequestError, match="reasoning_content"):
+        client.chat.completions.create(model=model_name(model), messages=history, max_tokens=1, temperature=0)

@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -133,6 +133,21 @@ class ChatMessage(OpenAIModel):
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
     tool_call_id: Optional[str] = None  # a tool message: the call it answers
+    # What OpenAI-style responses put on an assistant message, so a transcript sent back as it came still
+    # parses: accepted empty, refused by name when set (this server would ignore them).
+    refusal: Optional[str] = None
+    audio: Optional[dict[str, Any]] = None
+    function_call: Optional[dict[str, Any]] = None
+    annotations: Optional[list[Any]] = None
+    reasoning_content: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _only_empty_response_fields(self) -> "ChatMessage":
+        for name in ("refusal", "audio", "function_call", "annotations", "reasoning_content"):
+            value = getattr(self, name)
+            if value is not None and value != [] and value != "":
+                raise ValueError(f"'{name}' on a message is not supported by this server (value {value!r})")
+        return self
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
