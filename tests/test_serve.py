@@ -5,7 +5,6 @@ template built here, two real `shardd serve` daemons on loopback, the real serve
 from __future__ import annotations
 
 import json
-import os
 import threading
 from pathlib import Path
 
@@ -20,7 +19,6 @@ from coordinator.drafters import NgramDrafter
 from coordinator.launch import ShardSet, child_env, launched_sets
 from coordinator.pipeline import Pipeline
 from coordinator.sampling import Sampling
-from coordinator.tokenizer import HFTokenizer
 from tests.serving import ShardctlServe
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

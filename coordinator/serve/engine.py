@@ -7,7 +7,6 @@ through an asyncio queue as text deltas."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import queue
 import secrets
@@ -22,7 +21,7 @@ from coordinator.client import ShardClient
 from coordinator.decoding import RECOVERY_TIMEOUT_S, DecodeResult, StopDecoding, greedy_decode, speculative_decode
 from coordinator.drafters import make_drafter
 from coordinator.liveness import LIVENESS_TIMEOUT_S
-from coordinator.pipeline import Pipeline, PipelineError
+from coordinator.pipeline import Pipeline
 from coordinator.sampling import Sampling
 from coordinator.serve.metrics import ServeMetrics
 from protocol.layout import CHECKPOINT
