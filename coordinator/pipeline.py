@@ -26,6 +26,18 @@ from protocol.layout import REPLAY, SHARD_ROLLBACK_MODES, coverage_problems
 SHARD_FAILURES = (ShardError, ShardTimeout, ProtocolError)
 
 
+@dataclass
+class BatchForward:
+    """One sequence's part of `Pipeline.forward_batch`: the arguments of `Pipeline.forward` for it."""
+
+    seq: int
+    pos: int
+    tokens: list[int]
+    checkpoint: bool = False
+    sampling: object = None  # a coordinator.sampling.Sampling, or None for greedy
+    drafts: Optional[list[int]] = None
+
+
 class PipelineError(RuntimeError):
     """The shard set cannot serve a request as asked; the message names the shard(s)."""
 
@@ -372,6 +384,24 @@ class Pipeline:
             return self._relay(seq, pos, chunks, checkpoint=checkpoint, capture=capture, head=head)
         except SHARD_FAILURES as error:
             raise as_sequence_lost(error, seq) from error
+
+    def forward_batch(self, items: Sequence[BatchForward]) -> list:
+        """`forward` for several sequences at once (issue 20): per item, in order, its ids (`TokenIds`, as
+        `forward` returns) or the exception `forward` would have raised for it alone (SequenceLost,
+        RollbackFailed, ValueError, ...); one item's failure changes nothing for the others."""
+        results: list = []
+        for item in items:
+            try:
+                results.append(self.forward(item.seq, item.pos, item.tokens, checkpoint=item.checkpoint,
+                                            sampling=item.sampling, drafts=item.drafts))
+            except (PipelineError, SequenceLost, RollbackFailed, ValueError) as error:
+                results.append(error)
+        return results
+
+    def rollback_batch(self, items: Sequence[tuple[int, int]]) -> None:
+        """`rollback(seq, keep)` for each (seq, keep); refusals surface as `rollback` says, per sequence."""
+        for seq, keep in items:
+            self.rollback(seq, keep)
 
     def rollback(self, seq: int, keep: int) -> None:
         """ROLLBACK on every shard, sent back to back and not waited for: the replies are read before anything
