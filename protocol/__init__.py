@@ -13,19 +13,23 @@ from .codec import (
     pack_message,
     peek_id,
     peek_type,
+    split_batch_reply,
 )
-from .errors import ErrorCode, ProtocolError, RemoteError
+from .errors import ErrorCode, ItemRefused, ProtocolError, RemoteError
 from .geometry import check_verify_geometry, pure_chain
 from .limits import Limits
 from .messages import (
+    BATCH_RECORD_TYPES,
     PROTOCOL_VERSION,
     RECORD_TYPES,
     REQUEST_FIELDS,
     REQUEST_TENSORS,
     Capture,
+    CaptureBatch,
     Close,
     FieldSpec,
     Forward,
+    ForwardBatch,
     Hello,
     MessageType,
     Open,
@@ -33,6 +37,7 @@ from .messages import (
     Request,
     Restore,
     Rollback,
+    RollbackBatch,
     Shutdown,
     Snapshot,
     Stats,
@@ -44,10 +49,10 @@ __all__ = [
     "PROTOCOL_VERSION", "MessageType", "Request", "RECORD_TYPES", "REQUEST_FIELDS", "REQUEST_TENSORS",
     "FieldSpec", "TensorSpec",
     "Hello", "Open", "Close", "Forward", "Capture", "Rollback", "Snapshot", "Restore", "Propose",
-    "Stats", "Shutdown",
+    "Stats", "Shutdown", "ForwardBatch", "CaptureBatch", "RollbackBatch", "BATCH_RECORD_TYPES", "split_batch_reply",
     "encode_request", "decode_request", "encode_reply", "encode_error", "decode_reply", "Reply",
     "pack_message", "peek_id", "peek_type",
-    "ErrorCode", "ProtocolError", "RemoteError",
+    "ErrorCode", "ProtocolError", "RemoteError", "ItemRefused",
     "check_verify_geometry", "pure_chain",
     "Limits", "WireTensor", "DTYPE_SIZES",
 ]

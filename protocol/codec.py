@@ -15,10 +15,12 @@ from typing import Any, Mapping, Optional
 
 import msgpack
 
-from .errors import ErrorCode, ProtocolError, RemoteError
+from .errors import ErrorCode, ItemRefused, ProtocolError, RemoteError
 from .geometry import check_verify_geometry
 from .limits import Limits
 from .messages import (
+    BATCH_RECORD_TYPES,
+    BATCH_REFUSED_FIELDS,
     COMMON_FIELDS,
     ID_LIMIT,
     PROTOCOL_VERSION,
@@ -31,9 +33,11 @@ from .messages import (
     MessageType,
     Propose,
     Request,
+    Rollback,
     TensorSpec,
+    Batch,
 )
-from .tensors import DTYPE_SIZES, WireTensor, as_byte_view, expected_nbytes
+from .tensors import DTYPE_SIZES, WireTensor, as_byte_view, concat_rows, expected_nbytes, row_slice
 
 Frames = list  # of bytes | bytearray | memoryview | zmq.Frame
 
@@ -45,6 +49,7 @@ _TYPE_NAMES = frozenset(t.value for t in MessageType)
 _NO_LIMITS = Limits(
     max_tokens_per_request=sys.maxsize, max_frame_bytes=sys.maxsize, max_total_bytes=sys.maxsize,
     max_frames=sys.maxsize, max_header_bytes=sys.maxsize, max_capture_layers=sys.maxsize,
+    max_batch_items=sys.maxsize,
 )
 
 
@@ -246,6 +251,8 @@ def decode_request(frames: Frames, limits: Limits | None = None) -> Request:
             f"unknown message type {type_name!r}; known: {[t.value for t in MessageType]}",
         ) from None
 
+    if "items" in header and mtype in BATCH_RECORD_TYPES:
+        return _decode_batch(header, views, mtype, limits)
     specs = REQUEST_FIELDS[mtype]
     unknown = sorted(str(key) for key in header if key not in _COMMON_KEYS and key not in {s.name for s in specs})
     if unknown:
@@ -259,6 +266,93 @@ def decode_request(frames: Frames, limits: Limits | None = None) -> Request:
     found = _tensors(header.get("tensors", []), views[1:])
     tensors = _request_tensors(found, REQUEST_TENSORS[mtype], mtype)
     record = RECORD_TYPES[mtype](id=request_id, **values, **tensors)
+    _check_request(record, limits)
+    return record
+
+
+def _decode_batch(header: dict, views: list[memoryview], mtype: MessageType, limits: Limits) -> Batch:
+    """A batched FORWARD/CAPTURE/ROLLBACK. The envelope (the item list, each item's `seq` and `rows`, the one
+    `hidden` frame, the batch's size) is refused whole; a bad field of one item refuses that item alone: its place
+    in `items` holds the ProtocolError."""
+    allowed = _COMMON_KEYS | {"items"}
+    unknown = sorted(str(key) for key in header if key not in allowed)
+    if unknown:
+        raise _bad(f"unknown field(s) {unknown} in a batched {mtype.value} request (every per-sequence field goes in "
+                   f"its item); allowed: {sorted(allowed)}")
+    if "id" not in header:
+        raise _bad("missing field 'id'")
+    request_id = _check_int(header["id"], "field 'id'", 0, ID_LIMIT)
+    items = header["items"]
+    if type(items) is not list or not items:
+        raise _bad(f"field 'items' of {mtype.value} must be a non-empty list of maps, got {_describe(items)}")
+    if len(items) > limits.max_batch_items:
+        raise _too_large(f"{len(items)} items in one {mtype.value}, limit {limits.max_batch_items}")
+    found = _tensors(header.get("tensors", []), views[1:])
+    hidden_specs = tuple(spec for spec in REQUEST_TENSORS[mtype] if spec.name == "hidden")
+    hidden = _request_tensors(found, hidden_specs, mtype).get("hidden")
+    seqs: set[int] = set()
+    for index, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise _bad(f"items[{index}] must be a map, got {_describe(item)}")
+        if "seq" not in item:
+            raise _bad(f"items[{index}] has no field 'seq'")
+        seq = _check_int(item["seq"], f"field 'seq' of items[{index}]", 0, ID_LIMIT)
+        if seq in seqs:
+            raise _bad(f"sequence {seq} appears twice in one batch (items name distinct sequences)")
+        seqs.add(seq)
+    rows = _batch_rows(items, hidden, mtype)
+    total = sum(rows) if hidden is not None else sum(len(item["tokens"]) for item in items
+                                                      if type(item.get("tokens")) is list)
+    if total > limits.max_tokens_per_request:
+        raise _too_large(f"{total} rows in one batch, limit {limits.max_tokens_per_request}")
+    record_type = RECORD_TYPES[mtype]
+    specs = tuple(spec for spec in REQUEST_FIELDS[mtype] if spec.name not in BATCH_REFUSED_FIELDS)
+    names = {spec.name for spec in specs}
+    decoded: list = []
+    start = 0
+    for item, n in zip(items, rows):
+        part = row_slice(hidden, start, n) if hidden is not None else None
+        start += n
+        try:
+            decoded.append(_decode_item(item, part, record_type, specs, names, mtype, limits))
+        except ProtocolError as error:
+            decoded.append(ItemRefused(error.code, error.message, item["seq"]))
+    return BATCH_RECORD_TYPES[mtype](id=request_id, items=tuple(decoded))
+
+
+def _batch_rows(items: list, hidden: Optional[WireTensor], mtype: MessageType) -> list[int]:
+    """Each item's rows of tensor `hidden` (all 0 without it); they must add up to its rows."""
+    if hidden is None:
+        with_rows = [index for index, item in enumerate(items) if "rows" in item]
+        if with_rows:
+            raise _bad(f"field 'rows' of items[{with_rows[0]}] counts rows of tensor 'hidden', which this "
+                       f"{mtype.value} does not carry")
+        return [0] * len(items)
+    if hidden.shape[1] < 1:
+        raise _bad(f"tensor 'hidden' has zero width: shape {list(hidden.shape)}")
+    rows = []
+    for index, item in enumerate(items):
+        if "rows" not in item:
+            raise _bad(f"items[{index}] has no field 'rows' (its rows of tensor 'hidden')")
+        rows.append(_check_int(item["rows"], f"field 'rows' of items[{index}]", 1, ID_LIMIT))
+    if sum(rows) != hidden.shape[0]:
+        raise _bad(f"the items' rows add up to {sum(rows)}, tensor 'hidden' has {hidden.shape[0]}")
+    return rows
+
+
+def _decode_item(item: dict, hidden: Optional[WireTensor], record_type: type, specs: tuple, names: set,
+                 mtype: MessageType, limits: Limits):
+    keys = set(item) - {"rows"}
+    refused = sorted(keys & BATCH_REFUSED_FIELDS)
+    if refused:
+        raise _bad(f"field '{refused[0]}' of {mtype.value} is not available in a batch: send that request alone")
+    unknown = sorted(str(key) for key in keys - names)
+    if unknown:
+        raise _bad(f"unknown field(s) {unknown} in a {mtype.value} item; allowed: {sorted(names | {'rows'})}")
+    values = {spec.name: _field_value(item, spec, mtype) for spec in specs}
+    if hidden is not None:
+        values["hidden"] = hidden
+    record = record_type(id=0, **values)
     _check_request(record, limits)
     return record
 
@@ -349,6 +443,8 @@ def encode_request(record: Request, validate: bool = True) -> Frames:
     rules between fields, as the receiver checks it (size limits aside, which are the receiver's), so a client
     learns of a malformed request before sending; `validate=False` exists for tests that must put a bad request on
     the wire."""
+    if isinstance(record, Batch):
+        return _encode_batch(record, validate)
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": record.type.value, "id": record.id}
     tensors: dict[str, WireTensor] = {}
     tensor_names = {spec.name for spec in REQUEST_TENSORS[record.type]}
@@ -370,6 +466,38 @@ def encode_request(record: Request, validate: bool = True) -> Frames:
             _field_value(header, spec, mtype)
         _request_tensors(tensors, REQUEST_TENSORS[mtype], mtype)
         _check_request(record, _NO_LIMITS)
+    return frames
+
+
+def _encode_batch(record: Batch, validate: bool) -> Frames:
+    """A batched request: each item's fields in `items`, its hidden rows (if any) after the previous item's in
+    one `hidden` frame, with `rows` saying how many."""
+    items, hidden = [], []
+    for item in record.items:
+        entry: dict[str, Any] = {}
+        for f in dataclasses.fields(item):
+            value = getattr(item, f.name)
+            if f.name == "id" or value is None:
+                continue
+            if f.name == "hidden":
+                entry["rows"] = value.shape[0]
+                hidden.append(value)
+            else:
+                entry[f.name] = list(value) if isinstance(value, (list, tuple)) else value
+        items.append(entry)
+    header = {"v": PROTOCOL_VERSION, "type": record.type.value, "id": record.id, "items": items}
+    if hidden and validate and len(hidden) != len(items):
+        raise _bad("a batch carries hidden rows for every item or for none")
+    try:
+        tensors = {"hidden": concat_rows(hidden)} if hidden else {}
+    except ProtocolError as error:  # rows of different widths or dtypes
+        raise _bad(f"the items' hidden rows do not stack: {error.message}") from error
+    frames = _pack_or_raise(ErrorCode.BAD_REQUEST, header, tensors)
+    if validate:
+        decoded = decode_request(frames, _NO_LIMITS)
+        for index, item in enumerate(decoded.items):
+            if isinstance(item, ProtocolError):
+                raise ProtocolError(item.code, f"items[{index}]: {item.message}")
     return frames
 
 
@@ -487,3 +615,45 @@ def decode_reply(frames: Frames) -> Reply:
     if type(error["message"]) is not str:
         raise _bad(f"reply error message must be a string, got {_describe(error['message'])}")
     return Reply(request_id, mtype, False, {}, {}, code, error["message"])
+
+
+def split_batch_reply(reply: Reply, sent: Batch) -> list[Reply]:
+    """The reply to a batched request as one Reply per item, as if each item had been sent alone: `ok` with its
+    result and its rows of each tensor (views, no copy), or its own error. ProtocolError(BAD_REQUEST) when the
+    reply does not fit the request (another item count, rows that do not add up)."""
+    items = reply.result.get("items")
+    if not isinstance(items, list) or len(items) != len(sent.items):
+        raise _bad(f"reply to a batch of {len(sent.items)} items carries {_describe(items)} as 'items'")
+    starts = {name: 0 for name in reply.tensors}
+    out = []
+    for index, (result, item) in enumerate(zip(items, sent.items)):
+        if not isinstance(result, dict):
+            raise _bad(f"reply items[{index}] must be a map, got {_describe(result)}")
+        if "error" in result:
+            error = result["error"]
+            try:
+                code = ErrorCode(error["code"])
+                message = str(error["message"])
+            except (ValueError, TypeError, KeyError):
+                raise _bad(f"reply items[{index}] carries a malformed error {_describe(error)}") from None
+            out.append(Reply(reply.id, reply.type, False, {}, {}, code, message))
+            continue
+        tensors = {}
+        if not isinstance(item, Rollback):
+            names = [f"layer.{layer}" for layer in result.get("captured_layers", ())]
+            names.append("logits" if "ids" in result else "hidden")
+            for name in names:
+                if name == "logits" and not item.return_logits:
+                    continue
+                tensor = reply.tensors.get(name)
+                n = item.n_tokens
+                if tensor is None or starts[name] + n > tensor.shape[0]:
+                    raise _bad(f"reply tensor {name!r} has no rows for items[{index}]")
+                tensors[name] = row_slice(tensor, starts[name], n)
+                starts[name] += n
+        out.append(Reply(reply.id, reply.type, True, result, tensors))
+    left = {name: reply.tensors[name].shape[0] - start for name, start in starts.items()
+            if reply.tensors[name].shape[0] != start}
+    if left:
+        raise _bad(f"reply tensors hold rows no item claims: {left}")
+    return out

@@ -40,3 +40,11 @@ class ProtocolError(Exception):
 
 class RemoteError(ProtocolError):
     """An error the daemon reported in an `ok: false` reply (see `Reply.raise_for_error`)."""
+
+
+class ItemRefused(ProtocolError):
+    """One item of a batched request that failed to decode: the other items still run (PROTOCOL.md, "Batches")."""
+
+    def __init__(self, code: ErrorCode | str, message: str, seq: int) -> None:
+        super().__init__(code, message)
+        self.seq = seq

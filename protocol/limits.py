@@ -13,3 +13,4 @@ class Limits:
     max_frames: int = 64                 # frames of one message, header included
     max_header_bytes: int = 1 << 20      # frame 0 (the msgpack header)
     max_capture_layers: int = 256        # entries of CAPTURE `layers`
+    max_batch_items: int = 256           # sequences named by one batched FORWARD/CAPTURE/ROLLBACK (`items`)

@@ -216,6 +216,43 @@ class Propose(_SequenceRequest):
 
 Request = Union[Hello, Open, Close, Forward, Capture, Rollback, Snapshot, Restore, Propose, Stats, Shutdown]
 
+
+# --- batches: several sequences in one FORWARD, CAPTURE or ROLLBACK (PROTOCOL.md, "Batches") ----------------
+
+@dataclass(frozen=True)
+class Batch(_Request):
+    """Several sequences in one request: per item the one-sequence record (its `id` unused), or, after decoding,
+    the ProtocolError that refused that item alone. On the wire the items travel in header field `items`, their
+    hidden rows end to end in one `hidden` frame (each item says its `rows`)."""
+
+    items: tuple = ()
+
+    @property
+    def rows(self) -> int:
+        """Token rows of the whole batch (0 for ROLLBACK)."""
+        return sum(item.n_tokens for item in self.items if isinstance(item, Forward))
+
+
+@dataclass(frozen=True)
+class ForwardBatch(Batch):
+    type: ClassVar[MessageType] = MessageType.FORWARD
+
+
+@dataclass(frozen=True)
+class CaptureBatch(Batch):
+    type: ClassVar[MessageType] = MessageType.CAPTURE
+
+
+@dataclass(frozen=True)
+class RollbackBatch(Batch):
+    type: ClassVar[MessageType] = MessageType.ROLLBACK
+
+
+BatchRequest = Union[ForwardBatch, CaptureBatch, RollbackBatch]
+BATCH_RECORD_TYPES: dict[MessageType, type] = {record.type: record for record in get_args(BatchRequest)}
+# Fields of a one-sequence request that a batch item may not carry: the proposal rides on one verify alone.
+BATCH_REFUSED_FIELDS = frozenset({"propose", "carried_layers"})
+
 RECORD_TYPES: dict[MessageType, type] = {record.type: record for record in get_args(Request)}
 
 

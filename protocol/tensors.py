@@ -131,3 +131,18 @@ class WireTensor:
 
 def _torch_dtype_names(torch: Any) -> dict[Any, str]:
     return {getattr(torch, name): name for name in DTYPE_SIZES}
+
+
+def concat_rows(parts: "list[WireTensor]") -> WireTensor:
+    """Row blocks [n_i, ...] of one dtype and row shape as one [sum n_i, ...] (row-major: the bytes end to end);
+    one block is returned as it is, without a copy."""
+    if len(parts) == 1:
+        return parts[0]
+    rows = sum(part.shape[0] for part in parts)
+    return WireTensor(parts[0].dtype, (rows, *parts[0].shape[1:]), b"".join(part.data for part in parts))
+
+
+def row_slice(tensor: WireTensor, start: int, rows: int) -> WireTensor:
+    """Rows start .. start+rows-1 of a [n, ...] tensor, a view of its bytes (no copy)."""
+    row_bytes = tensor.nbytes // tensor.shape[0] if tensor.shape[0] else 0
+    return WireTensor(tensor.dtype, (rows, *tensor.shape[1:]), tensor.data[start * row_bytes:(start + rows) * row_bytes])

@@ -34,6 +34,7 @@ from protocol import (
     peek_type,
 )
 from protocol.codec import clip_message
+from protocol.messages import Batch
 from protocol.layout import CHECKPOINT
 from protocol.timing import DAEMON as PHASES
 from shardd import __version__, systemd
@@ -55,7 +56,9 @@ from shardd.model.errors import (
 )
 from shardd.model.shard import ShardModel
 from shardd.model.state import SequenceState
-from shardd.head import HeadRequest, answer_rows
+from shardd.batch import BatchItem
+from shardd.batch import forward_batch as run_batch
+from shardd.head import HeadRequest, answer_batch, answer_rows
 from shardd.penalties import Penalties
 from shardd.receive import receive_request, release_memory
 from shardd.sampling import SamplingParams
@@ -126,6 +129,9 @@ class Counters:
     draft_crops: int = 0  # PROPOSEs that first dropped context rows of rolled-back tokens
     draft_rows_cropped: int = 0
     compute_seconds: Counter = field(default_factory=Counter)  # by message type
+    batches: int = 0  # FORWARD/CAPTURE/ROLLBACK requests naming several sequences (`items`)
+    batch_items: int = 0  # the sequences they named, refused ones included
+    batch_rows: int = 0  # the token rows of their FORWARD/CAPTURE items
 
 
 class ShardDaemon:
@@ -173,6 +179,12 @@ class ShardDaemon:
             MessageType.STATS: self.stats,
             MessageType.SHUTDOWN: self.shutdown,
         }
+        # The same types naming several sequences (`items`; PROTOCOL.md, "Batches").
+        self.batch_handlers = {
+            MessageType.FORWARD: self.forward_batch,
+            MessageType.CAPTURE: self.forward_batch,
+            MessageType.ROLLBACK: self.rollback_batch,
+        }
 
     # ---- one request -----------------------------------------------------------------------------
 
@@ -191,8 +203,9 @@ class ShardDaemon:
         self.counters.requests[request.type.value] += 1
         seq = getattr(request, "seq", None)
         started = time.perf_counter()
+        handler = self.batch_handlers[request.type] if isinstance(request, Batch) else self.handlers[request.type]
         try:
-            result, tensors = self.handlers[request.type](request)
+            result, tensors = handler(request)
         except ProtocolError as exc:
             return self._error(request.id, request.type, exc.code, exc.message, seq=seq)
         except ModelError as exc:
@@ -219,11 +232,16 @@ class ShardDaemon:
             return self._error(request.id, request.type, ErrorCode.INTERNAL, f"cannot encode reply: {exc}", seq=seq)
 
     def _error(self, request_id, mtype, code: ErrorCode, message: str, seq) -> list:
+        message = self._note_error(mtype, code, message, seq)
+        return encode_error(request_id, mtype, code, message)
+
+    def _note_error(self, mtype, code: ErrorCode, message: str, seq) -> str:
+        """Count and log a refusal (of a request, or of one item of a batch); the message as the reply quotes it."""
         message = clip_message(message)  # the reply and the log quote a bad value's prefix only
         self.counters.errors[ErrorCode(code).value] += 1
         self.counters.errors_by_type[(getattr(mtype, "value", mtype), ErrorCode(code).value)] += 1
         log.warning("error seq=%s type=%s code=%s: %s", seq, getattr(mtype, "value", mtype), ErrorCode(code).value, message)
-        return encode_error(request_id, mtype, code, message)
+        return message
 
     def _layers(self, request) -> ShardModel:
         if self.shard is None:
@@ -351,9 +369,28 @@ class ShardDaemon:
 
     def forward(self, request):
         shard = self._layers(request)
+        entry, head, layers = self._check_forward(request, shard)
+        proposing = request.type == MessageType.CAPTURE and request.propose is not None
+        if proposing:
+            self._check_proposal(request, shard, entry)
+        PHASES.lap("lookup")
+        out = shard.forward(  # validates everything (shard.check_forward) before it changes the state
+            entry.state, request.pos, tokens=request.tokens, hidden=_hidden(request), checkpoint=request.checkpoint,
+            capture_layers=layers,
+        )
+        answer = None
+        if out.ids is not None and head.needed:  # on out.logits now: the fast path's buffer is valid until the next step
+            answer = answer_rows(out.logits, out.ids.tolist(), request.pos, head)
+        result, tensors = self._forward_result(request, entry, out, answer)
+        if proposing:
+            result["proposal"] = self._propose_after_verify(request, entry, result["ids"], out.captured)
+        return result, {name: WireTensor.from_torch(tensor) for name, tensor in tensors.items()}
+
+    def _check_forward(self, request, shard: ShardModel):
+        """What a FORWARD/CAPTURE (one sequence, alone or an item of a batch) needs before it runs: its sequence,
+        its head-shard extras and the capture layers this shard owns; ProtocolError when it cannot run here."""
         entry = self._sequence(request.seq)
-        capture = request.type == MessageType.CAPTURE
-        layers = list(request.layers) if capture else []
+        layers = list(request.layers) if request.type == MessageType.CAPTURE else []
         bad = [layer for layer in layers if layer >= shard.config.num_layers]
         if bad:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"capture layer {bad[0]} is outside 0..{shard.config.num_layers - 1}")
@@ -363,21 +400,13 @@ class ShardDaemon:
         if head.needed and not shard.owns_head:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "sampling (temperature > 0), penalties or logprobs ask a shard "
                                                        "without the head")
-        proposing = capture and request.propose is not None
-        if proposing:
-            self._check_proposal(request, shard, entry)
-        hidden = request.hidden.to_torch() if request.hidden is not None else None
-        PHASES.lap("lookup")
-        out = shard.forward(  # validates everything (shard.check_forward) before it changes the state
-            entry.state,
-            request.pos,
-            tokens=request.tokens,
-            hidden=hidden,
-            checkpoint=request.checkpoint,
-            capture_layers=[layer for layer in layers if shard.begin <= layer < shard.end],
-        )
+        return entry, head, [layer for layer in layers if shard.begin <= layer < shard.end]
+
+    def _forward_result(self, request, entry: Sequence, out, answer) -> tuple[dict, dict]:
+        """The result and the tensors (torch, by frame name) of a forward that ran; `answer` is the head's
+        (ids, accepted, logprobs) when the request asked for more than the argmax. Counts it."""
+        shard, counters = self.shard, self.counters
         n = request.n_tokens
-        counters = self.counters
         counters.forwards += 1
         counters.tokens_forwarded += n
         if request.checkpoint:
@@ -390,26 +419,100 @@ class ShardDaemon:
         tensors = {}
         if out.ids is not None:
             result["ids"] = out.ids.tolist()
-            if head.needed:  # on out.logits now: the fast path's buffer is valid until the next step
-                result["ids"], accepted, logprobs = answer_rows(out.logits, result["ids"], request.pos, head)
+            if answer is not None:
+                result["ids"], accepted, logprobs = answer
                 if request.drafts is not None:
                     result["accepted"] = accepted
                 if logprobs is not None:
                     result["logprobs"] = logprobs
             if request.return_logits:
                 # float32 on the wire, copied: the GPU step's logits are a view of a buffer its next step reuses
-                tensors["logits"] = WireTensor.from_torch(out.logits.to("cpu", torch.float32, copy=True))
+                tensors["logits"] = out.logits.to("cpu", torch.float32, copy=True)
         else:
-            tensors["hidden"] = WireTensor.from_torch(out.hidden)
-        if proposing:
-            result["proposal"] = self._propose_after_verify(request, entry, result["ids"], out.captured)
-        if capture:
+            tensors["hidden"] = out.hidden
+        if request.type == MessageType.CAPTURE:
             counters.captures += 1
             counters.captured_rows += n * len(out.captured)
             result["captured_layers"] = sorted(out.captured)
             for layer in sorted(out.captured):
-                tensors[f"layer.{layer}"] = WireTensor.from_torch(out.captured[layer])
+                tensors[f"layer.{layer}"] = out.captured[layer]
         return result, tensors
+
+    def forward_batch(self, request):
+        """A FORWARD/CAPTURE naming several sequences: each item is checked as the one-sequence request would be,
+        the items that pass run together (shardd.batch.forward_batch), and each gets its result or its own error;
+        a refused item changes nothing. An exception during the step fails the sequences that were in it."""
+        shard = self._layers(request)
+        items = request.items
+        counters = self.counters
+        counters.batches += 1
+        counters.batch_items += len(items)
+        counters.batch_rows += request.rows
+        answers: list = [None] * len(items)  # per item: (result, tensors) or the error that refused it
+        runs = []  # (index, request, entry, head)
+        batch = []
+        for index, item in enumerate(items):
+            try:
+                if isinstance(item, ProtocolError):
+                    raise item
+                entry, head, layers = self._check_forward(item, shard)
+            except ProtocolError as error:
+                answers[index] = error
+                continue
+            runs.append((index, item, entry, head))
+            batch.append(BatchItem(entry.state, item.pos, tokens=item.tokens, hidden=_hidden(item),
+                                   checkpoint=item.checkpoint, capture_layers=tuple(layers)))
+        PHASES.lap("lookup")
+        outputs = self._run_items(runs, lambda: run_batch(shard, batch))
+        heads = [(i, out) for i, out in enumerate(outputs)
+                 if not isinstance(out, Exception) and out.ids is not None and runs[i][3].needed]
+        head_answers = {}
+        if heads:
+            rows = [(out.logits, out.ids.tolist(), runs[i][1].pos, runs[i][3]) for i, out in heads]
+            answered = self._run_items([runs[i] for i, _ in heads], lambda: answer_batch(rows))
+            head_answers = {i: answer for (i, _), answer in zip(heads, answered)}
+        for i, (index, item, entry, head) in enumerate(runs):
+            out = head_answers.get(i, outputs[i])
+            if isinstance(out, Exception):
+                answers[index] = out
+                continue
+            answers[index] = self._forward_result(item, entry, outputs[i], head_answers.get(i))
+        return self._batch_reply(request, answers, ("hidden", "logits"))
+
+    def _run_items(self, runs: list, compute) -> list:
+        """`compute()`'s per-item outputs; when it raises, every item in `runs` gets INTERNAL and its sequence is
+        failed (its state may be half-updated), as a one-sequence request's would."""
+        try:
+            return compute()
+        except Exception as exc:
+            message = f"{type(exc).__name__}: {exc}"
+            seqs = [item.seq for _, item, _, _ in runs]
+            log.error("internal error in a batch of sequences %s: %s\n%s", seqs, message, traceback.format_exc())
+            for _, item, entry, _ in runs:
+                if not entry.failed:
+                    entry.failed = message
+                    self.counters.sequences_failed += 1
+            return [ProtocolError(ErrorCode.INTERNAL, message) for _ in runs]
+
+    def _batch_reply(self, request, answers: list, order: tuple = ()) -> tuple[dict, dict]:
+        """`{"items": [...]}`: per item its result or `{"seq", "error": {code, message}}`; each tensor holds the rows of
+        the items that answered it, in item order (one frame per name for the whole batch)."""
+        items, parts = [], {}
+        for item, answer in zip(request.items, answers):
+            seq = item.seq
+            if isinstance(answer, Exception):
+                code = MODEL_ERROR_CODES[type(answer)] if isinstance(answer, ModelError) else answer.code
+                message = str(answer) if isinstance(answer, ModelError) else answer.message
+                self._note_error(request.type, code, message, seq)
+                items.append({"seq": seq, "error": {"code": ErrorCode(code).value, "message": clip_message(message)}})
+                continue
+            result, tensors = answer
+            items.append(result)
+            for name, tensor in tensors.items():
+                parts.setdefault(name, []).append(tensor)
+        tensors = {name: WireTensor.from_torch(chunks[0] if len(chunks) == 1 else torch.cat(chunks))
+                   for name, chunks in parts.items()}
+        return {"items": items}, tensors
 
     def rollback(self, request):
         shard = self._layers(request)
@@ -420,6 +523,30 @@ class ShardDaemon:
         self.counters.rollbacks[shard.storage.mode] += 1
         self.counters.rollbacks_by_keep[request.keep] += 1
         return {"seq": request.seq, "length": entry.state.length}, {}
+
+    def rollback_batch(self, request):
+        """ROLLBACK of several sequences: each item rolled back on its own, with its own result or error."""
+        shard = self._layers(request)
+        shard.check_rollback_storage()
+        self.counters.batches += 1
+        self.counters.batch_items += len(request.items)
+        answers = []
+        for item in request.items:
+            try:
+                if isinstance(item, ProtocolError):
+                    raise item
+                answers.append((self.rollback(item)[0], {}))
+            except (ProtocolError, ModelError) as error:
+                answers.append(error)
+            except Exception as exc:
+                message = f"{type(exc).__name__}: {exc}"
+                log.error("internal error seq=%s type=ROLLBACK: %s\n%s", item.seq, message, traceback.format_exc())
+                entry = self.sequences.get((self.owner, item.seq))
+                if entry is not None:
+                    entry.failed = message
+                    self.counters.sequences_failed += 1
+                answers.append(ProtocolError(ErrorCode.INTERNAL, message))
+        return self._batch_reply(request, answers)
 
     def snapshot(self, request):
         self._layers(request)
@@ -550,6 +677,7 @@ class ShardDaemon:
             "checkpoint_bytes": sum(s.rollback_bytes() for s in states),
             "weight_bytes": self.weight_bytes(),
             "compute_seconds": dict(c.compute_seconds),
+            "batches": {"requests": c.batches, "items": c.batch_items, "rows": c.batch_rows},
             # where requests' time went, per type and phase (protocol/timing.py): seconds since the start
             "phases": PHASES.totals(),
         }
@@ -661,6 +789,11 @@ class ShardDaemon:
 
 
 MIN_FRAME_BYTES = 16 << 20  # small models still answer a modestly oversized frame with TOO_LARGE
+
+
+def _hidden(request):
+    """A FORWARD/CAPTURE's hidden rows as a tensor over the frame (None with tokens)."""
+    return request.hidden.to_torch() if request.hidden is not None else None
 
 
 def head_request(request) -> HeadRequest:

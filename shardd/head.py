@@ -60,3 +60,9 @@ def answer_rows(logits: torch.Tensor, ids: Sequence[int], pos: int, head: HeadRe
     if head.logprobs is not None:
         logprobs = [row_logprobs(logits[row], out[row], head.logprobs) for row in range(first, n)]
     return out, accepted, logprobs
+
+
+def answer_batch(rows: Sequence[tuple[torch.Tensor, Sequence[int], int, HeadRequest]]) -> list[tuple[list[int], int, Optional[list]]]:
+    """`answer_rows` for each item of a batched forward: per (logits [n, V], ids, pos, head) its (ids, drafts
+    accepted, logprobs or None), in order."""
+    return [answer_rows(logits, ids, pos, head) for logits, ids, pos, head in rows]
