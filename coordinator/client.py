@@ -22,6 +22,7 @@ import zmq
 
 from coordinator.liveness import LIVENESS_TIMEOUT_S, ConnectionWatch, enable_heartbeats
 from protocol import (
+    Batch,
     Capture,
     Close,
     ErrorCode,
@@ -41,6 +42,7 @@ from protocol import (
     decode_reply,
     encode_request,
     pure_chain,
+    split_batch_reply,
 )
 from protocol.timing import PhaseClock
 
@@ -196,6 +198,8 @@ class ShardClient:
 
     def compute_timeout(self, record: Request) -> float:
         """How long a reply to `record` may take while the daemon is alive: the base plus per token."""
+        if isinstance(record, Batch):
+            return self.timeout_s + record.rows * SECONDS_PER_TOKEN
         tokens = getattr(record, "tokens", None)
         hidden = getattr(record, "hidden", None)
         n = len(tokens) if tokens is not None else (hidden.shape[0] if hidden is not None else 0)
@@ -213,6 +217,17 @@ class ShardClient:
             finally:
                 self._in_flight.pop(sent.id, None)  # answered, lost or timed out: a late reply is stale
         return self._check(reply, sent)
+
+    def receive_items(self, sent: Batch, timeout_s: Optional[float] = None) -> list:
+        """The reply to a batched request (as `send` returned it), per item: its `Reply` (with its rows of each
+        tensor) or the ShardError that refused that item alone. Raises as `receive` does when the whole request
+        failed (an envelope refused, a timeout, a lost connection), ProtocolError for a reply that does not fit."""
+        reply = self.receive(sent, timeout_s)
+        try:
+            items = split_batch_reply(reply, sent)
+        except ProtocolError as error:
+            raise ProtocolError(error.code, f"{self.endpoint}: malformed reply to {_describe(sent)}: {error.message}") from error
+        return [item if item.ok else ShardError(item.error_code, item.error_message, self.endpoint) for item in items]
 
     def _await(self, sent: Request, timeout_s: float) -> Reply:
         what = _describe(sent)

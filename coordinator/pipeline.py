@@ -20,7 +20,19 @@ from coordinator.client import CurveKeys, ShardClient, ShardError, ShardTimeout,
 from coordinator.sampling import TokenIds
 from coordinator.liveness import LIVENESS_TIMEOUT_S
 from coordinator.target import RollbackFailed, SequenceLost
-from protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, Reply, Request, Rollback, WireTensor
+from protocol import (
+    PROTOCOL_VERSION,
+    Batch,
+    ErrorCode,
+    ForwardBatch,
+    ProtocolError,
+    Reply,
+    Request,
+    Rollback,
+    RollbackBatch,
+    WireTensor,
+)
+from protocol.tensors import concat_rows
 from protocol.layout import REPLAY, SHARD_ROLLBACK_MODES, coverage_problems
 
 SHARD_FAILURES = (ShardError, ShardTimeout, ProtocolError)
@@ -191,6 +203,8 @@ class Pipeline:
         # Every shard sees every checkpointed step, so the smallest storage decides.
         self.max_verify_tokens = min(min(s.max_verify_tokens for s in self.shards), self.max_tokens_per_request)
         # Inputs of at most this many tokens take every fast-engine shard's fixed-shape step (None: no such shard).
+        # Sequences in one batched request: every shard holds at most max_sequences open (PROTOCOL.md, "Batches").
+        self.max_batch_items = min(s.hello["limits"]["max_sequences"] for s in self.shards)
         rows = [s.hello.get("step_rows") for s in self.shards if s.hello.get("step_rows")]
         self.step_rows = min(rows) if rows else None
         # ROLLBACKs sent and not yet read, per sequence: (keep, [(client, request)], send failures)
@@ -388,20 +402,160 @@ class Pipeline:
     def forward_batch(self, items: Sequence[BatchForward]) -> list:
         """`forward` for several sequences at once (issue 20): per item, in order, its ids (`TokenIds`, as
         `forward` returns) or the exception `forward` would have raised for it alone (SequenceLost,
-        RollbackFailed, ValueError, ...); one item's failure changes nothing for the others."""
-        results: list = []
-        for item in items:
+        RollbackFailed, CheckpointUnavailable, ValueError, ...); one item's failure changes nothing for the others.
+
+        One batched request per shard carries every item (the hidden rows of all of them in one frame); an item a
+        shard refuses is dropped from the later shards and undone where it ran, as `forward` undoes one sequence.
+        Items go in groups of at most `max_tokens_per_request` rows and `max_batch_items` sequences; an item longer
+        than `max_tokens_per_request` (not checkpointed) runs alone through `forward`'s chunked relay afterwards.
+        A sequence named twice is refused (ValueError) for its second item."""
+        items = list(items)
+        results: list = [None] * len(items)
+        ready, alone, seen = [], [], set()
+        for index, item in enumerate(items):
             try:
-                results.append(self.forward(item.seq, item.pos, item.tokens, checkpoint=item.checkpoint,
-                                            sampling=item.sampling, drafts=item.drafts))
+                n = len(item.tokens)
+                if n == 0:
+                    raise ValueError("forward needs at least one token")
+                if item.seq in seen:
+                    raise ValueError(f"sequence {item.seq} appears twice in one batch")
+                seen.add(item.seq)
+                self._check_context(item.pos, n)
+                if item.checkpoint:
+                    self._check_checkpointed(n)
+                elif n > self.max_tokens_per_request:
+                    if item.drafts:
+                        raise ValueError("a speculative verify with drafts must fit one request")
+                    alone.append(index)
+                    continue
+            except (PipelineError, ValueError) as error:
+                results[index] = error
+                continue
+            ready.append(index)
+        group, rows = [], 0
+        for index in ready:
+            n = len(items[index].tokens)
+            if group and (rows + n > self.max_tokens_per_request or len(group) == self.max_batch_items):
+                self._relay_batch(items, group, results)
+                group, rows = [], 0
+            group.append(index)
+            rows += n
+        if group:
+            self._relay_batch(items, group, results)
+        for index in alone:
+            item = items[index]
+            try:
+                results[index] = self.forward(item.seq, item.pos, item.tokens, checkpoint=item.checkpoint,
+                                              sampling=item.sampling, drafts=item.drafts)
             except (PipelineError, SequenceLost, RollbackFailed, ValueError) as error:
-                results.append(error)
+                results[index] = error
         return results
 
+    def _relay_batch(self, items: list, group: list[int], results: list) -> None:
+        """The items `group` (indices into `items`) through every shard, one batched FORWARD per shard; each
+        item's ids or exception into `results`. A batch of one is today's one-sequence relay."""
+        if len(group) == 1:
+            index = group[0]
+            item = items[index]
+            try:
+                results[index] = self.forward(item.seq, item.pos, item.tokens, checkpoint=item.checkpoint,
+                                              sampling=item.sampling, drafts=item.drafts)
+            except (PipelineError, SequenceLost, RollbackFailed, ValueError) as error:
+                results[index] = error
+            return
+        live = list(group)
+        hidden: dict[int, WireTensor] = {}  # item index -> its rows for the next shard
+        refused_rollback: dict[int, Exception] = {}  # item index -> why its pending ROLLBACK failed
+        for k, (shard, client) in enumerate(zip(self.shards, self.clients)):
+            records = []
+            for index in live:
+                item = items[index]
+                inputs = {"tokens": list(item.tokens)} if k == 0 else {"hidden": hidden.pop(index)}
+                head = _head_fields(item.sampling, item.drafts) if shard.owns_head else None
+                records.append(forward_record(item.seq, item.pos, checkpoint=item.checkpoint, sampling=head, **inputs))
+            try:
+                sent = client.send(ForwardBatch(id=0, items=tuple(records)))
+            except SHARD_FAILURES as error:
+                for index in live:
+                    results[index] = self._batch_failure(items[index], k, error)
+                return
+            if k == 0:  # the batch is on its way behind any ROLLBACK of its sequences: now read those
+                for index in live:
+                    try:
+                        self._settle(items[index].seq)
+                    except (RollbackFailed, SequenceLost) as error:
+                        refused_rollback[index] = error
+            try:
+                answers = client.receive_items(sent)
+            except SHARD_FAILURES as error:
+                answers = [error] * len(live)
+            survivors = []
+            for index, answer in zip(live, answers):
+                item = items[index]
+                n = len(item.tokens)
+                try:
+                    if isinstance(answer, Exception):
+                        raise answer
+                    rows = self._check_reply(answer, shard, item.seq, item.pos + n, n)
+                except SHARD_FAILURES as error:
+                    results[index] = refused_rollback.get(index) or self._batch_failure(item, k, error)
+                    continue
+                if index in refused_rollback:  # the sequence is re-filled: no later shard needs it
+                    results[index] = refused_rollback[index]
+                elif rows is not None:
+                    hidden[index] = rows
+                    survivors.append(index)
+                else:
+                    ids = TokenIds(answer.result["ids"])
+                    ids.logprobs = answer.result.get("logprobs")
+                    results[index] = ids
+            live = survivors
+            if not live:
+                return
+
+    def _batch_failure(self, item: BatchForward, failed: int, error: Exception) -> Exception:
+        """What `forward` raises for one sequence that failed at shard `failed`: the shards before it are put back
+        where it can be (`_undo`), else SequenceInconsistent; a lost sequence is SequenceLost."""
+        if failed > 0:
+            try:
+                self._undo(item.seq, item.pos, failed, item.checkpoint, error)
+            except SequenceInconsistent as inconsistent:
+                return inconsistent
+        return as_sequence_lost(error, item.seq)
+
     def rollback_batch(self, items: Sequence[tuple[int, int]]) -> None:
-        """`rollback(seq, keep)` for each (seq, keep); refusals surface as `rollback` says, per sequence."""
+        """`rollback(seq, keep)` for each (seq, keep), one batched ROLLBACK per shard, sent and not waited for;
+        each sequence's refusal surfaces as `rollback`'s does, from the next call about that sequence."""
+        items = list(items)
+        if len(items) == 1:
+            self.rollback(*items[0])
+            return
+        if len({seq for seq, _ in items}) != len(items):
+            raise ValueError(f"a sequence appears twice in one rollback batch: {[seq for seq, _ in items]}")
+        live = []
         for seq, keep in items:
-            self.rollback(seq, keep)
+            try:
+                self._settle(seq)
+            except (RollbackFailed, SequenceLost) as error:  # raised by the next call about seq, as rollback would
+                self._rollbacks[seq] = (keep, [], [error])
+                continue
+            live.append((seq, keep))
+        if not live:
+            return
+        sent: list[list] = [[] for _ in live]
+        failures: list[list] = [[] for _ in live]
+        batch = RollbackBatch(id=0, items=tuple(Rollback(id=0, seq=seq, keep=keep) for seq, keep in live))
+        for client in self.clients:
+            try:
+                answer = _Answer(client, client.send(batch))
+            except SHARD_FAILURES as error:
+                for failed in failures:
+                    failed.append(error)
+                continue
+            for position, pending in enumerate(sent):
+                pending.append((answer, position))
+        for (seq, keep), pending, failed in zip(live, sent, failures):
+            self._rollbacks[seq] = (keep, pending, failed)
 
     def rollback(self, seq: int, keep: int) -> None:
         """ROLLBACK on every shard, sent back to back and not waited for: the replies are read before anything
@@ -413,7 +567,7 @@ class Pipeline:
         sent, failures = [], []
         for client in self.clients:
             try:
-                sent.append((client, client.send(Rollback(id=0, seq=seq, keep=keep))))
+                sent.append((_Answer(client, client.send(Rollback(id=0, seq=seq, keep=keep))), None))
             except SHARD_FAILURES as error:
                 failures.append(error)
         self._rollbacks[seq] = (keep, sent, failures)
@@ -426,9 +580,9 @@ class Pipeline:
             return
         keep, sent, failures = pending
         failures, lengths = list(failures), set()
-        for client, record in sent:
+        for answer, position in sent:
             try:
-                lengths.add(client.receive(record).result["length"])
+                lengths.add(answer.result(position)["length"])
             except SHARD_FAILURES as error:
                 failures.append(error)
         if quiet or (not failures and len(lengths) <= 1):
@@ -577,6 +731,30 @@ class Pipeline:
         ) from error
 
 
+class _Answer:
+    """A request sent and not yet read, whose reply several sequences may share (a batched ROLLBACK): read once,
+    by the first sequence that needs it."""
+
+    def __init__(self, client: ShardClient, sent: Request) -> None:
+        self.client, self.sent = client, sent
+        self._outcome = None
+
+    def result(self, position: Optional[int]) -> dict:
+        """The result of the request (`position` None) or of its item `position`; raises its failure."""
+        if self._outcome is None:
+            try:
+                if isinstance(self.sent, Batch):
+                    self._outcome = self.client.receive_items(self.sent)
+                else:
+                    self._outcome = self.client.receive(self.sent)
+            except SHARD_FAILURES as error:
+                self._outcome = error
+        outcome = self._outcome if position is None or isinstance(self._outcome, Exception) else self._outcome[position]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome.result
+
+
 def _head_fields(sampling, drafts) -> Optional[dict]:
     """The head shard's extra FORWARD fields for a sampled step; None for greedy (today's argmax request)."""
     fields = sampling.wire() if sampling is not None else {}
@@ -603,10 +781,7 @@ def side_by_side(parts: Sequence[WireTensor]) -> WireTensor:
 
 def join_rows(chunks: Sequence[WireTensor]) -> WireTensor:
     """Row chunks [n_i, H] of one tensor as one [sum n_i, H] (row-major: the bytes end to end)."""
-    if len(chunks) == 1:
-        return chunks[0]
-    rows = sum(chunk.shape[0] for chunk in chunks)
-    return WireTensor(chunks[0].dtype, (rows, *chunks[0].shape[1:]), b"".join(chunk.data for chunk in chunks))
+    return concat_rows(list(chunks))
 
 
 def as_sequence_lost(error: Exception, seq: int) -> Exception:

@@ -20,6 +20,7 @@ from .geometry import check_verify_geometry, pure_chain
 from .limits import Limits
 from .messages import (
     BATCH_RECORD_TYPES,
+    Batch,
     PROTOCOL_VERSION,
     RECORD_TYPES,
     REQUEST_FIELDS,
@@ -49,7 +50,7 @@ __all__ = [
     "PROTOCOL_VERSION", "MessageType", "Request", "RECORD_TYPES", "REQUEST_FIELDS", "REQUEST_TENSORS",
     "FieldSpec", "TensorSpec",
     "Hello", "Open", "Close", "Forward", "Capture", "Rollback", "Snapshot", "Restore", "Propose",
-    "Stats", "Shutdown", "ForwardBatch", "CaptureBatch", "RollbackBatch", "BATCH_RECORD_TYPES", "split_batch_reply",
+    "Stats", "Shutdown", "Batch", "ForwardBatch", "CaptureBatch", "RollbackBatch", "BATCH_RECORD_TYPES", "split_batch_reply",
     "encode_request", "decode_request", "encode_reply", "encode_error", "decode_reply", "Reply",
     "pack_message", "peek_id", "peek_type",
     "ErrorCode", "ProtocolError", "RemoteError", "ItemRefused",

@@ -152,6 +152,7 @@ class ShardDaemon:
         self.options = options
         self.limits = Limits(
             max_tokens_per_request=options.max_tokens_per_request,
+            max_batch_items=options.max_sequences,  # a batch names open sequences: no more than may be open
             max_frame_bytes=largest_frame_bytes(
                 self.config.hidden_size, drafter.config.feature_size if drafter is not None else 0,
                 options.max_tokens_per_request,

@@ -54,6 +54,7 @@ class LocalTarget:
         self.shards = shards
         self.max_context = max_context or min(config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
         self.states: dict[int, list[SequenceState]] = {}
+        self._deferred: dict[int, Exception] = {}  # seq -> why its last rollback_batch item failed (raised next)
 
     @property
     def step_rows(self) -> int | None:
@@ -71,11 +72,13 @@ class LocalTarget:
         self.states[seq] = [shard.new_state(self.max_context) for shard in self.shards]
 
     def close(self, seq: int) -> None:
+        self._deferred.pop(seq, None)
         for shard, state in zip(self.shards, self.states.pop(seq, [])):
             shard.release_state(state)
 
     def forward(self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False, sampling=None,
                 drafts=None) -> list[int]:
+        self._raise_deferred(seq)
         ids, _ = self.capture(seq, pos, tokens, (), checkpoint=checkpoint)
         if sampling is not None and not sampling.plain:  # what the head shard's daemon does (shardd.head)
             from coordinator.sampling import TokenIds
@@ -105,7 +108,86 @@ class LocalTarget:
         self._logits = out.logits
         return out.ids.tolist(), captured
 
+    def _raise_deferred(self, seq: int) -> None:
+        error = self._deferred.pop(seq, None)
+        if error is not None:
+            raise error
+
+    @torch.inference_mode()
+    def forward_batch(self, items: Sequence) -> list:
+        """`forward` for several sequences (`coordinator.pipeline.BatchForward`s), each shard running them as one
+        batch (`shardd.batch.forward_batch`), as the daemons do: per item its ids (TokenIds) or the error `forward`
+        raises for it (a shard's ModelError, NO_SUCH_SEQUENCE, ValueError, RollbackFailed of an earlier
+        `rollback_batch`); a refused item changes nothing and is dropped from the later shards (a checkpointed one
+        is taken back where it ran)."""
+        from coordinator.sampling import TokenIds
+        from shardd.batch import BatchItem
+        from shardd.batch import forward_batch as run_batch
+        from shardd.head import answer_batch
+
+        items = list(items)
+        results: list = [None] * len(items)
+        live, seen = [], set()
+        for index, item in enumerate(items):
+            try:
+                self._raise_deferred(item.seq)
+                self._states(item.seq)
+                if not item.tokens:
+                    raise ValueError("forward needs at least one token")
+                if item.seq in seen:
+                    raise ValueError(f"sequence {item.seq} appears twice in one batch")
+                seen.add(item.seq)
+            except (ProtocolError, RollbackFailed, ValueError) as error:
+                results[index] = error
+                continue
+            live.append(index)
+        hidden: dict[int, torch.Tensor] = {}
+        for k, shard in enumerate(self.shards):
+            batch = [BatchItem(self.states[items[i].seq][k], items[i].pos, checkpoint=items[i].checkpoint,
+                               **({"tokens": list(items[i].tokens)} if shard.owns_embedding else {"hidden": hidden.pop(i)}))
+                     for i in live]
+            survivors, heads = [], []
+            for index, out in zip(live, run_batch(shard, batch)):
+                item = items[index]
+                if isinstance(out, ModelError):
+                    if item.checkpoint:  # the shards before took the step: take it back
+                        for state in self.states[item.seq][:k]:
+                            rb.rollback(state, 0)
+                    results[index] = out
+                elif out.ids is None:
+                    hidden[index] = out.hidden
+                    survivors.append(index)
+                else:
+                    results[index] = TokenIds(out.ids.tolist())
+                    if item.sampling is not None and not item.sampling.plain:
+                        heads.append((index, out))
+            if heads:  # what the head shard's daemon does (shardd.head)
+                from protocol.messages import Forward
+                from shardd.daemon import head_request
+
+                rows = []
+                for index, out in heads:
+                    item = items[index]
+                    record = Forward(id=0, seq=item.seq, pos=item.pos, tokens=list(item.tokens), **item.sampling.wire(),
+                                     drafts=list(item.drafts) if item.drafts else None)
+                    rows.append((out.logits, results[index], item.pos, head_request(record)))
+                for (index, _), (ids, _, logprobs) in zip(heads, answer_batch(rows)):
+                    results[index] = TokenIds(ids)
+                    results[index].logprobs = logprobs
+            live = survivors
+        return results
+
+    def rollback_batch(self, items: Sequence[tuple[int, int]]) -> None:
+        """`rollback` for each (seq, keep); a refusal is raised (RollbackFailed) by the next call about that seq, as
+        the `Pipeline`, which does not wait for the shards' replies, raises it."""
+        for seq, keep in items:
+            try:
+                self.rollback(seq, keep)
+            except (RollbackFailed, ProtocolError) as error:
+                self._deferred[seq] = error if isinstance(error, RollbackFailed) else RollbackFailed(str(error))
+
     def rollback(self, seq: int, keep: int) -> None:
+        self._raise_deferred(seq)
         for state in self._states(seq):
             try:
                 rb.rollback(state, keep)
