@@ -126,6 +126,10 @@ def test_a_batch_equals_each_item_alone_ids_and_hidden_bit_for_bit(daemons):
     assert "logprobs" in parts_1[2].result
     stats = shard1.call(MessageType.STATS).result
     assert stats["batches"] == {"requests": 2, "items": 6, "rows": sum(map(len, PROMPTS)) + 5}
+    # sampling asked of the shard without the head: that item alone is refused
+    parts = send_batch(shard0, ForwardBatch, [forward(1, lengths[0], tokens=[1], temperature=1.0),
+                                              forward(2, lengths[1], tokens=[1])])
+    assert parts[0].error_code is ErrorCode.BAD_REQUEST and "head" in parts[0].error_message and parts[1].ok
     for client in (shard0, shard1):
         closed(client, *batched, *single)
 
