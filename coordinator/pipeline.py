@@ -179,6 +179,10 @@ def order_shards(shards: Sequence[ShardInfo]) -> list[ShardInfo]:
     return ordered
 
 
+# What `forward` raises for one sequence, and `forward_batch` answers in that item's place.
+ITEM_FAILURES = (PipelineError, SequenceLost, RollbackFailed, ValueError, *SHARD_FAILURES)
+
+
 class Pipeline:
     """Implements `coordinator.target.Target` over shard daemons, in layer order."""
 
@@ -402,7 +406,8 @@ class Pipeline:
     def forward_batch(self, items: Sequence[BatchForward]) -> list:
         """`forward` for several sequences at once (issue 20): per item, in order, its ids (`TokenIds`, as
         `forward` returns) or the exception `forward` would have raised for it alone (SequenceLost,
-        RollbackFailed, CheckpointUnavailable, ValueError, ...); one item's failure changes nothing for the others.
+        RollbackFailed, CheckpointUnavailable, a ShardError such as POSITION_MISMATCH, ValueError, ...); one
+        item's failure changes nothing for the others.
 
         One batched request per shard carries every item (the hidden rows of all of them in one frame); an item a
         shard refuses is dropped from the later shards and undone where it ran, as `forward` undoes one sequence.
@@ -447,7 +452,7 @@ class Pipeline:
             try:
                 results[index] = self.forward(item.seq, item.pos, item.tokens, checkpoint=item.checkpoint,
                                               sampling=item.sampling, drafts=item.drafts)
-            except (PipelineError, SequenceLost, RollbackFailed, ValueError) as error:
+            except ITEM_FAILURES as error:
                 results[index] = error
         return results
 
@@ -460,7 +465,7 @@ class Pipeline:
             try:
                 results[index] = self.forward(item.seq, item.pos, item.tokens, checkpoint=item.checkpoint,
                                               sampling=item.sampling, drafts=item.drafts)
-            except (PipelineError, SequenceLost, RollbackFailed, ValueError) as error:
+            except ITEM_FAILURES as error:
                 results[index] = error
             return
         live = list(group)

@@ -38,7 +38,7 @@ from tests.local import LocalTarget
 
 PROMPTS = [list(b"The quick brown fox"), list(b"1, 2, 3, 5"), list(b"hello")]
 # The ipc daemon's small limits make the size errors cheap to reach.
-SMALL = ["--layers", "0:6", "--max-context", "24", "--max-tokens-per-request", "32", "--max-verify-tokens", "4",
+SMALL = ["--layers", "0:6", "--max-context", "48", "--max-tokens-per-request", "32", "--max-verify-tokens", "4",
          "--max-sequences", "8"]
 
 
@@ -162,7 +162,8 @@ def test_every_bad_item_fails_alone_with_its_code_and_changes_nothing(daemons):
     length_is(other, 50, 0)
 
     # A row past the context fails alone (CAPACITY); capture layers are checked per item.
-    parts = send_batch(client, ForwardBatch, [forward(2, 0, tokens=[3] * 2), forward(1, len(PROMPTS[2]), tokens=[3] * 20)])
+    alone(client, forward(1, len(PROMPTS[2]), tokens=[3] * 25))
+    parts = send_batch(client, ForwardBatch, [forward(2, 0, tokens=[3] * 2), forward(1, len(PROMPTS[2]) + 25, tokens=[3] * 20)])
     assert parts[0].ok and parts[1].error_code is ErrorCode.CAPACITY
     parts = send_batch(client, CaptureBatch, [
         Capture(id=0, seq=3, pos=0, tokens=[1, 2], layers=[1, 4]),
@@ -283,3 +284,24 @@ def test_pipeline_batch_over_two_daemons_fails_one_item_alone_and_survives_a_kil
                                        BatchForward(13, 3, [8, 9], checkpoint=True)])
         assert all(isinstance(result, SequenceLost) for result in lost), lost
         assert pipeline.clients[0].forward(3, 5, [8]).result["length"] == 6
+
+
+def test_pipeline_batch_splits_by_rows_and_chunks_a_long_item_alone(daemons):
+    small = daemons["small"]
+    with Pipeline.connect([small.bind], timeout_s=10, liveness_timeout_s=2) as pipeline:
+        assert pipeline.max_tokens_per_request == 32 and pipeline.max_batch_items == 8
+        lengths = {1: 30, 2: 10, 3: 40, 4: 1}
+        for seq in lengths:
+            pipeline.open(seq)
+            pipeline.open(seq + 10)
+        prompt = list(b"a longer prompt than one request takes, by a few tokens")
+        before = pipeline.stats()[0]["batches"]
+        results = pipeline.forward_batch([BatchForward(seq, 0, prompt[:n]) for seq, n in lengths.items()])
+        for (seq, n), ids in zip(lengths.items(), results):
+            assert ids == pipeline.forward(seq + 10, 0, prompt[:n])
+        after = pipeline.stats()[0]["batches"]
+        # 30 rows alone (30 + 10 > 32), then seqs 2 and 4 in one batch, then the 40-token item in chunks alone
+        assert after["requests"] - before["requests"] == 1 and after["items"] - before["items"] == 2
+        for seq in lengths:
+            pipeline.close(seq)
+            pipeline.close(seq + 10)
