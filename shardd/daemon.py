@@ -22,6 +22,7 @@ import zmq
 
 from protocol import (
     PROTOCOL_VERSION,
+    Batch,
     ErrorCode,
     Limits,
     MessageType,
@@ -34,7 +35,6 @@ from protocol import (
     peek_type,
 )
 from protocol.codec import clip_message
-from protocol.messages import Batch
 from protocol.layout import CHECKPOINT
 from protocol.timing import DAEMON as PHASES
 from shardd import __version__, systemd

@@ -271,7 +271,7 @@ def test_pipeline_batch_over_two_daemons_fails_one_item_alone_and_survives_a_kil
 
         # rollbacks in one batch, read behind the next batch; seq 1 had nothing pending
         pipeline.rollback_batch([(3, 2), (1, 0), (13, 2)])
-        n0, n1 = len(PROMPTS[0]), len(PROMPTS[1])
+        n0 = len(PROMPTS[0])
         after = pipeline.forward_batch([BatchForward(3, 2, [7], checkpoint=True), BatchForward(1, n0, [7]),
                                         BatchForward(13, 2, [7], checkpoint=True)])
         assert isinstance(after[1], RollbackFailed)
