@@ -150,11 +150,11 @@ def _check_int(value: Any, what: str, minimum: Optional[int], limit: Optional[in
 
 
 def _field_value(header: dict, spec: FieldSpec, mtype: MessageType) -> Any:
-    what = f"field '{spec.name}' of {mtype.value}"
-    if spec.name not in header:
+    if spec.name not in header:  # most optional fields are: no message built for them
         if spec.required:
-            raise _bad(f"missing {what}")
+            raise _bad(f"missing field '{spec.name}' of {mtype.value}")
         return spec.default
+    what = f"field '{spec.name}' of {mtype.value}"
     value = header[spec.name]
     if spec.kind == "int":
         return _check_int(value, what, spec.minimum, spec.limit)
