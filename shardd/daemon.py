@@ -214,9 +214,13 @@ class ShardDaemon:
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
             log.error("internal error seq=%s type=%s: %s\n%s", seq, request.type.value, message, traceback.format_exc())
-            if (owner, seq) in self.sequences:
-                self.sequences[(owner, seq)].failed = message
-                self.counters.sequences_failed += 1
+            # a batch's items each may have moved on before the error: none of their states can be trusted
+            seqs = [item.seq for item in request.items] if isinstance(request, Batch) else [seq]
+            for failed in seqs:
+                entry = self.sequences.get((owner, failed))
+                if entry is not None and not entry.failed:
+                    entry.failed = message
+                    self.counters.sequences_failed += 1
             return self._error(request.id, request.type, ErrorCode.INTERNAL, message, seq=seq)
         finally:
             PHASES.lap("compute")
