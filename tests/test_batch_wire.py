@@ -169,9 +169,12 @@ def test_every_bad_item_fails_alone_with_its_code_and_changes_nothing(daemons):
         Capture(id=0, seq=3, pos=0, tokens=[1, 2], layers=[1, 4]),
         Capture(id=0, seq=4, pos=0, tokens=[1], layers=[6]),
         Capture(id=0, seq=5, pos=0, tokens=[1], layers=[1], propose=2, drafts=[]),
+        Capture(id=0, seq=6, pos=0, tokens=[1, 2], layers=[4]),  # the same rows as seq 3's, one layer of them
     ])
     assert parts[0].ok and parts[0].result["captured_layers"] == [1, 4]
     assert {name: t.shape for name, t in parts[0].tensors.items()} == {"layer.1": (2, 64), "layer.4": (2, 64)}
+    assert parts[3].result["captured_layers"] == [4] and set(parts[3].tensors) == {"layer.4"}
+    assert bytes(parts[3].tensors["layer.4"].data) == bytes(parts[0].tensors["layer.4"].data)
     assert parts[1].error_code is ErrorCode.BAD_REQUEST and "capture layer 6" in parts[1].error_message
     assert parts[2].error_code is ErrorCode.BAD_REQUEST and "propose" in parts[2].error_message
     length_is(client, 4, 0)
@@ -218,17 +221,22 @@ def test_a_malformed_envelope_is_refused_whole_and_changes_nothing(daemons):
 
 
 def test_a_batched_rollback_rolls_each_item_back_on_its_own(daemons):
-    client = daemons["small"].client()
+    client, other = daemons["small"].client(), daemons["small"].client()
     opened(client, 1, 2, 3)
+    opened(other, 60)
+    other.call(MessageType.FORWARD, seq=60, pos=0, tokens=[1, 2], checkpoint=True, parents=[-1, 0])
     parts = send_batch(client, ForwardBatch, [forward(1, 0, tokens=[1, 2, 3], checkpoint=True),
                                               forward(2, 0, tokens=[1, 2, 3], checkpoint=True),
                                               forward(3, 0, tokens=[1, 2])])
     assert all(part.ok for part in parts)
     parts = send_batch(client, RollbackBatch, [Rollback(id=0, seq=1, keep=1), Rollback(id=0, seq=2, keep=9),
-                                               Rollback(id=0, seq=3, keep=0), Rollback(id=0, seq=4, keep=0)])
+                                               Rollback(id=0, seq=3, keep=0), Rollback(id=0, seq=4, keep=0),
+                                               Rollback(id=0, seq=60, keep=0)])
     assert parts[0].ok and parts[0].result == {"seq": 1, "length": 1}
     assert [part.error_code for part in parts[1:]] == [ErrorCode.BAD_REQUEST, ErrorCode.NO_PENDING_STEP,
-                                                       ErrorCode.NO_SUCH_SEQUENCE]
+                                                       ErrorCode.NO_SUCH_SEQUENCE, ErrorCode.NO_SUCH_SEQUENCE]
+    assert other.call(MessageType.ROLLBACK, seq=60, keep=1).result == {"seq": 60, "length": 1}  # its own, untouched
+    closed(other, 60)
     assert client.call(MessageType.ROLLBACK, seq=2, keep=2).result == {"seq": 2, "length": 2}  # still pending
     length_is(client, 1, 1)
     length_is(client, 3, 2)
