@@ -17,7 +17,7 @@ import torch
 
 from shardd.logprobs import TOP_LOGPROBS, entry, rows_logprobs
 from shardd.penalties import Penalties, PenaltyRows, penalise_rows
-from shardd.sampling import SamplingParams, as_int64, chunked, leading_accepted, to_device, verify_rows
+from shardd.sampling import SamplingParams, chunked, leading_accepted, to_device, verify_rows
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def answer_batch(items: Sequence[tuple[torch.Tensor, Sequence[int], int, HeadReq
             temperature += [float(params.temperature)] * answered
             top_p += [float(params.top_p)] * answered
             top_k += [int(params.top_k)] * answered
-            seed += [as_int64(params.seed)] * answered
+            seed += [params.seed] * answered
             position += range(pos + first, pos + n)
         elif head.penalties.active:
             argmaxed += range(row, row + answered)
@@ -101,9 +101,10 @@ def answer_batch(items: Sequence[tuple[torch.Tensor, Sequence[int], int, HeadReq
 
     device = slices[0][0].device
     logits = torch.cat([part[first:] for part, first in slices]).float()  # [A, V]: the answered rows
-    (item_of_row, index_of_row, given, draft, sampled, argmaxed, logprobbed, temperature, top_p, top_k, seed,
-     position) = to_device(device, item_of_row, index_of_row, given, draft, sampled, argmaxed, logprobbed,
-                           temperature, top_p, top_k, seed, position)
+    sampled_drafts = [draft[row] for row in sampled]
+    every = len(sampled) == rows
+    (item_of_row, index_of_row, given, draft, sampled, argmaxed, logprobbed) = to_device(
+        device, item_of_row, index_of_row, given, draft, sampled, argmaxed, logprobbed)
     penalised = penalise_rows(logits, groups) if any(group.penalties.active for group in groups) else logits
 
     candidate = given.clone()
@@ -111,9 +112,8 @@ def answer_batch(items: Sequence[tuple[torch.Tensor, Sequence[int], int, HeadReq
         candidate[argmaxed] = chunked(_argmax, penalised[argmaxed])[0]
     accepted_row = (draft >= 0) & (candidate == draft)
     if sampled.numel():
-        every = sampled.numel() == rows
-        tokens, accepts = verify_rows(penalised if every else penalised[sampled], temperature.float(),
-                                      top_p.float(), top_k, seed, position, draft if every else draft[sampled])
+        tokens, accepts = verify_rows(penalised if every else penalised[sampled], temperature, top_p, top_k, seed,
+                                      position, sampled_drafts)
         candidate[sampled] = tokens
         accepted_row[sampled] = accepts  # a residual sample never equals its draft, but say it plainly
     accepted = leading_accepted(accepted_row, item_of_row, index_of_row, len(items), width)

@@ -7,21 +7,22 @@ fast path alike, and copies the final ids back once. Temperature 0 never gets he
 computed are the answer, exactly as before sampling existed.
 
 The target distribution of a row is softmax(logits / temperature), cut to the `top_k` most likely tokens and
-to the smallest set holding `top_p` of the mass, renormalised (the order vLLM and transformers apply them).
-Each row is sorted once (descending, stable); top-k, softmax, top-p and the draw all run in that order.
+to the smallest set holding `top_p` of the mass, renormalised (the order vLLM and transformers apply them);
+a cut is by value, so tokens tied with the last one kept stay. Only rows with a top-p cut are sorted (once).
 
 Randomness: a row at absolute position p of a request with seed s reads its uniforms from a counter-based
 hash (splitmix64) of (s, p, draw), where draw is 0 for a sample from p (the last row of a forward, the bonus
 row of a verify), 1 for the accept test of a draft and 2 for the residual sample after a rejection. The hash
 is integer arithmetic, the same on the CPU and on CUDA, so a seed reproduces the output whatever the batch,
-the rollback mode, chunking or engine. The draw is an inverse-CDF lookup in the row's sorted distribution,
-done in 62-bit fixed point (an exact integer cumulative sum), so no rounding of a parallel scan can move it.
+the rollback mode, chunking or engine. The draw is an inverse-CDF lookup in vocabulary order, done in
+62-bit fixed point (an exact integer cumulative sum), so no rounding of a parallel scan can move it.
 This stream replaced the one of `random.Random(f"{seed}:{pos}")` per row (issue 20): a seed gives different
 tokens than before that change, equally distributed.
 
-Batch invariance: a row's result depends on its own logits and parameters alone. The sort, softmax and
-cumulative sums run on chunks of exactly `CHUNK_ROWS` rows (the last padded), so the same kernels run
-whatever the batch, and every other op is elementwise or a per-row reduction.
+Batch invariance: a row's result depends on its own logits and parameters alone. The top-k, sort, softmax
+and cumulative sums run on chunks of exactly `CHUNK_ROWS` rows (the last padded), so the same kernels run
+whatever the batch, every other op is elementwise or a per-row reduction, and a cut another row of the
+chunk needs leaves a row without one bit for bit unchanged.
 
 Speculation: the drafters are deterministic (ngram, oracle, dflash's argmax), so the draft distribution q is
 one-hot and standard speculative rejection sampling (accept with min(1, p/q), else sample the normalised
@@ -86,67 +87,88 @@ def uniforms(seed: torch.Tensor, position: torch.Tensor, draw) -> torch.Tensor:
     return _shift_right(bits, 11).double() * 2.0 ** -53  # the top 53 bits: exact in a float64
 
 
-def residual(probs: torch.Tensor, is_draft: torch.Tensor) -> torch.Tensor:
-    """p with the rejected (one-hot) draft removed: max(0, p - q) up to normalisation."""
-    return probs.masked_fill(is_draft, 0.0)
+def residual(probs: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+    """p [C, V] with each row's rejected (one-hot) draft removed: max(0, p - q) up to normalisation; a row
+    without a draft (-1) unchanged."""
+    index = draft.clamp_min(0)[:, None]
+    return probs.scatter(1, index, torch.where(draft[:, None] >= 0, 0.0, probs.gather(1, index)))
 
 
-def _sorted_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                  top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probs [C, V] in descending order, the token of each sorted position [C, V]), normalised after the cuts."""
+def _truncated_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                     top_k_max: int, any_top_p: bool) -> torch.Tensor:
+    """The sampling distributions [C, V] (vocabulary order, float32) of logits [C, V]: softmax(logits / T) cut
+    to the top_k by value (ties with the k-th stay), then to the tokens of probability at least that of the
+    last token of the smallest prefix, most likely first, holding top_p of the mass, renormalised.
+
+    `top_k_max` (the largest top_k < V of the rows, 0: none) and `any_top_p` (some row's top_p < 1) come from
+    the host; a row without a cut comes out bit for bit the same whether or not another row has one."""
     vocab = logits.shape[-1]
-    scaled, order = torch.sort(logits.float() / temperature[:, None], dim=-1, descending=True, stable=True)
-    kept = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
-    kth = scaled.gather(1, (kept - 1)[:, None])
-    scaled = scaled.masked_fill(scaled < kth, float("-inf"))  # ties with the k-th stay, as a top-k by value
+    scaled = logits.float() / temperature[:, None]
+    if top_k_max:
+        cut = (top_k > 0) & (top_k < vocab)
+        largest = torch.topk(scaled, top_k_max, dim=-1).values  # exact values: the k-th is whatever k_max
+        kth = largest.gather(1, (torch.where(cut, top_k, 1).clamp_max(top_k_max) - 1)[:, None])
+        scaled = scaled.masked_fill(cut[:, None] & (scaled < kth), float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
-    before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above
-    drop = (before >= top_p[:, None]) & (top_p[:, None] < 1.0)  # keeps the smallest prefix reaching top_p
-    drop[:, 0] = False  # and always the most likely token (top_p 0 is greedy-like, not empty)
-    probs = probs.masked_fill(drop, 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True), order
+    if any_top_p:
+        ranked = torch.sort(probs, dim=-1, descending=True).values  # the same values as probs, ranked
+        before = torch.cumsum(ranked, dim=-1) - ranked  # mass of the tokens ranked above
+        kept = (before < top_p[:, None]).sum(dim=-1).clamp_min(1)  # top_p 0 keeps the most likely token
+        smallest = torch.where(top_p < 1.0, ranked.gather(1, (kept - 1)[:, None]).squeeze(1), 0.0)
+        probs = probs.masked_fill(probs < smallest[:, None], 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The sorted position whose cumulative interval holds u * total, for weights [C, V] and u [C] in [0, 1).
+    """The token whose cumulative interval holds u * total, for weights [C, V] and u [C] in [0, 1).
 
     Exact: the weights become integers (2^FIXED_POINT per unit of mass), so the cumulative sum has no rounding
-    on any device, and a position with zero weight is never chosen (its interval is empty)."""
+    on any device, and a token with zero weight is never chosen (its interval is empty)."""
     cdf = torch.cumsum((weights.double() * float(1 << FIXED_POINT)).long(), dim=-1)
     total = cdf[:, -1]
     target = torch.minimum((u * total.double()).long(), total - 1).clamp_min(0)
     return torch.searchsorted(cdf, target[:, None], right=True).clamp_max(weights.shape[-1] - 1).squeeze(1)
 
 
-def _verify_chunk(logits, temperature, top_p, top_k, draft, u_sample, u_accept, u_residual):
-    probs, order = _sorted_probs(logits, temperature, top_p, top_k)
-    is_draft = order == draft[:, None]  # [C, V]; no position for a row without a draft (-1)
-    p_draft = (probs * is_draft).sum(dim=-1)  # one nonzero term: exact
-    accept = (draft >= 0) & (u_accept < p_draft.double())
-    weights = residual(probs, is_draft)
-    position = _draw(weights, torch.where(draft >= 0, u_residual, u_sample))
-    sampled = order.gather(1, position[:, None]).squeeze(1)
+def _verify_chunk(logits, temperature, top_p, top_k, draft, u_sample, u_accept, u_residual, *, top_k_max,
+                  any_top_p):
+    probs = _truncated_probs(logits, temperature, top_p, top_k, top_k_max, any_top_p)
+    has_draft = draft >= 0
+    p_draft = probs.gather(1, draft.clamp_min(0)[:, None]).squeeze(1)
+    accept = has_draft & (u_accept < p_draft.double())
+    sampled = _draw(residual(probs, draft), torch.where(has_draft, u_residual, u_sample))
     return torch.where(accept, draft, sampled), accept
 
 
+def _cuts(vocab: int, top_p: Sequence[float], top_k: Sequence[int]) -> dict:
+    """The host's flags for `_truncated_probs` over some rows."""
+    return dict(top_k_max=max((k for k in top_k if 0 < k < vocab), default=0), any_top_p=any(p < 1.0 for p in top_p))
+
+
 def verify_rows(
-    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-    seed: torch.Tensor, position: torch.Tensor, draft: torch.Tensor, *, chunk_rows: int = CHUNK_ROWS,
+    logits: torch.Tensor, temperature: Sequence[float], top_p: Sequence[float], top_k: Sequence[int],
+    seed: Sequence[int], position: Sequence[int], draft: Sequence[int], *, chunk_rows: int = CHUNK_ROWS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token [A], accepted [A] bool) for rows of logits [A, V], each with its own parameters ([A] tensors on
-    the logits' device: temperature > 0 and top_p float32, top_k, seed, absolute position and draft int64).
+    """(token [A], accepted [A] bool, on the logits' device) for rows of logits [A, V], each with its own
+    parameters (host lists: temperature > 0, top_p, top_k, seed, absolute position, draft or -1).
 
-    A row with a draft (>= 0) accepts it with probability p(draft) (token = draft, accepted) or else samples
-    the residual (p without the draft); a row without one (-1) samples from p. No host sync."""
-    draws = torch.tensor([SAMPLE, ACCEPT, RESIDUAL], device=seed.device)
-    u_sample, u_accept, u_residual = uniforms(seed[:, None], position[:, None], draws).unbind(1)
-    return chunked(_verify_chunk, logits, temperature, top_p, top_k, draft, u_sample, u_accept, u_residual,
-                   chunk_rows=chunk_rows)
+    A row with a draft accepts it with probability p(draft) (token = draft, accepted) or else samples the
+    residual (p without the draft); a row without one samples from p. One host-to-device copy, no sync."""
+    vocab = logits.shape[-1]
+    columns = to_device(logits.device, [float(t) for t in temperature], [float(p) for p in top_p],
+                        [int(k) for k in top_k], [as_int64(s) for s in seed], [int(p) for p in position],
+                        [int(d) for d in draft], [SAMPLE, ACCEPT, RESIDUAL])
+    temperature_d, top_p_d, top_k_d, seed_d, position_d, draft_d, draws = columns
+    u_sample, u_accept, u_residual = uniforms(seed_d[:, None], position_d[:, None], draws).unbind(1)
+    return chunked(_verify_chunk, logits, temperature_d.float(), top_p_d.float(), top_k_d, draft_d, u_sample,
+                   u_accept, u_residual, chunk_rows=chunk_rows,
+                   options=lambda start, stop: _cuts(vocab, top_p[start:stop], top_k[start:stop]))
 
 
-def chunked(function, *columns: torch.Tensor, chunk_rows: int = CHUNK_ROWS) -> tuple[torch.Tensor, ...]:
+def chunked(function, *columns: torch.Tensor, chunk_rows: int = CHUNK_ROWS, options=None) -> tuple[torch.Tensor, ...]:
     """`function` over chunks of exactly `chunk_rows` rows of the columns (the last padded with copies of its
-    first row, whose results are dropped), its outputs concatenated: the same kernels whatever the row count."""
+    first row, whose results are dropped), its outputs concatenated: the same kernels whatever the row count.
+    `options(start, stop)`: keyword arguments for the chunk of rows start..stop-1."""
     rows = columns[0].shape[0]
     if rows == 0:
         raise ValueError("no rows")
@@ -157,7 +179,7 @@ def chunked(function, *columns: torch.Tensor, chunk_rows: int = CHUNK_ROWS) -> t
         if stop - start < chunk_rows:
             pad = chunk_rows - (stop - start)
             chunk = [torch.cat([part, part[:1].expand(pad, *part.shape[1:])]) for part in chunk]
-        outputs.append([output[:stop - start] for output in function(*chunk)])
+        outputs.append([output[:stop - start] for output in function(*chunk, **(options(start, stop) if options else {}))])
     return tuple(torch.cat(parts) for parts in zip(*outputs))
 
 
@@ -196,8 +218,8 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The sampling distribution of one row of logits [V] in vocabulary order, float32 on the logits' device."""
     temperature, top_p, top_k = to_device(logits.device, [float(params.temperature)], [float(params.top_p)],
                                           [int(params.top_k)])
-    probs, order = _sorted_probs(logits[None], temperature.float(), top_p.float(), top_k)
-    return torch.zeros_like(probs).scatter_(1, order, probs)[0]
+    return _truncated_probs(logits[None], temperature.float(), top_p.float(), top_k,
+                            **_cuts(logits.shape[-1], [params.top_p], [params.top_k]))[0]
 
 
 def sample_rows(
@@ -217,11 +239,9 @@ def sample_rows(
         raise ValueError(f"{len(drafts)} drafts for {n} rows")
     first = n - 1 - len(drafts)
     answered = len(drafts) + 1
-    temperature, top_p, top_k, seed, position, draft = to_device(
-        logits.device, [float(params.temperature)] * answered, [float(params.top_p)] * answered,
-        [int(params.top_k)] * answered, [as_int64(params.seed)] * answered,
-        [pos + first + j for j in range(answered)], drafts + [-1])
-    token, accept = verify_rows(logits[first:], temperature.float(), top_p.float(), top_k, seed, position, draft)
+    token, accept = verify_rows(logits[first:], [params.temperature] * answered, [params.top_p] * answered,
+                                [params.top_k] * answered, [params.seed] * answered,
+                                range(pos + first, pos + n), drafts + [-1])
     zeros = torch.zeros(answered, dtype=torch.long, device=logits.device)
     accepted = leading_accepted(accept, zeros, torch.arange(answered, device=logits.device), 1, answered)
     values = torch.cat([token, accepted]).tolist()  # the one device-to-host copy

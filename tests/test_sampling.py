@@ -97,7 +97,7 @@ def test_verified_token_follows_the_target_distribution(draft):
 
 def test_a_broken_rejection_rule_fails_the_test(monkeypatch):
     """Resampling from p itself (not the residual without the draft) over-weights the draft: detected."""
-    monkeypatch.setattr(sm, "residual", lambda probs, is_draft: probs)
+    monkeypatch.setattr(sm, "residual", lambda probs, draft: probs)
     params_of = lambda seed: SamplingParams(temperature=0.8, seed=seed)  # noqa: E731
     probs = target_probs(LOGITS[0], params_of(0))
     stat, df = chi2_against(first_committed(0, params_of, check=False), probs, N)
@@ -176,15 +176,14 @@ def test_the_seeded_stream_is_a_pure_function_of_seed_and_position():
         assert got == [reference_uniform(s, p, draw) for s, p in zip(seeds, positions)]
     values = uniforms(torch.arange(200)[:, None], torch.arange(50)[None, :], sm.SAMPLE)
     assert 0 <= float(values.min()) and float(values.max()) < 1 and len(set(values.flatten().tolist())) == 10_000
-    # a plain sample at position p is the inverse CDF, in the sorted distribution, of that row's uniform
+    # a plain sample at position p is the inverse CDF, in vocabulary order, of that row's uniform
     params = SamplingParams(0.9, top_p=0.95, seed=77)
     for pos in range(20):
         ids, accepted = sample_rows(LOGITS, [0, 0, 0], pos, params)
         probs = target_probs(LOGITS[2], params)
-        order = sorted(range(8), key=lambda i: -float(probs[i]))
         u, total = reference_uniform(77, pos + 2, sm.SAMPLE), 0.0
-        cdf = [total := total + float(probs[i]) for i in order]
-        want = order[next(i for i, c in enumerate(cdf) if c > u * cdf[-1])]
+        cdf = [total := total + float(p) for p in probs]
+        want = next(i for i, c in enumerate(cdf) if c > u * cdf[-1])
         assert (ids, accepted) == ([0, 0, want], 0), pos
 
 
