@@ -130,13 +130,16 @@ def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target[:, None], right=True).clamp_max(weights.shape[-1] - 1).squeeze(1)
 
 
-def _verify_chunk(logits, temperature, top_p, top_k, draft, u_sample, u_accept, u_residual, *, top_k_max,
-                  any_top_p):
-    probs = _truncated_probs(logits, temperature, top_p, top_k, top_k_max, any_top_p)
+def _verify_chunk(logits, floats, ints, *, top_k_max, any_top_p):
+    """One chunk of `verify_rows`: floats [C, 5] (temperature, top_p, the three uniforms), ints [C, 2] (top_k,
+    draft)."""
+    top_k, draft = ints.unbind(1)
+    probs = _truncated_probs(logits, floats[:, 0].float(), floats[:, 1].float(), top_k, top_k_max, any_top_p)
     has_draft = draft >= 0
     p_draft = probs.gather(1, draft.clamp_min(0)[:, None]).squeeze(1)
-    accept = has_draft & (u_accept < p_draft.double())
-    sampled = _draw(residual(probs, draft), torch.where(has_draft, u_residual, u_sample))
+    accept = has_draft & (floats[:, 2 + ACCEPT] < p_draft.double())
+    u = torch.where(has_draft, floats[:, 2 + RESIDUAL], floats[:, 2 + SAMPLE])
+    sampled = _draw(residual(probs, draft), u)
     return torch.where(accept, draft, sampled), accept
 
 
@@ -147,7 +150,7 @@ def _cuts(vocab: int, top_p: Sequence[float], top_k: Sequence[int]) -> dict:
 
 def verify_rows(
     logits: torch.Tensor, temperature: Sequence[float], top_p: Sequence[float], top_k: Sequence[int],
-    seed: Sequence[int], position: Sequence[int], draft: Sequence[int], *, chunk_rows: int = CHUNK_ROWS,
+    seed: Sequence[int], position: Sequence[int], draft: Sequence[int], *, chunk_rows: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token [A], accepted [A] bool, on the logits' device) for rows of logits [A, V], each with its own
     parameters (host lists: temperature > 0, top_p, top_k, seed, absolute position, draft or -1).
@@ -155,20 +158,22 @@ def verify_rows(
     A row with a draft accepts it with probability p(draft) (token = draft, accepted) or else samples the
     residual (p without the draft); a row without one samples from p. One host-to-device copy, no sync."""
     vocab = logits.shape[-1]
-    columns = to_device(logits.device, [float(t) for t in temperature], [float(p) for p in top_p],
-                        [int(k) for k in top_k], [as_int64(s) for s in seed], [int(p) for p in position],
+    top_k = [min(int(k), vocab) for k in top_k]  # past the vocabulary: every token (and int64 whatever it was)
+    columns = to_device(logits.device, [float(t) for t in temperature], [float(p) for p in top_p], top_k, [as_int64(s) for s in seed], [int(p) for p in position],
                         [int(d) for d in draft], [SAMPLE, ACCEPT, RESIDUAL])
     temperature_d, top_p_d, top_k_d, seed_d, position_d, draft_d, draws = columns
-    u_sample, u_accept, u_residual = uniforms(seed_d[:, None], position_d[:, None], draws).unbind(1)
-    return chunked(_verify_chunk, logits, temperature_d.float(), top_p_d.float(), top_k_d, draft_d, u_sample,
-                   u_accept, u_residual, chunk_rows=chunk_rows,
+    u = uniforms(seed_d[:, None], position_d[:, None], draws)  # [A, 3]: SAMPLE, ACCEPT, RESIDUAL
+    floats = torch.cat([temperature_d[:, None], top_p_d[:, None], u], dim=1)
+    ints = torch.stack([top_k_d, draft_d], dim=1)
+    return chunked(_verify_chunk, logits, floats, ints, chunk_rows=chunk_rows,
                    options=lambda start, stop: _cuts(vocab, top_p[start:stop], top_k[start:stop]))
 
 
-def chunked(function, *columns: torch.Tensor, chunk_rows: int = CHUNK_ROWS, options=None) -> tuple[torch.Tensor, ...]:
+def chunked(function, *columns: torch.Tensor, chunk_rows: Optional[int] = None, options=None) -> tuple[torch.Tensor, ...]:
     """`function` over chunks of exactly `chunk_rows` rows of the columns (the last padded with copies of its
     first row, whose results are dropped), its outputs concatenated: the same kernels whatever the row count.
     `options(start, stop)`: keyword arguments for the chunk of rows start..stop-1."""
+    chunk_rows = chunk_rows or CHUNK_ROWS
     rows = columns[0].shape[0]
     if rows == 0:
         raise ValueError("no rows")
@@ -216,10 +221,11 @@ def to_device(device: torch.device, *columns: Sequence) -> list[torch.Tensor]:
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The sampling distribution of one row of logits [V] in vocabulary order, float32 on the logits' device."""
-    temperature, top_p, top_k = to_device(logits.device, [float(params.temperature)], [float(params.top_p)],
-                                          [int(params.top_k)])
-    return _truncated_probs(logits[None], temperature.float(), top_p.float(), top_k,
-                            **_cuts(logits.shape[-1], [params.top_p], [params.top_k]))[0]
+    top_k = min(int(params.top_k), logits.shape[-1])
+    temperature, top_p, top_k_d = to_device(logits.device, [float(params.temperature)], [float(params.top_p)],
+                                            [top_k])
+    return _truncated_probs(logits[None], temperature.float(), top_p.float(), top_k_d,
+                            **_cuts(logits.shape[-1], [params.top_p], [top_k]))[0]
 
 
 def sample_rows(

@@ -136,7 +136,7 @@ def test_top_k_top_p_edges():
 
     assert kept(top_k=2) == [0, 1]
     assert kept(top_k=1) == [0]
-    assert kept(top_k=8) == kept(top_k=1000) == kept() == list(range(8))  # top_k >= vocab: all
+    assert kept(top_k=8) == kept(top_k=1000) == kept(top_k=1 << 70) == kept() == list(range(8))  # top_k >= vocab: all
     assert kept(top_p=0.5) == [0, 1]  # 0.37 alone is below 0.5, with 0.23 it is not
     assert kept(top_p=0.0) == [0]  # greedy-like, not empty
     assert kept(top_p=0.5, top_k=1) == [0]
