@@ -18,6 +18,7 @@ import json
 import random
 import sys
 import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -116,6 +117,20 @@ def timed(function, device: str, deadline: float, min_seconds: float = 0.3, max_
     return (time.perf_counter() - start) / max(calls, 1) * 1e3
 
 
+def syncs_per_call(function, device: str) -> int:
+    """Host-device synchronisations one call makes, as CUDA's sync debug mode counts them (1: the copy back)."""
+    if not device.startswith("cuda"):
+        return -1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            function()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -151,6 +166,7 @@ def main() -> int:
         entry["batch_identical"] = together == alone
         identical &= entry["batch_identical"]
         entry["accepted_mean"] = sum(answer[1] for answer in together) / len(together)
+        entry["syncs_per_call"] = syncs_per_call(lambda: answer_batch(items), args.device)
         entry["old_per_row_ms"] = timed(lambda: [legacy_sample_rows(l, i, p, h.sampling, h.drafts)
                                                  for l, i, p, h in items], args.device, deadline)
         for chunk in chunk_rows:

@@ -89,7 +89,7 @@ def penalise_rows(logits: torch.Tensor, groups: Sequence[PenaltyRows]) -> torch.
     counts = torch.zeros(none + 1, vocab, dtype=torch.float32, device=logits.device)
     counts.index_put_((count_table, count_token), torch.ones_like(count_token, dtype=torch.float32), accumulate=True)
     prompt_seen = torch.zeros(none + 1, vocab, dtype=torch.bool, device=logits.device)
-    prompt_seen[seen_table, seen_token] = True
+    prompt_seen.index_put_((seen_table, seen_token), torch.ones_like(seen_token, dtype=torch.bool))
     counts = counts[row_table]  # [A, V]: the output's counts, then each row's earlier drafts
     counts.index_put_((draft_row, draft_token), torch.ones_like(draft_token, dtype=torch.float32), accumulate=True)
     present = counts > 0
