@@ -110,7 +110,8 @@ def timed(function, device: str, deadline: float, min_seconds: float = 0.3, max_
         function()
     sync()
     calls, start = 0, time.perf_counter()
-    while calls < max_calls and (time.perf_counter() - start < min_seconds or calls < 3) and time.perf_counter() < deadline:
+    while calls < max_calls and time.perf_counter() < deadline and (time.perf_counter() - start < min_seconds
+                                                                     or calls < 3):
         function()
         calls += 1
     sync()
@@ -138,7 +139,8 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=248320, help="Qwen3.5's vocabulary")
     parser.add_argument("--rows", default="8,16,64,128", help="rows per verify step, comma-separated")
     parser.add_argument("--block", type=int, default=8, help="rows per sequence")
-    parser.add_argument("--chunk-rows", default=f"{sampling.CHUNK_ROWS}", help="comma-separated; the first is the default")
+    parser.add_argument("--chunk-rows", default=f"{sampling.CHUNK_ROWS}",
+                        help="rows per fixed-shape call, comma-separated; the first gives batched_ms")
     parser.add_argument("--time-limit", type=float, default=60.0, help="seconds for the whole run")
     args = parser.parse_args()
     deadline = time.perf_counter() + args.time_limit - 2

@@ -159,8 +159,9 @@ def verify_rows(
     residual (p without the draft); a row without one samples from p. One host-to-device copy, no sync."""
     vocab = logits.shape[-1]
     top_k = [min(int(k), vocab) for k in top_k]  # past the vocabulary: every token (and int64 whatever it was)
-    columns = to_device(logits.device, [float(t) for t in temperature], [float(p) for p in top_p], top_k, [as_int64(s) for s in seed], [int(p) for p in position],
-                        [int(d) for d in draft], [SAMPLE, ACCEPT, RESIDUAL])
+    columns = to_device(logits.device, [float(t) for t in temperature], [float(p) for p in top_p], top_k,
+                        [as_int64(s) for s in seed], [int(p) for p in position], [int(d) for d in draft],
+                        [SAMPLE, ACCEPT, RESIDUAL])
     temperature_d, top_p_d, top_k_d, seed_d, position_d, draft_d, draws = columns
     u = uniforms(seed_d[:, None], position_d[:, None], draws)  # [A, 3]: SAMPLE, ACCEPT, RESIDUAL
     floats = torch.cat([temperature_d[:, None], top_p_d[:, None], u], dim=1)
@@ -169,7 +170,8 @@ def verify_rows(
                    options=lambda start, stop: _cuts(vocab, top_p[start:stop], top_k[start:stop]))
 
 
-def chunked(function, *columns: torch.Tensor, chunk_rows: Optional[int] = None, options=None) -> tuple[torch.Tensor, ...]:
+def chunked(function, *columns: torch.Tensor, chunk_rows: Optional[int] = None,
+            options=None) -> tuple[torch.Tensor, ...]:
     """`function` over chunks of exactly `chunk_rows` rows of the columns (the last padded with copies of its
     first row, whose results are dropped), its outputs concatenated: the same kernels whatever the row count.
     `options(start, stop)`: keyword arguments for the chunk of rows start..stop-1."""
@@ -184,7 +186,8 @@ def chunked(function, *columns: torch.Tensor, chunk_rows: Optional[int] = None, 
         if stop - start < chunk_rows:
             pad = chunk_rows - (stop - start)
             chunk = [torch.cat([part, part[:1].expand(pad, *part.shape[1:])]) for part in chunk]
-        outputs.append([output[:stop - start] for output in function(*chunk, **(options(start, stop) if options else {}))])
+        results = function(*chunk, **(options(start, stop) if options else {}))
+        outputs.append([output[:stop - start] for output in results])
     return tuple(torch.cat(parts) for parts in zip(*outputs))
 
 

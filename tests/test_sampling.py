@@ -148,8 +148,8 @@ def test_top_k_top_p_edges():
     ties = torch.tensor([1.0, 3.0, 3.0, 0.0])  # a top-k cut through a tie keeps the tie, as a cut by value
     assert torch.nonzero(target_probs(ties, SamplingParams(1.0, top_k=1))).flatten().tolist() == [1, 2]
     for top_p in (0.0, 1e-9):  # with top_p 0 sampling always gives the most likely token
-        ids = [ids for ids, _, _ in answer_batch([(LOGITS, [9, 9, 9], 0, HeadRequest(SamplingParams(2.0, top_p, seed=s)))
-                                                  for s in range(50)])]
+        requests = [HeadRequest(SamplingParams(2.0, top_p, seed=s)) for s in range(50)]
+        ids = [ids for ids, _, _ in answer_batch([(LOGITS, [9, 9, 9], 0, request) for request in requests])]
         assert {tuple(i) for i in ids} == {(9, 9, 4)}
 
 
