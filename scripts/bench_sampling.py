@@ -5,7 +5,8 @@ head shard ran before issue 20 (one sequence at a time, a host round trip per ro
 `shardd.head.answer_batch` (every row at once, one copy back), on the GPU when there is one.
 
 Also checks, on the same device, that each sequence's answer in the batch equals its answer alone
-(`batch_identical`) and that the seeded uniforms equal the CPU's (`uniforms_equal_cpu`); with --chunk-rows
+(`batch_identical`), that the seeded uniforms equal the CPU's (`uniforms_equal_cpu`), the share of
+sequences answered as on the CPU (`answers_equal_cpu`, up to 16 rows) and the host syncs per call; with --chunk-rows
 several values, the batched sampler is timed at each (rows per fixed-shape sort/softmax call).
 
     python3 scripts/bench_sampling.py --json $OUT/sampling.json         # about a minute at most
@@ -169,6 +170,9 @@ def main() -> int:
         identical &= entry["batch_identical"]
         entry["accepted_mean"] = sum(answer[1] for answer in together) / len(together)
         entry["syncs_per_call"] = syncs_per_call(lambda: answer_batch(items), args.device)
+        if args.device != "cpu" and rows <= 16:  # the same answers from the CPU (float rounding may differ)
+            on_cpu = answer_batch([(logits.cpu(), ids, pos, head) for logits, ids, pos, head in items])
+            entry["answers_equal_cpu"] = sum(a[:2] == b[:2] for a, b in zip(on_cpu, together)) / len(items)
         entry["old_per_row_ms"] = timed(lambda: [legacy_sample_rows(l, i, p, h.sampling, h.drafts)
                                                  for l, i, p, h in items], args.device, deadline)
         for chunk in chunk_rows:
