@@ -247,7 +247,12 @@ class Scheduler:
                 self._wake.wait(idle_wait_s)
                 self._wake.clear()
                 continue
-            self.step()
+            try:
+                self.step()
+            except Exception as error:  # noqa: BLE001 - a defect here fails the requests it touched, not the engine
+                for request in [*self.running, *self.waiting]:
+                    self._fail(request, error)
+                self.waiting.clear()
 
     def run_all(self, requests: Iterable[Request]) -> list[Request]:
         """Submit `requests` and step until every one is done (generate, bench, tests)."""
@@ -489,7 +494,8 @@ class Scheduler:
         request.state = DONE
         request.done.set()
         if request.on_finish is not None:
-            request.on_finish(request)
+            with contextlib.suppress(Exception):  # the requester went away (its event loop closed)
+                request.on_finish(request)
 
 
 def decode_all(target, requests: Sequence[Request], **options) -> list[DecodeResult]:
