@@ -498,8 +498,16 @@ class Scheduler:
                 request.on_finish(request)
 
 
+def shard_capacity(target) -> Optional[int]:
+    """The most sequences every shard of a `Pipeline` holds at once (HELLO limits), or None when unknown."""
+    shards = getattr(target, "shards", None) or []
+    limits = [shard.hello["limits"]["max_sequences"] for shard in shards if hasattr(shard, "hello")]
+    return min(limits) if limits else None
+
+
 def decode_all(target, requests: Sequence[Request], **options) -> list[DecodeResult]:
-    """Run `requests` together through a fresh scheduler over `target`; each one's result, or its error raised."""
-    options.setdefault("max_sequences", len(requests) or 1)
+    """Run `requests` together through a fresh scheduler over `target` (at most the shards' capacity at once);
+    each one's result, or its error raised."""
+    options.setdefault("max_sequences", min(len(requests) or 1, shard_capacity(target) or len(requests) or 1))
     scheduler = Scheduler(target, **options)
     return [request.outcome() for request in scheduler.run_all(requests)]
