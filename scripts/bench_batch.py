@@ -198,9 +198,10 @@ def http_streams(args, endpoints, prompts, run_dir: Path) -> dict:
                 pass
             time.sleep(0.5)
 
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
         def complete(prompt, answers, index):
-            body = {"model": "x", "prompt": prompt, "max_tokens": args.tokens, "temperature": 0, "ignore_eos": True,
-                    "logprobs": 0}
+            body = {"model": model, "prompt": prompt, "max_tokens": args.tokens, "temperature": 0, "ignore_eos": True}
             answers[index] = httpx.post(url + "/v1/completions", json=body, timeout=600).json()
 
         def together(batch):
@@ -215,6 +216,9 @@ def http_streams(args, endpoints, prompts, run_dir: Path) -> dict:
 
         together(prompts[:1])  # warm-up
         answers, seconds = together(prompts)
+        failed = [answer for answer in answers if "usage" not in answer]
+        if failed:
+            raise RuntimeError(f"a completion failed: {failed[0]}")
         tokens = sum(a["usage"]["completion_tokens"] for a in answers)
         return {"streams": len(prompts), "tok_s": round(tokens / seconds, 1), "completion_tokens": tokens}
     finally:

@@ -221,3 +221,19 @@ def test_every_stream_equals_its_request_alone_in_one_process():
 
     target = LocalTarget(ModelSource(synthetic="tiny"), storage=RollbackStorage(CHECKPOINT, BLOCK))
     assert batched(target, CHECKPOINT, step_rows=8, prefill_chunk=5) == each_alone(target, CHECKPOINT)
+
+
+def test_generate_runs_copies_of_a_request_together(daemons):
+    import json
+    import subprocess
+    import sys
+
+    prompt = ",".join(map(str, TEXTS[2]))
+    command = [sys.executable, "-m", "coordinator.cli", "generate", "--shards", ",".join(daemons[CHECKPOINT]),
+               "--prompt-ids", prompt, "--max-new-tokens", str(NEW), "--drafter", "ngram", "--block-size", str(BLOCK),
+               "--ignore-eos", "--concurrency", "3", "--json"]
+    record = json.loads(subprocess.run(command, capture_output=True, text=True, check=True, timeout=120).stdout)
+    with Pipeline.connect(daemons[CHECKPOINT]) as pipeline:
+        alone = greedy_decode(pipeline, 1, TEXTS[2], NEW).tokens
+    assert record["concurrency"] == 3 and record["streams_identical"] and record["tokens"] == alone
+    assert record["aggregate_tok_s"] > 0
