@@ -8,6 +8,8 @@ seeded sampling, plain and speculative, checkpoint and replay-ssm) must produce 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from coordinator.decoding import greedy_decode, speculative_decode
@@ -219,8 +221,15 @@ def test_every_stream_equals_its_request_alone_in_one_process():
     from shardd.model.rollback import RollbackStorage
     from tests.local import LocalTarget
 
-    target = LocalTarget(ModelSource(synthetic="tiny"), storage=RollbackStorage(CHECKPOINT, BLOCK))
-    assert batched(target, CHECKPOINT, step_rows=8, prefill_chunk=5) == each_alone(target, CHECKPOINT)
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: spinning thread pools on a shared machine cost far more than they gain
+    try:
+        target = LocalTarget(ModelSource(synthetic="tiny"), storage=RollbackStorage(CHECKPOINT, BLOCK))
+        assert batched(target, CHECKPOINT, step_rows=8, prefill_chunk=5) == each_alone(target, CHECKPOINT)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_generate_runs_copies_of_a_request_together(daemons):
@@ -237,3 +246,44 @@ def test_generate_runs_copies_of_a_request_together(daemons):
         alone = greedy_decode(pipeline, 1, TEXTS[2], NEW).tokens
     assert record["concurrency"] == 3 and record["streams_identical"] and record["tokens"] == alone
     assert record["aggregate_tok_s"] > 0
+
+
+def test_the_serve_engine_batches_requests_counts_them_and_cancels_a_dropped_one(daemons):
+    """One engine thread for every request: outputs as alone, the scheduler's metrics, a dropped stream closed."""
+    import asyncio
+
+    from coordinator.client import ShardClient
+    from coordinator.serve.engine import Engine, GenerateParams
+    from coordinator.tokenizer import ByteTokenizer
+
+    engine = Engine(daemons[REPLAY_SSM], ByteTokenizer(), model_name="m", drafter="ngram", rollback=REPLAY_SSM,
+                    block_size=BLOCK)
+    params = [GenerateParams(prompt, NEW, sampling or Sampling(), ignore_eos=True) for prompt, sampling, _ in MIX]
+
+    async def run():
+        async def dropped():  # a client that reads one delta and goes away
+            stream = engine.generate(GenerateParams(TEXTS[0], 4000, Sampling(), ignore_eos=True))
+            await stream.__anext__()
+            await stream.aclose()
+
+        return await asyncio.gather(*(engine.complete(p) for p in params), dropped())
+
+    try:
+        results = asyncio.run(run())[:-1]
+        with Pipeline.connect(daemons[REPLAY_SSM]) as pipeline:
+            expected = [speculative_decode(pipeline, seq, p.prompt_ids, NgramDrafter(), block_size=BLOCK,
+                                           rollback=REPLAY_SSM, max_new_tokens=NEW,
+                                           sampling=p.sampling).tokens for seq, p in enumerate(params)]
+        assert [result.tokens for _, result, _ in results] == expected
+        metrics = engine.metrics.registry
+        deadline = time.monotonic() + 5
+        while metrics.get_sample_value("shardctl_time_in_queue_seconds_count") < len(params) + 1:
+            assert time.monotonic() < deadline, "the dropped stream was never ended"
+            time.sleep(0.05)
+        with ShardClient(daemons[REPLAY_SSM][0], timeout_s=10) as client:
+            assert client.stats()["open_sequences"] == 0  # its sequence closed at the next step boundary
+        assert metrics.get_sample_value("shardctl_batch_size_count") >= NEW // BLOCK
+        assert metrics.get_sample_value("shardctl_prefill_rows_total") >= sum(len(p.prompt_ids) for p in params)
+        assert metrics.get_sample_value("shardctl_requests_queued") == 0
+    finally:
+        engine.close()
