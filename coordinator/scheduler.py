@@ -20,7 +20,10 @@ Rules, in the order a step applies them:
   re-filled from its committed history as `coordinator.decoding` does, or it fails, and the others go on.
 
 The commit rule (`commit_tokens`), the logprob bookkeeping and the recovery are `coordinator.decoding`'s.
-Not here: the DFlash drafter (its capture/propose path is per sequence; `coordinator.decoding` serves it).
+The `replay` baseline runs batched too (`ReplayBatches`: snapshots, then the step; restores, then the kept
+tokens again as one more batch). Not here: the DFlash drafter (its capture/propose path is per sequence;
+`coordinator.decoding.speculative_decode` serves it). A re-fill (`_recover`) runs inside the step, so the other
+streams wait for it, and their tokens stay the same.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from coordinator.acceptance import accept_length, commit_tokens
@@ -177,6 +180,57 @@ class LoopBatches:
         return failures
 
 
+class ReplayBatches:
+    """The `replay` baseline (`ReplayTarget`) a batch at a time: a checkpointed item snapshots its sequence and
+    runs as a plain forward in the batch; the step's rollbacks restore their snapshots and forward the kept
+    tokens again, together as one more batch."""
+
+    def __init__(self, replay: ReplayTarget, batches) -> None:
+        self.replay = replay
+        self.batches = batches  # the wrapped target's batch calls
+
+    def forward_batch(self, items: Sequence[BatchForward]) -> list:
+        results: list = [None] * len(items)
+        plain = []
+        for index, item in enumerate(items):
+            self.replay.pending.pop(item.seq, None)
+            if item.checkpoint:
+                try:
+                    self.replay.target.snapshot(item.seq)
+                except Exception as error:  # noqa: BLE001 - this item's failure, as forward would raise it
+                    results[index] = error
+                    continue
+            plain.append(index)
+        outputs = self.batches.forward_batch([replace(items[index], checkpoint=False) for index in plain])
+        for index, output in zip(plain, outputs):
+            results[index] = output
+            if items[index].checkpoint and not isinstance(output, BaseException):
+                self.replay.pending[items[index].seq] = (items[index].pos, list(items[index].tokens))
+        return results
+
+    def rollback_batch(self, items: Sequence[tuple[int, int]]) -> dict[int, Exception]:
+        failures: dict[int, Exception] = {}
+        again = []
+        for seq, keep in items:
+            if seq not in self.replay.pending:
+                failures[seq] = RollbackFailed(f"sequence {seq} has no checkpointed step to roll back")
+                continue
+            pos, tokens = self.replay.pending.pop(seq)
+            try:
+                self.replay.target.restore(seq)
+            except (RollbackFailed, SequenceLost) as error:
+                failures[seq] = error
+                continue
+            if keep:
+                again.append(BatchForward(seq, pos, tokens[:keep]))
+        for item, output in zip(again, self.batches.forward_batch(again) if again else []):
+            if isinstance(output, (RollbackFailed, SequenceLost)):
+                failures[item.seq] = output
+            elif isinstance(output, BaseException):
+                failures[item.seq] = RollbackFailed(f"replaying the kept tokens of sequence {item.seq}: {output}")
+        return failures
+
+
 class Scheduler:
     """Continuous batching over `target` (a `Pipeline`, a `LocalTarget`: anything with `forward_batch` and
     `rollback_batch`, else their loop). Owned by one thread: `submit` and `Request.cancel` are the only calls
@@ -199,8 +253,10 @@ class Scheduler:
             raise ValueError(f"unknown rollback mode {rollback!r}; choose one of {', '.join(ROLLBACK_MODES)}")
         self.target = ReplayTarget(target) if rollback == REPLAY else target
         self.rollback = rollback
-        batched = hasattr(self.target, "forward_batch") and hasattr(self.target, "rollback_batch")
-        self.batches = self.target if batched else LoopBatches(self.target)
+        batched = hasattr(target, "forward_batch") and hasattr(target, "rollback_batch")
+        self.batches = target if batched else LoopBatches(target)
+        if rollback == REPLAY:
+            self.batches = ReplayBatches(self.target, self.batches)
         self.max_sequences = max_sequences
         self.step_rows = step_rows or getattr(target, "step_rows", None) or DEFAULT_STEP_ROWS
         self.prefill_chunk = prefill_chunk or self.step_rows
