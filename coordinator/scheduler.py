@@ -306,16 +306,25 @@ class Scheduler:
             try:
                 self.step()
             except Exception as error:  # noqa: BLE001 - a defect here fails the requests it touched, not the engine
-                for request in [*self.running, *self.waiting]:
-                    self._fail(request, error)
-                self.waiting.clear()
+                self.abort(error)
 
     def run_all(self, requests: Iterable[Request]) -> list[Request]:
         """Submit `requests` and step until every one is done (generate, bench, tests)."""
         requests = [self.submit(request) for request in requests]
-        while not all(request.done.is_set() for request in requests):
-            self.step()
+        try:
+            while not all(request.done.is_set() for request in requests):
+                self.step()
+        except BaseException as error:  # Ctrl-C, SIGTERM: no sequence is left open on the shards
+            self.abort(error)
+            raise
         return requests
+
+    def abort(self, error: BaseException) -> None:
+        """End every request with `error`, closing the open sequences (best effort)."""
+        for request in [*self.running, *self.waiting, *self._incoming]:
+            self._fail(request, error)
+        self.waiting.clear()
+        self._incoming.clear()
 
     def step(self) -> StepReport:
         """One step: admit, plan the rows, forward them as one batch, commit, roll back, finish."""
