@@ -9,9 +9,10 @@ Rules, in the order a step applies them:
 
 - A cancelled request's sequence is closed; new requests are admitted in arrival order while fewer than
   `max_sequences` run (the shards' limit); the rest wait in the queue.
-- A step holds at most `step_rows` rows. Running streams (decode and verify rows) go first, those that waited
-  longest ahead; then prompt chunks, in admission order, while they fit. A prompt whose chunk found no room
-  goes first the next step, so a long prompt and running streams both advance.
+- A step holds at most `step_rows` rows (default: the shards' fixed step, at least DEFAULT_STEP_ROWS). Running
+  streams (decode and verify rows) go first, those that waited longest ahead; then prompt chunks, in admission
+  order, while they fit. A prompt whose chunk found no room goes first the next step, so a long prompt and
+  running streams both advance.
 - A prompt is prefilled in chunks of `prefill_chunk` tokens at fixed positions (0, C, 2C, ...): where a
   chunk boundary falls never depends on the other requests, and each row's result is the same whichever rows
   shared its step (the fixed-shape step), so every request's tokens equal the same request run alone.
@@ -60,7 +61,7 @@ from coordinator.pipeline import BatchForward
 from coordinator.target import ReplayTarget, RollbackFailed, SequenceLost
 from protocol.layout import CHECKPOINT, REPLAY, ROLLBACK_MODES
 
-DEFAULT_STEP_ROWS = 128  # rows per step when the target names no fixed step (a CPU daemon has none)
+DEFAULT_STEP_ROWS = 256  # rows per step at least: 32 streams' blocks of 8, or a prompt chunk beside 128 decode rows
 
 QUEUED, PREFILL, DECODE, DONE = "queued", "prefill", "decode", "done"
 
@@ -258,8 +259,9 @@ class Scheduler:
         if rollback == REPLAY:
             self.batches = ReplayBatches(self.target, self.batches)
         self.max_sequences = max_sequences
-        self.step_rows = step_rows or getattr(target, "step_rows", None) or DEFAULT_STEP_ROWS
-        self.prefill_chunk = prefill_chunk or self.step_rows
+        # A step of more rows than the shards' fixed step runs there as several (shardd.batch); a row's bits stay.
+        self.step_rows = step_rows or max(getattr(target, "step_rows", None) or 0, DEFAULT_STEP_ROWS)
+        self.prefill_chunk = prefill_chunk or max(1, self.step_rows // 2)  # a chunk fits beside half a step of streams
         if not 1 <= self.prefill_chunk <= self.step_rows:
             raise ValueError(f"prefill_chunk must be in [1, step_rows={self.step_rows}], got {self.prefill_chunk}")
         self.recovery_timeout_s = recovery_timeout_s

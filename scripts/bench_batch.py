@@ -59,7 +59,7 @@ def run_streams(target, prompts, args, *, references=None, sampling=None, ngram=
                 for i, prompt in enumerate(prompts)]
     started = time.perf_counter()
     results = decode_all(target, requests, max_sequences=max_sequences or len(prompts), rollback=rollback,
-                         step_rows=args.batch_rows, prefill_chunk=min(args.batch_rows, args.prompt_len))
+                         step_rows=args.batch_rows)
     seconds = time.perf_counter() - started
     commits = [c for r in results for c in r.commits]
     return ([r.tokens for r in results], round(sum(len(r.tokens) for r in results) / seconds, 1),
