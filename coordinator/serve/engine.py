@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable, Optional, Sequence
 
 from coordinator.client import ShardClient
-from coordinator.decoding import RECOVERY_TIMEOUT_S, DecodeResult, StopDecoding, greedy_decode, speculative_decode
+from coordinator.decoding import RECOVERY_TIMEOUT_S, DecodeResult, StopDecoding, speculative_decode
 from coordinator.drafters import NgramDrafter, make_drafter
 from coordinator.liveness import LIVENESS_TIMEOUT_S
 from coordinator.pipeline import Pipeline
@@ -231,14 +231,15 @@ class Engine:
                 f"tokens, leaving no room for output"
             )
 
-    def decode_blocking(self, params: GenerateParams, on_text: Callable[[str, list], None],
-                        cancelled: threading.Event) -> DecodeResult:
-        """One request on this thread: decode, report text deltas (and the logprobs of the tokens they cover)
-        as tokens commit, return the result."""
+    def _text_stream(self, params: GenerateParams, post: Callable[[object], None],
+                     cancelled: Optional[threading.Event] = None):
+        """(on_commit, finish) for one request: commits become text deltas `post`ed as (text, logprobs of the tokens
+        it covers); `finish(result)` posts what is left and records the result. `on_commit` raises StopDecoding
+        when a stop string matched (or `cancelled` is set)."""
         text = TextTracker(self.tokenizer, params.stop, () if params.ignore_eos else self.eos_ids,
                            params.skip_special_tokens)
-        last = [time.perf_counter()]
-        started = last[0]
+        started = time.perf_counter()
+        last = [started]
         pending: list = []  # (token, logprobs entry) committed since the last text delta; an EOS is not text
 
         def on_commit(committed: list[int]) -> None:
@@ -253,41 +254,45 @@ class Engine:
                 pending.extend((t, e) for t, e in zip(committed, entries) if t not in text.eos)
             delta, stopped = text.add(committed)
             if delta:
-                on_text(delta, pending[:])
+                post((delta, pending[:]))
                 pending.clear()
-            if stopped or cancelled.is_set():
+            if stopped or (cancelled is not None and cancelled.is_set()):
                 raise StopDecoding
 
+        def finish(result: DecodeResult) -> None:
+            rest = text.finish()
+            if rest or pending:
+                post((rest, pending[:]))
+            if text.stopped:
+                result.finish_reason = "stop"
+            self.metrics.record(result, self.rollback if self.drafter != GREEDY else None)
+
+        return on_commit, finish
+
+    def decode_blocking(self, params: GenerateParams, on_text: Callable[[str, list], None],
+                        cancelled: threading.Event) -> DecodeResult:
+        """One DFlash request on this thread (the drafter's capture/propose path is per sequence): decode, report
+        text deltas (and the logprobs of the tokens they cover) as tokens commit, return the result."""
+        on_commit, finish = self._text_stream(params, lambda item: on_text(*item), cancelled)
         connection = self._take()
         healthy = False
         try:
             eos = () if params.ignore_eos else self.eos_ids
             seq = secrets.randbelow(1 << 62)
-            if self.drafter == GREEDY:
-                result = greedy_decode(connection.pipeline, seq, params.prompt_ids, params.max_tokens, eos, on_commit,
-                                       sampling=params.sampling, recovery_timeout_s=self.recovery_timeout_s)
-            else:
-                chosen = make_drafter(self.drafter, prompt_len=len(params.prompt_ids), block_size=self.block_size,
-                                      draft_client=connection.draft_client, pipeline=connection.pipeline)
-                target = chosen.target if self.drafter == "dflash" else connection.pipeline
-                block = min(self.block_size, chosen.max_block_size) if self.drafter == "dflash" else self.block_size
-                result = speculative_decode(
-                    target, seq, params.prompt_ids, chosen, block_size=block, rollback=self.rollback,
-                    max_new_tokens=params.max_tokens, eos_ids=eos, on_commit=on_commit, sampling=params.sampling,
-                    recovery_timeout_s=self.recovery_timeout_s,
-                )
+            chosen = make_drafter(self.drafter, prompt_len=len(params.prompt_ids), block_size=self.block_size,
+                                  draft_client=connection.draft_client, pipeline=connection.pipeline)
+            result = speculative_decode(
+                chosen.target, seq, params.prompt_ids, chosen, block_size=min(self.block_size, chosen.max_block_size),
+                rollback=self.rollback, max_new_tokens=params.max_tokens, eos_ids=eos, on_commit=on_commit,
+                sampling=params.sampling, recovery_timeout_s=self.recovery_timeout_s,
+            )
             healthy = True
         finally:
             if healthy:
                 self._idle.put(connection)
             else:
                 connection.close()
-        rest = text.finish()
-        if rest or pending:
-            on_text(rest, pending[:])
-        if text.stopped:
-            result.finish_reason = "stop"
-        self.metrics.record(result, self.rollback if self.drafter != GREEDY else None)
+        finish(result)
         return result
 
     async def generate(self, params: GenerateParams) -> AsyncIterator[Delta]:
@@ -320,43 +325,17 @@ class Engine:
     def _request(self, params: GenerateParams, post: Callable[[object], None]) -> Request:
         """The scheduler's request for `params`: its commits become text deltas, its end the result (or error),
         each handed to `post` on the engine thread."""
-        eos = () if params.ignore_eos else self.eos_ids
-        text = TextTracker(self.tokenizer, params.stop, eos, params.skip_special_tokens)
-        started = time.perf_counter()
-        last = [started]
-        pending: list = []  # (token, logprobs entry) committed since the last text delta; an EOS is not text
-
-        def on_commit(committed: list[int]) -> None:
-            now = time.perf_counter()
-            if len(text.tokens) == 0:
-                self.metrics.ttft_seconds.observe(now - started)
-            else:
-                self.metrics.step_seconds.observe(now - last[0])
-            last[0] = now
-            entries = getattr(committed, "logprobs", None)
-            if entries is not None:
-                pending.extend((t, e) for t, e in zip(committed, entries) if t not in text.eos)
-            delta, stopped = text.add(committed)
-            if delta:
-                post((delta, pending[:]))
-                pending.clear()
-            if stopped:
-                raise StopDecoding
+        on_commit, finish = self._text_stream(params, post)
 
         def on_finish(request: Request) -> None:
             self.metrics.queue_seconds.observe(request.queued_seconds or 0.0)
             if request.error is not None:
                 post(request.error)
                 return
-            result = request.result
-            rest = text.finish()
-            if rest or pending:
-                post((rest, pending[:]))
-            if text.stopped:
-                result.finish_reason = "stop"
-            self.metrics.record(result, self.rollback if self.drafter != GREEDY else None)
-            post(result)
+            finish(request.result)
+            post(request.result)
 
+        eos = () if params.ignore_eos else self.eos_ids
         drafter = NgramDrafter() if self.drafter == "ngram" else None
         return Request(params.prompt_ids, params.max_tokens, eos_ids=eos, sampling=params.sampling, drafter=drafter,
                        block_size=self.block_size, on_commit=on_commit, on_finish=on_finish)
