@@ -170,6 +170,24 @@ def test_one_failing_request_leaves_the_others_unchanged():
     assert not target.states
 
 
+def test_eos_max_tokens_and_the_context_limit_end_each_request_on_its_own():
+    target = BatchTarget()
+    target.max_context = 12  # the shards' context: prompt and output together
+    reference = alone(PROMPTS[0], 6)
+    eos = reference[3]
+    stopped = Request(PROMPTS[0], 6, eos_ids=[eos])
+    limited = Request(PROMPTS[1], 50, drafter=NgramDrafter(), block_size=4)
+    budget = Request(PROMPTS[3], 5, drafter=NgramDrafter(), block_size=4)
+    nothing = Request(PROMPTS[2], 0)
+    Scheduler(target, max_sequences=4, step_rows=16).run_all([stopped, limited, budget, nothing])
+    assert stopped.result.tokens == reference[:reference.index(eos) + 1] and stopped.result.finish_reason == "stop"
+    assert limited.result.tokens == alone(PROMPTS[1], 12 - len(PROMPTS[1]))  # its blocks shrank near the limit
+    assert limited.result.finish_reason == "length"
+    assert budget.result.tokens == alone(PROMPTS[3], 5) and budget.result.finish_reason == "length"
+    assert nothing.result.tokens == [] and nothing.seq is None
+    assert not target.states
+
+
 # ---- exactness over a real model --------------------------------------------------------------------------
 
 NEW = 10
