@@ -87,6 +87,22 @@ def sweep(target, prompts, args, label: str) -> dict:
     return out
 
 
+def fixed_step(args, fast_shard) -> dict:
+    """FastShard's `step_rows` (R, the rows every batched step holds): --daemon-step-rows, else what `shardd serve`
+    defaults to; nothing for a FastShard without batched steps."""
+    import inspect
+
+    if "step_rows" not in inspect.signature(fast_shard.__init__).parameters:
+        return {}
+    if args.daemon_step_rows:
+        return {"step_rows": args.daemon_step_rows}
+    try:
+        from shardd.engine import DEFAULT_STEP_ROWS
+    except ImportError:
+        return {}
+    return {"step_rows": max(DEFAULT_STEP_ROWS, BLOCK)}
+
+
 def run_batch_local(args) -> dict:
     import torch
 
@@ -108,9 +124,9 @@ def run_batch_local(args) -> dict:
     model = ShardModel(config, weights, 0, config.num_layers, dtype=torch.bfloat16, device=device,
                        storage=rb.RollbackStorage(REPLAY_SSM, BLOCK))
     del weights
-    shard = FastShard(model, max_sequences=max(CONCURRENCY) + 1, max_context=context)
+    shard = FastShard(model, max_sequences=max(CONCURRENCY) + 1, max_context=context, **fixed_step(args, FastShard))
     out: dict = {"batch_preset": args.preset, "batch_prompt_len": args.prompt_len, "batch_new_tokens": args.tokens,
-                 "batch_rows": args.batch_rows, "batch_step_rows_local": shard.step_rows,
+                 "batch_rows": args.batch_rows, "batch_fixed_step_rows_local": getattr(shard, "batch_rows", None),
                  "batch_build_s": round(time.perf_counter() - started, 1)}
     target = LocalTarget.from_shards([shard], context)
     prompts = stream_prompts(args, max(CONCURRENCY))

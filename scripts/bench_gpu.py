@@ -1081,7 +1081,8 @@ def main() -> int:
                         help="FP8 linears in this layout (the head and embedding bf16); the floor is their bytes.")
     parser.add_argument("--batch-rows", type=int, default=512, help="The batch parts' scheduler rows per step.")
     parser.add_argument("--daemon-step-rows", type=int, default=None,
-                        help="The batch-daemons part's shardd serve --step-rows (the daemons' fixed step), when given.")
+                        help="The batch parts' fixed step R (FastShard step_rows in process, shardd serve --step-rows; "
+                             "default: shardd's).")
     parser.add_argument("--json", default=None)
     parser.add_argument("--draft", default="synthetic:5", help="The dflash part's drafter (shardd serve --draft).")
     parser.add_argument("--commits", default="3,5,7", help="The dflash part's mean commits per step.")
