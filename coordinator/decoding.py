@@ -345,12 +345,15 @@ class RecoveryFailed(SequenceLost):
     """The sequence could not be re-filled within the recovery timeout; the message says why."""
 
 
-def _refill(target: Target, seq: int, history: list[int], prompt_len: int) -> None:
+def _refill(target: Target, seq: int, history: list[int], prompt_len: int, prompt_chunk: int | None = None) -> None:
     """Forward the committed history (everything but t0) the way it went the first time: the prompt as one
-    prefill, the generated tokens in steps of at most the target's `step_rows`. A shard serving the
-    fixed-shape GPU step computes a token the same way in any step of at most that many rows, but a prefill
-    rounds differently in bf16, so this re-builds exactly the state that decoding had built."""
-    target.forward(seq, 0, history[:prompt_len])
+    prefill (or in the chunks of `prompt_chunk` tokens the scheduler prefilled it in), the generated tokens in
+    steps of at most the target's `step_rows`. A shard serving the fixed-shape GPU step computes a token the
+    same way in any step of at most that many rows, but a prefill rounds differently in bf16, so this
+    re-builds exactly the state that decoding had built."""
+    chunk = prompt_chunk or prompt_len
+    for start in range(0, prompt_len, chunk):
+        target.forward(seq, start, history[start : min(start + chunk, prompt_len)])
     generated = history[prompt_len:-1]
     rows = getattr(target, "step_rows", None) or max(len(generated), 1)
     for start in range(0, len(generated), rows):
@@ -361,6 +364,7 @@ def _recover(
     target: Target, seq: int, history: list[int], prompt_len: int, result: DecodeResult,
     failure: SequenceLost | RollbackFailed,
     timeout_s: float = RECOVERY_TIMEOUT_S,
+    prompt_chunk: int | None = None,
 ) -> None:
     """Rebuild the state from the committed history and count why: a rollback
     the target could not do fast, or a sequence it lost (a restarted shard or drafter daemon). A shard
@@ -372,7 +376,7 @@ def _recover(
             with contextlib.suppress(Exception):  # the sequence may be gone from some shards already
                 target.close(seq)
             target.open(seq)  # a Pipeline checks first that every shard is the one the sequence started on
-            _refill(target, seq, history, prompt_len)
+            _refill(target, seq, history, prompt_len, prompt_chunk)
             break
         except (SequenceLost, RemoteError) as error:
             if isinstance(error, RemoteError) and error.code is not ErrorCode.SEQUENCE_EXISTS:

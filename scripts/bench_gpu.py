@@ -14,6 +14,9 @@ Parts, each in its own process (so one part's memory never weighs on the next):
   is) and the same decoding over the pipeline.
 - `relay`: the same two daemons, and where each request's time goes (`relay_by_phase`: the daemons'
   STATS phases and the coordinator's client phases, protocol/timing.py, per verify step).
+- `batch` (`batch-local`, `batch-daemons`; scripts/bench_batch.py): many streams through the scheduler,
+  aggregate tok/s by concurrency, greedy and oracle, one process and two daemons, HTTP at 8 streams, and
+  `batch_identical` (issue 20).
 
 Every output (greedy, each mode, one process and two daemons) is hashed: `outputs_identical` says
 whether they are all the same tokens.
@@ -35,6 +38,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_batch import batch_table, run_batch_daemons, run_batch_local, summarize_batch  # noqa: E402
 
 MODES = ("checkpoint", "replay-ssm", "replay")
 BLOCK = 16
@@ -402,7 +407,8 @@ def wait_for_hello(daemons: list[tuple[str, subprocess.Popen, str, Path]], timeo
 
 
 def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] | None = None,
-                  env: dict | None = None, tag: str = "", tcp_ports: list[int] | None = None) -> tuple[list, list[str]]:
+                  env: dict | None = None, tag: str = "", tcp_ports: list[int] | None = None, max_sequences: int = 2,
+                  extra: list[str] = ()) -> tuple[list, list[str]]:
     """`shardd serve` per range, one GPU each, on ipc:// endpoints (tcp on loopback with `tcp_ports`); returns
     (processes, endpoints) once all are ready."""
     devices = devices or args.e2e_devices.split(",")
@@ -418,8 +424,8 @@ def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] 
             *(["--quantize", args.fp8] if args.fp8 else []),
             "--rollback-mode", mode, "--max-verify-tokens", str(BLOCK)]
         command = [sys.executable, "-m", "shardd", "serve", "--synthetic", f"{args.preset}:{args.seed}", *layers,
-                   "--device", devices[index], "--dtype", args.e2e_dtype, "--bind", endpoint, "--max-sequences", "2",
-                   "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK)]
+                   "--device", devices[index], "--dtype", args.e2e_dtype, "--bind", endpoint, "--max-sequences", str(max_sequences),
+                   "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK), *extra]
         if devices[index] == "cpu":  # a CPU check: one torch thread per daemon, as the tests start them
             command += ["--threads", "1"]
         processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -1050,13 +1056,16 @@ def phase_table(by_phase: dict) -> str:
 # ---- the whole run ---------------------------------------------------------------------------------------
 
 PARTS = {"local": run_local, "transformers": run_transformers, "e2e": run_e2e, "relay": run_relay,
-         "delay": run_relay_vs_delay, "relay-dflash": run_dflash_relay, "dflash": run_dflash}
+         "delay": run_relay_vs_delay, "relay-dflash": run_dflash_relay, "dflash": run_dflash,
+         "batch-local": run_batch_local, "batch-daemons": run_batch_daemons}
+BUNDLES = {"batch": ("batch-local", "batch-daemons")}  # --parts batch: issue 20's throughput sweep (scripts/bench_batch.py)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=sorted(PARTS), help="Run one part in this process.")
-    parser.add_argument("--parts", default="local,transformers,e2e", help=f"Comma-separated, of {sorted(PARTS)}.")
+    parser.add_argument("--parts", default="local,transformers,e2e",
+                        help=f"Comma-separated, of {sorted(PARTS)} (batch: {', '.join(BUNDLES['batch'])}).")
     parser.add_argument("--preset", default="qwen3.5-27b")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt-len", type=int, default=512)
@@ -1070,6 +1079,10 @@ def main() -> int:
                         "dumps in this directory, their top functions in the JSON.")
     parser.add_argument("--fp8", choices=("fp8-block", "fp8-channel"), default=None,
                         help="FP8 linears in this layout (the head and embedding bf16); the floor is their bytes.")
+    parser.add_argument("--batch-rows", type=int, default=512, help="The batch parts' scheduler rows per step.")
+    parser.add_argument("--daemon-step-rows", type=int, default=None,
+                        help="The batch parts' fixed step R (FastShard step_rows in process, shardd serve --step-rows; "
+                             "default: shardd's).")
     parser.add_argument("--json", default=None)
     parser.add_argument("--draft", default="synthetic:5", help="The dflash part's drafter (shardd serve --draft).")
     parser.add_argument("--commits", default="3,5,7", help="The dflash part's mean commits per step.")
@@ -1087,7 +1100,7 @@ def main() -> int:
         return 0
 
     merged: dict = {"hashes": {}}
-    for part in args.parts.split(","):
+    for part in [name for part in args.parts.split(",") for name in BUNDLES.get(part, (part,))]:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
             path = handle.name
         command = [sys.executable, __file__, "--part", part, "--json", path, "--preset", args.preset, "--seed", str(args.seed),
@@ -1097,7 +1110,8 @@ def main() -> int:
                    *(["--fp8", args.fp8] if args.fp8 else []),
                    "--draft", args.draft, "--commits", args.commits, "--placements", args.placements,
                    "--dflash-device", args.dflash_device, "--dflash-engine", args.dflash_engine,
-                   "--dflash-dtype", args.dflash_dtype]
+                   "--dflash-dtype", args.dflash_dtype, "--batch-rows", str(args.batch_rows),
+                   *(["--daemon-step-rows", str(args.daemon_step_rows)] if args.daemon_step_rows else [])]
         print(f"== {part}", flush=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if part == "transformers":  # the baseline as a plain install runs it: without flash-linear-attention
@@ -1121,6 +1135,8 @@ def main() -> int:
         print("== relay by phase (ms per step)\n" + phase_table(merged["relay_by_phase"]))
     if "dflash_runs" in merged:
         print(dflash_table(merged))
+    if "batch_checks" in merged:
+        print("== batch: aggregate tok/s by concurrent streams\n" + batch_table(merged))
     return 0 if merged["outputs_identical"] and "failed_parts" not in merged else 1
 
 
@@ -1139,7 +1155,9 @@ def summarize(merged: dict) -> None:
         merged["e2e_vs_local"] = {m: round(merged["e2e_tok_s"][m] / merged["tok_s"][m], 3) for m in merged["e2e_tok_s"] if m in merged["tok_s"]}
     if "e2e_greedy_ms_per_token" in merged and "greedy_ms_per_token" in merged:  # target: <= 1.05
         merged["e2e_greedy_vs_local"] = round(merged["e2e_greedy_ms_per_token"] / merged["greedy_ms_per_token"], 3)
-    merged["outputs_identical"] = len(set(merged["hashes"].values())) == 1
+    summarize_batch(merged)
+    # The batch parts hash no single output: their streams are checked by batch_identical.
+    merged["outputs_identical"] = len(set(merged["hashes"].values())) <= 1 and merged.get("batch_identical", True)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from statistics import median
 from typing import Sequence
 
 import click
@@ -57,13 +58,16 @@ def run_generate_subprocess(args: Sequence[str]) -> dict:
 @click.option("--block-size", type=click.IntRange(2), default=16, show_default=True)
 @click.option("--mean-commit", type=float, default=6.0, show_default=True, help="oracle: tokens committed per step.")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
+@click.option("--concurrency", type=click.IntRange(1), default=1, show_default=True,
+              help="Streams per run, batched by the scheduler: the table adds their aggregate tok/s.")
 @click.option("--prompt", help="Prompt text.")
 @click.option("--prompt-ids", help="Prompt token ids (default: a fixed 32-token prompt).")
 @click.option("--json", "json_file", is_flag=False, flag_value="-", default=None, metavar="[FILE]",
               type=click.Path(dir_okay=False, allow_dash=True),
               help="Print the full record as JSON instead of the table (--json FILE: write it there, table on stdout).")
 def bench(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
-          curve_client_key, ab_spec, runs, drafter, block_size, mean_commit, max_new_tokens, prompt, prompt_ids, json_file):
+          curve_client_key, ab_spec, runs, drafter, block_size, mean_commit, max_new_tokens, concurrency, prompt, prompt_ids,
+          json_file):
     """A/B/A benchmark of two rollback modes: each run a fresh `shardctl generate --json`.
 
     Launched shards are started afresh per block with that block's rollback mode.
@@ -82,7 +86,8 @@ def bench(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
     check_mean_commit(drafter, mean_commit, block_size)
     prompt_args = ["--prompt", prompt] if prompt is not None else ["--prompt-ids", prompt_ids or ",".join(
         str(i) for i in benchmark_prompt())]
-    plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport, daemon_args_from(dtype=dtype),
+    plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
+                     daemon_args_from(dtype=dtype, max_sequences=concurrency if concurrency > 8 else None),
                      curve=curve_server_key or curve_client_key)
     curve = load_curve(curve_server_key, curve_client_key)
     if not plan.launches:
@@ -94,7 +99,7 @@ def bench(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
                     raise click.UsageError(f"--ab {ab_spec} on these shards: {error}") from None
     generate_args = [
         *prompt_args, "--max-new-tokens", str(max_new_tokens), "--drafter", drafter, "--block-size", str(block_size),
-        "--mean-commit", str(mean_commit), "--ignore-eos", "--timeout", str(timeout),
+        "--mean-commit", str(mean_commit), "--ignore-eos", "--timeout", str(timeout), "--concurrency", str(concurrency),
         *curve_args(curve_server_key, curve_client_key),
         *(["--tokenizer", plan.model_dir] if plan.model_dir else []),
     ]
@@ -112,6 +117,8 @@ def bench(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
                 else:
                     block["runs"].append(record)
             block["summary"] = benchstats.summarize_runs(block["runs"])
+            if concurrency > 1:
+                block["summary"]["aggregate_tok_s"] = median(run["aggregate_tok_s"] for run in block["runs"])
             blocks.append(block)
     report = bench_report(blocks, modes, drafter, block_size, mean_commit, max_new_tokens)
     if json_file == "-":
@@ -133,7 +140,8 @@ def benchmark_prompt() -> list[int]:
 def bench_report(blocks: list[dict], modes: list[str], drafter: str, block_size: int, mean_commit: float,
                  max_new_tokens: int) -> dict:
     summaries = {block["name"]: block["summary"] for block in blocks}
-    hashes = [run["sha256"] for block in blocks for run in [block["warmup"], *block["runs"]]]
+    records = [run for block in blocks for run in [block["warmup"], *block["runs"]]]
+    hashes = [run["sha256"] for run in records]
     a1, b, a2 = (summaries[name]["decode_tok_s"] for name in ("A1", "B", "A2"))
     drift = benchstats.drift(a1, a2) if a1 is not None and a2 is not None else None
     a_mean = (a1 + a2) / 2 if a1 is not None and a2 is not None else None
@@ -146,19 +154,21 @@ def bench_report(blocks: list[dict], modes: list[str], drafter: str, block_size:
         "blocks": blocks,
         "drift_decode_tok_s": drift,
         "b_vs_a_decode_tok_s": (b / a_mean - 1) if b is not None and a_mean else None,
-        "identical": benchstats.all_identical(hashes),
+        "identical": benchstats.all_identical(hashes) and all(run.get("streams_identical", True) for run in records),
         "sha256": sorted(set(hashes)),
     }
 
 
 def print_bench(report: dict) -> None:
     rows = []
+    batched = any("aggregate_tok_s" in block["summary"] for block in report["blocks"])
     for block in report["blocks"]:
         s = block["summary"]
         rows.append([block["name"], block["mode"], s["runs"], fmt(s["decode_tok_s"]), fmt(s["wall_seconds"], 3),
                      fmt(s["prefill_tok_s"]), fmt_percent(s["acceptance_rate"]),
-                     fmt(s["avg_commit"], 2)])
-    click.echo(format_table(["BLOCK", "MODE", "RUNS", "DECODE TOK/S", "WALL S", "PREFILL TOK/S", "ACCEPT", "AVG COMMIT"], rows))
+                     fmt(s["avg_commit"], 2), *([fmt(s["aggregate_tok_s"])] if batched else [])])
+    click.echo(format_table(["BLOCK", "MODE", "RUNS", "DECODE TOK/S", "WALL S", "PREFILL TOK/S", "ACCEPT", "AVG COMMIT",
+                             *(["AGGREGATE TOK/S"] if batched else [])], rows))
     drift, change = report["drift_decode_tok_s"], report["b_vs_a_decode_tok_s"]
     click.echo(f"A1/A2 drift (decode tok/s): {'-' if drift is None else f'{100 * drift:.1f}%'}")
     verdict = ""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import sys
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -28,10 +29,11 @@ from coordinator.cli.output import emit_json, fmt, fmt_percent, progress
 from coordinator.cli.plan import (DEFAULT_DRAFT_PLACEMENT, DRAFT_PLACEMENTS, connect_pipeline, dflash_daemon, make_plan,
                                   mode_daemon_args)
 from coordinator.client import ShardClient
-from coordinator.decoding import RECOVERY_TIMEOUT_S, DecodeResult, greedy_decode, speculative_decode
+from coordinator.decoding import RECOVERY_TIMEOUT_S, DecodeResult, speculative_decode
 from coordinator.drafters import DRAFTERS, make_drafter
 from coordinator.pipeline import PipelineError, ShardInfo
 from coordinator.sampling import Sampling
+from coordinator.scheduler import Request, decode_all
 from coordinator.target import Target
 from coordinator.tokenizer import TokenizerUnavailable, load_tokenizer
 from protocol.layout import CHECKPOINT, ROLLBACK_MODES
@@ -86,6 +88,8 @@ class Generation:
     drafter: str
     rollback: Optional[str]
     block_size: Optional[int]
+    streams: Optional[list[DecodeResult]] = None  # every stream of a --concurrency batch (the first is `result`)
+    batch_seconds: Optional[float] = None  # the whole batch's wall time
 
 
 def run_generation(
@@ -104,18 +108,22 @@ def run_generation(
     draft_client: Optional[ShardClient] = None,
     sampling: Optional[Sampling] = None,
     recovery_timeout_s: float = RECOVERY_TIMEOUT_S,
+    concurrency: int = 1,
 ) -> Generation:
-    """One generation through `target` with fresh random sequence ids. `oracle` first
-    decodes greedily through the same target, unless `reference` (those ids) is given.
-    `dflash` drafts on the daemon behind `draft_client`; `target` is then a Pipeline."""
+    """One generation through `target` (the scheduler, as `shardctl serve` runs it) with fresh random sequence
+    ids. `oracle` first decodes greedily through the same target, unless `reference` (those ids) is given.
+    `dflash` drafts on the daemon behind `draft_client`; `target` is then a Pipeline.
+
+    `concurrency` > 1 runs that many copies of the request at once in one batch (a throughput benchmark); the
+    result is the first stream's, with `Generation.streams` holding every stream's."""
     seq = secrets.randbelow(1 << 62)
+    batch = dict(concurrency=concurrency, recovery_timeout_s=recovery_timeout_s)
     if drafter == GREEDY:
-        result = greedy_decode(target, seq, prompt, max_new_tokens, eos_ids, on_commit, sampling=sampling,
-                               recovery_timeout_s=recovery_timeout_s)
-        return Generation(result, None, drafter, None, None)
+        results, wall = decode_together(target, prompt, max_new_tokens, eos_ids, on_commit, sampling, **batch)
+        return Generation(results[0], None, drafter, None, None, results, wall)
     reference_result = None
     if drafter == "oracle" and reference is None:
-        reference_result = greedy_decode(target, secrets.randbelow(1 << 62), prompt, max_new_tokens, eos_ids)
+        reference_result = decode_together(target, prompt, max_new_tokens, eos_ids)[0][0]
         reference = reference_result.tokens
     if drafter == "dflash" and draft_client is None:
         raise click.UsageError("--drafter dflash needs a drafter daemon (--draft-shard, or --draft when launching)")
@@ -133,12 +141,37 @@ def run_generation(
                 param_hint="--block-size",
             )
         target = chosen.target  # every forward captures the drafter's target layers
-    result = speculative_decode(
-        target, seq, prompt, chosen, block_size=block_size, rollback=rollback,
-        max_new_tokens=max_new_tokens, eos_ids=eos_ids, on_commit=on_commit, sampling=sampling,
-        recovery_timeout_s=recovery_timeout_s,
-    )
-    return Generation(result, reference_result, drafter, rollback, block_size)
+        if concurrency != 1:
+            raise click.BadParameter("the dflash drafter decodes one sequence at a time (not batched)",
+                                     param_hint="--concurrency")
+        # The DFlash capture/propose path is per sequence: it keeps coordinator.decoding's loop.
+        result = speculative_decode(
+            target, seq, prompt, chosen, block_size=block_size, rollback=rollback,
+            max_new_tokens=max_new_tokens, eos_ids=eos_ids, on_commit=on_commit, sampling=sampling,
+            recovery_timeout_s=recovery_timeout_s,
+        )
+        return Generation(result, reference_result, drafter, rollback, block_size)
+    drafters = [chosen] + [make_drafter(drafter, prompt_len=len(prompt), reference=reference, block_size=block_size,
+                                        mean_commit=mean_commit, seed=oracle_seed) for _ in range(concurrency - 1)]
+    results, wall = decode_together(target, prompt, max_new_tokens, eos_ids, on_commit, sampling, drafters,
+                                    block_size=block_size, rollback=rollback, **batch)
+    return Generation(results[0], reference_result, drafter, rollback, block_size, results, wall)
+
+
+def decode_together(
+    target: Target, prompt: list[int], max_new_tokens: int, eos_ids: Sequence[int] = (),
+    on_commit: Optional[Callable[[list[int]], None]] = None, sampling: Optional[Sampling] = None,
+    drafters: Optional[Sequence] = None, *, concurrency: int = 1, block_size: int = 16, rollback: str = CHECKPOINT,
+    recovery_timeout_s: float = RECOVERY_TIMEOUT_S,
+) -> tuple[list[DecodeResult], float]:
+    """`concurrency` copies of one request through one scheduler (the first streams to `on_commit`): each
+    stream's result, and the wall seconds of the whole batch."""
+    requests = [Request(prompt, max_new_tokens, eos_ids=eos_ids, sampling=sampling,
+                        drafter=drafters[index] if drafters else None, block_size=block_size,
+                        on_commit=on_commit if index == 0 else None) for index in range(concurrency)]
+    started = time.perf_counter()
+    results = decode_all(target, requests, rollback=rollback, recovery_timeout_s=recovery_timeout_s)
+    return results, time.perf_counter() - started
 
 
 def generation_record(generation: Generation, tokenizer, shards: Sequence[ShardInfo] = (), eos_ids=()) -> dict:
@@ -158,6 +191,13 @@ def generation_record(generation: Generation, tokenizer, shards: Sequence[ShardI
         "commits": result.commits,
         "shards": [{"endpoint": s.endpoint, "layers": [s.begin, s.end]} for s in shards],
     }
+    streams = generation.streams or [result]
+    if len(streams) > 1:
+        record["concurrency"] = len(streams)
+        record["aggregate_tok_s"] = (sum(len(r.tokens) for r in streams) / generation.batch_seconds
+                                     if generation.batch_seconds else None)
+        # Every copy of the request must produce the same tokens whatever shared its steps.
+        record["streams_identical"] = all(r.tokens == result.tokens for r in streams)
     if generation.drafter == "oracle":
         record["drafter_note"] = ORACLE_NOTE
         if generation.reference is not None:
@@ -215,12 +255,15 @@ def describe_generation(record: dict) -> str:
               help="Sampling seed: the same seed gives the same output (default: a random one).")
 @recovery_timeout_option
 @liveness_timeout_option
+@click.option("--concurrency", type=click.IntRange(1), default=1, show_default=True,
+              help="Run this many copies of the request at once, batched by the scheduler (a throughput "
+                   "benchmark: the output is the first copy's; --json adds aggregate_tok_s and streams_identical).")
 @click.option("--ids", "print_ids", is_flag=True, help="Stream token ids instead of text.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of streaming.")
 def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
              curve_client_key, max_sequences, max_context, prompt, prompt_ids, tokenizer_dir, max_new_tokens, drafter,
              draft_shard, draft, draft_placement, block_size, rollback, mean_commit, oracle_seed, ignore_eos, temperature, top_p, top_k,
-             seed, recovery_timeout, liveness_timeout, print_ids, as_json):
+             seed, recovery_timeout, liveness_timeout, concurrency, print_ids, as_json):
     """Generate greedily (or sampling, --temperature), speculating with a drafter; stream the text as tokens commit.
 
     \b
@@ -287,6 +330,7 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
                 pipeline, ids, drafter=drafter, rollback=rollback, block_size=block_size,
                 max_new_tokens=max_new_tokens, eos_ids=eos_ids, mean_commit=mean_commit, oracle_seed=oracle_seed,
                 on_commit=stream, draft_client=draft_client, sampling=sampling, recovery_timeout_s=recovery_timeout,
+                concurrency=concurrency,
             )
             record = generation_record(generation, tokenizer, pipeline.shards, eos_ids)
             if record.get("recoveries"):  # on stderr also under --json: a shard went away and came back

@@ -44,6 +44,9 @@ from protocol.layout import CHECKPOINT, ROLLBACK_MODES
 @click.option("--block-size", type=click.IntRange(2), default=16, show_default=True, help="Tokens per verify step.")
 @click.option("--rollback-mode", "--rollback", "rollback", type=click.Choice(ROLLBACK_MODES), default=CHECKPOINT,
               show_default=True, help="replay (by the coordinator, any shards), checkpoint or replay-ssm (by the shards).")
+@click.option("--batch-rows", type=click.IntRange(1), default=None, metavar="ROWS",
+              help="Rows (tokens) the scheduler puts in one step, shared by decode, verify and prompt-chunk rows "
+                   "(default: the shards' fixed step, at least 256); prompts go in chunks of half that.")
 @click.option("--log-level", type=click.Choice(("critical", "error", "warning", "info", "debug")), default="info",
               show_default=True)
 @click.option("--max-body-bytes", type=click.IntRange(1024), metavar="BYTES",
@@ -59,7 +62,7 @@ from protocol.layout import CHECKPOINT, ROLLBACK_MODES
                    "/metrics stay open); required when --host is not loopback.")
 def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
           curve_client_key, max_sequences, max_context, max_tokens_per_request, recovery_timeout, liveness_timeout,
-          host, port, tokenizer_dir, served_model_name, drafter, draft_shard, draft, draft_placement, block_size, rollback, log_level,
+          host, port, tokenizer_dir, served_model_name, drafter, draft_shard, draft, draft_placement, block_size, rollback, batch_rows, log_level,
           max_body_bytes, request_timeout, max_connections, as_json, api_key):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
     /version, /health, /metrics).
@@ -123,7 +126,8 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
             engine = Engine(endpoints, tokenizer, model_name=name, drafter=drafter, rollback=rollback,
                             block_size=block_size, timeout=timeout, curve=curve, draft_endpoint=draft_endpoint,
                             eos_ids=eos_ids, chat_template=template, defaults=generation_defaults(source_dir),
-                            recovery_timeout_s=recovery_timeout, liveness_timeout_s=liveness_timeout)
+                            recovery_timeout_s=recovery_timeout, liveness_timeout_s=liveness_timeout,
+                            step_rows=batch_rows)
         except (PipelineError, ValueError) as error:
             raise click.UsageError(str(error)) from None
         progress(f"tokenizer: {tokenizer.source}; chat template: {template.origin if template else 'none'}; "

@@ -1,8 +1,11 @@
-"""Requests to sequences: each request decodes on its own thread over a pipeline connection of its own
-(a `Pipeline` belongs to one thread; idle connections are pooled), so concurrent requests are concurrent
-sequences on the same daemons and none waits for another to finish. At most `max_sequences` (the
-smallest any shard allows) decode at once; more wait for a slot. The thread's commits reach the event loop
-through an asyncio queue as text deltas."""
+"""Requests to sequences: one engine thread owns a `Pipeline` and runs the scheduler
+(`coordinator.scheduler`), so all requests share each batched step; the HTTP handlers live on the event loop,
+submit a request and read its text deltas from an asyncio queue the engine thread fills. A client that goes
+away cancels its request: its sequence is closed at the next step boundary. At most `max_sequences` (the
+smallest any shard allows) decode at once; more wait in arrival order.
+
+The DFlash drafter (its per-sequence capture/propose path is not batched) keeps a thread per request over a
+pipeline connection of its own (idle connections are pooled), bounded by the same `max_sequences`."""
 
 from __future__ import annotations
 
@@ -18,11 +21,12 @@ from pathlib import Path
 from typing import AsyncIterator, Callable, Optional, Sequence
 
 from coordinator.client import ShardClient
-from coordinator.decoding import RECOVERY_TIMEOUT_S, DecodeResult, StopDecoding, greedy_decode, speculative_decode
-from coordinator.drafters import make_drafter
+from coordinator.decoding import RECOVERY_TIMEOUT_S, DecodeResult, StopDecoding, speculative_decode
+from coordinator.drafters import NgramDrafter, make_drafter
 from coordinator.liveness import LIVENESS_TIMEOUT_S
 from coordinator.pipeline import Pipeline
 from coordinator.sampling import Sampling
+from coordinator.scheduler import Request, Scheduler
 from coordinator.serve.metrics import ServeMetrics
 from protocol.layout import CHECKPOINT
 
@@ -95,7 +99,9 @@ class Engine:
         metrics: Optional[ServeMetrics] = None,
         recovery_timeout_s: float = RECOVERY_TIMEOUT_S,
         liveness_timeout_s: float = LIVENESS_TIMEOUT_S,
+        step_rows: Optional[int] = None,
     ) -> None:
+        """`step_rows`: the scheduler's rows per step (default: the shards' fixed step, see Scheduler)."""
         if drafter not in SERVE_DRAFTERS:
             raise ValueError(f"shardctl serve drafts with one of {', '.join(SERVE_DRAFTERS)}, not {drafter!r}")
         if drafter == "dflash" and draft_endpoint is None:
@@ -128,8 +134,23 @@ class Engine:
         except BaseException:
             first.close()
             raise
-        self._idle.put(first)
         self._slots: Optional[asyncio.Semaphore] = None
+        self.scheduler: Optional[Scheduler] = None
+        if drafter == "dflash":
+            self._idle.put(first)
+            return
+        self._engine_connection = first
+        self.scheduler = Scheduler(first.pipeline, max_sequences=self.max_sequences, step_rows=step_rows,
+                                   rollback=rollback, recovery_timeout_s=recovery_timeout_s,
+                                   on_step=self.metrics.record_step)
+        if drafter != GREEDY and block_size > self.scheduler.step_rows:
+            first.close()
+            raise ValueError(f"--block-size {block_size} does not fit the scheduler's step of "
+                             f"{self.scheduler.step_rows} rows")
+        self._stop = threading.Event()
+        self._engine = threading.Thread(target=self.scheduler.run, args=(self._stop,), name="shardctl-engine",
+                                        daemon=True)
+        self._engine.start()
 
     # ---- connections -----------------------------------------------------------------------
 
@@ -149,6 +170,12 @@ class Engine:
             return self._connect()
 
     def close(self) -> None:
+        if self.scheduler is not None and self._engine.is_alive():
+            self._stop.set()
+            self.scheduler.wake()
+            self._engine.join(self.timeout)
+            if not self._engine.is_alive():
+                self._engine_connection.close()
         while True:
             try:
                 self._idle.get_nowait().close()
@@ -204,14 +231,15 @@ class Engine:
                 f"tokens, leaving no room for output"
             )
 
-    def decode_blocking(self, params: GenerateParams, on_text: Callable[[str, list], None],
-                        cancelled: threading.Event) -> DecodeResult:
-        """One request on this thread: decode, report text deltas (and the logprobs of the tokens they cover)
-        as tokens commit, return the result."""
+    def _text_stream(self, params: GenerateParams, post: Callable[[object], None],
+                     cancelled: Optional[threading.Event] = None):
+        """(on_commit, finish) for one request: commits become text deltas `post`ed as (text, logprobs of the tokens
+        it covers); `finish(result)` posts what is left and records the result. `on_commit` raises StopDecoding
+        when a stop string matched (or `cancelled` is set)."""
         text = TextTracker(self.tokenizer, params.stop, () if params.ignore_eos else self.eos_ids,
                            params.skip_special_tokens)
-        last = [time.perf_counter()]
-        started = last[0]
+        started = time.perf_counter()
+        last = [started]
         pending: list = []  # (token, logprobs entry) committed since the last text delta; an EOS is not text
 
         def on_commit(committed: list[int]) -> None:
@@ -226,46 +254,94 @@ class Engine:
                 pending.extend((t, e) for t, e in zip(committed, entries) if t not in text.eos)
             delta, stopped = text.add(committed)
             if delta:
-                on_text(delta, pending[:])
+                post((delta, pending[:]))
                 pending.clear()
-            if stopped or cancelled.is_set():
+            if stopped or (cancelled is not None and cancelled.is_set()):
                 raise StopDecoding
 
+        def finish(result: DecodeResult) -> None:
+            rest = text.finish()
+            if rest or pending:
+                post((rest, pending[:]))
+            if text.stopped:
+                result.finish_reason = "stop"
+            self.metrics.record(result, self.rollback if self.drafter != GREEDY else None)
+
+        return on_commit, finish
+
+    def decode_blocking(self, params: GenerateParams, on_text: Callable[[str, list], None],
+                        cancelled: threading.Event) -> DecodeResult:
+        """One DFlash request on this thread (the drafter's capture/propose path is per sequence): decode, report
+        text deltas (and the logprobs of the tokens they cover) as tokens commit, return the result."""
+        on_commit, finish = self._text_stream(params, lambda item: on_text(*item), cancelled)
         connection = self._take()
         healthy = False
         try:
             eos = () if params.ignore_eos else self.eos_ids
             seq = secrets.randbelow(1 << 62)
-            if self.drafter == GREEDY:
-                result = greedy_decode(connection.pipeline, seq, params.prompt_ids, params.max_tokens, eos, on_commit,
-                                       sampling=params.sampling, recovery_timeout_s=self.recovery_timeout_s)
-            else:
-                chosen = make_drafter(self.drafter, prompt_len=len(params.prompt_ids), block_size=self.block_size,
-                                      draft_client=connection.draft_client, pipeline=connection.pipeline)
-                target = chosen.target if self.drafter == "dflash" else connection.pipeline
-                block = min(self.block_size, chosen.max_block_size) if self.drafter == "dflash" else self.block_size
-                result = speculative_decode(
-                    target, seq, params.prompt_ids, chosen, block_size=block, rollback=self.rollback,
-                    max_new_tokens=params.max_tokens, eos_ids=eos, on_commit=on_commit, sampling=params.sampling,
-                    recovery_timeout_s=self.recovery_timeout_s,
-                )
+            chosen = make_drafter(self.drafter, prompt_len=len(params.prompt_ids), block_size=self.block_size,
+                                  draft_client=connection.draft_client, pipeline=connection.pipeline)
+            result = speculative_decode(
+                chosen.target, seq, params.prompt_ids, chosen, block_size=min(self.block_size, chosen.max_block_size),
+                rollback=self.rollback, max_new_tokens=params.max_tokens, eos_ids=eos, on_commit=on_commit,
+                sampling=params.sampling, recovery_timeout_s=self.recovery_timeout_s,
+            )
             healthy = True
         finally:
             if healthy:
                 self._idle.put(connection)
             else:
                 connection.close()
-        rest = text.finish()
-        if rest or pending:
-            on_text(rest, pending[:])
-        if text.stopped:
-            result.finish_reason = "stop"
-        self.metrics.record(result, self.rollback if self.drafter != GREEDY else None)
+        finish(result)
         return result
 
     async def generate(self, params: GenerateParams) -> AsyncIterator[Delta]:
         """Text deltas as the request's tokens commit; the last one carries finish_reason and the result.
         Closing the iterator early (the client went away) ends the sequence after its current step."""
+        if self.scheduler is None:
+            async for delta in self._generate_on_thread(params):
+                yield delta
+            return
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue = asyncio.Queue()
+        request = self._request(params, lambda item: loop.call_soon_threadsafe(deltas.put_nowait, item))
+        try:
+            self.scheduler.submit(request)
+        except ValueError as error:
+            raise RequestError(str(error)) from None
+        try:
+            while True:
+                item = await deltas.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, DecodeResult):
+                    yield Delta(finish_reason=item.finish_reason, result=item)
+                    return
+                yield Delta(text=item[0], logprobs=item[1])
+        finally:
+            request.cancel()  # a no-op once it finished; else its sequence closes at the next step boundary
+            self.scheduler.wake()
+
+    def _request(self, params: GenerateParams, post: Callable[[object], None]) -> Request:
+        """The scheduler's request for `params`: its commits become text deltas, its end the result (or error),
+        each handed to `post` on the engine thread."""
+        on_commit, finish = self._text_stream(params, post)
+
+        def on_finish(request: Request) -> None:
+            self.metrics.queue_seconds.observe(request.queued_seconds or 0.0)
+            if request.error is not None:
+                post(request.error)
+                return
+            finish(request.result)
+            post(request.result)
+
+        eos = () if params.ignore_eos else self.eos_ids
+        drafter = NgramDrafter() if self.drafter == "ngram" else None
+        return Request(params.prompt_ids, params.max_tokens, eos_ids=eos, sampling=params.sampling, drafter=drafter,
+                       block_size=self.block_size, on_commit=on_commit, on_finish=on_finish)
+
+    async def _generate_on_thread(self, params: GenerateParams) -> AsyncIterator[Delta]:
+        """The DFlash path: the request decodes on a thread of its own."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_sequences)
         loop = asyncio.get_running_loop()

@@ -27,6 +27,27 @@ class ServeMetrics:
                                   registry=registry)
         self.finished = Counter("shardctl_finished", "Finished requests, by finish_reason", ["reason"],
                                 registry=registry)
+        # The scheduler (coordinator.scheduler): one observation per step, one per admitted request.
+        self.queued = Gauge("shardctl_requests_queued", "Requests waiting for a sequence slot", registry=registry)
+        self.batch_size = Histogram("shardctl_batch_size", "Sequences with rows in one step",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry)
+        self.step_rows = Histogram("shardctl_step_rows", "Rows (tokens) forwarded in one step: decode, verify and "
+                                   "prompt rows", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+                                   registry=registry)
+        self.prefill_rows = Counter("shardctl_prefill_rows", "Prompt rows forwarded in steps shared with running "
+                                    "streams (chunked prefill)", registry=registry)
+        self.queue_seconds = Histogram("shardctl_time_in_queue_seconds", "Request arrival to its admission",
+                                       buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+                                       registry=registry)
+
+    def record_step(self, report) -> None:
+        """One scheduler step (`coordinator.scheduler.StepReport`)."""
+        self.queued.set(report.queued)
+        self.running.set(report.running)
+        if report.sequences:
+            self.batch_size.observe(report.sequences)
+            self.step_rows.observe(report.rows)
+            self.prefill_rows.inc(report.prefill_rows)
 
     def record(self, result, rollback_mode: str | None) -> None:
         """A finished generation's `DecodeResult`."""

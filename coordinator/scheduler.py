@@ -1,0 +1,580 @@
+"""Continuous batching: many requests share each step of the target, as vLLM's and SGLang's schedulers do.
+
+Every step the scheduler decides which sequences run and how many rows each gets (one decode token, a
+speculative block of `[t0, drafts]`, or a chunk of a prompt), sends them to the target as one
+`forward_batch`, commits each sequence's answer with the same rule as `coordinator.decoding`, and sends the
+step's rollbacks as one `rollback_batch`. Requests join and leave only between steps.
+
+Rules, in the order a step applies them:
+
+- A cancelled request's sequence is closed; new requests are admitted in arrival order while fewer than
+  `max_sequences` run (the shards' limit); the rest wait in the queue.
+- A step holds at most `step_rows` rows (default: the shards' fixed step, at least DEFAULT_STEP_ROWS). Running
+  streams (decode and verify rows) go first, those that waited longest ahead; then prompt chunks, in admission
+  order, while they fit. A prompt whose chunk found no room goes first the next step, so a long prompt and
+  running streams both advance.
+- A prompt is prefilled in chunks of `prefill_chunk` tokens at fixed positions (0, C, 2C, ...): where a
+  chunk boundary falls never depends on the other requests, and each row's result is the same whichever rows
+  shared its step (the fixed-shape step), so every request's tokens equal the same request run alone.
+- Each request samples with its own settings on the head shard and has its own drafter and rollback; a
+  failure of one request's item (its SequenceLost, a bad input) is handled for that request alone: it is
+  re-filled from its committed history as `coordinator.decoding` does, or it fails, and the others go on.
+
+The commit rule (`commit_tokens`), the logprob bookkeeping and the recovery are `coordinator.decoding`'s.
+The `replay` baseline runs batched too (`ReplayBatches`: snapshots, then the step; restores, then the kept
+tokens again as one more batch). Not here: the DFlash drafter (its capture/propose path is per sequence;
+`coordinator.decoding.speculative_decode` serves it). A re-fill (`_recover`) runs inside the step, so the other
+streams wait for it, and their tokens stay the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from coordinator.acceptance import accept_length, commit_tokens
+from coordinator.decoding import (
+    LENGTH,
+    RECOVERY_TIMEOUT_S,
+    STOP,
+    DecodeResult,
+    StopDecoding,
+    _at,
+    _check_request,
+    _committed,
+    _finished,
+    _keep_logprobs,
+    _last_row,
+    _recover,
+    _sampled,
+    _with_drafts,
+    context_limit,
+)
+from coordinator.drafters import Drafter
+from coordinator.pipeline import BatchForward
+from coordinator.target import ReplayTarget, RollbackFailed, SequenceLost
+from protocol.layout import CHECKPOINT, REPLAY, ROLLBACK_MODES
+
+DEFAULT_STEP_ROWS = 256  # rows per step at least: 32 streams' blocks of 8, or a prompt chunk beside 128 decode rows
+
+QUEUED, PREFILL, DECODE, DONE = "queued", "prefill", "decode", "done"
+
+
+class Request:
+    """One generation: a prompt, its budget and sampling, and, when speculating, its drafter.
+
+    `on_commit(ids)` runs on the scheduler's thread as tokens commit (ids carry `.logprobs` when asked for);
+    raising `StopDecoding` there ends the request after this commit. `on_finish(request)` runs once at the
+    end, whether it finished, failed or was cancelled. `cancel()` may be called from any thread."""
+
+    def __init__(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        *,
+        eos_ids: Iterable[int] = (),
+        sampling=None,
+        drafter: Optional[Drafter] = None,
+        block_size: int = 16,
+        on_commit: Optional[Callable[[list[int]], None]] = None,
+        on_finish: Optional[Callable[["Request"], None]] = None,
+    ) -> None:
+        _check_request(list(prompt), max_new_tokens)
+        if drafter is not None and block_size < 2:
+            raise ValueError(f"block_size must be >= 2 to speculate, got {block_size}")
+        self.prompt = list(prompt)
+        self.max_new_tokens = max_new_tokens
+        self.eos = frozenset(eos_ids)
+        self.sampled = _sampled(sampling)
+        self.drafter = drafter
+        self.block_size = block_size
+        self.on_commit = on_commit
+        self.on_finish = on_finish
+        self.result = DecodeResult(prompt_tokens=len(self.prompt))
+        if self.sampled and self.sampled["sampling"].logprobs is not None:
+            self.result.logprobs = []
+        self.state = QUEUED
+        self.seq: Optional[int] = None
+        self.history: list[int] = []  # prompt + committed, once prefilled
+        self.prefilled = 0  # prompt tokens in the state
+        self.error: Optional[BaseException] = None
+        self.cancelled = False
+        self.arrived = time.monotonic()
+        self.queued_seconds: Optional[float] = None
+        self.last_step = -1  # the step this request last had rows in (fairness when rows run short)
+        self.done = threading.Event()
+        self._started = 0.0
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def outcome(self) -> DecodeResult:
+        """The result once done; the request's error raised."""
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def room(self, limit: Optional[int]) -> int:
+        """Tokens this request may still commit: its budget, and the context the shards hold."""
+        room = self.max_new_tokens - len(self.result.tokens)
+        return room if limit is None else min(room, limit - len(self.history))
+
+    def rows_wanted(self, limit: Optional[int]) -> int:
+        if self.drafter is None:
+            return 1
+        return min(self.block_size, self.room(limit))
+
+
+@dataclass
+class StepReport:
+    """What one step ran: the metrics' input."""
+
+    rows: int = 0  # tokens forwarded (decode, verify and prompt rows)
+    sequences: int = 0  # sequences with rows in the step
+    prefill_rows: int = 0
+    queued: int = 0  # requests still waiting for admission after the step
+    running: int = 0
+
+
+@dataclass
+class _Item:
+    request: Request
+    kind: str  # PREFILL or DECODE
+    forward: BatchForward
+    drafts: Optional[list[int]] = None
+    room: int = 0
+
+
+class LoopBatches:
+    """`forward_batch` / `rollback_batch` as a loop over a target that has only the single-sequence calls (the
+    `replay` baseline's `ReplayTarget`, a test's target): per item its ids or its exception."""
+
+    def __init__(self, target) -> None:
+        self.target = target
+
+    def forward_batch(self, items: Sequence[BatchForward]) -> list:
+        results = []
+        for item in items:
+            extra = {key: value for key, value in (("sampling", item.sampling), ("drafts", item.drafts))
+                     if value is not None}
+            try:
+                results.append(self.target.forward(item.seq, item.pos, item.tokens, checkpoint=item.checkpoint,
+                                                   **extra))
+            except Exception as error:  # noqa: BLE001 - handed back per item, as Pipeline.forward_batch does
+                results.append(error)
+        return results
+
+    def rollback_batch(self, items: Sequence[tuple[int, int]]) -> dict[int, Exception]:
+        failures = {}
+        for seq, keep in items:
+            try:
+                self.target.rollback(seq, keep)
+            except (RollbackFailed, SequenceLost) as error:
+                failures[seq] = error
+        return failures
+
+
+class ReplayBatches:
+    """The `replay` baseline (`ReplayTarget`) a batch at a time: a checkpointed item snapshots its sequence and
+    runs as a plain forward in the batch; the step's rollbacks restore their snapshots and forward the kept
+    tokens again, together as one more batch."""
+
+    def __init__(self, replay: ReplayTarget, batches) -> None:
+        self.replay = replay
+        self.batches = batches  # the wrapped target's batch calls
+
+    def forward_batch(self, items: Sequence[BatchForward]) -> list:
+        results: list = [None] * len(items)
+        plain = []
+        for index, item in enumerate(items):
+            self.replay.pending.pop(item.seq, None)
+            if item.checkpoint:
+                try:
+                    self.replay.target.snapshot(item.seq)
+                except Exception as error:  # noqa: BLE001 - this item's failure, as forward would raise it
+                    results[index] = error
+                    continue
+            plain.append(index)
+        outputs = self.batches.forward_batch([replace(items[index], checkpoint=False) for index in plain])
+        for index, output in zip(plain, outputs):
+            results[index] = output
+            if items[index].checkpoint and not isinstance(output, BaseException):
+                self.replay.pending[items[index].seq] = (items[index].pos, list(items[index].tokens))
+        return results
+
+    def rollback_batch(self, items: Sequence[tuple[int, int]]) -> dict[int, Exception]:
+        failures: dict[int, Exception] = {}
+        again = []
+        for seq, keep in items:
+            if seq not in self.replay.pending:
+                failures[seq] = RollbackFailed(f"sequence {seq} has no checkpointed step to roll back")
+                continue
+            pos, tokens = self.replay.pending.pop(seq)
+            try:
+                self.replay.target.restore(seq)
+            except (RollbackFailed, SequenceLost) as error:
+                failures[seq] = error
+                continue
+            if keep:
+                again.append(BatchForward(seq, pos, tokens[:keep]))
+        for item, output in zip(again, self.batches.forward_batch(again) if again else []):
+            if isinstance(output, (RollbackFailed, SequenceLost)):
+                failures[item.seq] = output
+            elif isinstance(output, BaseException):
+                failures[item.seq] = RollbackFailed(f"replaying the kept tokens of sequence {item.seq}: {output}")
+        return failures
+
+
+class Scheduler:
+    """Continuous batching over `target` (a `Pipeline`, a `LocalTarget`: anything with `forward_batch` and
+    `rollback_batch`, else their loop). Owned by one thread: `submit` and `Request.cancel` are the only calls
+    other threads make; `step` / `run` belong to the owner."""
+
+    def __init__(
+        self,
+        target,
+        *,
+        max_sequences: int,
+        step_rows: Optional[int] = None,
+        prefill_chunk: Optional[int] = None,
+        rollback: str = CHECKPOINT,
+        recovery_timeout_s: float = RECOVERY_TIMEOUT_S,
+        on_step: Optional[Callable[[StepReport], None]] = None,
+    ) -> None:
+        if max_sequences < 1:
+            raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
+        if rollback not in ROLLBACK_MODES:
+            raise ValueError(f"unknown rollback mode {rollback!r}; choose one of {', '.join(ROLLBACK_MODES)}")
+        self.target = ReplayTarget(target) if rollback == REPLAY else target
+        self.rollback = rollback
+        batched = hasattr(target, "forward_batch") and hasattr(target, "rollback_batch")
+        self.batches = target if batched else LoopBatches(target)
+        if rollback == REPLAY:
+            self.batches = ReplayBatches(self.target, self.batches)
+        self.max_sequences = max_sequences
+        # A step of more rows than the shards' fixed step runs there as several (shardd.batch); a row's bits stay.
+        self.step_rows = step_rows or max(getattr(target, "step_rows", None) or 0, DEFAULT_STEP_ROWS)
+        self.prefill_chunk = prefill_chunk or max(1, self.step_rows // 2)  # a chunk fits beside half a step of streams
+        if not 1 <= self.prefill_chunk <= self.step_rows:
+            raise ValueError(f"prefill_chunk must be in [1, step_rows={self.step_rows}], got {self.prefill_chunk}")
+        self.recovery_timeout_s = recovery_timeout_s
+        self.on_step = on_step
+        self.limit = context_limit(target)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.steps = 0
+        self._incoming: deque[Request] = deque()  # appended by any thread (deque appends are atomic)
+        self._wake = threading.Event()
+        self._prompt_waited = False  # a prompt chunk found no room last step: prompts go first this one
+
+    # ---- from any thread ------------------------------------------------------------------
+
+    def submit(self, request: Request) -> Request:
+        """Queue `request`; ValueError (nothing queued) when its prompt cannot fit the shards' context."""
+        if self.limit is not None and len(request.prompt) >= self.limit:
+            raise ValueError(f"the prompt holds {len(request.prompt)} tokens; the shards hold {self.limit} per "
+                             f"sequence, prompt and output together")
+        if request.drafter is not None and request.block_size > self.step_rows:
+            raise ValueError(f"a block of {request.block_size} tokens does not fit a step of {self.step_rows} rows")
+        request.arrived = time.monotonic()
+        self._incoming.append(request)
+        self._wake.set()
+        return request
+
+    def wake(self) -> None:
+        """Have `run` look again (a request was cancelled)."""
+        self._wake.set()
+
+    # ---- the owner's thread ---------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting or self._incoming)
+
+    def run(self, stop: threading.Event, idle_wait_s: float = 0.5) -> None:
+        """Step while there is work, until `stop` is set (an engine's thread)."""
+        while not stop.is_set():
+            if not self.busy:
+                self._wake.wait(idle_wait_s)
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception as error:  # noqa: BLE001 - a defect here fails the requests it touched, not the engine
+                self.abort(error)
+
+    def run_all(self, requests: Iterable[Request]) -> list[Request]:
+        """Submit `requests` and step until every one is done (generate, bench, tests)."""
+        requests = [self.submit(request) for request in requests]
+        try:
+            while not all(request.done.is_set() for request in requests):
+                self.step()
+        except BaseException as error:  # Ctrl-C, SIGTERM: no sequence is left open on the shards
+            self.abort(error)
+            raise
+        return requests
+
+    def abort(self, error: BaseException) -> None:
+        """End every request with `error`, closing the open sequences (best effort)."""
+        for request in [*self.running, *self.waiting, *self._incoming]:
+            self._fail(request, error)
+        self.waiting.clear()
+        self._incoming.clear()
+
+    def step(self) -> StepReport:
+        """One step: admit, plan the rows, forward them as one batch, commit, roll back, finish."""
+        while self._incoming:
+            self.waiting.append(self._incoming.popleft())
+        self._drop_cancelled()
+        self._admit()
+        for request in [r for r in self.running if r.state == DECODE]:
+            if request.room(self.limit) <= 0:
+                self._finish(request, LENGTH)  # the context limit ends the request
+        items = self._plan()
+        report = StepReport(rows=sum(len(item.forward.tokens) for item in items), sequences=len(items),
+                            prefill_rows=sum(len(item.forward.tokens) for item in items if item.kind == PREFILL))
+        if items:
+            self.steps += 1
+            self._run(items)
+        report.queued, report.running = len(self.waiting), len(self.running)
+        if self.on_step is not None:
+            self.on_step(report)
+        return report
+
+    # ---- admission --------------------------------------------------------------------------
+
+    def _drop_cancelled(self) -> None:
+        for request in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(request)
+            self._finish(request, STOP)
+        for request in [r for r in self.running if r.cancelled]:
+            self._finish(request, STOP)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_sequences:
+            request = self.waiting.popleft()
+            request.queued_seconds = time.monotonic() - request.arrived
+            if request.max_new_tokens == 0:
+                self._finish(request, LENGTH)
+                continue
+            request.seq = secrets.randbelow(1 << 62)
+            try:
+                self.target.open(request.seq)
+            except Exception as error:  # noqa: BLE001 - this request fails; the others run
+                request.seq = None
+                self._fail(request, error)
+                continue
+            request.state = PREFILL
+            request._started = time.perf_counter()
+            self.running.append(request)
+
+    # ---- planning ---------------------------------------------------------------------------
+
+    def _plan(self) -> list[_Item]:
+        streams = sorted((r for r in self.running if r.state == DECODE), key=lambda r: r.last_step)
+        prompts = [r for r in self.running if r.state == PREFILL]
+        plan: list[tuple[Request, int]] = []
+        used = 0
+
+        def take(candidates: list[Request], rows_of: Callable[[Request], int]) -> None:
+            nonlocal used
+            for request in candidates:
+                rows = rows_of(request)
+                if used + rows <= self.step_rows or not plan:
+                    plan.append((request, rows))
+                    used += rows
+
+        chunk = lambda r: min(self.prefill_chunk, len(r.prompt) - r.prefilled)  # noqa: E731
+        if self._prompt_waited:
+            take(prompts, chunk)
+            take(streams, lambda r: r.rows_wanted(self.limit))
+        else:
+            take(streams, lambda r: r.rows_wanted(self.limit))
+            take(prompts, chunk)
+        self._prompt_waited = any(r not in (p for p, _ in plan) for r in prompts)
+        items = []
+        for request, rows in plan:
+            try:
+                items.append(self._item(request, rows))
+            except Exception as error:  # noqa: BLE001 - a drafter that fails fails its own request
+                self._fail(request, error)
+        return items
+
+    def _item(self, request: Request, rows: int) -> _Item:
+        request.last_step = self.steps
+        if request.state == PREFILL:
+            start = request.prefilled
+            tokens = request.prompt[start:start + rows]
+            last = start + rows == len(request.prompt)
+            sampling = _at(request.sampled, request.prompt, request.result).get("sampling") if last else None
+            return _Item(request, PREFILL, BatchForward(request.seq, start, tokens, sampling=sampling))
+        history, room = request.history, request.room(self.limit)
+        sampling = _at(request.sampled, history, request.result)
+        if request.drafter is None:
+            return _Item(request, DECODE, BatchForward(request.seq, len(history) - 1, [history[-1]],
+                                                       sampling=sampling.get("sampling")), room=room)
+        started = time.perf_counter()
+        drafts = request.drafter.propose(history, rows - 1)
+        request.result.draft_seconds += time.perf_counter() - started
+        if len(drafts) != rows - 1:
+            raise ValueError(f"drafter {request.drafter.name!r} proposed {len(drafts)} tokens, asked for {rows - 1}")
+        extra = _with_drafts(sampling, drafts)
+        forward = BatchForward(request.seq, len(history) - 1, [history[-1]] + drafts, checkpoint=True,
+                               sampling=extra.get("sampling"), drafts=extra.get("drafts"))
+        return _Item(request, DECODE, forward, drafts=drafts, room=room)
+
+    # ---- running a step -------------------------------------------------------------------
+
+    def _run(self, items: list[_Item]) -> None:
+        try:
+            outputs = self.batches.forward_batch([item.forward for item in items])
+        except Exception as error:  # noqa: BLE001 - the whole batch failed: each of its requests with it
+            outputs = [error] * len(items)
+        rollbacks: list[tuple[int, int]] = []
+        commits: list[tuple[Request, list[int]]] = []
+        lost: list[tuple[Request, Exception]] = []
+        for item, output in zip(items, outputs):
+            request = item.request
+            if isinstance(output, (SequenceLost, RollbackFailed)) and request.state == DECODE:
+                lost.append((request, output))
+            elif isinstance(output, BaseException):
+                self._fail(request, output)
+            else:
+                try:
+                    if item.kind == PREFILL:
+                        self._prefilled(item, output)
+                    else:
+                        commits.append((request, self._verified(item, output, rollbacks)))
+                except Exception as error:  # noqa: BLE001 - a malformed answer fails its request alone
+                    self._fail(request, error)
+        if rollbacks:
+            failures = self._rollback(rollbacks)
+            lost.extend((request, failures[request.seq]) for request, _ in commits if request.seq in failures)
+        for request, failure in lost:
+            # The history holds every commit, this step's too when only its rollback failed.
+            try:
+                _recover(self.target, request.seq, request.history, len(request.prompt), request.result, failure,
+                         self.recovery_timeout_s, self.prefill_chunk)
+            except Exception as error:  # noqa: BLE001 - could not re-fill: this request fails
+                self._fail(request, error)
+        for request, committed in commits:
+            if request.state == DECODE:
+                self._record(request, committed)
+
+    def _rollback(self, rollbacks: list[tuple[int, int]]) -> dict[int, Exception]:
+        """Per sequence, the rollback that failed at once (a `Pipeline` reports its failures at the next call)."""
+        try:
+            return self.batches.rollback_batch(rollbacks) or {}
+        except (RollbackFailed, SequenceLost) as error:  # which one is unknown: re-fill them all, output unchanged
+            return {seq: error for seq, _ in rollbacks}
+
+    def _prefilled(self, item: _Item, outputs) -> None:
+        request = item.request
+        n = len(item.forward.tokens)
+        if len(outputs) != n:
+            raise RuntimeError(f"prefill of {n} tokens returned {len(outputs)} ids")
+        request.prefilled += n
+        if request.prefilled < len(request.prompt):
+            return
+        result = request.result
+        result.prefill_seconds = time.perf_counter() - request._started
+        first = outputs[-1]
+        if result.logprobs is not None:
+            _keep_logprobs(result, _last_row(outputs), 1)
+        result.tokens.append(first)
+        request.history = request.prompt + [first]
+        request.state = DECODE
+        request._started = time.perf_counter()
+        self._notify(request, [first])
+
+    def _verified(self, item: _Item, verified, rollbacks: list[tuple[int, int]]) -> list[int]:
+        """Commit what a decode or verify row answered (coordinator.decoding's rule); queue its rollback."""
+        request, result = item.request, item.request.result
+        if item.drafts is None:
+            (token,) = verified
+            request.history.append(token)
+            _keep_logprobs(result, verified, 1)
+            return [token]
+        committed, keep = commit_tokens(item.drafts, verified, item.room, request.eos)
+        request.history.extend(committed)
+        _keep_logprobs(result, verified, len(committed))
+        result.drafted += len(item.drafts)
+        result.accepted += accept_length(item.drafts, verified)
+        if keep < len(item.forward.tokens):
+            rollbacks.append((request.seq, keep))
+            if self.rollback == REPLAY:
+                result.replays += 1
+            else:
+                result.rollbacks_fast += 1
+        return committed
+
+    # ---- commits and endings -----------------------------------------------------------------
+
+    def _record(self, request: Request, committed: list[int]) -> None:
+        result = request.result
+        result.steps += 1
+        result.commits.append(len(committed))
+        result.tokens.extend(committed)
+        self._notify(request, committed)
+
+    def _notify(self, request: Request, committed: list[int]) -> None:
+        try:
+            if request.on_commit is not None:
+                request.on_commit(_committed(request.result, committed))
+        except StopDecoding:
+            self._finish(request, STOP)
+            return
+        except Exception as error:  # noqa: BLE001 - a failing callback fails its own request only
+            self._fail(request, error)
+            return
+        tokens = request.result.tokens
+        if _finished(tokens, request.max_new_tokens, request.eos):
+            self._finish(request, STOP if tokens[-1] in request.eos else LENGTH)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.result.finish_reason = reason
+        if request.state == DECODE:
+            request.result.decode_seconds = time.perf_counter() - request._started
+        self._end(request)
+
+    def _fail(self, request: Request, error: BaseException) -> None:
+        request.error = error
+        self._end(request)
+
+    def _end(self, request: Request) -> None:
+        if request.state == DONE:
+            return
+        if request.seq is not None:
+            with contextlib.suppress(Exception):  # the output is complete; a shard that is gone frees it anyway
+                self.target.close(request.seq)
+        if request in self.running:
+            self.running.remove(request)
+        if request.queued_seconds is None:
+            request.queued_seconds = time.monotonic() - request.arrived
+        request.state = DONE
+        request.done.set()
+        if request.on_finish is not None:
+            with contextlib.suppress(Exception):  # the requester went away (its event loop closed)
+                request.on_finish(request)
+
+
+def shard_capacity(target) -> Optional[int]:
+    """The most sequences every shard of a `Pipeline` holds at once (HELLO limits), or None when unknown."""
+    shards = getattr(target, "shards", None) or []
+    limits = [shard.hello["limits"]["max_sequences"] for shard in shards if hasattr(shard, "hello")]
+    return min(limits) if limits else None
+
+
+def decode_all(target, requests: Sequence[Request], **options) -> list[DecodeResult]:
+    """Run `requests` together through a fresh scheduler over `target` (at most the shards' capacity at once);
+    each one's result, or its error raised."""
+    options.setdefault("max_sequences", min(len(requests) or 1, shard_capacity(target) or len(requests) or 1))
+    scheduler = Scheduler(target, **options)
+    return [request.outcome() for request in scheduler.run_all(requests)]

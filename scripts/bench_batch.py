@@ -1,0 +1,294 @@
+"""The `batch` parts of scripts/bench_gpu.py (issue 20): many streams sharing each step through the scheduler.
+
+- `batch-local`: one process, the whole model as one FastShard (bf16, replay-ssm storage for 33 sequences):
+  `batch_tok_s` by concurrency 1/4/8/16/32, greedy and with the oracle drafter (mean commit ~7 of 16); then
+  the identity checks: each stream equal to the same request alone (greedy, oracle, seeded sampling with the
+  ngram drafter), the same prompts equal whatever the concurrency, and the oracle at 8 streams on a
+  checkpoint-storage shard sharing the weights.
+- `batch-daemons`: two `shardd serve` daemons (layers 0:L/2, L/2:L; both on cuda:0 when there is one GPU),
+  `--max-sequences 33`: the same sweep over the Pipeline; then `shardctl serve` over them, 8 streams over HTTP
+  against the same 8 streams without HTTP.
+
+Throughput is new tokens of all streams over the wall time from submitting them to the last one's end (prefill
+included), 512-token prompts (seeded, one per stream), 64 new tokens each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+CONCURRENCY = (1, 4, 8, 16, 32)
+BLOCK = 16
+MEAN_COMMIT = 7.0
+SAMPLED_STREAMS = 8
+ALONE = (0, 5, 31)  # streams also decoded alone, as the identity check
+
+
+def stream_prompts(args, count: int) -> list[list[int]]:
+    """One seeded random prompt of --prompt-len tokens per stream."""
+    import torch
+
+    from shardd.presets import preset_config
+
+    vocab = preset_config(args.preset).vocab_size
+    return [torch.randint(0, vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(args.seed + 1 + i)).tolist()
+            for i in range(count)]
+
+
+def run_streams(target, prompts, args, *, references=None, sampling=None, ngram=False, rollback="replay-ssm",
+                max_sequences=None):
+    """The prompts together through one scheduler: (token lists, aggregate tok/s, mean commit)."""
+    from coordinator.drafters import NgramDrafter, OracleDrafter
+    from coordinator.scheduler import Request, decode_all
+
+    def drafter(index):
+        if references is not None:
+            return OracleDrafter.with_mean_commit(references[index], len(prompts[index]), block_size=BLOCK,
+                                                  mean_commit=MEAN_COMMIT)
+        return NgramDrafter() if ngram else None
+
+    requests = [Request(prompt, args.tokens, sampling=sampling, drafter=drafter(i), block_size=BLOCK)
+                for i, prompt in enumerate(prompts)]
+    started = time.perf_counter()
+    results = decode_all(target, requests, max_sequences=max_sequences or len(prompts), rollback=rollback,
+                         step_rows=args.batch_rows)
+    seconds = time.perf_counter() - started
+    commits = [c for r in results for c in r.commits]
+    return ([r.tokens for r in results], round(sum(len(r.tokens) for r in results) / seconds, 1),
+            round(statistics.mean(commits), 2) if commits else None)
+
+
+def sweep(target, prompts, args, label: str) -> dict:
+    """batch_tok_s by concurrency, greedy then oracle; the tokens of every stream at every concurrency."""
+    out = {"tok_s": {"greedy": {}, "oracle": {}}, "mean_commit": {}, "checks": {}}
+    run_streams(target, [p[:32] for p in prompts[:2]], args)  # warm-up: kernels compiled, graphs captured
+    widest = max(CONCURRENCY)
+    greedy, out["tok_s"]["greedy"][str(widest)], _ = run_streams(target, prompts[:widest], args)
+    print(f"{label} greedy x{widest}: {out['tok_s']['greedy'][str(widest)]} tok/s", flush=True)
+    for c in CONCURRENCY[:-1]:
+        tokens, out["tok_s"]["greedy"][str(c)], _ = run_streams(target, prompts[:c], args)
+        out["checks"][f"greedy_x{c}_equals_x{widest}"] = tokens == greedy[:c]
+        print(f"{label} greedy x{c}: {out['tok_s']['greedy'][str(c)]} tok/s", flush=True)
+    for c in CONCURRENCY:
+        tokens, out["tok_s"]["oracle"][str(c)], out["mean_commit"][str(c)] = run_streams(target, prompts[:c], args,
+                                                                                      references=greedy)
+        out["checks"][f"oracle_x{c}_equals_greedy"] = tokens == greedy[:c]
+        print(f"{label} oracle x{c}: {out['tok_s']['oracle'][str(c)]} tok/s, mean commit {out['mean_commit'][str(c)]}",
+              flush=True)
+    out["greedy"] = greedy
+    return out
+
+
+def fixed_step(args, fast_shard) -> dict:
+    """FastShard's `step_rows` (R, the rows every batched step holds): --daemon-step-rows, else what `shardd serve`
+    defaults to; nothing for a FastShard without batched steps."""
+    import inspect
+
+    if "step_rows" not in inspect.signature(fast_shard.__init__).parameters:
+        return {}
+    if args.daemon_step_rows:
+        return {"step_rows": args.daemon_step_rows}
+    try:
+        from shardd.engine import DEFAULT_STEP_ROWS
+    except ImportError:
+        return {}
+    return {"step_rows": max(DEFAULT_STEP_ROWS, BLOCK)}
+
+
+def run_batch_local(args) -> dict:
+    import torch
+
+    from coordinator.sampling import Sampling
+    from protocol.layout import CHECKPOINT, REPLAY_SSM
+    from shardd.fast.shard import FastShard
+    from shardd.model import rollback as rb
+    from shardd.model.shard import ShardModel
+    from shardd.presets import preset_config
+    from shardd.synthetic import synthetic_weights
+    from tests.local import LocalTarget
+
+    device = torch.device("cuda:0")
+    torch.cuda.set_device(device)
+    config = preset_config(args.preset)
+    context = args.prompt_len + args.tokens + 2 * BLOCK
+    started = time.perf_counter()
+    weights = synthetic_weights(config, 0, config.num_layers, args.seed, dtype=torch.bfloat16, device=device)
+    model = ShardModel(config, weights, 0, config.num_layers, dtype=torch.bfloat16, device=device,
+                       storage=rb.RollbackStorage(REPLAY_SSM, BLOCK))
+    del weights
+    shard = FastShard(model, max_sequences=max(CONCURRENCY) + 1, max_context=context, **fixed_step(args, FastShard))
+    out: dict = {"batch_preset": args.preset, "batch_prompt_len": args.prompt_len, "batch_new_tokens": args.tokens,
+                 "batch_rows": args.batch_rows, "batch_fixed_step_rows_local": getattr(shard, "batch_rows", None),
+                 "batch_build_s": round(time.perf_counter() - started, 1)}
+    target = LocalTarget.from_shards([shard], context)
+    prompts = stream_prompts(args, max(CONCURRENCY))
+    result = sweep(target, prompts, args, "local")
+    greedy = result.pop("greedy")
+    checks = result.pop("checks")
+    for index in ALONE:  # the same request alone
+        alone, _, _ = run_streams(target, [prompts[index]], args)
+        checks[f"greedy_stream{index}_equals_alone"] = alone[0] == greedy[index]
+    sampled = Sampling(temperature=0.8, top_p=0.95, seed=1000)
+    together, _, _ = run_streams(target, prompts[:SAMPLED_STREAMS], args, sampling=sampled, ngram=True)
+    for index in (0, SAMPLED_STREAMS - 1):
+        alone, _, _ = run_streams(target, [prompts[index]], args, sampling=sampled, ngram=True)
+        checks[f"sampled_ngram_stream{index}_equals_alone"] = alone[0] == together[index]
+    checkpointing = LocalTarget.from_shards(
+        [shard.sharing_weights(rb.RollbackStorage(CHECKPOINT, BLOCK), max_sequences=9)], context)
+    tokens, out["batch_checkpoint_oracle_x8_tok_s"], _ = run_streams(checkpointing, prompts[:8], args, references=greedy,
+                                                                    rollback=CHECKPOINT)
+    checks["checkpoint_oracle_x8_equals_greedy"] = tokens == greedy[:8]
+    out["batch_tok_s_local"] = result["tok_s"]
+    out["batch_mean_commit_local"] = result["mean_commit"]
+    out["batch_checks_local"] = checks
+    out["batch_greedy_digest_local"] = digest(greedy)
+    return out
+
+
+def run_batch_daemons(args) -> dict:
+    from bench_gpu import e2e_devices, halves_and_prompt, start_daemons, stop_processes
+    from coordinator.pipeline import Pipeline
+
+    ranges, _ = halves_and_prompt(args)
+    devices = e2e_devices(args)
+    prompts = stream_prompts(args, max(CONCURRENCY))
+    out: dict = {"batch_daemon_devices": devices}
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-batch-"))
+    extra = ["--step-rows", str(args.daemon_step_rows)] if args.daemon_step_rows else []
+    processes, endpoints = start_daemons(args, ranges, "replay-ssm", run_dir, devices=devices,
+                                         max_sequences=max(CONCURRENCY) + 1, extra=extra)
+    try:
+        with Pipeline.connect(endpoints, timeout_s=600) as pipeline:
+            out["batch_step_rows_daemons"] = pipeline.step_rows
+            result = sweep(pipeline, prompts, args, "daemons")
+            greedy = result.pop("greedy")
+            out["batch_tok_s_daemons"] = result["tok_s"]
+            out["batch_mean_commit_daemons"] = result["mean_commit"]
+            out["batch_checks_daemons"] = result["checks"]
+            out["batch_greedy_digest_daemons"] = digest(greedy)
+            streams = 8
+            _, direct, _ = run_streams(pipeline, prompts[:streams], args)
+        try:
+            out["batch_http"] = http_streams(args, endpoints, prompts[:streams], run_dir)
+            out["batch_http"]["http_vs_direct"] = round(out["batch_http"]["tok_s"] / direct, 3)
+        except Exception as error:  # noqa: BLE001 - e.g. the serve extra (fastapi, uvicorn, httpx) not installed
+            out["batch_http"] = {"streams": streams, "tok_s": None, "error": f"{type(error).__name__}: {error}"}
+            print(f"HTTP part failed: {out['batch_http']['error']}", flush=True)
+        out["batch_http"]["direct_tok_s"] = direct
+    finally:
+        stop_processes(processes)
+    return out
+
+
+def http_streams(args, endpoints, prompts, run_dir: Path) -> dict:
+    """`shardctl serve --drafter none` over the daemons; the prompts as concurrent greedy completions."""
+    import httpx
+
+    from bench_gpu import free_port
+
+    port = free_port()
+    log = open(run_dir / "serve.log", "w")
+    command = [sys.executable, "-m", "coordinator.cli", "serve", "--shards", ",".join(endpoints), "--drafter", "none",
+               "--port", str(port), "--timeout", "600", "--log-level", "warning"]
+    if args.batch_rows:
+        command += ["--batch-rows", str(args.batch_rows)]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("shardctl serve did not come up: " + (run_dir / "serve.log").read_text()[-2000:])
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+        def complete(prompt, answers, index):
+            body = {"model": model, "prompt": prompt, "max_tokens": args.tokens, "temperature": 0, "ignore_eos": True}
+            answers[index] = httpx.post(url + "/v1/completions", json=body, timeout=600).json()
+
+        def together(batch):
+            answers = [None] * len(batch)
+            threads = [threading.Thread(target=complete, args=(p, answers, i)) for i, p in enumerate(batch)]
+            started = time.perf_counter()
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            return answers, time.perf_counter() - started
+
+        together(prompts[:1])  # warm-up
+        answers, seconds = together(prompts)
+        failed = [answer for answer in answers if "usage" not in answer]
+        if failed:
+            raise RuntimeError(f"a completion failed: {failed[0]}")
+        tokens = sum(a["usage"]["completion_tokens"] for a in answers)
+        return {"streams": len(prompts), "tok_s": round(tokens / seconds, 1), "completion_tokens": tokens}
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def digest(streams: list[list[int]]) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(streams).encode()).hexdigest()[:16]
+
+
+def summarize_batch(merged: dict) -> None:
+    """`batch_identical`, and the ratios the issue's targets are stated in."""
+    checks = {**merged.get("batch_checks_local", {}), **{f"daemons/{k}": v for k, v in merged.get("batch_checks_daemons", {}).items()}}
+    if not checks:
+        return
+    if "batch_greedy_digest_local" in merged and "batch_greedy_digest_daemons" in merged:
+        checks["daemons_equal_one_process"] = merged["batch_greedy_digest_local"] == merged["batch_greedy_digest_daemons"]
+    merged["batch_checks"] = checks
+    merged["batch_identical"] = all(checks.values())
+    targets = {}
+    for where in ("local", "daemons"):
+        tok_s = merged.get(f"batch_tok_s_{where}")
+        if tok_s:
+            greedy = tok_s["greedy"]
+            targets[f"{where}_greedy_x8_over_x1"] = round(greedy["8"] / greedy["1"], 2)  # target >= 6
+            targets[f"{where}_greedy_x32_over_x1"] = round(greedy["32"] / greedy["1"], 2)  # target >= 20
+            targets[f"{where}_oracle_x8_tok_s"] = tok_s["oracle"]["8"]  # target >= 2000 in one process
+    if merged.get("batch_tok_s_local") and merged.get("batch_tok_s_daemons"):
+        local, daemons = merged["batch_tok_s_local"], merged["batch_tok_s_daemons"]
+        targets["daemons_over_local"] = {kind: {c: round(daemons[kind][c] / local[kind][c], 3) for c in local[kind]}
+                                         for kind in local}  # target >= 0.9 everywhere
+    if "batch_http" in merged:
+        targets["http_vs_direct_x8"] = merged["batch_http"].get("http_vs_direct")  # target >= 0.9
+    merged["batch_targets"] = targets
+
+
+def batch_table(merged: dict) -> str:
+    """The short table the GPU script prints last."""
+    lines = ["streams     " + "".join(f"{c:>9}" for c in CONCURRENCY)]
+    for where in ("local", "daemons"):
+        tok_s = merged.get(f"batch_tok_s_{where}")
+        if not tok_s:
+            continue
+        for kind in ("greedy", "oracle"):
+            row = tok_s.get(kind, {})
+            lines.append(f"{where[:7]:7} {kind:6}" + "".join(f"{row.get(str(c), '-'):>9}" for c in CONCURRENCY))
+    if "batch_http" in merged:
+        http = merged["batch_http"]
+        lines.append(f"HTTP x{http['streams']}: {http['tok_s']} tok/s, without HTTP {http.get('direct_tok_s')} "
+                     f"({http.get('http_vs_direct') or http.get('error')})")
+    lines.append(f"batch_identical: {merged.get('batch_identical')}"
+                 + "".join(f"\n  differs: {name}" for name, ok in merged.get("batch_checks", {}).items() if not ok))
+    lines.append("targets: " + json.dumps(merged.get("batch_targets", {})))
+    return "\n".join(lines)
