@@ -42,8 +42,9 @@ class StepRunner:
         b = self.buffers
         control = b.control.clone()
         scratch = self.pools.scratch_slot
-        b.control.copy_(torch.tensor(segments.table([segments.segment(scratch, b.segment_rows, 0)], b.segments, scratch),
-                                     dtype=torch.int32))
+        rows = b.tokens.shape[0]
+        b.control.copy_(torch.tensor(
+            segments.table([segments.segment(scratch, b.segment_rows, 0)], b.segments, scratch, rows), dtype=torch.int32))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

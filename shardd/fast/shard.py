@@ -66,7 +66,7 @@ class FastShard:
         self.runner = StepRunner(model, self.layers, self.pools, self.buffers, use_graphs=use_graphs)
         self.prefill_kernels = prefill.available(model.device)
         pin = model.device.type == "cuda"
-        self._control = torch.zeros(self.max_segments * segments.FIELDS, dtype=torch.int32, pin_memory=pin)
+        self._control = torch.zeros(segments.size(self.max_segments, self.batch_rows), dtype=torch.int32, pin_memory=pin)
         self._tokens = torch.zeros(self.batch_rows, dtype=torch.long, pin_memory=pin)
         self._hidden = torch.zeros((self.batch_rows, model.config.hidden_size), dtype=model.dtype, pin_memory=pin)
         self._ids = torch.zeros(self.batch_rows, dtype=torch.long, pin_memory=pin)
@@ -167,9 +167,7 @@ class FastShard:
             out.logits = out.logits.clone()
         views.clear()
         b, pools = self.buffers, self.pools
-        table, first = [], 0
-        if self.model.owns_embedding:
-            self._tokens.zero_()
+        table, tokens, first = [], [], 0
         for _, item, n in step:
             save, n_save = gdn_kernels.SAVE_NOTHING, 0
             if item.checkpoint and pools.mode == CHECKPOINT:
@@ -181,12 +179,15 @@ class FastShard:
             table.append(segments.segment(slot, n, item.pos, save=save, n_save=n_save, start=pools.start[slot],
                                           first=first))
             if self.model.owns_embedding:
-                self._tokens[first : first + n] = torch.as_tensor(item.tokens, dtype=torch.long)
+                tokens.extend(item.tokens)
             else:
                 self._hidden[first : first + n].copy_(item.hidden)
             first += n
         used = first
-        self._control.copy_(torch.tensor(segments.table(table, self.max_segments, pools.scratch_slot), dtype=torch.int32))
+        if self.model.owns_embedding:  # the padding rows embed token 0
+            self._tokens.copy_(torch.tensor(tokens + [0] * (self.batch_rows - used), dtype=torch.long))
+        self._control.copy_(torch.tensor(segments.table(table, self.max_segments, pools.scratch_slot, self.batch_rows),
+                                         dtype=torch.int32))
         b.control.copy_(self._control, non_blocking=True)
         if self.model.owns_embedding:
             b.tokens.copy_(self._tokens, non_blocking=True)

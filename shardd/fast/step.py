@@ -30,7 +30,7 @@ class StepBuffers:
         c, device, dtype = model.config, model.device, model.dtype
         self.segments = segments
         self.segment_rows = rows if segment_rows is None else segment_rows
-        self.control = torch.zeros(segments * seg.FIELDS, dtype=torch.int32, device=device)  # the segment table
+        self.control = torch.zeros(seg.size(segments, rows), dtype=torch.int32, device=device)  # the segment table
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
         self.hidden_in = torch.zeros((rows, c.hidden_size), dtype=dtype, device=device)
         self.hidden = torch.zeros((rows, c.hidden_size), dtype=dtype, device=device)  # the residual stream
