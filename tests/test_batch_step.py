@@ -197,6 +197,21 @@ def test_step_rows_must_hold_one_sequence():
         FastShard(model, max_sequences=2, max_context=16, step_rows=2)
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--engine", "reference", "--step-rows", "8"], "--step-rows sizes the fast engine's step; the reference engine has none"),
+    (["--engine", "fast", "--max-verify-tokens", "8", "--step-rows", "4"],
+     "--step-rows 4 must hold one sequence's step of 8 rows"),
+])
+def test_serve_refuses_a_step_rows_it_cannot_use(args, message):
+    from click.testing import CliRunner
+
+    from shardd.cli import main
+
+    result = CliRunner().invoke(main, ["serve", "--synthetic", "tiny", "--device", "cpu", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
 # ---- GPU: bf16, CUDA graphs, the 27B-like shape -------------------------------------------------------------
 
 @gpu_only

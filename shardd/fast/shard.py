@@ -126,11 +126,11 @@ class FastShard:
         results: list[ShardOutput | ModelError | None] = [None] * len(items)
         step: list[tuple[int, BatchItem, int]] = []  # (index, item, n)
         views: list[ShardOutput] = []  # outputs of this call whose logits view the step's buffer
-        used = 0
+        used, in_step = 0, set()  # rows taken, ids of the states in `step`
         for index, item in enumerate(items):
-            if any(other.state is item.state for _, other, _ in step):
+            if id(item.state) in in_step:
                 self._run_step(step, results, views)
-                step, used = [], 0
+                step, used, in_step = [], 0, set()
             try:
                 if item.state.slot is None:
                     raise BadInput("the sequence has no state slot on this shard (closed)")
@@ -144,8 +144,9 @@ class FastShard:
                 continue
             if used + n > self.batch_rows or len(step) == self.max_segments:
                 self._run_step(step, results, views)
-                step, used = [], 0
+                step, used, in_step = [], 0, set()
             step.append((index, item, n))
+            in_step.add(id(item.state))
             used += n
         self._run_step(step, results, views)
         return results
