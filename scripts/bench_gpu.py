@@ -1152,7 +1152,7 @@ def run_batch_step(args) -> dict:
         same = bool(torch.equal(full, alone))
         identical = identical and same
         print(f"R={rows}: sequence 0 alone == in a full step: {same}", flush=True)
-        del shard, states, state, items, step, full, alone, saved
+        shard = states = state = items = step = full = alone = saved = None  # this R's pools, before the next R's
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
