@@ -20,6 +20,7 @@ import triton.testing  # noqa: E402
 
 from shardd.kernels import attention as attention_kernels  # noqa: E402
 from shardd.kernels import gdn as gdn_kernels  # noqa: E402
+from shardd.kernels import segments  # noqa: E402
 
 
 def recurrence(rows=16, k_heads=16, v_heads=48, k=128, v=128, slots=2, layers=1):
@@ -30,7 +31,8 @@ def recurrence(rows=16, k_heads=16, v_heads=48, k=128, v=128, slots=2, layers=1)
     state = torch.randn(slots, layers, v_heads, k, v, **f32)
     saved = torch.zeros(slots, layers, rows + 1, v_heads, k, v, **f32)
     out = torch.zeros(1, rows, v_heads, v, **f32)
-    control = torch.tensor([0, rows, 0, 1, rows + 1, -1], dtype=torch.int32, device=dev)
+    control = torch.tensor(segments.table([segments.segment(0, rows, 0, save=1, n_save=rows + 1)], 1, 1, rows),
+                           dtype=torch.int32, device=dev)
     results = []
     for block_v, warps in ((16, 2), (16, 4), (32, 4)):
         gdn_kernels.RECURRENCE_BLOCK_V, gdn_kernels.RECURRENCE_WARPS = block_v, warps
@@ -55,7 +57,8 @@ def attention(context, rows=16, heads=24, kv_heads=4, dim=256, rot=64):
     partials = (torch.zeros(rows, heads, splits, device=dev), torch.zeros(rows, heads, splits, device=dev),
                 torch.zeros(rows, heads, splits, dim, device=dev))
     out = torch.zeros(rows, heads * dim, **bf)
-    control = torch.tensor([0, rows, context - rows, 0, 0, -1], dtype=torch.int32, device=dev)
+    control = torch.tensor(segments.table([segments.segment(0, rows, context - rows)], 1, 1, rows),
+                           dtype=torch.int32, device=dev)
     results = []
     for heads_per_program, block_n, warps in ((1, 64, 4), (1, 32, 4), (2, 64, 4), (2, 32, 4), (3, 32, 4), (3, 32, 8), (6, 16, 8)):
         attention_kernels.SHORT_LAUNCH = attention_kernels.LONG_LAUNCH = (heads_per_program, block_n, warps)

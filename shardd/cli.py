@@ -14,7 +14,7 @@ from protocol.layout import CHECKPOINT, SHARD_ROLLBACK_MODES, check_layer_range,
 from shardd import __version__, logs, systemd
 from shardd.logs import FORMATS, LEVELS
 from shardd.progress import LoadProgress
-from shardd.engine import ENGINES
+from shardd.engine import DEFAULT_STEP_ROWS, ENGINES, step_rows_for
 from shardd.hub import ModelNotFound, resolve_model
 from shardd.listen import endpoint_problem
 
@@ -58,6 +58,9 @@ def main():
 @click.option("--engine", type=click.Choice(ENGINES), default="auto", show_default=True,
               help="Step implementation: fast (fixed-shape step, Triton + CUDA graphs; CUDA only), reference, "
                    "or auto (fast on a CUDA device).")
+@click.option("--step-rows", type=click.IntRange(1, 4096), default=None,
+              help="Fast engine: rows of its one fixed-shape step, shared by the sequences of a batch (each brings "
+                   f"at most --max-verify-tokens). Default {DEFAULT_STEP_ROWS}, or --max-verify-tokens if larger.")
 @click.option("--max-sequences", type=click.IntRange(1, 65536), default=8, show_default=True)
 @click.option("--max-context", type=click.IntRange(1, 1 << 22), default=4096, show_default=True, help="Tokens per sequence.")
 @click.option("--max-tokens-per-request", type=click.IntRange(1, 1 << 20), default=4096, show_default=True)
@@ -82,7 +85,7 @@ def main():
 @click.option("--log-format", type=click.Choice(FORMATS), default="text", show_default=True,
               help="text lines, or one JSON object per line.")
 def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_file, max_verify_tokens, rollback_mode, engine,
-          max_sequences, max_context, max_tokens_per_request, max_gpu_memory, quantize, curve_secret_key, curve_allow_dir,
+          step_rows, max_sequences, max_context, max_tokens_per_request, max_gpu_memory, quantize, curve_secret_key, curve_allow_dir,
           sequence_idle_timeout,
           threads, metrics_port,
           metrics_host, log_level, log_format):
@@ -151,6 +154,7 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
         if draft is not None:
             parse_draft(draft)
         engine = resolve_engine(engine, device)
+        step_rows = step_rows_for(engine, step_rows, max_verify_tokens)
         # FP8 weights stay FP8 on a GPU (and in the fast step); the CPU reference dequantizes them at load
         keep_fp8 = engine == "fast" or torch.device(device).type == "cuda"
         scheme = source.scheme()
@@ -168,7 +172,8 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
                            curve_allow_dir=curve_allow_dir, sequence_idle_timeout=sequence_idle_timeout)
     try:
         plan = daemon_memory_plan(source, config, None if draft_only else (begin, end), draft, dtype=dtype,
-                                  keep_fp8=keep_fp8, engine=engine, storage=storage, options=options, cap=cap)
+                                  keep_fp8=keep_fp8, engine=engine, storage=storage, options=options, cap=cap,
+                                  step_rows=step_rows)
     except (ValueError, OSError) as exc:
         log.error("cannot plan memory: %s", exc)
         sys.exit(EXIT_FAILURE)
@@ -207,7 +212,7 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
         shard = None if draft_only else serve_with(engine, build_shard(
             source, begin, end, dtype=dtype, device=device, storage=storage, progress=LoadProgress(what, log),
             keep_fp8=keep_fp8,
-        ), max_sequences=max_sequences, max_context=max_context)
+        ), max_sequences=max_sequences, max_context=max_context, step_rows=step_rows)
         drafter = draft_with(engine, build_drafter(source, draft, dtype=dtype, device=device, shard=shard) if draft else None,
                              max_sequences=max_sequences, max_context=max_context)
     except BaseException as exc:  # a signal while loading (SystemExit) too: no socket file left behind

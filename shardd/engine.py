@@ -11,6 +11,10 @@ from __future__ import annotations
 import os
 
 ENGINES = ("auto", "reference", "fast")
+# R of the fast engine's batched step (`shardd serve --step-rows`): rows shared by the sequences of a batch. On an
+# H200 every 27B-shape weight GEMM at 64 rows costs 1.18x the weight-read floor (1.12x at 16): four verify blocks
+# of 16, or 64 decoding sequences, for about the price of one (issue 20; scripts/bench_gpu.py --parts batch-step).
+DEFAULT_STEP_ROWS = 64
 
 
 def _interpreted() -> bool:
@@ -39,13 +43,31 @@ def resolve_engine(engine: str, device) -> str:
     return engine
 
 
-def serve_with(engine: str, shard, *, max_sequences: int, max_context: int):
-    """The shard as the daemon serves it: itself, or a FastShard over it (state pools sized here)."""
+def step_rows_for(engine: str, step_rows: int | None, max_verify_tokens: int) -> int | None:
+    """The fast engine's R for `--step-rows` (None: the default); None for the reference engine, which has no
+    step (and refuses an explicit --step-rows by name). R must hold one sequence's step (max_verify_tokens, or
+    the fast engine's 16 rows without rollback storage)."""
+    one_sequence = max_verify_tokens or 16  # shardd.fast.shard.DEFAULT_ROWS
+    if engine != "fast":
+        if step_rows is not None:
+            raise ValueError(f"--step-rows sizes the fast engine's step; the {engine} engine has none")
+        return None
+    if step_rows is None:
+        return max(DEFAULT_STEP_ROWS, one_sequence)
+    if step_rows < one_sequence:
+        raise ValueError(f"--step-rows {step_rows} must hold one sequence's step of {one_sequence} rows "
+                         "(--max-verify-tokens)")
+    return step_rows
+
+
+def serve_with(engine: str, shard, *, max_sequences: int, max_context: int, step_rows: int | None = None):
+    """The shard as the daemon serves it: itself, or a FastShard over it (state pools sized here; `step_rows`: the
+    batched step's R, default one sequence's rows)."""
     if engine != "fast":
         return shard
     from shardd.fast.shard import FastShard
 
-    return FastShard(shard, max_sequences=max_sequences, max_context=max_context)
+    return FastShard(shard, max_sequences=max_sequences, max_context=max_context, step_rows=step_rows)
 
 
 def draft_with(engine: str, hosted, *, max_sequences: int, max_context: int):

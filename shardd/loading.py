@@ -288,7 +288,8 @@ def build_drafter(
 
 
 def daemon_memory_plan(source: ModelSource, config: ModelConfig, layers: tuple[int, int] | None, draft: str | None, *,
-                       dtype: str, keep_fp8: bool, engine: str, storage: RollbackStorage, options, cap: int | None):
+                       dtype: str, keep_fp8: bool, engine: str, storage: RollbackStorage, options, cap: int | None,
+                       step_rows: int | None = None):
     """The memory a daemon serving `layers` (None: only a drafter) and `draft` will allocate (shardd.memory), from
     the configs alone: nothing is loaded."""
     from shardd.memory import drafter_weight_bytes, plan_memory
@@ -313,5 +314,6 @@ def daemon_memory_plan(source: ModelSource, config: ModelConfig, layers: tuple[i
         max_sequences=options.max_sequences if layers is not None else 0, max_context=options.max_context,
         max_tokens_per_request=options.max_tokens_per_request,
         checkpoint_bytes_per_sequence=rb.storage_bytes_per_sequence(config, gdn, storage),
-        step_rows=storage.max_verify_tokens if storage.enabled else 16,  # FastShard's DEFAULT_ROWS without storage
+        # the fast step's R (--step-rows), else one sequence's rows (FastShard's DEFAULT_ROWS without storage)
+        step_rows=step_rows or (storage.max_verify_tokens if storage.enabled else 16),
         drafter_bytes=drafter_bytes, cap=cap)

@@ -249,8 +249,8 @@ def test_daemons_serve_the_fast_engine(tmp_path):
     from tests.daemons import free_tcp_endpoint, start_daemons, stop_all
 
     device = "cuda:0" if CUDA else "cpu"
-    common = ["--engine", "fast", "--device", device, "--max-verify-tokens", str(ROWS), "--max-context", "64",
-              "--max-sequences", "2"]
+    common = ["--engine", "fast", "--device", device, "--max-verify-tokens", str(ROWS), "--step-rows", str(ROWS),
+              "--max-context", "64", "--max-sequences", "2"]
     specs = {
         "first": (free_tcp_endpoint(), ["--layers", "0:3", *common]),
         "second": (f"ipc://{tmp_path}/second.sock", ["--layers", "3:6", *common]),

@@ -6,8 +6,8 @@
   the target's split-KV attention kernels over context + block: non-causal within the block, causal with a
   window in sliding layers), the final norm, the head's GEMM for the T-1 mask rows only, argmax on the device.
 
-Both read the slot, the number of real rows and the position from a device `control` tensor ([slot, n, pos],
-the target step's layout), so a graph serves every sequence, block size and context length. The block's own K/V
+Both read the slot, the number of real rows and the position from a device `control` tensor (one segment of
+the target step's table, shardd/kernels/segments.py), so a graph serves every sequence, block size and context length. The block's own K/V
 go into the cache past the context (never counted in it: the next context rows overwrite them), so attention
 reads context and block from one place. A PROPOSE costs one context step per C committed rows (one in steady
 state) and one block step. The reference drafter stays the readable model and owns validation (check_propose).
@@ -25,6 +25,7 @@ from shardd.fast.graph import CapturedCall
 from shardd.fast.weights import _fuse
 from shardd.kernels import attention as attention_kernels
 from shardd.kernels import elementwise
+from shardd.kernels import segments
 
 
 @dataclass
@@ -95,9 +96,9 @@ class FastDrafter:
         self.features = zeros(self.context_rows, c.feature_size)
         self.context = zeros(self.context_rows, c.hidden_size)
         self.context_normed = zeros(self.context_rows, c.hidden_size)
-        self.context_control = zeros(5, dtype=torch.int32)
+        self.context_control = zeros(segments.size(1, self.context_rows), dtype=torch.int32)
         self.tokens = zeros(rows, dtype=torch.long)
-        self.control = zeros(5, dtype=torch.int32)
+        self.control = zeros(segments.size(1, rows), dtype=torch.int32)
         self.hidden = zeros(rows, c.hidden_size)
         self.normed = zeros(rows, c.hidden_size)
         self.query = zeros(rows, heads, d)
@@ -119,14 +120,18 @@ class FastDrafter:
         self.block_step = CapturedCall(self._block_step, use_graphs=use_graphs, pool=pool)
         pin = device.type == "cuda"
         self._tokens = torch.full((rows,), c.mask_token_id, dtype=torch.long, pin_memory=pin)
-        self._control = torch.zeros(5, dtype=torch.int32, pin_memory=pin)
+        self._control = torch.zeros(segments.size(1, rows), dtype=torch.int32, pin_memory=pin)
         self._ids = torch.zeros(rows - 1, dtype=torch.long, pin_memory=pin)
         if use_graphs:  # capture now, on the scratch slot, so no request pays for it and no sequence is touched
-            for control in (self.context_control, self.control):
-                control.copy_(torch.tensor([self.scratch_slot, 1, 0, 0, 0], dtype=torch.int32))
+            for control, steps_rows in ((self.context_control, self.context_rows), (self.control, rows)):
+                control.copy_(self._one_segment(self.scratch_slot, 1, 0, steps_rows))
             self.context_step.capture()
             self.block_step.capture()
             torch.cuda.synchronize(device)
+
+    def _one_segment(self, slot: int, n: int, pos: int, rows: int) -> torch.Tensor:
+        """The control of a step of `rows` rows over one sequence's n rows at pos (the target step's layout)."""
+        return torch.tensor(segments.table([segments.segment(slot, n, pos)], 1, self.scratch_slot, rows), dtype=torch.int32)
 
     # everything else a daemon reads of its drafter (config, dtype, max_draft_tokens, ...) is the reference's
     def __getattr__(self, name):
@@ -165,7 +170,7 @@ class FastDrafter:
             # copies from pageable memory, ordered on the stream: no wait between chunks (a prompt is many)
             self.features[:n].copy_(chunk)
             self.features[n:].zero_()
-            self.context_control.copy_(torch.tensor([state.slot, n, state.length, 0, 0], dtype=torch.int32))
+            self.context_control.copy_(self._one_segment(state.slot, n, state.length, self.context_rows))
             self.context_step()
             state.length += n
 
@@ -174,7 +179,7 @@ class FastDrafter:
         """As DFlashDrafter.propose: (ids [block_size-1], logits [block_size-1, vocab] float32, a view of a buffer
         the next proposal reuses). The state is not changed."""
         self._tokens[0] = last_token
-        self._control.copy_(torch.tensor([state.slot, block_size, state.length, 0, 0], dtype=torch.int32))
+        self._control.copy_(self._one_segment(state.slot, block_size, state.length, self.rows))
         self.tokens.copy_(self._tokens, non_blocking=True)
         self.control.copy_(self._control, non_blocking=True)
         self.block_step()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from shardd.fast.step import StepBuffers, run_step
+from shardd.kernels import segments
 
 
 class StepRunner:
@@ -40,7 +41,10 @@ class StepRunner:
         sequence's state is touched; the real control is put back afterwards."""
         b = self.buffers
         control = b.control.clone()
-        b.control.copy_(torch.tensor([self.pools.scratch_slot, b.tokens.shape[0], 0, 0, 0, -1], dtype=torch.int32))
+        scratch = self.pools.scratch_slot
+        rows = b.tokens.shape[0]
+        b.control.copy_(torch.tensor(
+            segments.table([segments.segment(scratch, b.segment_rows, 0)], b.segments, scratch, rows), dtype=torch.int32))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -14,6 +14,7 @@ import torch
 from protocol.layout import CHECKPOINT, REPLAY_SSM
 from shardd.config import ModelConfig
 from shardd.kernels import gdn as gdn_kernels
+from shardd.kernels import segments
 from shardd.model import rollback as rb
 from shardd.model.state import GDNStates, KVCache, SequenceState
 
@@ -52,7 +53,7 @@ class SlotRecurrenceLog:
             # queued on the stream, no host wait: the control goes through pinned memory (rewritten only at the
             # next rollback, after a step's synchronize, so this copy has long been done by then)
             control = pools.replay_control
-            pools.replay_control_host.copy_(torch.tensor([slot, keep, 0, gdn_kernels.SAVE_NOTHING, 0, -1], dtype=torch.int32))
+            pools.replay_control_host.copy_(torch.tensor(segments.segment(slot, keep, 0), dtype=torch.int32))
             control.copy_(pools.replay_control_host, non_blocking=True)
             gdn_kernels.gdn_recurrence(
                 pools.recurrence_inputs, pools.recurrent, pools.recurrent0, pools.replay_out, control,
@@ -71,6 +72,9 @@ class SlotRecurrenceLog:
 
 
 class StatePools:
+    """`rows`: the most rows one sequence brings to a step (its segment's tile: the recurrence inputs and the
+    checkpoint slots are per sequence); a step of R rows holds several sequences' segments."""
+
     def __init__(self, config: ModelConfig, attention_layers: list[int], gdn_layers: list[int], *, sequences: int,
                  max_context: int, rows: int, storage: rb.RollbackStorage, dtype: torch.dtype, device: torch.device):
         c = config
@@ -112,8 +116,9 @@ class StatePools:
             self.conv0 = torch.zeros((slots, layers, width, conv_dim), **f32)
             self.conv_inputs = torch.zeros((slots, layers, rows, conv_dim), **f32)
             self.replay_out = torch.zeros((max(layers, 1), rows, heads, v_dim), **f32)
-            self.replay_control = torch.zeros(6, dtype=torch.int32, device=device)
-            self.replay_control_host = torch.zeros(6, dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
+            self.replay_control = torch.zeros(segments.FIELDS, dtype=torch.int32, device=device)
+            self.replay_control_host = torch.zeros(segments.FIELDS, dtype=torch.int32,
+                                                   pin_memory=torch.device(device).type == "cuda")
         self.mode = mode
         # per slot, the checkpoint slot its next step starts from after a checkpoint rollback (-1: its own state)
         self.start = [-1] * slots

@@ -2,10 +2,15 @@
 
 Same contract as ShardModel (forward, new_state, rollback through the state's storage, snapshot/restore):
 a daemon serves either. Inputs of at most T rows go through the step; longer ones (prefill, the re-fill
-of a prompt) through the reference model's chunked path, over the same pooled state.
+of a prompt) through the reference model's chunked path, over the same pooled state. `forward_batch`
+(shardd/batch.py) packs several sequences' inputs into one step of R >= T rows (issue 20); `forward` is a
+batch of one. Rollback is per sequence as before: each slot keeps its own checkpoint buffers and pending
+window, so a sequence's step never ends another's pending window.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +22,11 @@ from shardd.fast.graph import StepRunner
 from shardd.fast.pools import StatePools
 from shardd.fast.step import StepBuffers
 from shardd.fast.weights import fuse_layers
+from shardd.batch import BatchItem
 from shardd.kernels import gdn as gdn_kernels
+from shardd.kernels import segments
 from shardd.model import rollback as rb
+from shardd.model.errors import BadInput, ModelError
 from shardd.model.shard import ShardModel, ShardOutput
 from shardd.model.state import PendingStep, SequenceState
 
@@ -28,41 +36,53 @@ DEFAULT_ROWS = 16  # T of a shard without rollback storage
 class FastShard:
     engine = "fast"
     def __init__(self, model: ShardModel, *, max_sequences: int, max_context: int, use_graphs: bool | None = None,
-                 storage: rb.RollbackStorage | None = None, layers=None):
-        """`storage` and `layers` let a second FastShard share a model and its fused weights with another
-        rollback mode (benchmarks compare modes on one copy of the weights)."""
+                 storage: rb.RollbackStorage | None = None, layers=None, step_rows: int | None = None):
+        """`step_rows` (R): the rows of one step, shared by the sequences of a batch (default: one sequence's
+        most, `max_verify_tokens`); it must hold one sequence's most. `storage` and `layers` let a second
+        FastShard share a model and its fused weights with another rollback mode (benchmarks compare modes on
+        one copy of the weights)."""
         self.model = model
         if model.device.type == "cuda" and model.device.index is not None:  # graphs, streams and Triton launch
             torch.cuda.set_device(model.device)                              # on the current device
         self.storage = storage = storage or model.storage
         if storage.max_verify_tokens != model.storage.max_verify_tokens:
             raise ValueError("a shared model validates steps against its own max_verify_tokens")
+        # T: the most rows one sequence brings to a step (a verify block; longer inputs take the prefill path)
         self.rows = storage.max_verify_tokens if storage.enabled else DEFAULT_ROWS
+        self.batch_rows = self.rows if step_rows is None else step_rows  # R: the rows of every step
+        if self.batch_rows < self.rows:
+            raise ValueError(f"step_rows={self.batch_rows} must hold one sequence's step of {self.rows} rows "
+                             "(max_verify_tokens)")
+        self.max_segments = min(max_sequences, self.batch_rows)  # sequences one step holds
         self.layers = layers if layers is not None else fuse_layers(model)
         self.pools = StatePools(
             model.config, model.attention_layers, model.gdn_layers, sequences=max_sequences, max_context=max_context,
             rows=self.rows, storage=storage, dtype=model.dtype, device=model.device,
         )
-        self.buffers = StepBuffers(model, self.rows, max_context)
+        self.buffers = StepBuffers(model, self.batch_rows, max_context, segments=self.max_segments,
+                                   segment_rows=self.rows)
         if use_graphs is None:
             use_graphs = model.device.type == "cuda"
         self.runner = StepRunner(model, self.layers, self.pools, self.buffers, use_graphs=use_graphs)
         self.prefill_kernels = prefill.available(model.device)
         pin = model.device.type == "cuda"
-        self._control = torch.zeros(6, dtype=torch.int32, pin_memory=pin)
-        self._tokens = torch.zeros(self.rows, dtype=torch.long, pin_memory=pin)
-        self._hidden = torch.zeros((self.rows, model.config.hidden_size), dtype=model.dtype, pin_memory=pin)
-        self._ids = torch.zeros(self.rows, dtype=torch.long, pin_memory=pin)
+        self._control = torch.zeros(segments.size(self.max_segments, self.batch_rows), dtype=torch.int32, pin_memory=pin)
+        self._tokens = torch.zeros(self.batch_rows, dtype=torch.long, pin_memory=pin)
+        self._hidden = torch.zeros((self.batch_rows, model.config.hidden_size), dtype=model.dtype, pin_memory=pin)
+        self._ids = torch.zeros(self.batch_rows, dtype=torch.long, pin_memory=pin)
 
     def sharing_weights(self, storage: rb.RollbackStorage, *, max_sequences: int | None = None,
                         max_context: int | None = None) -> "FastShard":
         """Another FastShard over the same model and fused weights, with pools of its own."""
         return FastShard(self.model, max_sequences=max_sequences or self.pools.scratch_slot,
                          max_context=max_context or self.pools.max_context, use_graphs=self.runner.use_graphs,
-                         storage=storage, layers=self.layers)
+                         storage=storage, layers=self.layers,
+                         step_rows=self.batch_rows if self.batch_rows != self.rows else None)
 
     @property
     def step_rows(self) -> int:
+        """The most rows of one sequence that take the fixed step (HELLO's `step_rows`); `batch_rows` is the
+        step's R, shared by the sequences of a batch."""
         return self.rows
 
     # everything else a daemon reads of its shard (config, layer range, dtype, ...) is the model's
@@ -87,57 +107,129 @@ class FastShard:
     @torch.inference_mode()
     def forward(self, state: SequenceState, pos: int, *, tokens=None, hidden=None, checkpoint: bool = False,
                 capture_layers=()) -> ShardOutput:
-        n = self.model.check_forward(state, pos, tokens=tokens, hidden=hidden, checkpoint=checkpoint)
-        if n > self.rows:
-            rb.settle(state)  # the reference and prefill paths read the state itself
-            if not self.prefill_kernels:
-                return self.model.forward(state, pos, tokens=tokens, hidden=hidden, checkpoint=checkpoint,
-                                          capture_layers=capture_layers)
-            return self._prefill(state, pos, n, tokens, hidden, capture_layers)
-        save, n_save = gdn_kernels.SAVE_NOTHING, 0
-        if checkpoint and self.pools.mode == CHECKPOINT:
-            save, n_save = gdn_kernels.SAVE_WINDOWS, n + 1
-        elif checkpoint and self.pools.mode == REPLAY_SSM:
-            save, n_save = gdn_kernels.SAVE_LOG, 1
-        start = self.pools.start[state.slot]  # after a checkpoint rollback: the kept token's checkpoint slot
-        self._control.copy_(torch.tensor([state.slot, n, pos, save, n_save, start], dtype=torch.int32))
-        b = self.buffers
+        """One sequence: a batch of one (the same code path as `forward_batch`)."""
+        item = BatchItem(state, pos, tokens=tokens, hidden=hidden, checkpoint=checkpoint,
+                         capture_layers=tuple(capture_layers))
+        [out] = self.forward_batch([item])
+        if isinstance(out, ModelError):
+            raise out
+        return out
+
+    @torch.inference_mode()
+    def forward_batch(self, items: Sequence[BatchItem]) -> list[ShardOutput | ModelError]:
+        """Per item its ShardOutput, or the ModelError that refused it (its sequence unchanged; the others run).
+
+        Items of at most `step_rows` rows share fixed-shape steps of `batch_rows` rows, in order, each sequence's
+        rows contiguous; a step holds a sequence once (a second item of it starts the next step, validated
+        against what the first left). Longer items (a prompt) take the prefill path one by one. The head
+        shard's logits of the items of the last step view its buffer (valid until the next call)."""
+        results: list[ShardOutput | ModelError | None] = [None] * len(items)
+        step: list[tuple[int, BatchItem, int]] = []  # (index, item, n)
+        views: list[ShardOutput] = []  # outputs of this call whose logits view the step's buffer
+        used, in_step = 0, set()  # rows taken, ids of the states in `step`
+        for index, item in enumerate(items):
+            if id(item.state) in in_step:
+                self._run_step(step, results, views)
+                step, used, in_step = [], 0, set()
+            try:
+                if item.state.slot is None:
+                    raise BadInput("the sequence has no state slot on this shard (closed)")
+                n = self.model.check_forward(item.state, item.pos, tokens=item.tokens, hidden=item.hidden,
+                                             checkpoint=item.checkpoint)
+            except ModelError as error:
+                results[index] = error
+                continue
+            if n > self.rows:
+                results[index] = self._forward_long(item, n)
+                continue
+            if used + n > self.batch_rows or len(step) == self.max_segments:
+                self._run_step(step, results, views)
+                step, used, in_step = [], 0, set()
+            step.append((index, item, n))
+            in_step.add(id(item.state))
+            used += n
+        self._run_step(step, results, views)
+        return results
+
+    def _forward_long(self, item: BatchItem, n: int) -> ShardOutput:
+        """An input longer than a step's segment (a prompt, a re-fill): the prefill path, over the same pooled state."""
+        state = item.state
+        rb.settle(state)  # the reference and prefill paths read the state itself
+        if not self.prefill_kernels:
+            return self.model.forward(state, item.pos, tokens=item.tokens, hidden=item.hidden,
+                                      checkpoint=item.checkpoint, capture_layers=item.capture_layers)
+        return self._prefill(state, item.pos, n, item.tokens, item.hidden, item.capture_layers)
+
+    def _run_step(self, step: list[tuple[int, BatchItem, int]], results: list, views: list[ShardOutput]) -> None:
+        """One fixed-shape step over the validated items of `step`, their rows packed from row 0."""
+        if not step:
+            return
+        for out in views:  # this step overwrites the logits buffer an earlier step's outputs view
+            out.logits = out.logits.clone()
+        views.clear()
+        b, pools = self.buffers, self.pools
+        table, tokens, first = [], [], 0
+        for _, item, n in step:
+            save, n_save = gdn_kernels.SAVE_NOTHING, 0
+            if item.checkpoint and pools.mode == CHECKPOINT:
+                save, n_save = gdn_kernels.SAVE_WINDOWS, n + 1
+            elif item.checkpoint and pools.mode == REPLAY_SSM:
+                save, n_save = gdn_kernels.SAVE_LOG, 1
+            slot = item.state.slot
+            # after a checkpoint rollback the step starts from the kept token's checkpoint slot
+            table.append(segments.segment(slot, n, item.pos, save=save, n_save=n_save, start=pools.start[slot],
+                                          first=first))
+            if self.model.owns_embedding:
+                tokens.extend(item.tokens)
+            else:
+                self._hidden[first : first + n].copy_(item.hidden)
+            first += n
+        used = first
+        if self.model.owns_embedding:  # the padding rows embed token 0
+            self._tokens.copy_(torch.tensor(tokens + [0] * (self.batch_rows - used), dtype=torch.long))
+        self._control.copy_(torch.tensor(segments.table(table, self.max_segments, pools.scratch_slot, self.batch_rows),
+                                         dtype=torch.int32))
         b.control.copy_(self._control, non_blocking=True)
         if self.model.owns_embedding:
-            self._tokens.zero_()
-            self._tokens[:n] = torch.as_tensor(tokens, dtype=torch.long)
             b.tokens.copy_(self._tokens, non_blocking=True)
-        else:  # only the n real rows cross (pinned, queued); the padding rows are zeroed on the device
-            self._hidden[:n].copy_(hidden)
-            b.hidden_in[:n].copy_(self._hidden[:n], non_blocking=True)
-            if n < self.rows:
-                b.hidden_in[n:].zero_()
+        else:  # only the real rows cross (pinned, queued); the padding rows are zeroed on the device
+            b.hidden_in[:used].copy_(self._hidden[:used], non_blocking=True)
+            if used < self.batch_rows:
+                b.hidden_in[used:].zero_()
 
-        state.pending = None  # a new step ends the previous pending window
-        captured = self.runner.run(tuple(sorted(set(capture_layers))))
-        self.pools.start[state.slot] = -1  # the step left the state in the sequence's own buffers
-        state.length = pos + n
-        if checkpoint:
-            state.pending = PendingStep(start=pos, n=n)
+        for _, item, _ in step:
+            item.state.pending = None  # a new step ends the sequence's previous pending window
+        capture = tuple(sorted({layer for _, item, _ in step for layer in item.capture_layers}))
+        captured = self.runner.run(capture)
+        for _, item, n in step:
+            state = item.state
+            pools.start[state.slot] = -1  # the step left the state in the sequence's own buffers
+            state.length = item.pos + n
+            if item.checkpoint:
+                state.pending = PendingStep(start=item.pos, n=n)
         PHASES.lap("launch")
 
-        out = ShardOutput()
         if self.model.owns_head:
-            self._ids.copy_(b.ids, non_blocking=True)
-            out.logits = b.logits[:n]
-            if b.ids.is_cuda:
-                torch.cuda.current_stream().synchronize()
-            PHASES.lap("wait")
-            out.ids = self._ids[:n].clone()
+            self._ids[:used].copy_(b.ids[:used], non_blocking=True)
         else:
-            self._hidden[:n].copy_(b.hidden[:n], non_blocking=True)
-            if b.hidden.is_cuda:
-                torch.cuda.current_stream().synchronize()
-            PHASES.lap("wait")
-            out.hidden = self._hidden[:n].clone()
-        out.captured = {layer: buffer[:n].cpu() for layer, buffer in captured.items()}
+            self._hidden[:used].copy_(b.hidden[:used], non_blocking=True)
+        if b.ids.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        PHASES.lap("wait")
+        first = 0
+        for index, item, n in step:
+            rows = slice(first, first + n)
+            out = ShardOutput()
+            if self.model.owns_head:
+                out.logits = b.logits[rows]
+                out.ids = self._ids[rows].clone()
+                views.append(out)
+            else:
+                out.hidden = self._hidden[rows].clone()
+            out.captured = {layer: captured[layer][rows].cpu() for layer in sorted(set(item.capture_layers))}
+            results[index] = out
+            first += n
         PHASES.lap("copy")
-        return out
 
     def _prefill(self, state, pos, n, tokens, hidden, capture_layers) -> ShardOutput:
         model = self.model

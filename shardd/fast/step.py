@@ -1,8 +1,11 @@
-"""The fixed-shape step: T rows through a shard's layers, from static input buffers to static outputs.
+"""The fixed-shape step: R rows through a shard's layers, from static input buffers to static outputs.
 
 Written once, run eagerly (tests under TRITON_INTERPRET=1, warm-up) or replayed as a CUDA graph
-(graph.py). It reads the sequence's slot, the number of real rows n, the position and what to save from
-the device tensor `control`, so it never syncs with the host and never slices by a Python int.
+(graph.py). The R rows hold several sequences, each in contiguous rows (a segment); for each it reads the
+slot, the number of rows n, the position, the first row and what to save from the device table `control`
+(shardd/kernels/segments.py), so it never syncs with the host and never slices by a Python int. The GEMMs
+and the row-wise kernels see R rows whoever fills them; the attention and GDN kernels run each segment as
+if its sequence were alone in the step: a token's bits do not depend on who shares its step.
 """
 
 from __future__ import annotations
@@ -15,19 +18,19 @@ from shardd.fast.weights import FusedAttention, FusedLayer
 from shardd.kernels import attention as attention_kernels
 from shardd.kernels import elementwise
 from shardd.kernels import gdn as gdn_kernels
+from shardd.kernels import segments as seg
 from shardd.model.shard import ShardModel
 
-# control: int32 [slot, n, pos, save, n_save, start]; start: the checkpoint slot the GDN state is read from
-# after a checkpoint rollback, -1 for the sequence's own state (shardd/kernels/gdn.py)
-SLOT, ROWS, POS, SAVE, N_SAVE, START = range(6)
-
-
 class StepBuffers:
-    """The step's static inputs and outputs, and the scratch its kernels write."""
+    """The step's static inputs and outputs, and the scratch its kernels write: `rows` (R) rows holding at
+    most `segments` sequences of at most `segment_rows` rows each."""
 
-    def __init__(self, model: ShardModel, rows: int, max_context: int):
+    def __init__(self, model: ShardModel, rows: int, max_context: int, *, segments: int = 1,
+                 segment_rows: int | None = None):
         c, device, dtype = model.config, model.device, model.dtype
-        self.control = torch.zeros(6, dtype=torch.int32, device=device)
+        self.segments = segments
+        self.segment_rows = rows if segment_rows is None else segment_rows
+        self.control = torch.zeros(seg.size(segments, rows), dtype=torch.int32, device=device)  # the segment table
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
         self.hidden_in = torch.zeros((rows, c.hidden_size), dtype=dtype, device=device)
         self.hidden = torch.zeros((rows, c.hidden_size), dtype=dtype, device=device)  # the residual stream
@@ -53,7 +56,7 @@ class StepBuffers:
 
 def run_step(model: ShardModel, layers: list[FusedLayer], pools: StatePools, buffers: StepBuffers,
              captured: dict[int, torch.Tensor]) -> None:
-    """One T-row step: buffers.tokens / hidden_in -> buffers.hidden (or logits and ids on the head shard);
+    """One R-row step: buffers.tokens / hidden_in -> buffers.hidden (or logits and ids on the head shard);
     the output of each layer in `captured` is copied into its buffer."""
     c, b = model.config, buffers
     rows = b.tokens.shape[0]
@@ -98,11 +101,11 @@ def _gdn(model, layer: FusedLayer, row: int, pools: StatePools, b: StepBuffers, 
         proj, mixer.conv_weight, mixer.neg_decay, mixer.dt_bias, views["conv_state"], views["windows"],
         views["log_conv0"], views["log_in"], views["rin"], b.control,
         num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
-        k_dim=c.linear_key_head_dim, v_dim=c.linear_value_head_dim, rows=rows,
+        k_dim=c.linear_key_head_dim, v_dim=c.linear_value_head_dim, rows=b.segment_rows, segments=b.segments,
     )
     gdn_kernels.gdn_recurrence(
         pools.recurrence_inputs, pools.recurrent, pools.saved, b.core, b.control,
-        layer0=row, layers=1, rows=rows, num_k_heads=c.linear_num_key_heads,
+        layer0=row, layers=1, rows=b.segment_rows, num_k_heads=c.linear_num_key_heads, segments=b.segments,
     )
     z = proj[:, c.linear_conv_dim : c.linear_conv_dim + c.linear_value_dim]
     elementwise.gated_rms_norm(b.core[0], z, mixer.norm, c.rms_norm_eps, b.gdn_out)
@@ -116,6 +119,6 @@ def _attention(model, layer: FusedLayer, pools: StatePools, b: StepBuffers, rows
         qkv, mixer.q_norm, mixer.k_norm, b.cos, b.sin, pools.keys[layer.index], pools.values[layer.index],
         b.query, b.partials, b.attn_out, b.control,
         num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-        rotary_dim=c.rotary_dim, eps=c.rms_norm_eps, rows=rows,
+        rotary_dim=c.rotary_dim, eps=c.rms_norm_eps, rows=rows, segments=b.segments, segment_rows=b.segment_rows,
     )
     return F.linear(b.attn_out, mixer.o_proj)

@@ -7,7 +7,11 @@ runs the recurrence over those inputs. A `replay-ssm` rollback re-runs the very 
 over the kept tokens, so its state is bit-identical to the `checkpoint` slot of the same token.
 
 Per-sequence buffers are pools with a leading slot dimension; the slot, the number of real rows `n`
-and what to save are read from device scalars, so a captured CUDA graph serves every sequence.
+and what to save are read from device scalars, so a captured CUDA graph serves every sequence. A step holds
+several sequences (issue 20): `control` is a table of segments (shardd/kernels/segments.py), and both
+kernels run one program per segment (times channel groups, or heads and layers), each over its own
+sequence's rows exactly as if that sequence were alone in the step. A segment's rows are at most T
+(`rows`: the per-sequence tile); the recurrence inputs are kept per slot, segment-relative.
 
 A `checkpoint` rollback copies nothing: it leaves `start` (control[5]) at the kept token's checkpoint slot,
 and the next step reads its conv window and recurrent state from that slot instead of the sequence's own
@@ -32,15 +36,35 @@ def _gdn_prepare_kernel(
     log_conv0_ptr, log_conv0_slot_stride,    # replay-ssm: [S, W, C] window before the step
     log_in_ptr, log_in_slot_stride,          # replay-ssm: [S, T, C] the step's conv inputs
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, rin_slot_stride_qk, rin_slot_stride_v, rin_slot_stride_g,
-    control_ptr,                             # int32 [slot, n, pos, save, n_save, start]
+    control_ptr,                             # int32 segments [slot, n, pos, save, n_save, start, first, -]
     C, K, V, HK, HV, b_col, a_col,
     T: tl.constexpr, TP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, SWP: tl.constexpr, BLOCK: tl.constexpr,
 ):
     program = tl.program_id(0)
-    slot = tl.load(control_ptr + 0)
-    n = tl.load(control_ptr + 1)
-    save = tl.load(control_ptr + 3)
-    start = tl.load(control_ptr + 5)
+    segment_ptr = control_ptr + tl.program_id(1) * 8
+    slot = tl.load(segment_ptr + 0)
+    n = tl.load(segment_ptr + 1)
+    save = tl.load(segment_ptr + 3)
+    start = tl.load(segment_ptr + 5)
+    # the segment's rows of the step: proj rows first .. first + n (a segment of no sequence has n = 0)
+    proj_ptr += tl.load(segment_ptr + 6).to(tl.int64) * proj_stride
+    if n > 0:
+        _gdn_prepare_segment(
+            proj_ptr, proj_stride, conv_w_ptr, neg_decay_ptr, dt_bias_ptr, conv_state_ptr, conv_state_slot_stride,
+            windows_ptr, windows_slot_stride, log_conv0_ptr, log_conv0_slot_stride, log_in_ptr, log_in_slot_stride,
+            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, rin_slot_stride_qk, rin_slot_stride_v, rin_slot_stride_g,
+            program, slot, n, save, start, C, K, V, HK, HV, b_col, a_col, T, TP, W, WP, SWP, BLOCK,
+        )
+
+
+@triton.jit
+def _gdn_prepare_segment(
+    proj_ptr, proj_stride, conv_w_ptr, neg_decay_ptr, dt_bias_ptr, conv_state_ptr, conv_state_slot_stride,
+    windows_ptr, windows_slot_stride, log_conv0_ptr, log_conv0_slot_stride, log_in_ptr, log_in_slot_stride,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, rin_slot_stride_qk, rin_slot_stride_v, rin_slot_stride_g,
+    program, slot, n, save, start, C, K, V, HK, HV, b_col, a_col,
+    T: tl.constexpr, TP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, SWP: tl.constexpr, BLOCK: tl.constexpr,
+):
     # which channel group: q heads, then k heads, then v heads
     is_q = program < HK
     is_k = (program >= HK) & (program < 2 * HK)
@@ -59,7 +83,7 @@ def _gdn_prepare_kernel(
     dtype = proj_ptr.dtype.element_ty
 
     rows = tl.arange(0, TP)
-    rmask = rows < T
+    rmask = rows < n  # n <= T
     mask2 = rmask[:, None] & cmask[None, :]
     # conv over the window: out[t] = sum_j w[j] * ext[t + j], ext = old window rows then the step's rows
     acc = tl.zeros([TP, BLOCK], dtype=tl.float32)
@@ -121,25 +145,39 @@ def _gdn_prepare_kernel(
     tl.store(state_ptr + wrows[:, None] * C + cols[None, :], window, mask=wmask)
 
 
-@triton.jit(do_not_specialize=["saved_slots", "layer0", "layers_total"])
+@triton.jit(do_not_specialize=["saved_slots", "layer0", "layers_total", "segments", "out_rows"])
 def _gdn_recurrence_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,  # recurrence inputs [S, L, T, HK|HV, K|V], [S, L, T, HV]
     init_ptr,                              # where the state before the first token is read: like state_ptr
     state_ptr,                             # [S, L, HV, K, V] float32
     saved_ptr, saved_slots,                # [S, L, saved_slots, HV, K, V]: the state after 0, 1, .. tokens
-    out_ptr,                               # [grid L, T, HV, V] float32
-    control_ptr,                           # int32 [slot, n, pos, save, n_save, start]
+    out_ptr, out_rows,                     # [grid L, out_rows, HV, V] float32: token t at row first + t
+    control_ptr, segments,                 # int32 segments [slot, n, pos, save, n_save, start, first, -]
     layer0, layers_total, K, V, HK, HV,
     T: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
 ):
     head = tl.program_id(0)
     vblock = tl.program_id(1)
-    grid_layer = tl.program_id(2)
+    grid_layer = tl.program_id(2) // segments
+    segment_ptr = control_ptr + (tl.program_id(2) % segments) * 8
     layer = (layer0 + grid_layer).to(tl.int64)
-    slot = tl.load(control_ptr + 0).to(tl.int64)
-    n = tl.load(control_ptr + 1)
-    n_save = tl.load(control_ptr + 4)
-    start = tl.load(control_ptr + 5)  # >= 0: the state before the step is the checkpoint slot `start`
+    slot = tl.load(segment_ptr + 0).to(tl.int64)
+    n = tl.load(segment_ptr + 1)
+    n_save = tl.load(segment_ptr + 4)
+    start = tl.load(segment_ptr + 5)  # >= 0: the state before the step is the checkpoint slot `start`
+    first = tl.load(segment_ptr + 6)
+    if n > 0:  # a segment of no sequence
+        _gdn_recurrence_segment(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, init_ptr, state_ptr, saved_ptr, saved_slots,
+                                out_ptr, out_rows, head, vblock, grid_layer, layer, slot, n, n_save, start, first,
+                                layers_total, K, V, HK, HV, T, KP, BV)
+
+
+@triton.jit
+def _gdn_recurrence_segment(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, init_ptr, state_ptr, saved_ptr, saved_slots, out_ptr, out_rows,
+    head, vblock, grid_layer, layer, slot, n, n_save, start, first, layers_total, K, V, HK, HV,
+    T: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
+):
     kh = head // (HV // HK)  # each q/k head serves consecutive value heads
     seq_layer = slot * layers_total + layer
 
@@ -159,7 +197,7 @@ def _gdn_recurrence_kernel(
         tl.store(saved_ptr + (saved_base * HV + head) * K * V + offsets, state, mask=mask2)
     qk_row = seq_layer * T * HK
     v_row = seq_layer * T * HV
-    out_base = grid_layer.to(tl.int64) * T * HV * V
+    out_base = (grid_layer.to(tl.int64) * out_rows + first) * HV * V
     for t in tl.static_range(T):
         if t < n:
             key = tl.load(k_ptr + ((qk_row + t * HK + kh) * K) + ks, mask=kmask, other=0.0)
@@ -179,17 +217,18 @@ def _gdn_recurrence_kernel(
 
 
 def gdn_prepare(proj, conv_weight, neg_decay, dt_bias, conv_state, windows, log_conv0, log_in, rin, control,
-                *, num_k_heads, num_v_heads, k_dim, v_dim, rows):
-    """Conv + SiLU + q/k l2 norm + g/beta for one layer's `rows` (= T) projected rows; advances the conv
-    window by control.n rows and saves windows (checkpoint) or the window and inputs (replay-ssm).
+                *, num_k_heads, num_v_heads, k_dim, v_dim, rows, segments=1):
+    """Conv + SiLU + q/k l2 norm + g/beta for one layer's projected rows, per segment of `control` its n rows
+    (at most `rows` = T) from its first; advances each segment's conv window by its n rows and saves windows
+    (checkpoint) or the window and inputs (replay-ssm).
 
-    proj [T, P] (qkv | z | b | a), conv_state [S, W, C] float32, windows [S, T + 1, W, C], log_conv0 [S, W, C],
+    proj [R, P] (qkv | z | b | a), conv_state [S, W, C] float32, windows [S, T + 1, W, C], log_conv0 [S, W, C],
     log_in [S, T, C]; rin = (q, k, v, g, beta) views of this layer: [S, T, HK, K] .. [S, T, HV]."""
     q, k, v, g, beta = rin
     conv_dim = conv_state.shape[-1]
     width = conv_state.shape[-2]
     b_col = conv_dim + num_v_heads * v_dim
-    _gdn_prepare_kernel[(2 * num_k_heads + num_v_heads,)](
+    _gdn_prepare_kernel[(2 * num_k_heads + num_v_heads, segments)](
         proj, proj.stride(0), conv_weight, neg_decay, dt_bias,
         conv_state, conv_state.stride(0), windows, windows.stride(0), log_conv0, log_conv0.stride(0),
         log_in, log_in.stride(0), q, k, v, g, beta, q.stride(0), v.stride(0), g.stride(0), control,
@@ -206,19 +245,20 @@ RECURRENCE_BLOCK_V = 16
 RECURRENCE_WARPS = 2
 
 
-def gdn_recurrence(rin, state, saved, out, control, *, layer0, layers, rows, num_k_heads, initial=None):
-    """The gated delta rule over control.n tokens of `layers` GDN layers from `layer0`, token by token.
+def gdn_recurrence(rin, state, saved, out, control, *, layer0, layers, rows, num_k_heads, initial=None, segments=1):
+    """The gated delta rule over each segment's n tokens of `layers` GDN layers from `layer0`, token by token.
 
     rin = (q, k, v, g, beta) pools [S, L, T, ..], state [S, L, HV, K, V], saved [S, L, slots, HV, K, V] (the
-    state after 0 .. n_save - 1 tokens), out [layers, T, HV, V]. The state before the first token is read from
-    `initial` (laid out like `state`; default `state` itself): a replay-ssm rollback starts from the saved one."""
+    state after 0 .. n_save - 1 tokens), out [layers, R, HV, V] (a segment's token t at row first + t). The
+    state before the first token is read from `initial` (laid out like `state`; default `state` itself): a
+    replay-ssm rollback starts from the saved one."""
     q, k, v, g, beta = rin
     _, layers_total, num_v_heads, k_dim, v_dim = state.shape
     initial = state if initial is None else initial
     assert initial.stride()[:2] == state.stride()[:2] and initial[0, 0].numel() == state[0, 0].numel()
     block_v = min(RECURRENCE_BLOCK_V, triton.next_power_of_2(v_dim))
-    _gdn_recurrence_kernel[(num_v_heads, triton.cdiv(v_dim, block_v), layers)](
-        q, k, v, g, beta, initial, state, saved, saved.shape[2], out, control,
+    _gdn_recurrence_kernel[(num_v_heads, triton.cdiv(v_dim, block_v), layers * segments)](
+        q, k, v, g, beta, initial, state, saved, saved.shape[2], out, out.shape[1], control, segments,
         layer0, layers_total, k_dim, v_dim, num_k_heads, num_v_heads,
         T=rows, KP=triton.next_power_of_2(k_dim), BV=block_v, num_warps=RECURRENCE_WARPS,
     )
