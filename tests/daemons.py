@@ -20,7 +20,10 @@ import zmq
 
 from protocol import RECORD_TYPES, MessageType, Reply, decode_reply, encode_request
 
-READY_TIMEOUT = 60.0  # seconds for a daemon to import torch, build its weights and answer HELLO
+# Seconds for a daemon to import torch, build its weights and answer HELLO: a bound, never waited out when the
+# daemon comes up (~3 s idle); generous because on a loaded machine (two test workers, other jobs) the import
+# alone has taken over 60 s.
+READY_TIMEOUT = 120.0
 REPLY_TIMEOUT = 30.0
 
 

@@ -956,8 +956,10 @@ def test_compute_error_fails_only_its_sequence(workdir):
     overcommit = Path("/proc/sys/vm/overcommit_memory")
     if not overcommit.exists() or overcommit.read_text().strip() == "1":
         pytest.skip("with overcommit always on, the allocation would succeed and the OOM killer would act instead")
+    # The mask must be far beyond memory (RAM + swap; twice that here), so allocating it fails at once; no
+    # larger n than that: the rows before the mask are real bfloat16 work (each doubling of n doubles it).
     n = 1 << 16
-    while n * n <= 4 * _memory_bytes():  # the mask must be far beyond memory, so allocating it fails at once
+    while n * n <= 2 * _memory_bytes():
         n *= 2
     if n > 1 << 20:
         pytest.skip("this machine has too much memory to run out of it quickly")
