@@ -305,6 +305,8 @@ class ShardDaemon:
             # the step implementation; `step_rows` is the fast engine's T (inputs up to it take the fixed step)
             "engine": shard.engine if shard is not None else None,
             "step_rows": shard.step_rows if shard is not None else None,
+            # R, the rows of every batched step (--step-rows; issue 20): the most rows of several sequences one step runs
+            "batch_rows": getattr(shard, "batch_rows", None) if shard is not None else None,
             "rollback": {
                 "mode": storage.mode if storage.enabled else None,
                 "max_verify_tokens": storage.max_verify_tokens,
