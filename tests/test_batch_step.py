@@ -146,6 +146,52 @@ def test_rollback_after_a_batched_step_equals_a_fresh_recompute(mode):
     assert_same_state(state_bits(batched, a), state_bits(batched, b))
 
 
+def test_replay_ssm_rollbacks_of_one_batch_back_to_back():
+    """After one batched replay-ssm step, each sequence rolled back by its own keep one after another, nothing read
+    in between (as `rollback_batch` does): every state equals its sequence alone. On the GPU the rollbacks queue
+    behind a busy stream, so a control another rollback rewrites before its copy ran is caught (it was: each
+    rollback's control went through one shared pinned buffer)."""
+    device = "cuda" if CUDA else "cpu"
+    batched, alone = pair(REPLAY_SSM, preset="duo", rows=4, step_rows=8, sequences=3, context=16,
+                          dtype=torch.float32, device=device)
+    states = [batched.new_state(16) for _ in range(3)]
+    solo = [alone.new_state(16) for _ in range(3)]
+    forward_batch(batched, [item(batched, s, 0, 1, 10 + i) for i, s in enumerate(states)])
+    items = [item(batched, s, 1, 3, 20 + i, checkpoint=True) for i, s in enumerate(states)]
+    forward_batch(batched, items)
+    for i, it in enumerate(items):
+        alone.forward(solo[i], 0, **_args(item(alone, solo[i], 0, 1, 10 + i)))
+        alone.forward(solo[i], 1, **_args(it))
+        rb.rollback(solo[i], 1 + i % 2)
+    if CUDA:
+        torch.cuda._sleep(200_000_000)  # the stream busy (~0.1 s): every rollback below is queued, none has run
+    for i, s in enumerate(states):
+        rb.rollback(s, 1 + i % 2)
+    for s, alone_state in zip(states, solo):
+        assert_same_state(state_bits(batched, s), state_bits(alone, alone_state))
+
+
+def test_the_scheduler_over_a_batched_step_speculates_each_stream_as_greedy():
+    """The scheduler over one FastShard with a shared step (replay-ssm): three streams with the oracle drafter (each
+    drafting its own greedy continuation, with misses so that every step rolls back) give each stream's greedy
+    output, as one stream does; on the GPU (bf16, graphs) this failed from 4 streams on."""
+    from coordinator.drafters import OracleDrafter
+    from coordinator.scheduler import Request, decode_all
+    from tests.local import LocalTarget
+
+    device = "cuda" if CUDA else "cpu"
+    batched, _ = pair(REPLAY_SSM, preset="duo", rows=4, step_rows=8, sequences=3, context=24,
+                      dtype=torch.float32, device=device)
+    target = LocalTarget.from_shards([batched], 24)
+    prompts = [ids(3, batched.config.vocab_size, 40 + i) for i in range(3)]
+    greedy = [decode_all(target, [Request(p, 7)], rollback=REPLAY_SSM)[0].tokens for p in prompts]
+    drafters = [OracleDrafter.with_mean_commit(g, len(p), block_size=4, mean_commit=2) for p, g in zip(prompts, greedy)]
+    results = decode_all(target, [Request(p, 7, drafter=d, block_size=4) for p, d in zip(prompts, drafters)],
+                         rollback=REPLAY_SSM)
+    assert [r.tokens for r in results] == greedy
+    assert all(r.rollbacks_fast > 0 for r in results)
+
+
 def test_a_refused_item_changes_nothing_and_the_others_run():
     """A batch with a stale position and an out-of-vocabulary token: those items get their ModelError and their
     sequences are unchanged (length, state, pending window); the others' outputs equal them alone. A second
