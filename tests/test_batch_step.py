@@ -157,7 +157,8 @@ def test_replay_ssm_rollbacks_of_one_batch_back_to_back():
                       dtype=torch.float32, device=device)
     a, b, c, d = (batched.new_state(8) for _ in range(4))
     block = ids(3, batched.config.vocab_size, 7)
-    forward_batch(batched, [BatchItem(a, 0, tokens=block, checkpoint=True), BatchItem(b, 0, tokens=block, checkpoint=True),
+    forward_batch(batched, [BatchItem(a, 0, tokens=block, checkpoint=True),
+                            BatchItem(b, 0, tokens=block, checkpoint=True),
                             BatchItem(c, 0, tokens=block[:1]), BatchItem(d, 0, tokens=block[:2])])
     if CUDA:
         torch.cuda._sleep(200_000_000)  # the stream busy (~0.1 s): both rollbacks below are queued, neither has run
