@@ -517,7 +517,9 @@ class ShardDaemon:
             items.append(result)
             for name, tensor in tensors.items():
                 parts.setdefault(name, []).append(tensor)
-        tensors = {name: WireTensor.from_torch(chunks[0] if len(chunks) == 1 else torch.cat(chunks))
+        # on the host before joining: an engine's items need not share a device (a fast shard's step rows come
+        # back in pinned host memory, an item longer than its step through the prefill path on the GPU)
+        tensors = {name: WireTensor.from_torch(chunks[0] if len(chunks) == 1 else torch.cat([c.cpu() for c in chunks]))
                    for name, chunks in parts.items()}
         return {"items": items}, tensors
 

@@ -146,6 +146,80 @@ def test_rollback_after_a_batched_step_equals_a_fresh_recompute(mode):
     assert_same_state(state_bits(batched, a), state_bits(batched, b))
 
 
+def test_replay_ssm_rollbacks_of_one_batch_back_to_back():
+    """One batched replay-ssm step: `a` and `b` verify the same block, `c` and `d` forward only its first one and
+    two tokens. `a` and `b` are then rolled back to one and two tokens one after the other, nothing read in between
+    (as `rollback_batch` does): their states equal `c`'s and `d`'s. On the GPU the rollbacks queue behind a busy
+    stream, so a rollback whose control another one rewrites before its queued copy ran is caught (each used to
+    go through one shared pinned buffer: `a` was never rolled back)."""
+    device = "cuda" if CUDA else "cpu"
+    batched, _ = pair(REPLAY_SSM, preset="duo", rows=4, step_rows=12, sequences=4, context=8,
+                      dtype=torch.float32, device=device)
+    a, b, c, d = (batched.new_state(8) for _ in range(4))
+    block = ids(3, batched.config.vocab_size, 7)
+    forward_batch(batched, [BatchItem(a, 0, tokens=block, checkpoint=True),
+                            BatchItem(b, 0, tokens=block, checkpoint=True),
+                            BatchItem(c, 0, tokens=block[:1]), BatchItem(d, 0, tokens=block[:2])])
+    if CUDA:
+        torch.cuda._sleep(200_000_000)  # the stream busy (~0.1 s): both rollbacks below are queued, neither has run
+    rb.rollback(a, 1)
+    rb.rollback(b, 2)
+    assert_same_state(state_bits(batched, a), state_bits(batched, c))
+    assert_same_state(state_bits(batched, b), state_bits(batched, d))
+
+
+def test_the_scheduler_over_a_batched_step_speculates_each_stream_as_greedy():
+    """The scheduler over one FastShard with a shared step (replay-ssm): three streams with the oracle drafter (each
+    drafting its own greedy continuation, with misses so that every stream rolls back) give each stream's greedy
+    output (the same streams without drafts; each equals itself alone: the bit-for-bit tests above). On the GPU
+    (bf16, graphs) this failed from 4 streams on."""
+    from coordinator.drafters import OracleDrafter
+    from coordinator.scheduler import Request, decode_all
+    from tests.local import LocalTarget
+
+    device = "cuda" if CUDA else "cpu"
+    batched, _ = pair(REPLAY_SSM, preset="duo", rows=4, step_rows=8, sequences=3, context=16,
+                      dtype=torch.float32, device=device)
+    target = LocalTarget.from_shards([batched], 16)
+    prompts = [ids(2, batched.config.vocab_size, 40 + i) for i in range(3)]
+    greedy = [r.tokens for r in decode_all(target, [Request(p, 4) for p in prompts], rollback=REPLAY_SSM)]
+    drafters = [OracleDrafter.with_mean_commit(g, len(p), block_size=4, mean_commit=2) for p, g in zip(prompts, greedy)]
+    results = decode_all(target, [Request(p, 4, drafter=d, block_size=4) for p, d in zip(prompts, drafters)],
+                         rollback=REPLAY_SSM)
+    assert [r.tokens for r in results] == greedy
+    assert all(r.rollbacks_fast > 0 for r in results)
+
+
+def test_a_fast_daemon_answers_a_batch_of_a_prompt_beside_a_block(tmp_path):
+    """A batched FORWARD to a fast-engine daemon that owns the embedding and not the head (replay-ssm): an item longer
+    than the step (a prompt: the prefill path, its rows on the device on a GPU) beside a short one (the step's rows,
+    in host memory) — both answered in one reply, each item's hidden rows those of the same request alone. (On the
+    GPU the daemon joined the two items' rows across devices and failed the batch.)"""
+    from protocol import Forward, ForwardBatch, MessageType, encode_request, split_batch_reply
+    from tests.daemons import start_daemons, stop_all
+
+    args = ["--layers", "0:2", "--engine", "fast", "--device", "cuda:0" if CUDA else "cpu",
+            "--rollback", REPLAY_SSM, "--max-verify-tokens", "4", "--step-rows", "4", "--max-context", "16",
+            "--max-sequences", "4"]
+    daemons = start_daemons({"shard0": (f"ipc://{tmp_path}/shard0.sock", args)}, tmp_path)
+    try:
+        client = daemons["shard0"].client()
+        for seq in (1, 2, 3, 4):
+            client.call(MessageType.OPEN, seq=seq)
+        prompt, block = list(range(5, 14)), [3, 4]  # 9 tokens (past the 4-row step), 2 tokens
+        sent = ForwardBatch(id=client.next_id(), items=(Forward(id=0, seq=1, pos=0, tokens=prompt),
+                                                        Forward(id=0, seq=2, pos=0, tokens=block)))
+        reply = client.exchange(encode_request(sent, validate=False))
+        assert reply.ok, (reply.error_code, reply.error_message)
+        parts = split_batch_reply(reply, sent)
+        for part, seq, tokens in ((parts[0], 3, prompt), (parts[1], 4, block)):
+            single = client.exchange(encode_request(Forward(id=client.next_id(), seq=seq, pos=0, tokens=tokens)))
+            assert part.ok and single.ok, (part.error_message, single.error_message)
+            assert bytes(part.tensors["hidden"].data) == bytes(single.tensors["hidden"].data)
+    finally:
+        stop_all(daemons.values())
+
+
 def test_a_refused_item_changes_nothing_and_the_others_run():
     """A batch with a stale position and an out-of-vocabulary token: those items get their ModelError and their
     sequences are unchanged (length, state, pending window); the others' outputs equal them alone. A second

@@ -189,7 +189,7 @@ def test_the_seeded_stream_is_a_pure_function_of_seed_and_position():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_stream_and_the_answers_are_the_same_on_cuda():
-    seeds, positions = torch.arange(0, 2 ** 62, 2 ** 55), torch.arange(8) * 1_000_003
+    seeds, positions = torch.arange(0, 2 ** 62, 2 ** 55)[:, None], (torch.arange(8) * 1_000_003)[None, :]
     assert torch.equal(uniforms(seeds.cuda(), positions.cuda(), sm.ACCEPT).cpu(), uniforms(seeds, positions, sm.ACCEPT))
     items = mixed_batch(torch.Generator().manual_seed(4))
     on_cuda = answer_batch([(logits.cuda(), ids, pos, head) for logits, ids, pos, head in items])

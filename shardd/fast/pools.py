@@ -50,11 +50,13 @@ class SlotRecurrenceLog:
     def restore(self, states: GDNStates, keep: int) -> None:
         pools, slot = self.pools, self.slot
         if keep:  # the recurrence kernel reads the saved state and leaves the state after `keep` tokens
-            # queued on the stream, no host wait: the control goes through pinned memory (rewritten only at the
-            # next rollback, after a step's synchronize, so this copy has long been done by then)
+            # queued on the stream, no host wait: the control goes through a pinned buffer of its own per rollback
+            # (the caching host allocator keeps it until the copy ran). One shared pinned buffer was rewritten by
+            # the next sequence's rollback of the same batch before its queued copy ran: that sequence's segment
+            # then replayed twice and this one was never rolled back (issue 20, GPU only).
             control = pools.replay_control
-            pools.replay_control_host.copy_(torch.tensor(segments.segment(slot, keep, 0), dtype=torch.int32))
-            control.copy_(pools.replay_control_host, non_blocking=True)
+            host = torch.tensor(segments.segment(slot, keep, 0), dtype=torch.int32)
+            control.copy_(host.pin_memory() if control.is_cuda else host, non_blocking=True)
             gdn_kernels.gdn_recurrence(
                 pools.recurrence_inputs, pools.recurrent, pools.recurrent0, pools.replay_out, control,
                 layer0=0, layers=len(pools.gdn_layers), rows=pools.rows, num_k_heads=pools.config.linear_num_key_heads,
@@ -117,8 +119,6 @@ class StatePools:
             self.conv_inputs = torch.zeros((slots, layers, rows, conv_dim), **f32)
             self.replay_out = torch.zeros((max(layers, 1), rows, heads, v_dim), **f32)
             self.replay_control = torch.zeros(segments.FIELDS, dtype=torch.int32, device=device)
-            self.replay_control_host = torch.zeros(segments.FIELDS, dtype=torch.int32,
-                                                   pin_memory=torch.device(device).type == "cuda")
         self.mode = mode
         # per slot, the checkpoint slot its next step starts from after a checkpoint rollback (-1: its own state)
         self.start = [-1] * slots
