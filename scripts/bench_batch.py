@@ -206,7 +206,9 @@ def run_batch_daemons(args) -> dict:
             out["batch_checks_daemons"] = result["checks"]
             out["batch_greedy_digest_daemons"] = digest(greedy)
             streams = 8
-            _, direct, _ = run_streams(pipeline, prompts[:streams], args)
+            # as `shardctl serve` runs them (it chunks prompts by its own default)
+            _, direct, _ = run_streams(pipeline, prompts[:streams], argparse.Namespace(**{**vars(args),
+                                                                                        "prefill_chunk": None}))
         try:
             out["batch_http"] = http_streams(args, endpoints, prompts[:streams], run_dir)
             out["batch_http"]["http_vs_direct"] = round(out["batch_http"]["tok_s"] / direct, 3)
