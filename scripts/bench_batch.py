@@ -15,6 +15,7 @@ included), 512-token prompts (seeded, one per stream), 64 new tokens each.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -44,8 +45,11 @@ def stream_prompts(args, count: int) -> list[list[int]]:
 
 
 def run_streams(target, prompts, args, *, references=None, sampling=None, ngram=False, rollback="replay-ssm",
-                max_sequences=None):
-    """The prompts together through one scheduler: (token lists, aggregate tok/s, mean commit)."""
+                max_sequences=None, stats=None):
+    """The prompts together through one scheduler: (token lists, aggregate tok/s, mean commit). With `stats` (a
+    dict) also `decode_tok_s`: the tokens committed after the last prompt's first token, over the time after it
+    (the decode steps' rate, without the prefill that dominates the aggregate of 512-token prompts and 64 new
+    tokens)."""
     from coordinator.drafters import NgramDrafter, OracleDrafter
     from coordinator.scheduler import Request, decode_all
 
@@ -55,12 +59,26 @@ def run_streams(target, prompts, args, *, references=None, sampling=None, ngram=
                                                   mean_commit=MEAN_COMMIT)
         return NgramDrafter() if ngram else None
 
-    requests = [Request(prompt, args.tokens, sampling=sampling, drafter=drafter(i), block_size=BLOCK)
-                for i, prompt in enumerate(prompts)]
+    commits: list[tuple[float, bool, int]] = []  # (when, a request's first commit, tokens)
+    seen: set[int] = set()
+
+    def on_commit(index):
+        def record(ids):
+            commits.append((time.perf_counter(), index not in seen, len(ids)))
+            seen.add(index)
+        return record
+
+    requests = [Request(prompt, args.tokens, sampling=sampling, drafter=drafter(i), block_size=BLOCK,
+                        on_commit=on_commit(i)) for i, prompt in enumerate(prompts)]
     started = time.perf_counter()
     results = decode_all(target, requests, max_sequences=max_sequences or len(prompts), rollback=rollback,
-                         step_rows=args.batch_rows)
-    seconds = time.perf_counter() - started
+                         step_rows=args.batch_rows, prefill_chunk=getattr(args, "prefill_chunk", None))
+    ended = time.perf_counter()
+    seconds = ended - started
+    if stats is not None:
+        prefilled = max((when for when, first, _ in commits if first), default=ended)
+        after = sum(n for when, first, n in commits if when > prefilled and not first)
+        stats["decode_tok_s"] = round(after / (ended - prefilled), 1) if ended > prefilled and after else None
     commits = [c for r in results for c in r.commits]
     return ([r.tokens for r in results], round(sum(len(r.tokens) for r in results) / seconds, 1),
             round(statistics.mean(commits), 2) if commits else None)
@@ -68,21 +86,32 @@ def run_streams(target, prompts, args, *, references=None, sampling=None, ngram=
 
 def sweep(target, prompts, args, label: str) -> dict:
     """batch_tok_s by concurrency, greedy then oracle; the tokens of every stream at every concurrency."""
-    out = {"tok_s": {"greedy": {}, "oracle": {}}, "mean_commit": {}, "checks": {}}
-    run_streams(target, [p[:32] for p in prompts[:2]], args)  # warm-up: kernels compiled, graphs captured
+    out = {"tok_s": {"greedy": {}, "oracle": {}}, "decode_tok_s": {"greedy": {}, "oracle": {}}, "mean_commit": {},
+           "checks": {}}
+    # warm-up: kernels compiled, graphs captured, for every path the sweep takes (each prompt chunk's position,
+    # decode and verify steps, rollbacks), so the first measured run (the widest) pays no compilation
+    warm = argparse.Namespace(**{**vars(args), "tokens": min(args.tokens, 2 * BLOCK)})
+    reference, _, _ = run_streams(target, prompts[:2], warm)
+    run_streams(target, prompts[:2], warm, references=reference)
     widest = max(CONCURRENCY)
-    greedy, out["tok_s"]["greedy"][str(widest)], _ = run_streams(target, prompts[:widest], args)
-    print(f"{label} greedy x{widest}: {out['tok_s']['greedy'][str(widest)]} tok/s", flush=True)
+    stats: dict = {}
+    greedy, out["tok_s"]["greedy"][str(widest)], _ = run_streams(target, prompts[:widest], args, stats=stats)
+    out["decode_tok_s"]["greedy"][str(widest)] = stats["decode_tok_s"]
+    print(f"{label} greedy x{widest}: {out['tok_s']['greedy'][str(widest)]} tok/s "
+          f"(decode only {stats['decode_tok_s']})", flush=True)
     for c in CONCURRENCY[:-1]:
-        tokens, out["tok_s"]["greedy"][str(c)], _ = run_streams(target, prompts[:c], args)
+        tokens, out["tok_s"]["greedy"][str(c)], _ = run_streams(target, prompts[:c], args, stats=stats)
+        out["decode_tok_s"]["greedy"][str(c)] = stats["decode_tok_s"]
         out["checks"][f"greedy_x{c}_equals_x{widest}"] = tokens == greedy[:c]
-        print(f"{label} greedy x{c}: {out['tok_s']['greedy'][str(c)]} tok/s", flush=True)
+        print(f"{label} greedy x{c}: {out['tok_s']['greedy'][str(c)]} tok/s (decode only {stats['decode_tok_s']})",
+              flush=True)
     for c in CONCURRENCY:
         tokens, out["tok_s"]["oracle"][str(c)], out["mean_commit"][str(c)] = run_streams(target, prompts[:c], args,
-                                                                                      references=greedy)
+                                                                                      references=greedy, stats=stats)
+        out["decode_tok_s"]["oracle"][str(c)] = stats["decode_tok_s"]
         out["checks"][f"oracle_x{c}_equals_greedy"] = tokens == greedy[:c]
-        print(f"{label} oracle x{c}: {out['tok_s']['oracle'][str(c)]} tok/s, mean commit {out['mean_commit'][str(c)]}",
-              flush=True)
+        print(f"{label} oracle x{c}: {out['tok_s']['oracle'][str(c)]} tok/s, mean commit {out['mean_commit'][str(c)]} "
+              f"(decode only {stats['decode_tok_s']})", flush=True)
     out["greedy"] = greedy
     return out
 
@@ -148,6 +177,7 @@ def run_batch_local(args) -> dict:
     checks["checkpoint_oracle_x8_equals_greedy"] = tokens == greedy[:8]
     out["batch_tok_s_local"] = result["tok_s"]
     out["batch_mean_commit_local"] = result["mean_commit"]
+    out["batch_decode_tok_s_local"] = result["decode_tok_s"]
     out["batch_checks_local"] = checks
     out["batch_greedy_digest_local"] = digest(greedy)
     return out
@@ -172,10 +202,13 @@ def run_batch_daemons(args) -> dict:
             greedy = result.pop("greedy")
             out["batch_tok_s_daemons"] = result["tok_s"]
             out["batch_mean_commit_daemons"] = result["mean_commit"]
+            out["batch_decode_tok_s_daemons"] = result["decode_tok_s"]
             out["batch_checks_daemons"] = result["checks"]
             out["batch_greedy_digest_daemons"] = digest(greedy)
             streams = 8
-            _, direct, _ = run_streams(pipeline, prompts[:streams], args)
+            # as `shardctl serve` runs them (it chunks prompts by its own default)
+            _, direct, _ = run_streams(pipeline, prompts[:streams], argparse.Namespace(**{**vars(args),
+                                                                                        "prefill_chunk": None}))
         try:
             out["batch_http"] = http_streams(args, endpoints, prompts[:streams], run_dir)
             out["batch_http"]["http_vs_direct"] = round(out["batch_http"]["tok_s"] / direct, 3)
@@ -265,6 +298,12 @@ def summarize_batch(merged: dict) -> None:
             targets[f"{where}_greedy_x8_over_x1"] = round(greedy["8"] / greedy["1"], 2)  # target >= 6
             targets[f"{where}_greedy_x32_over_x1"] = round(greedy["32"] / greedy["1"], 2)  # target >= 20
             targets[f"{where}_oracle_x8_tok_s"] = tok_s["oracle"]["8"]  # target >= 2000 in one process
+            decode = merged.get(f"batch_decode_tok_s_{where}") or {}
+            if decode.get("greedy", {}).get("1"):  # the same ratios without the prefill
+                g = decode["greedy"]
+                targets[f"{where}_decode_greedy_x8_over_x1"] = round((g.get("8") or 0) / g["1"], 2)
+                targets[f"{where}_decode_greedy_x32_over_x1"] = round((g.get("32") or 0) / g["1"], 2)
+                targets[f"{where}_decode_oracle_x8_tok_s"] = decode.get("oracle", {}).get("8")
     if merged.get("batch_tok_s_local") and merged.get("batch_tok_s_daemons"):
         local, daemons = merged["batch_tok_s_local"], merged["batch_tok_s_daemons"]
         targets["daemons_over_local"] = {kind: {c: round(daemons[kind][c] / local[kind][c], 3) for c in local[kind]}
@@ -284,6 +323,12 @@ def batch_table(merged: dict) -> str:
         for kind in ("greedy", "oracle"):
             row = tok_s.get(kind, {})
             lines.append(f"{where[:7]:7} {kind:6}" + "".join(f"{row.get(str(c), '-'):>9}" for c in CONCURRENCY))
+        decode = merged.get(f"batch_decode_tok_s_{where}") or {}
+        for kind in ("greedy", "oracle"):  # after the last prompt's first token: the steps' rate, no prefill
+            row = decode.get(kind, {})
+            if row:
+                lines.append(f"{where[:7]:7} {kind[:2] + '/dec':6}" + "".join(f"{str(row.get(str(c), '-')):>9}"
+                                                                    for c in CONCURRENCY))
     if "batch_http" in merged:
         http = merged["batch_http"]
         lines.append(f"HTTP x{http['streams']}: {http['tok_s']} tok/s, without HTTP {http.get('direct_tok_s')} "

@@ -1217,6 +1217,9 @@ def main() -> int:
     parser.add_argument("--daemon-step-rows", type=int, default=None,
                         help="The batch parts' fixed step R (FastShard step_rows in process, shardd serve --step-rows; "
                              "default: shardd's).")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="The batch parts' prompt chunk (default: the scheduler's, half of --batch-rows); at most "
+                             "the shards' per-sequence step (16) packs prompt chunks into the batched step.")
     parser.add_argument("--json", default=None)
     parser.add_argument("--draft", default="synthetic:5", help="The dflash part's drafter (shardd serve --draft).")
     parser.add_argument("--commits", default="3,5,7", help="The dflash part's mean commits per step.")
@@ -1251,6 +1254,7 @@ def main() -> int:
                    "--dflash-device", args.dflash_device, "--dflash-engine", args.dflash_engine,
                    "--dflash-dtype", args.dflash_dtype, "--batch-rows", str(args.batch_rows),
                    *(["--daemon-step-rows", str(args.daemon_step_rows)] if args.daemon_step_rows else []),
+                   *(["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []),
                    "--step-rows", args.step_rows, "--batch-step-budget-s", str(args.batch_step_budget_s),
                    "--batch-step-device", args.batch_step_device]
         print(f"== {part}", flush=True)

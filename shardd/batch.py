@@ -29,6 +29,8 @@ class BatchItem:
     hidden: Optional[torch.Tensor] = None  # [n, hidden] on the others
     checkpoint: bool = False
     capture_layers: tuple[int, ...] = ()
+    logits: bool = True  # the head shard's logits rows wanted (sampling, penalties, logprobs); else ids only
+
 
     @property
     def n(self) -> int:
@@ -37,7 +39,8 @@ class BatchItem:
 
 def forward_batch(shard, items: Sequence[BatchItem]) -> list[ShardOutput | ModelError]:
     """Run `items` on `shard`: per item its `ShardOutput`, or the `ModelError` that refused it (nothing of that
-    item's sequence changed). The head shard's `logits` of an item stay valid until the next call."""
+    item's sequence changed). The head shard's `logits` of an item stay valid until the next call; an item with
+    `logits=False` gets none (ids only: nothing of its [n, vocab] rows is kept or copied)."""
     batched = getattr(type(shard), "forward_batch", None)
     if batched is not None:
         return batched(shard, items)
@@ -46,7 +49,9 @@ def forward_batch(shard, items: Sequence[BatchItem]) -> list[ShardOutput | Model
         try:
             out = shard.forward(item.state, item.pos, tokens=item.tokens, hidden=item.hidden,
                                 checkpoint=item.checkpoint, capture_layers=item.capture_layers)
-            if out.logits is not None:  # the next item's step may reuse the buffer the logits view
+            if not item.logits:
+                out.logits = None
+            elif out.logits is not None:  # the next item's step may reuse the buffer the logits view
                 out.logits = out.logits.clone()
         except ModelError as error:
             out = error

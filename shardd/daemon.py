@@ -468,7 +468,8 @@ class ShardDaemon:
                 continue
             runs.append((index, item, entry, head))
             batch.append(BatchItem(entry.state, item.pos, tokens=item.tokens, hidden=_hidden(item),
-                                   checkpoint=item.checkpoint, capture_layers=tuple(layers)))
+                                   checkpoint=item.checkpoint, capture_layers=tuple(layers),
+                                   logits=head.needed or bool(item.return_logits)))  # else ids only: no copies
         PHASES.lap("lookup")
         outputs = self._run_items(runs, lambda: run_batch(shard, batch))
         heads = [(i, out) for i, out in enumerate(outputs)

@@ -144,6 +144,7 @@ class LocalTarget:
         hidden: dict[int, torch.Tensor] = {}
         for k, shard in enumerate(self.shards):
             batch = [BatchItem(self.states[items[i].seq][k], items[i].pos, checkpoint=items[i].checkpoint,
+                               logits=items[i].sampling is not None and not items[i].sampling.plain,
                                **({"tokens": list(items[i].tokens)} if shard.owns_embedding else {"hidden": hidden.pop(i)}))
                      for i in live]
             survivors, heads = [], []

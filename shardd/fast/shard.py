@@ -216,16 +216,20 @@ class FastShard:
         if b.ids.is_cuda:
             torch.cuda.current_stream().synchronize()
         PHASES.lap("wait")
+        # one copy of the step's outputs; each item views its own rows
+        ids = self._ids[:used].clone() if self.model.owns_head else None
+        hidden = None if self.model.owns_head else self._hidden[:used].clone()
         first = 0
         for index, item, n in step:
             rows = slice(first, first + n)
             out = ShardOutput()
             if self.model.owns_head:
-                out.logits = b.logits[rows]
-                out.ids = self._ids[rows].clone()
-                views.append(out)
+                out.ids = ids[rows]
+                if item.logits:  # an item that only wants its ids never keeps (nor has cloned) the buffer's rows
+                    out.logits = b.logits[rows]
+                    views.append(out)
             else:
-                out.hidden = self._hidden[rows].clone()
+                out.hidden = hidden[rows]
             out.captured = {layer: captured[layer][rows].cpu() for layer in sorted(set(item.capture_layers))}
             results[index] = out
             first += n
