@@ -61,18 +61,22 @@ class TileConfig:
     swap: bool = False  # acc[BLOCK_N, BLOCK_M] = w @ x.T (the weight tile as the MMA's M side)
 
 
-# Fixed per 27B shape (N, K, blockwise): the lines scripts/bench_fp8_gemm.py's sweep prints on an H200 go here; a
-# shape not listed takes `_rule`. The shapes: GDN in_proj qkv|z|b|a 16480x5120, out_proj and o_proj 5120x6144,
-# attention q|k|v 14336x5120, MLP gate|up 34816x5120, down 5120x17408. Until the wider sweep runs: the configs
-# the first H200 run measured fastest with the (first) asm conversion (commit bef3bcc, 16 rows: 1.47-1.74x the
-# floor; its native-conversion sweep found 32-wide N tiles 2% faster, but they run 28% more instructions per
-# weight byte than 64-wide ones with the asm conversion).
+# Fixed per 27B shape (N, K, blockwise): the configs scripts/bench_fp8_gemm.py's sweep measured fastest at 16 rows on
+# an H200 (every one with HOPPER_CONVERT "asm"; session 2 run of 95f786d: the 64 layers' matrices 8.46 -> 7.98 ms,
+# 1.38x their 5.80 ms floor). out_proj takes the sweep's second (split 4: 13.82 us at 16 rows, 1% slower than split
+# 8, and 15% faster at 64 rows). A shape not listed takes `_rule`. The shapes: GDN in_proj qkv|z|b|a 16480x5120 and
+# its FP8 part when the checkpoint keeps in_proj_a (qkv|z|b, 16432) or in_proj_b and in_proj_a (qkv|z, 16384) in
+# bf16 (shardd.quant.fuse_rows runs those as a second GEMM), out_proj and o_proj 5120x6144, attention q|k|v
+# 14336x5120, MLP gate|up 34816x5120, down 5120x17408.
+_GDN_IN_PROJ = TileConfig(block_n=32, block_k=256, split_k=1, warps=2, stages=3)  # 25.19 us, 1.25x its floor
 TILE_TABLE: dict[tuple[int, int, bool], TileConfig] = {
-    (16480, 5120, True): TileConfig(block_n=64, block_k=128, split_k=1, warps=4, stages=4),
-    (5120, 6144, True): TileConfig(block_n=64, block_k=128, split_k=4, warps=4, stages=4),
-    (14336, 5120, True): TileConfig(block_n=64, block_k=128, split_k=2, warps=4, stages=4),
-    (34816, 5120, True): TileConfig(block_n=64, block_k=128, split_k=1, warps=4, stages=4),
-    (5120, 17408, True): TileConfig(block_n=64, block_k=128, split_k=4, warps=4, stages=4),
+    (16480, 5120, True): _GDN_IN_PROJ,
+    (16432, 5120, True): _GDN_IN_PROJ,
+    (16384, 5120, True): _GDN_IN_PROJ,
+    (5120, 6144, True): TileConfig(block_n=32, block_k=128, split_k=4, warps=2, stages=3, swap=True),  # 13.82 us, 1.84x
+    (14336, 5120, True): TileConfig(block_n=64, block_k=128, split_k=2, warps=4, stages=3),  # 25.53 us, 1.46x
+    (34816, 5120, True): TileConfig(block_n=32, block_k=128, split_k=2, warps=2, stages=4, swap=True),  # 55.23 us, 1.30x
+    (5120, 17408, True): TileConfig(block_n=32, block_k=256, split_k=4, warps=4, stages=3),  # 30.56 us, 1.44x
 }
 
 
