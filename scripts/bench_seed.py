@@ -22,6 +22,7 @@ average commit, A1-A2 drift). Exit 1 when a part failed or timed out, or when FP
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -249,6 +250,15 @@ def step_logits(model, prompt: list[int], tokens: list[int] | None, n: int, cont
     return chosen, torch.stack(rows)
 
 
+def release(cuda: bool) -> None:
+    """What is no longer referenced (a FastShard's runner holds reference cycles) back to the device."""
+    import torch
+
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
 def run_compare(args) -> dict:
     import torch
 
@@ -274,6 +284,7 @@ def run_compare(args) -> dict:
     fast = stepper()
     greedy, fp8_logits = step_logits(fast, prompt, None, args.compare_tokens, args.context)
     del fast
+    release(cuda)  # its pools and graphs, before the dequantized copies are made
     out.update(compare_tokens=len(greedy), fp8_greedy_hash=token_hash(greedy), fp8_greedy_tokens=greedy,
                fp8_seconds=round(time.monotonic() - began, 1))
     write_json(args.json, out)
@@ -291,8 +302,7 @@ def run_compare(args) -> dict:
             if isinstance(value, Fp8Linear):
                 setattr(module, name, dequantized[id(value)])
     del dequantized
-    if cuda:
-        torch.cuda.empty_cache()
+    release(cuda)  # the FP8 bytes
     assert not any(isinstance(value, Fp8Linear) for module in modules for value in vars(module).values())
     fast = stepper()
     chosen, bf16_logits = step_logits(fast, prompt, greedy, len(greedy), args.context)
