@@ -182,25 +182,31 @@ def run_pair(args, quantize: str | None, cap: str | None, deadline: float) -> di
             warmup = one_run(FAST)  # discarded (compiles the verify and draft kernels)
             hashes["warm-up"] = warmup["hash"]
             # The runs that fit: a replay run costs about twice a checkpoint run (it runs the accepted tokens again).
+            # First from the warm-up (which also compiled kernels: an overestimate), then from each A1 run.
             estimate = {FAST: warmup["run_seconds"], REPLAY: 2 * warmup["run_seconds"]}
-            left = deadline - time.monotonic()
-            runs = max(1, min(args.runs, int(left / (2 * estimate[FAST] + estimate[REPLAY]))))
-            out["runs_per_block"] = runs
+            runs = max(1, min(args.runs, int((deadline - time.monotonic()) / (4 * estimate[FAST]))))
             blocks: dict[str, list[dict]] = {"A1": [], "B": [], "A2": []}
             out["runs"] = blocks
             for name, mode in (("A1", FAST), ("B", REPLAY), ("A2", FAST)):
-                for i in range(runs):
+                i = 0
+                while i < runs:
                     if time.monotonic() + estimate[mode] > deadline:  # the part's limit would stop it midway
                         out.setdefault("cut_short", []).append(f"{name} after {i} runs")
                         break
                     run = one_run(mode)
                     estimate[mode] = run["run_seconds"]
+                    if mode == FAST and name == "A1":  # A1's i+1 runs done; left: the rest of A1, B (2x), A2
+                        estimate[REPLAY] = 2 * run["run_seconds"]
+                        fit = int((deadline - time.monotonic() + (i + 1) * run["run_seconds"]) / (4 * run["run_seconds"]))
+                        runs = max(i + 1, min(args.runs, fit))
                     blocks[name].append(run)
                     hashes[f"{name}/{i}"] = run["hash"]
+                    out["runs_per_block"] = runs
                     print(f"{out['weights']} {name} ({mode}) run {i}: {run['decode_tok_s']:.1f} tok/s, "
                           f"commit {run['avg_commit'] or 0:.2f}, {run['run_seconds']:.1f} s", flush=True)
                     summarize(out, benchstats)
                     write_json(args.json, out)
+                    i += 1
             out["device_memory"] = [client.hello().get("device_memory") for client in pipeline.clients]
             out["complete"] = True
             draft_client.close()
