@@ -313,6 +313,13 @@ def run_compare(args) -> dict:
     fast = stepper()
     chosen, bf16_logits = step_logits(fast, prompt, greedy, len(greedy), args.context)
     delta = (fp8_logits - bf16_logits).abs()
+    # how close each FP8 choice was: its logit minus the runner-up's (a flip needs a margin under the Δ at that step)
+    top2 = fp8_logits.topk(2, dim=-1).values
+    margins = (top2[:, 0] - top2[:, 1]).tolist()
+    disagree = [i for i, (a, b) in enumerate(zip(chosen, greedy)) if a != b]
+    out.update(median_top1_margin=round(statistics.median(margins), 4),
+               disagreements=[{"step": i, "fp8_margin": round(margins[i], 4),
+                               "delta_at_step": round(delta[i].max().item(), 4)} for i in disagree][:32])
     out.update(max_abs_delta_logit=round(delta.max().item(), 4), mean_abs_delta_logit=round(delta.mean().item(), 5),
                top1_agreement=round(sum(a == b for a, b in zip(chosen, greedy)) / len(greedy), 4),
                first_disagreement=next((i for i, (a, b) in enumerate(zip(chosen, greedy)) if a != b), None),
@@ -366,7 +373,8 @@ def table(result: dict) -> str:
     if "max_abs_delta_logit" in c:
         notes.append(f"FP8 vs its dequantized bf16 model over {c['compare_tokens']} greedy tokens (decode step): "
                      f"max |Δlogit| {c['max_abs_delta_logit']}, mean {c['mean_abs_delta_logit']}, top-1 agreement "
-                     f"{c['top1_agreement']:.2%}")
+                     f"{c['top1_agreement']:.2%} (median top-1 margin {c.get('median_top1_margin')}; where they "
+                     f"differ, FP8's margin: {[d['fp8_margin'] for d in c.get('disagreements', [])][:8]})")
     elif c:
         notes.append("compare: " + problem(c) + (f": {c['error'][-300:]}" if c.get("error") else ""))
     if "fp8_outputs_identical" in result:
