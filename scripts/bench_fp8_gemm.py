@@ -52,7 +52,7 @@ COPY_BYTES = 1 << 30  # FP8 bytes of distinct copies per shape: 20x the H200's L
 # 3 stages beat 4 and 6 on four shapes of five, 2 warps beat 4 on three: this one tries 2 stages and 1 warp, and
 # spends its budget on the tile axes (the conversion column of the table still measures native).
 AXES = {"block_n": [16, 32, 64, 128], "split_k": [1, 2, 4, 8], "warps": [1, 2, 4, 8], "block_k": [128, 256, 512],
-        "stages": [2, 3, 4], "swap": [False, True], "convert": ["asm"]}
+        "stages": [2, 3, 4], "swap": [False, True], "convert": ["asm"], "pdl": [False, True]}
 # joint moves tried in each round (fewer warps with wider tiles: fewer x reloads per weight byte;
 # and more programs for them through a split of K)
 JOINT = [{"block_n": 32, "warps": 2}, {"block_n": 64, "warps": 2}, {"block_n": 128, "warps": 4},
@@ -208,12 +208,14 @@ def table(out) -> str:
             shape = next(sh for sh in out["shapes"] if sh["name"] == s["name"])
             now = shape["rows"].get(16, {}).get("fp8")
             lines.append(f"    ({s['n']}, {s['k']}, True): TileConfig(block_n={c['block_n']}, block_k={c['block_k']}, "
-                         f"split_k={c['split_k']}, warps={c['warps']}, stages={c['stages']}, swap={c['swap']}),  "
+                         f"split_k={c['split_k']}, warps={c['warps']}, stages={c['stages']}, swap={c['swap']}"
+                         f"{', pdl=True' if c.get('pdl') else ''}),  "
                          f"# {s['name']} {best['us']} us {best['us'] / shape['floor_us']:.2f}x, convert {c['convert']}, "
                          f"{s['tried']} tried")
             lines.append("        64 rows: " + "; ".join(
                 f"{t['config']['block_n']}/{t['config']['block_k']}/s{t['config']['split_k']}/w{t['config']['warps']}/"
-                f"st{t['config']['stages']}/{t['config']['convert']}{'/swap' if t['config']['swap'] else ''}: "
+                f"st{t['config']['stages']}/{t['config']['convert']}{'/swap' if t['config']['swap'] else ''}"
+                f"{'/pdl' if t['config'].get('pdl') else ''}: "
                 f"{t['us16']} -> {t['us64']} us" for t in s["top_at_64"]))
             total["floor"] += shape["count"] * shape["floor_us"] / 1e3
             total["before"] += shape["count"] * BEFORE[16][s["name"]] / 1e3

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 BLOCK_M = 16          # rows per tile, whatever M: a row's MMA never sees a different tile shape
 LARGE_M = 128         # more rows than this take the dequantize-then-matmul path
@@ -59,6 +60,10 @@ class TileConfig:
     warps: int = 4
     stages: int = 4
     swap: bool = False  # acc[BLOCK_N, BLOCK_M] = w @ x.T (the weight tile as the MMA's M side)
+    # Programmatic dependent launch (sm_90+; ignored below): the programs are scheduled while the previous kernel
+    # drains and wait for it (griddepcontrol.wait) before their first memory access, hiding the launch gap. The
+    # arithmetic is the same; the sweep measures whether it pays (it also needs the launch kept in the CUDA graph).
+    pdl: bool = False
 
 
 # Fixed per 27B shape (N, K, blockwise): the configs scripts/bench_fp8_gemm.py's sweep measured fastest at 16 rows on
@@ -255,8 +260,10 @@ def _fp8_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, SPLIT_K: tl.constexpr,
     TILES_PER_SPLIT: tl.constexpr, ROW_TILES: tl.constexpr, GROUPED: tl.constexpr, BLOCKWISE: tl.constexpr,
     SCALE_BLOCK_K: tl.constexpr, SCALE_UNIFORM: tl.constexpr, CONVERT: tl.constexpr, SWAP: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # launched early (programmatic dependent launch): nothing is read or written before the previous kernel ends
+        gdc_wait()
     # One program per (N tile, K split, group of ROW_TILES row tiles: one group up to LARGE_M rows) computes its
     # 16-row tiles (unrolled: each its own accumulator and its own dot of the same shape) from one load and one
     # conversion of each weight tile. UNROLL K tiles of BLOCK_K (one scale each) are loaded per iteration: more
@@ -470,6 +477,7 @@ def fp8_gemm(x, weight, scale, block, config: TileConfig, *, convert: str, out=N
         if block_k % scale_block_k:
             raise ValueError(f"fp8_linear: tile block_k {block_k} must be a multiple of the scale block {scale_block_k} (or divide it)")
         block_k, unroll = scale_block_k, block_k // scale_block_k
+    pdl = config.pdl and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
     m_tiles = triton.cdiv(m, BLOCK_M)
     row_tiles = min(m_tiles, MAX_ROW_TILES)  # per program; more rows take more programs, each its own weight read
     groups = triton.cdiv(m_tiles, row_tiles)
@@ -489,8 +497,9 @@ def fp8_gemm(x, weight, scale, block, config: TileConfig, *, convert: str, out=N
         TILES_PER_SPLIT=tiles_per_split, ROW_TILES=row_tiles, GROUPED=groups > 1,
         BLOCKWISE=blockwise, SCALE_BLOCK_K=scale_block_k if blockwise else 1,
         SCALE_UNIFORM=blockwise and scale_block_n % config.block_n == 0, CONVERT=_CONVERTS[convert],
-        SWAP=config.swap, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        SWAP=config.swap, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl,
         num_warps=config.warps, num_stages=_stages(config, block_k * unroll, row_tiles, x.element_size()),
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out
 
