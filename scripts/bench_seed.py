@@ -111,20 +111,24 @@ def start_daemons(args, devices: list[str], quantize: str | None, cap: str | Non
     out["daemon_devices"] = devices
     write_json(args.json, out)
     load_deadline = time.monotonic() + args.load_timeout  # the part's own limit is the parent's to enforce
-    for index, (process, endpoint) in enumerate(zip(processes, endpoints)):
-        client = ShardClient(endpoint, timeout_s=1.0)
-        try:
-            while True:
-                if process.poll() is not None or time.monotonic() > load_deadline:
-                    raise RuntimeError(f"shard {index} did not come up: "
-                                       + (run_dir / f"shard{index}.log").read_text()[-3000:])
-                try:
-                    client.hello(timeout_s=0.5)
-                    break
-                except ShardTimeout:
-                    continue
-        finally:
-            client.close()
+    try:
+        for index, (process, endpoint) in enumerate(zip(processes, endpoints)):
+            client = ShardClient(endpoint, timeout_s=1.0)
+            try:
+                while True:
+                    if process.poll() is not None or time.monotonic() > load_deadline:
+                        raise RuntimeError(f"shard {index} did not come up: "
+                                           + (run_dir / f"shard{index}.log").read_text()[-3000:])
+                    try:
+                        client.hello(timeout_s=0.5)
+                        break
+                    except ShardTimeout:
+                        continue
+            finally:
+                client.close()
+    except BaseException:
+        stop_daemons(processes)  # the other one too, before the error is reported
+        raise
     return processes, endpoints
 
 
@@ -336,6 +340,8 @@ def size(value) -> str:
 
 
 def problem(part: dict) -> str:
+    if part.get("stopped"):
+        return "stopped (SIGTERM)"
     if part.get("skipped"):
         return f"skipped ({part['skipped']})"
     return "timed out" if part.get("timed_out") else f"failed (exit {part.get('failed')})"
@@ -347,7 +353,7 @@ def table(result: dict) -> str:
     notes = []
     for part in ("fp8", "bf16"):
         run = result.get(part) or {}
-        if run.get("timed_out") or run.get("failed") or run.get("skipped"):
+        if {"timed_out", "failed", "skipped", "stopped"} & run.keys():
             notes.append(f"{part}: " + problem(run)
                          + (", partial results above" if run.get("blocks") else "")
                          + (f": {run['error'][-300:]}" if run.get("error") else ""))
@@ -402,7 +408,7 @@ def run_part(part: str, child_args: list[str], path: str, timeout_s: float) -> d
     deadline = time.time() + timeout_s - min(STOP_MARGIN_S, timeout_s / 5)
     command = [sys.executable, __file__, "--part", part, "--json", path, "--deadline", f"{deadline:.3f}", *child_args]
     child = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-    timed_out = False
+    timed_out, stopped, code = False, False, None
     try:
         code = child.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -412,6 +418,8 @@ def run_part(part: str, child_args: list[str], path: str, timeout_s: float) -> d
             code = child.wait(timeout=20)
         except subprocess.TimeoutExpired:
             code = None
+    except SystemExit:  # this process was stopped (SIGTERM): the part goes too, what it wrote is kept
+        stopped = True
     finally:
         try:  # whatever of the group is left (a daemon that outlived its parent)
             os.killpg(child.pid, signal.SIGKILL)
@@ -423,7 +431,9 @@ def run_part(part: str, child_args: list[str], path: str, timeout_s: float) -> d
         result = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         result = {}
-    if timed_out:
+    if stopped:
+        result["stopped"] = "SIGTERM"
+    elif timed_out:
         result["timed_out"] = True
     elif code != 0:
         result["failed"] = code
@@ -480,6 +490,8 @@ def main() -> int:
             print(json.dumps(result, indent=2))
         return 0
 
+    # stopped from outside (a session's outer timeout): the running part's group goes with this process (run_part)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
     parts = [part for part in args.parts.split(",") if part]
     unknown = [part for part in parts if part not in PARTS]
     if unknown:
@@ -508,8 +520,10 @@ def main() -> int:
         merged[part]["part_seconds"] = round(time.monotonic() - began, 1)
         fp8_checks(merged)
         write_json(args.json, merged)  # after every part, so a later part's failure loses nothing
+        if merged[part].get("stopped"):
+            break
     print(table(merged))
-    failed = [part for part in parts if {"failed", "timed_out", "skipped"} & merged[part].keys()]
+    failed = [part for part in parts if part not in merged or {"failed", "timed_out", "skipped", "stopped"} & merged[part].keys()]
     return 1 if failed or merged["fp8_outputs_identical"] is False else 0
 
 
