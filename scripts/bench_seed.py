@@ -201,7 +201,8 @@ def run_pair(args, quantize: str | None, cap: str | None, deadline: float) -> di
                     estimate[mode] = run["run_seconds"]
                     if mode == FAST and name == "A1":  # A1's i+1 runs done; left: the rest of A1, B (2x), A2
                         estimate[REPLAY] = 2 * run["run_seconds"]
-                        fit = int((deadline - time.monotonic() + (i + 1) * run["run_seconds"]) / (4 * run["run_seconds"]))
+                        took = run["run_seconds"]
+                        fit = int((deadline - time.monotonic() + (i + 1) * took) / (4 * took))
                         runs = max(i + 1, min(args.runs, fit))
                     blocks[name].append(run)
                     hashes[f"{name}/{i}"] = run["hash"]
@@ -523,7 +524,8 @@ def main() -> int:
         if merged[part].get("stopped"):
             break
     print(table(merged))
-    failed = [part for part in parts if part not in merged or {"failed", "timed_out", "skipped", "stopped"} & merged[part].keys()]
+    problems = {"failed", "timed_out", "skipped", "stopped"}
+    failed = [part for part in parts if part not in merged or problems & merged[part].keys()]
     return 1 if failed or merged["fp8_outputs_identical"] is False else 0
 
 
