@@ -48,14 +48,18 @@ BLOCK = (128, 128)
 COPY_BYTES = 1 << 30  # FP8 bytes of distinct copies per shape: 20x the H200's L2
 # The sweep's axes (coordinate descent: one axis moved at a time from the best so far; the likeliest first, in
 # case the budget ends a round: the native conversion is in the main table already)
-AXES = {"block_n": [16, 32, 64, 128], "split_k": [1, 2, 4, 8], "warps": [2, 4, 8], "block_k": [128, 256, 512],
-        "stages": [3, 4, 6], "swap": [False, True], "convert": ["asm", "native", "asm_v1"]}
+# The second H200 sweep (session 2, from 95f786d's table): asm won every shape (native 20-35% slower, asm_v1 3-9%),
+# 3 stages beat 4 and 6 on four shapes of five, 2 warps beat 4 on three: this one tries 2 stages and 1 warp, and
+# spends its budget on the tile axes (the conversion column of the table still measures native).
+AXES = {"block_n": [16, 32, 64, 128], "split_k": [1, 2, 4, 8], "warps": [1, 2, 4, 8], "block_k": [128, 256, 512],
+        "stages": [2, 3, 4], "swap": [False, True], "convert": ["asm"], "pdl": [False, True]}
 # joint moves tried in each round (fewer warps with wider tiles: fewer x reloads per weight byte;
 # and more programs for them through a split of K)
 JOINT = [{"block_n": 32, "warps": 2}, {"block_n": 64, "warps": 2}, {"block_n": 128, "warps": 4},
          {"block_n": 128, "warps": 8}, {"block_n": 32, "warps": 2, "block_k": 256}, {"block_n": 64, "block_k": 256, "stages": 3},
          {"block_n": 32, "warps": 2, "split_k": 2}, {"block_n": 64, "warps": 2, "split_k": 2}, {"block_n": 32, "split_k": 2},
-         {"block_n": 128, "warps": 8, "split_k": 2}]
+         {"block_n": 128, "warps": 8, "split_k": 2}, {"warps": 2, "stages": 2}, {"block_k": 256, "stages": 2},
+         {"swap": True, "split_k": 8}, {"swap": True, "warps": 2}]
 # What commit bef3bcc measured on an H200 (us per matrix; fp8_ampere, the first asm conversion, its faster path)
 BEFORE = {16: {"gdn_in_proj": 30.19, "out_proj": 17.28, "attn_qkv": 29.63, "gate_up": 62.34, "down": 36.92},
           64: {"gdn_in_proj": 91.66, "out_proj": 41.01, "attn_qkv": 85.6, "gate_up": 188.68, "down": 102.77},
@@ -204,12 +208,14 @@ def table(out) -> str:
             shape = next(sh for sh in out["shapes"] if sh["name"] == s["name"])
             now = shape["rows"].get(16, {}).get("fp8")
             lines.append(f"    ({s['n']}, {s['k']}, True): TileConfig(block_n={c['block_n']}, block_k={c['block_k']}, "
-                         f"split_k={c['split_k']}, warps={c['warps']}, stages={c['stages']}, swap={c['swap']}),  "
+                         f"split_k={c['split_k']}, warps={c['warps']}, stages={c['stages']}, swap={c['swap']}"
+                         f"{', pdl=True' if c.get('pdl') else ''}),  "
                          f"# {s['name']} {best['us']} us {best['us'] / shape['floor_us']:.2f}x, convert {c['convert']}, "
                          f"{s['tried']} tried")
             lines.append("        64 rows: " + "; ".join(
                 f"{t['config']['block_n']}/{t['config']['block_k']}/s{t['config']['split_k']}/w{t['config']['warps']}/"
-                f"st{t['config']['stages']}/{t['config']['convert']}{'/swap' if t['config']['swap'] else ''}: "
+                f"st{t['config']['stages']}/{t['config']['convert']}{'/swap' if t['config']['swap'] else ''}"
+                f"{'/pdl' if t['config'].get('pdl') else ''}: "
                 f"{t['us16']} -> {t['us64']} us" for t in s["top_at_64"]))
             total["floor"] += shape["count"] * shape["floor_us"] / 1e3
             total["before"] += shape["count"] * BEFORE[16][s["name"]] / 1e3

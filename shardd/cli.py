@@ -209,12 +209,19 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
     systemd.notify(f"STATUS=loading {what}")
     started = time.perf_counter()
     try:
-        shard = None if draft_only else serve_with(engine, build_shard(
+        model = None if draft_only else build_shard(
             source, begin, end, dtype=dtype, device=device, storage=storage, progress=LoadProgress(what, log),
             keep_fp8=keep_fp8,
-        ), max_sequences=max_sequences, max_context=max_context, step_rows=step_rows)
-        drafter = draft_with(engine, build_drafter(source, draft, dtype=dtype, device=device, shard=shard) if draft else None,
-                             max_sequences=max_sequences, max_context=max_context)
+        )
+        # the drafter's weights before the engines' pools and graphs: loading's transients (a synthetic vocab
+        # matrix in float32) come while the least is held, which is what lets a capped daemon load
+        draft_model = build_drafter(source, draft, dtype=dtype, device=device, shard=model) if draft else None
+        shard = None if model is None else serve_with(engine, model, max_sequences=max_sequences, max_context=max_context,
+                                                      step_rows=step_rows)
+        drafter = draft_with(engine, draft_model, max_sequences=max_sequences, max_context=max_context)
+        del model, draft_model
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()  # loading's freed transients back to the device: what it holds is what it uses
     except BaseException as exc:  # a signal while loading (SystemExit) too: no socket file left behind
         listener.close()
         if not isinstance(exc, Exception):

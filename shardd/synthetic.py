@@ -26,11 +26,15 @@ def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
     return generator
 
 
+LARGE_TENSOR_BYTES = 1 << 30  # float32 tensors from this size are narrowed on the host (synthetic_tensors)
+
+
 def synthetic_tensor(config: ModelConfig, name: str, shape: tuple[int, ...], seed: int, device="cpu") -> torch.Tensor:
     """float32 values for tensor `name`, a pure function of (seed, name, shape, generator device type)."""
     device = torch.device(device)
     gen = _generator(seed, name, device)
-    normal = lambda std: torch.randn(shape, generator=gen, device=device) * std  # noqa: E731
+    # in place: no second float32 copy (the 27B's vocab matrices are 4.7 GiB each in float32)
+    normal = lambda std: torch.randn(shape, generator=gen, device=device).mul_(std)  # noqa: E731
     residual_scale = 1.0 / math.sqrt(2 * config.num_layers)
     leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
     if name == "embed_tokens.weight":
@@ -68,7 +72,15 @@ def synthetic_tensors(
     weights = {}
     total, done = sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize, 0
     for name, shape in shapes.items():
-        weights[name] = synthetic_tensor(config, name, shape, seed, device).to(dtype)
+        values = synthetic_tensor(config, name, shape, seed, device)
+        if values.device.type == "cuda" and dtype != values.dtype and values.nbytes >= LARGE_TENSOR_BYTES:
+            # narrowed on the host (the same numbers), so the device never holds the float32 tensor and its narrowed
+            # copy at once: a daemon under --max-gpu-memory loads within its cap (the 27B's lm_head is 4.7 GiB in
+            # float32 beside 2.4 GiB in bf16)
+            values = values.cpu()
+            torch.cuda.empty_cache()
+        weights[name] = values.to(dtype=dtype, device=device)
+        del values
         done += weights[name].nbytes
         if progress is not None:
             progress(done, total)  # bytes

@@ -224,6 +224,41 @@ def test_27b_shapes_channel_scales(name, ampere):
 
 @gpu_only
 @pytest.mark.parametrize("split_k", [1, 4])
+def test_programmatic_dependent_launch_keeps_the_bits_of_a_chain(split_k):
+    """pdl=True (sm_90): each GEMM reads what the kernel before it wrote (another GEMM, an elementwise op); eager and
+    replayed in a CUDA graph, the bits are pdl=False's."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    weight, scale, block = quantized(5120, 5120, True, seed=11, device="cuda")
+    x = torch.randn(16, 5120, device="cuda", dtype=torch.bfloat16)
+
+    def chain(pdl: bool, out: torch.Tensor) -> torch.Tensor:
+        config = fp8.TileConfig(block_n=32, block_k=128, split_k=split_k, warps=2, stages=3, pdl=pdl)
+        y = x
+        for _ in range(4):
+            y = fp8.fp8_gemm(y, weight, scale, block, config, convert="asm") * 0.16  # about 1 a pair
+            y = fp8.fp8_gemm(y, weight, scale, block, config, convert="asm")
+        return out.copy_(y)
+
+    expected = chain(False, torch.empty_like(x)).clone()
+    assert torch.equal(chain(True, torch.empty_like(x)), expected)
+    out = torch.empty_like(x)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        chain(True, out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(True, out)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+
+
+@gpu_only
+@pytest.mark.parametrize("split_k", [1, 4])
 def test_graph_replay_equals_eager(split_k):
     """Captured in a CUDA graph and replayed (split-K counters reset by each launch): the eager bits."""
     n, k = SHAPES_27B["down"]

@@ -336,3 +336,65 @@ def test_a_quantized_drafter_checkpoint_is_refused_by_name(tmp_path):
     (draft / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="quantized drafter .*'fp8'"):
         load_draft_config(draft)
+
+
+# ---- shardctl generate / bench / launch / serve --synthetic --quantize: FP8 daemons without make-model ----------
+
+def shardctl(*args):
+    from click.testing import CliRunner
+
+    from coordinator.cli import cli
+
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def test_shardctl_generate_launches_fp8_daemons_with_quantize():
+    from shardd.model.rollback import RollbackStorage
+
+    ids = list(range(1, 33))
+    result = shardctl("generate", "--synthetic", "tiny", "--split", 2, "--quantize", quant.FP8_BLOCK, "--prompt-ids",
+                      ",".join(map(str, ids)), "--max-new-tokens", 12, "--drafter", "oracle", "--mean-commit", 3,
+                      "--block-size", 4, "--json")
+    assert result.exit_code == 0, result.output
+    tokens = json.loads(result.stdout)["tokens"]
+    local = {layout: greedy_decode(LocalTarget(ModelSource(synthetic="tiny", quantize=layout),
+                                               storage=RollbackStorage(None, 0)), 1, ids, 12).tokens
+             for layout in (quant.FP8_BLOCK, None)}
+    assert tokens == local[quant.FP8_BLOCK] != local[None]  # the FP8 model's tokens, not the bf16 one's
+
+
+def test_shardctl_launch_passes_quantize_to_every_daemon_including_the_drafter():
+    import signal
+
+    from coordinator.client import ShardClient
+    from coordinator.launch import child_env
+
+    process = subprocess.Popen(
+        [sys.executable, "-c", "from coordinator.cli import main; main()", "launch", "--synthetic", "tiny", "--split", "2",
+         "--quantize", quant.FP8_CHANNEL, "--draft", "synthetic", "--draft-placement", "own", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    try:
+        launched = json.loads(process.stdout.readline())
+        for endpoint in [*launched["endpoints"], launched["draft_endpoint"]]:
+            with ShardClient(endpoint, timeout_s=30) as client:
+                hello = client.hello()
+            assert hello["quantization"]["layout"] == quant.FP8_CHANNEL
+            assert hello["model"]["fingerprint"].endswith(":fp8-channel")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "launch", "serve"])
+def test_shardctl_quantize_refuses_unknown_layouts_and_checkpoints_by_name(command, tmp_path):
+    source = ["--synthetic", "tiny", "--split", "2"]
+    extra = ["--prompt-ids", "1,2"] if command == "generate" else []
+    result = shardctl(command, *source, "--quantize", "gptq", *extra)
+    assert result.exit_code == 2 and "'gptq' is not one of 'fp8-block', 'fp8-channel'" in result.output
+    result = shardctl(command, "--model", tmp_path, "--split", "2", "--quantize", quant.FP8_BLOCK, *extra)
+    assert result.exit_code == 2 and "--quantize goes with --synthetic" in result.output
+    if command != "launch":
+        result = shardctl(command, "--shards", "tcp://127.0.0.1:9", "--quantize", quant.FP8_BLOCK, *extra)
+        assert result.exit_code == 2 and "--quantize goes with --synthetic" in result.output

@@ -21,6 +21,7 @@ from coordinator.cli.options import (
     daemon_args_from,
     load_curve,
     parse_list,
+    quantize_option,
     shard_source_options,
 )
 from coordinator.cli.output import emit_json, fmt, fmt_percent, format_table, progress
@@ -50,6 +51,7 @@ def run_generate_subprocess(args: Sequence[str]) -> dict:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @shard_source_options
+@quantize_option
 @click.option("--ab", "ab_spec", default=f"{REPLAY},{CHECKPOINT}", show_default=True, metavar="A,B",
               help="The two rollback modes to compare, run in blocks A1, B, A2.")
 @click.option("--runs", type=click.IntRange(1), default=3, show_default=True,
@@ -66,8 +68,8 @@ def run_generate_subprocess(args: Sequence[str]) -> dict:
               type=click.Path(dir_okay=False, allow_dash=True),
               help="Print the full record as JSON instead of the table (--json FILE: write it there, table on stdout).")
 def bench(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
-          curve_client_key, ab_spec, runs, drafter, block_size, mean_commit, max_new_tokens, concurrency, prompt, prompt_ids,
-          json_file):
+          curve_client_key, quantize, ab_spec, runs, drafter, block_size, mean_commit, max_new_tokens, concurrency, prompt,
+          prompt_ids, json_file):
     """A/B/A benchmark of two rollback modes: each run a fresh `shardctl generate --json`.
 
     Launched shards are started afresh per block with that block's rollback mode.
@@ -88,7 +90,7 @@ def bench(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
         str(i) for i in benchmark_prompt())]
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
                      daemon_args_from(dtype=dtype, max_sequences=concurrency if concurrency > 8 else None),
-                     curve=curve_server_key or curve_client_key)
+                     curve=curve_server_key or curve_client_key, quantize=quantize)
     curve = load_curve(curve_server_key, curve_client_key)
     if not plan.launches:
         with connect_pipeline(plan.endpoints, timeout, curve) as pipeline:

@@ -22,6 +22,7 @@ from coordinator.cli.options import (
     load_curve,
     parse_ids,
     liveness_timeout_option,
+    quantize_option,
     recovery_timeout_option,
     shard_source_options,
 )
@@ -225,6 +226,7 @@ def describe_generation(record: dict) -> str:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @shard_source_options
+@quantize_option
 @launched_capacity_options
 @click.option("--prompt", help="Prompt text (tokenized with the model's tokenizer.json, else bytes).")
 @click.option("--prompt-ids", help="Prompt as token ids: 1,2,3.")
@@ -261,7 +263,7 @@ def describe_generation(record: dict) -> str:
 @click.option("--ids", "print_ids", is_flag=True, help="Stream token ids instead of text.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of streaming.")
 def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
-             curve_client_key, max_sequences, max_context, prompt, prompt_ids, tokenizer_dir, max_new_tokens, drafter,
+             curve_client_key, quantize, max_sequences, max_context, prompt, prompt_ids, tokenizer_dir, max_new_tokens, drafter,
              draft_shard, draft, draft_placement, block_size, rollback, mean_commit, oracle_seed, ignore_eos, temperature, top_p, top_k,
              seed, recovery_timeout, liveness_timeout, concurrency, print_ids, as_json):
     """Generate greedily (or sampling, --temperature), speculating with a drafter; stream the text as tokens commit.
@@ -281,7 +283,7 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
     speculating = drafter != GREEDY
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
                      daemon_args_from(dtype=dtype, max_sequences=max_sequences, max_context=max_context),
-                     curve=curve_server_key or curve_client_key)
+                     curve=curve_server_key or curve_client_key, quantize=quantize)
     if shards and (max_sequences or max_context):
         raise click.UsageError("--max-sequences and --max-context size the shards generate launches; "
                                "running shards (--shards) keep the limits they were started with")

@@ -9,7 +9,7 @@ import time
 
 import click
 
-from coordinator.cli.options import daemon_args_from, daemon_options, devices_option
+from coordinator.cli.options import daemon_args_from, daemon_options, devices_option, quantize_option
 from coordinator.cli.output import emit_json, format_table, progress
 from coordinator.cli.plan import DEFAULT_DRAFT_PLACEMENT, DRAFT_PLACEMENTS, make_plan
 from coordinator.launch import READY_TIMEOUT_S, TRANSPORTS, LaunchError, launched_sets
@@ -22,6 +22,7 @@ class _Stop(Exception):
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", "model_dir", metavar="DIR|ORG/NAME", help="Checkpoint directory or Hugging Face model id.")
 @click.option("--synthetic", metavar="PRESET[:SEED]", help="Synthetic model instead of a checkpoint.")
+@quantize_option
 @click.option("--split", type=click.IntRange(1), help="This many shards, layers split evenly.")
 @click.option("--layers", "layer_spec", metavar="B:E,B:E,...", help="One shard per layer range.")
 @devices_option
@@ -33,7 +34,7 @@ class _Stop(Exception):
 @click.option("--ready-timeout", type=click.FloatRange(0, min_open=True), default=READY_TIMEOUT_S, show_default=True,
               help="Seconds to wait for the shards to load.")
 @click.option("--json", "as_json", is_flag=True, help="Print the endpoints as JSON once ready.")
-def launch(model_dir, synthetic, split, layer_spec, devices, transport, draft, draft_placement, ready_timeout, as_json,
+def launch(model_dir, synthetic, quantize, split, layer_spec, devices, transport, draft, draft_placement, ready_timeout, as_json,
            **daemon_values):
     """Start shard daemons (and the drafter with --draft, by default beside the last shard) on this machine, print their
     endpoints, serve until Ctrl-C or SIGTERM, then stop them all. Each daemon binds a free
@@ -44,7 +45,7 @@ def launch(model_dir, synthetic, split, layer_spec, devices, transport, draft, d
       shardctl launch --synthetic small --split 2 --device cpu --json
     """
     plan = make_plan(None, model_dir, synthetic, split, layer_spec, devices, transport, daemon_args_from(**daemon_values),
-                     allow_endpoints=False)
+                     allow_endpoints=False, quantize=quantize)
     sets, draft_at = plan.sets_with_drafter(draft, draft_placement)
 
     def stop(signum, frame):

@@ -73,6 +73,11 @@ curve_options = [
 
 devices_option = click.option("--device", "--devices", "devices", metavar="DEV[,DEV,...]",
                               help="Device of each launched shard, e.g. cuda:0,cuda:1 (one value: all). Default cpu.")
+# `--quantize` of the daemons a command launches for --synthetic (shardd serve --quantize): FP8 without make-model.
+quantize_option = click.option(
+    "--quantize", type=click.Choice(("fp8-block", "fp8-channel")), default=None,
+    help="With --synthetic: the launched daemons hold the linears as FP8 in this layout (fp8-block: 128x128 scales; "
+         "fp8-channel: one per row), as `shardctl make-model --quantize` writes them.")
 timeout_option = click.option("--timeout", type=click.FloatRange(0, min_open=True), default=TIMEOUT_S, show_default=True,
                               help="Seconds to wait for a shard's reply (a shard that is slow to answer is named at once).")
 

@@ -121,11 +121,15 @@ def make_plan(
     daemon_args: Sequence[str] = (),
     allow_endpoints: bool = True,
     curve: bool = False,
+    quantize: Optional[str] = None,
 ) -> ShardPlan:
     given = [name for name, value in (("--shards", shards), ("--model", model_dir), ("--synthetic", synthetic)) if value]
     choices = "--shards EP,EP,... or --model DIR or --synthetic PRESET" if allow_endpoints else "--model DIR or --synthetic PRESET"
     if len(given) != 1 or (given == ["--shards"] and not allow_endpoints):
         raise click.UsageError(f"give exactly one of {choices}" + (f" (got {', '.join(given)})" if given else ""))
+    if quantize and not synthetic:
+        raise click.UsageError("--quantize goes with --synthetic (it sets the launched daemons' synthetic weights); "
+                               "a checkpoint's config.json says how it is quantized")
     if shards:
         if split or layer_spec or devices:
             raise click.UsageError("--split, --layers and --devices launch shards; with --shards the shards already run")
@@ -165,6 +169,8 @@ def make_plan(
     if device_list and len(device_list) not in (1, len(splits)):
         raise click.UsageError(f"--devices lists {len(device_list)} devices for {len(splits)} shards: give one, or one per shard")
     source_args = ("--model", str(model_dir)) if model_dir else ("--synthetic", synthetic)
+    if quantize:
+        source_args += ("--quantize", quantize)
     return ShardPlan(
         source_args=source_args, model_dir=model_dir, splits=tuple(splits), transport=transport,
         devices=device_list, daemon_args=tuple(daemon_args),

@@ -10,6 +10,7 @@ from coordinator.cli.options import (
     launched_capacity_options,
     load_curve,
     liveness_timeout_option,
+    quantize_option,
     recovery_timeout_option,
     shard_source_options,
 )
@@ -25,6 +26,7 @@ from protocol.layout import CHECKPOINT, ROLLBACK_MODES
 
 @click.command()
 @shard_source_options
+@quantize_option
 @launched_capacity_options
 @click.option("--max-tokens-per-request", type=click.IntRange(1), default=None,
               help="Tokens one request to a launched shard may carry (shardd's default).")
@@ -61,7 +63,7 @@ from protocol.layout import CHECKPOINT, ROLLBACK_MODES
               help="Clients must send 'Authorization: Bearer KEY' on /v1 and the tokenizer routes (/health and "
                    "/metrics stay open); required when --host is not loopback.")
 def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
-          curve_client_key, max_sequences, max_context, max_tokens_per_request, recovery_timeout, liveness_timeout,
+          curve_client_key, quantize, max_sequences, max_context, max_tokens_per_request, recovery_timeout, liveness_timeout,
           host, port, tokenizer_dir, served_model_name, drafter, draft_shard, draft, draft_placement, block_size, rollback, batch_rows, log_level,
           max_body_bytes, request_timeout, max_connections, as_json, api_key):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
@@ -92,7 +94,7 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
                      daemon_args_from(dtype=dtype, max_sequences=max_sequences, max_context=max_context,
                                       max_tokens_per_request=max_tokens_per_request),
-                     curve=curve_server_key or curve_client_key)
+                     curve=curve_server_key or curve_client_key, quantize=quantize)
     if shards and (max_sequences or max_context or max_tokens_per_request):
         raise click.UsageError("--max-sequences, --max-context and --max-tokens-per-request size the shards serve "
                                "launches; running shards (--shards) keep the limits they were started with")

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 BLOCK_M = 16          # rows per tile, whatever M: a row's MMA never sees a different tile shape
 LARGE_M = 128         # more rows than this take the dequantize-then-matmul path
@@ -59,20 +60,28 @@ class TileConfig:
     warps: int = 4
     stages: int = 4
     swap: bool = False  # acc[BLOCK_N, BLOCK_M] = w @ x.T (the weight tile as the MMA's M side)
+    # Programmatic dependent launch (sm_90+; ignored below): the programs are scheduled while the previous kernel
+    # drains and wait for it (griddepcontrol.wait) before their first memory access, hiding the launch gap. The
+    # arithmetic is the same; the sweep measures whether it pays (it also needs the launch kept in the CUDA graph).
+    pdl: bool = False
 
 
-# Fixed per 27B shape (N, K, blockwise): the lines scripts/bench_fp8_gemm.py's sweep prints on an H200 go here; a
-# shape not listed takes `_rule`. The shapes: GDN in_proj qkv|z|b|a 16480x5120, out_proj and o_proj 5120x6144,
-# attention q|k|v 14336x5120, MLP gate|up 34816x5120, down 5120x17408. Until the wider sweep runs: the configs
-# the first H200 run measured fastest with the (first) asm conversion (commit bef3bcc, 16 rows: 1.47-1.74x the
-# floor; its native-conversion sweep found 32-wide N tiles 2% faster, but they run 28% more instructions per
-# weight byte than 64-wide ones with the asm conversion).
+# Fixed per 27B shape (N, K, blockwise): the configs scripts/bench_fp8_gemm.py's sweep measured fastest at 16 rows on
+# an H200 (every one with HOPPER_CONVERT "asm"; session 2 run of 95f786d: the 64 layers' matrices 8.46 -> 7.98 ms,
+# 1.38x their 5.80 ms floor). out_proj takes the sweep's second (split 4: 13.82 us at 16 rows, 1% slower than split
+# 8, and 15% faster at 64 rows). A shape not listed takes `_rule`. The shapes: GDN in_proj qkv|z|b|a 16480x5120 and
+# its FP8 part when the checkpoint keeps in_proj_a (qkv|z|b, 16432) or in_proj_b and in_proj_a (qkv|z, 16384) in
+# bf16 (shardd.quant.fuse_rows runs those as a second GEMM), out_proj and o_proj 5120x6144, attention q|k|v
+# 14336x5120, MLP gate|up 34816x5120, down 5120x17408.
+_GDN_IN_PROJ = TileConfig(block_n=32, block_k=256, split_k=1, warps=2, stages=3)  # 25.19 us, 1.25x its floor
 TILE_TABLE: dict[tuple[int, int, bool], TileConfig] = {
-    (16480, 5120, True): TileConfig(block_n=64, block_k=128, split_k=1, warps=4, stages=4),
-    (5120, 6144, True): TileConfig(block_n=64, block_k=128, split_k=4, warps=4, stages=4),
-    (14336, 5120, True): TileConfig(block_n=64, block_k=128, split_k=2, warps=4, stages=4),
-    (34816, 5120, True): TileConfig(block_n=64, block_k=128, split_k=1, warps=4, stages=4),
-    (5120, 17408, True): TileConfig(block_n=64, block_k=128, split_k=4, warps=4, stages=4),
+    (16480, 5120, True): _GDN_IN_PROJ,
+    (16432, 5120, True): _GDN_IN_PROJ,
+    (16384, 5120, True): _GDN_IN_PROJ,
+    (5120, 6144, True): TileConfig(block_n=32, block_k=128, split_k=4, warps=2, stages=3, swap=True),  # 13.82 us, 1.84x
+    (14336, 5120, True): TileConfig(block_n=64, block_k=128, split_k=2, warps=4, stages=3),  # 25.53 us, 1.46x
+    (34816, 5120, True): TileConfig(block_n=32, block_k=128, split_k=2, warps=2, stages=4, swap=True),  # 55.23 us, 1.30x
+    (5120, 17408, True): TileConfig(block_n=32, block_k=256, split_k=4, warps=4, stages=3),  # 30.56 us, 1.44x
 }
 
 
@@ -251,8 +260,10 @@ def _fp8_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, SPLIT_K: tl.constexpr,
     TILES_PER_SPLIT: tl.constexpr, ROW_TILES: tl.constexpr, GROUPED: tl.constexpr, BLOCKWISE: tl.constexpr,
     SCALE_BLOCK_K: tl.constexpr, SCALE_UNIFORM: tl.constexpr, CONVERT: tl.constexpr, SWAP: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # launched early (programmatic dependent launch): nothing is read or written before the previous kernel ends
+        gdc_wait()
     # One program per (N tile, K split, group of ROW_TILES row tiles: one group up to LARGE_M rows) computes its
     # 16-row tiles (unrolled: each its own accumulator and its own dot of the same shape) from one load and one
     # conversion of each weight tile. UNROLL K tiles of BLOCK_K (one scale each) are loaded per iteration: more
@@ -466,6 +477,7 @@ def fp8_gemm(x, weight, scale, block, config: TileConfig, *, convert: str, out=N
         if block_k % scale_block_k:
             raise ValueError(f"fp8_linear: tile block_k {block_k} must be a multiple of the scale block {scale_block_k} (or divide it)")
         block_k, unroll = scale_block_k, block_k // scale_block_k
+    pdl = config.pdl and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
     m_tiles = triton.cdiv(m, BLOCK_M)
     row_tiles = min(m_tiles, MAX_ROW_TILES)  # per program; more rows take more programs, each its own weight read
     groups = triton.cdiv(m_tiles, row_tiles)
@@ -485,8 +497,9 @@ def fp8_gemm(x, weight, scale, block, config: TileConfig, *, convert: str, out=N
         TILES_PER_SPLIT=tiles_per_split, ROW_TILES=row_tiles, GROUPED=groups > 1,
         BLOCKWISE=blockwise, SCALE_BLOCK_K=scale_block_k if blockwise else 1,
         SCALE_UNIFORM=blockwise and scale_block_n % config.block_n == 0, CONVERT=_CONVERTS[convert],
-        SWAP=config.swap, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        SWAP=config.swap, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl,
         num_warps=config.warps, num_stages=_stages(config, block_k * unroll, row_tiles, x.element_size()),
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out
 
