@@ -448,25 +448,22 @@ class Pipeline:
         if group:
             self._relay_batch(items, group, results)
         for index in alone:
-            item = items[index]
-            try:
-                results[index] = self.forward(item.seq, item.pos, item.tokens, checkpoint=item.checkpoint,
-                                              sampling=item.sampling, drafts=item.drafts)
-            except ITEM_FAILURES as error:
-                results[index] = error
+            results[index] = self._forward_alone(items[index])
         return results
+
+    def _forward_alone(self, item: BatchForward):
+        """One item through the one-sequence `forward`: its ids, or the exception that failed it."""
+        try:
+            return self.forward(item.seq, item.pos, item.tokens, checkpoint=item.checkpoint, sampling=item.sampling,
+                                drafts=item.drafts)
+        except ITEM_FAILURES as error:
+            return error
 
     def _relay_batch(self, items: list, group: list[int], results: list) -> None:
         """The items `group` (indices into `items`) through every shard, one batched FORWARD per shard; each
         item's ids or exception into `results`. A batch of one is today's one-sequence relay."""
         if len(group) == 1:
-            index = group[0]
-            item = items[index]
-            try:
-                results[index] = self.forward(item.seq, item.pos, item.tokens, checkpoint=item.checkpoint,
-                                              sampling=item.sampling, drafts=item.drafts)
-            except ITEM_FAILURES as error:
-                results[index] = error
+            results[group[0]] = self._forward_alone(items[group[0]])
             return
         live = list(group)
         hidden: dict[int, WireTensor] = {}  # item index -> its rows for the next shard

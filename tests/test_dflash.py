@@ -484,3 +484,31 @@ def test_sampling_with_dflash_drafts_keeps_the_distribution(daemons, local):
         assert result.drafted > 0
     stat, df = chi2_against(drafted, torch.tensor([exact[o] for o in outcomes]), samples)
     assert df >= 2 and stat < chi2_critical(df), (stat, df, exact, drafted)
+
+
+def test_the_serve_engine_decodes_dflash_requests_on_their_own_thread(daemons, greedy):
+    """`shardctl serve --drafter dflash` keeps one thread per request (the scheduler batches the other drafters):
+    two requests at once, each streamed as deltas, each the greedy continuation."""
+    import asyncio
+
+    from coordinator.sampling import Sampling
+    from coordinator.serve.engine import Engine, GenerateParams
+    from coordinator.tokenizer import ByteTokenizer
+
+    endpoints, draft_endpoint = pipeline_endpoints(daemons, "pair")
+    engine = Engine(endpoints, ByteTokenizer(), model_name="m", drafter="dflash", draft_endpoint=draft_endpoint,
+                    block_size=BLOCK)
+    params = GenerateParams(PROMPT, NEW_TOKENS, Sampling(), ignore_eos=True)
+
+    async def stream():
+        deltas = [delta async for delta in engine.generate(params)]
+        return deltas[-1].result.tokens, sum(delta.result is None for delta in deltas)
+
+    async def run():
+        return await asyncio.gather(stream(), stream())
+
+    try:
+        for tokens, text_deltas in asyncio.run(run()):
+            assert tokens == greedy and text_deltas >= 1
+    finally:
+        engine.close()

@@ -310,14 +310,8 @@ class Engine:
         except ValueError as error:
             raise RequestError(str(error)) from None
         try:
-            while True:
-                item = await deltas.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if isinstance(item, DecodeResult):
-                    yield Delta(finish_reason=item.finish_reason, result=item)
-                    return
-                yield Delta(text=item[0], logprobs=item[1])
+            async for delta in _deltas(deltas):
+                yield delta
         finally:
             request.cancel()  # a no-op once it finished; else its sequence closes at the next step boundary
             self.scheduler.wake()
@@ -361,14 +355,8 @@ class Engine:
             thread = threading.Thread(target=run, name="shardctl-request", daemon=True)
             try:
                 thread.start()
-                while True:
-                    item = await deltas.get()
-                    if isinstance(item, BaseException):
-                        raise item
-                    if isinstance(item, DecodeResult):
-                        yield Delta(finish_reason=item.finish_reason, result=item)
-                        return
-                    yield Delta(text=item[0], logprobs=item[1])
+                async for delta in _deltas(deltas):
+                    yield delta
             finally:
                 cancelled.set()
                 self.metrics.running.dec()
@@ -383,6 +371,19 @@ class Engine:
             logprobs.extend(delta.logprobs)
             result = delta.result or result
         return "".join(parts), result, logprobs
+
+
+async def _deltas(queue: asyncio.Queue) -> AsyncIterator[Delta]:
+    """What a decoding thread posts, as Deltas: (text, logprobs) pairs, then the DecodeResult (the last Delta);
+    an exception it posts is raised here."""
+    while True:
+        item = await queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        if isinstance(item, DecodeResult):
+            yield Delta(finish_reason=item.finish_reason, result=item)
+            return
+        yield Delta(text=item[0], logprobs=item[1])
 
 
 class TextTracker:
