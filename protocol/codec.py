@@ -391,7 +391,7 @@ def _check_request(record: Request, limits: Limits) -> None:
         if record.checkpoint:
             check_verify_geometry(record.parents, n)
         elif record.parents is not None:
-            raise _bad(f"field 'parents' is only allowed with checkpoint: true")
+            raise _bad("field 'parents' is only allowed with checkpoint: true")
         penalised = any(getattr(record, name) is not None for name in PENALTY_FIELDS)
         if record.repetition_penalty is not None and record.repetition_penalty <= 0:
             raise _bad(f"field 'repetition_penalty' = {record.repetition_penalty} must be > 0")
