@@ -3,8 +3,14 @@
 #   1. installs the wheels carried in .whl/: fla-core (the GPU prefill) into /tmp/fla-site, the others (pyzmq:
 #      the daemons) into /tmp/site, apart so that the transformers baseline runs as a plain install would
 #      (without fla); a wheel that fails to install ends the caller (exit 1);
-#   2. exports PYTHONPATH (those two sites, then the checkout) and PYTHONUNBUFFERED;
+#   2. exports PYTHONPATH (those two sites, then the checkout; then /tmp/serve-site with the HTTP stack from
+#      .whl/serve/ when the host has none: `shardctl serve` in the batch benchmark's HTTP part) and PYTHONUNBUFFERED;
 #   3. prints the environment line (nvidia-smi, then the versions) and writes it to $GPU_ENV_FILE.
+# .whl/ is not in git; fill it on a machine with the package index (the GPU hosts have none; Python 3.12 there):
+#   P="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+#      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
+#   pip download --no-deps $P -d .whl pyzmq fla-core py-spy
+#   pip download $P -d .whl/serve fastapi uvicorn prometheus_client
 # Set before sourcing:
 #   GPU_ENV_FILE              where the environment line goes (required)
 #   GPU_ENV_VERSIONS          the Python that prints the versions (default: torch, triton and zmq)
@@ -20,6 +26,13 @@ for wheel in .whl/*.whl; do
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$wheel" || exit 1
 done
 export PYTHONPATH=/tmp/site:/tmp/fla-site:$PWD
+# shardctl serve's HTTP stack (fastapi, uvicorn, prometheus_client and their dependencies) from .whl/serve/, only
+# where the host lacks it, and last on the path so that nothing the host has is shadowed
+if ls .whl/serve/*.whl > /dev/null 2>&1 && ! python3 -c "import fastapi, uvicorn, prometheus_client" 2> /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/serve-site \
+        .whl/serve/*.whl || exit 1
+    export PYTHONPATH=$PYTHONPATH:/tmp/serve-site
+fi
 GPU_ENV_VERSIONS=${GPU_ENV_VERSIONS:-'import torch, triton, zmq; print("torch", torch.__version__, "triton", triton.__version__, "zmq", zmq.__version__)'}
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
