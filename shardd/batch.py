@@ -31,7 +31,6 @@ class BatchItem:
     capture_layers: tuple[int, ...] = ()
     logits: bool = True  # the head shard's logits rows wanted (sampling, penalties, logprobs); else ids only
 
-
     @property
     def n(self) -> int:
         return len(self.tokens) if self.tokens is not None else int(self.hidden.shape[0])

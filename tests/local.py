@@ -78,19 +78,12 @@ class LocalTarget:
 
     def forward(self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False, sampling=None,
                 drafts=None) -> list[int]:
-        self._raise_deferred(seq)
-        ids, _ = self.capture(seq, pos, tokens, (), checkpoint=checkpoint)
-        if sampling is not None and not sampling.plain:  # what the head shard's daemon does (shardd.head)
-            from coordinator.sampling import TokenIds
-            from protocol.messages import Forward
-            from shardd.daemon import head_request
-            from shardd.head import answer_rows
+        """A batch of one (`forward_batch`): its ids, or the error that refused it raised."""
+        from coordinator.pipeline import BatchForward
 
-            record = Forward(id=0, seq=seq, pos=pos, tokens=list(tokens), **sampling.wire(),
-                             drafts=list(drafts) if drafts else None)
-            answered, _, logprobs = answer_rows(self._logits, ids, pos, head_request(record))
-            ids = TokenIds(answered)
-            ids.logprobs = logprobs
+        (ids,) = self.forward_batch([BatchForward(seq, pos, list(tokens), checkpoint, sampling, drafts)])
+        if isinstance(ids, Exception):
+            raise ids
         return ids
 
     @torch.inference_mode()
@@ -98,6 +91,7 @@ class LocalTarget:
         self, seq: int, pos: int, tokens: list[int], layers: Sequence[int], *, checkpoint: bool = False
     ) -> tuple[list[int], dict[int, torch.Tensor]]:
         """A forward that also returns the output of each decoder layer in `layers`."""
+        self._raise_deferred(seq)
         states = self._states(seq)
         hidden, captured = None, {}
         for shard, state in zip(self.shards, states):
@@ -105,7 +99,6 @@ class LocalTarget:
             out = shard.forward(state, pos, checkpoint=checkpoint, capture_layers=tuple(layers), **inputs)
             captured.update(out.captured)
             hidden = out.hidden
-        self._logits = out.logits
         return out.ids.tolist(), captured
 
     def _raise_deferred(self, seq: int) -> None:
