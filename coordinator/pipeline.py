@@ -386,22 +386,26 @@ class Pipeline:
         self, seq: int, pos: int, tokens: list[int], checkpoint: bool, capture: Optional[list[int]],
         head: Optional[dict] = None,
     ) -> tuple[list[int], dict[int, WireTensor]]:
-        tokens = list(tokens)
+        chunks = self._chunks(pos, list(tokens), checkpoint, head is not None and head.get("drafts") is not None)
+        try:
+            return self._relay(seq, pos, chunks, checkpoint=checkpoint, capture=capture, head=head)
+        except SHARD_FAILURES as error:
+            raise as_sequence_lost(error, seq) from error
+
+    def _chunks(self, pos: int, tokens: list[int], checkpoint: bool, drafts: bool) -> list[list[int]]:
+        """`tokens` as the requests that carry them: one for a checkpointed step, else pieces of at most
+        `max_tokens_per_request`; ValueError / PipelineError (nothing sent) when the shards cannot take them."""
         if not tokens:
             raise ValueError("forward needs at least one token")
         self._check_context(pos, len(tokens))
         if checkpoint:
             self._check_checkpointed(len(tokens))
-            chunks = [tokens]
-        else:
-            step = self.max_tokens_per_request
-            chunks = [tokens[start:start + step] for start in range(0, len(tokens), step)]
-        try:
-            if head is not None and head.get("drafts") is not None and len(chunks) > 1:
-                raise ValueError("a speculative verify with drafts must fit one request")
-            return self._relay(seq, pos, chunks, checkpoint=checkpoint, capture=capture, head=head)
-        except SHARD_FAILURES as error:
-            raise as_sequence_lost(error, seq) from error
+            return [tokens]
+        step = self.max_tokens_per_request
+        chunks = [tokens[start:start + step] for start in range(0, len(tokens), step)]
+        if drafts and len(chunks) > 1:
+            raise ValueError("a speculative verify with drafts must fit one request")
+        return chunks
 
     def forward_batch(self, items: Sequence[BatchForward]) -> list:
         """`forward` for several sequences at once (issue 20): per item, in order, its ids (`TokenIds`, as
@@ -419,19 +423,11 @@ class Pipeline:
         ready, alone, seen = [], [], set()
         for index, item in enumerate(items):
             try:
-                n = len(item.tokens)
-                if n == 0:
-                    raise ValueError("forward needs at least one token")
                 if item.seq in seen:
                     raise ValueError(f"sequence {item.seq} appears twice in one batch")
                 seen.add(item.seq)
-                self._check_context(item.pos, n)
-                if item.checkpoint:
-                    self._check_checkpointed(n)
-                elif n > self.max_tokens_per_request:
-                    if item.drafts:
-                        raise ValueError("a speculative verify with drafts must fit one request")
-                    alone.append(index)
+                if len(self._chunks(item.pos, list(item.tokens), item.checkpoint, bool(item.drafts))) > 1:
+                    alone.append(index)  # longer than one request: `forward`'s chunked relay, after the batch
                     continue
             except (PipelineError, ValueError) as error:
                 results[index] = error
