@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from coordinator.acceptance import accept_length, commit_tokens
@@ -240,9 +240,7 @@ def _decode(
     cannot roll back, the state is re-filled from `history` and decoding carries on."""
     _check_request(prompt, max_new_tokens)
     limit = context_limit(target)
-    if limit is not None and len(prompt) >= limit:
-        raise ValueError(f"the prompt holds {len(prompt)} tokens; the shards hold {limit} per sequence, "
-                         f"prompt and output together")
+    check_prompt_fits(prompt, limit)
     result = DecodeResult(prompt_tokens=len(prompt))
     if sampled and sampled["sampling"].logprobs is not None:
         result.logprobs = []
@@ -255,11 +253,9 @@ def _decode(
             start = time.perf_counter()
             while not _finished(result.tokens, max_new_tokens, eos):
                 # The context limit ends the request ("length"); near it the step's block shrinks.
-                room = max_new_tokens - len(result.tokens)
-                if limit is not None:
-                    room = min(room, limit - len(history))
-                    if room <= 0:
-                        break
+                room = room_left(max_new_tokens, result.tokens, history, limit)
+                if room <= 0:
+                    break
                 committed_before = len(history)
                 try:
                     step(history, room, result)
@@ -275,6 +271,19 @@ def _decode(
                 result.finish_reason = STOP
         result.decode_seconds = time.perf_counter() - start
     return result
+
+
+def check_prompt_fits(prompt: Sequence[int], limit: int | None) -> None:
+    """ValueError when `prompt` leaves no room for output within the shards' context `limit` (None: no limit)."""
+    if limit is not None and len(prompt) >= limit:
+        raise ValueError(f"the prompt holds {len(prompt)} tokens; the shards hold {limit} per sequence, "
+                         f"prompt and output together")
+
+
+def room_left(max_new_tokens: int, generated: Sequence[int], history: Sequence[int], limit: int | None) -> int:
+    """How many more tokens a request may commit: its budget, cut by the context `limit` (prompt and output)."""
+    room = max_new_tokens - len(generated)
+    return room if limit is None else min(room, limit - len(history))
 
 
 def _check_request(prompt: list[int], max_new_tokens: int) -> None:

@@ -54,7 +54,9 @@ from coordinator.decoding import (
     _recover,
     _sampled,
     _with_drafts,
+    check_prompt_fits,
     context_limit,
+    room_left,
 )
 from coordinator.drafters import Drafter
 from coordinator.pipeline import BatchForward
@@ -123,8 +125,7 @@ class Request:
 
     def room(self, limit: Optional[int]) -> int:
         """Tokens this request may still commit: its budget, and the context the shards hold."""
-        room = self.max_new_tokens - len(self.result.tokens)
-        return room if limit is None else min(room, limit - len(self.history))
+        return room_left(self.max_new_tokens, self.result.tokens, self.history, limit)
 
     def rows_wanted(self, limit: Optional[int]) -> int:
         if self.drafter is None:
@@ -278,9 +279,7 @@ class Scheduler:
 
     def submit(self, request: Request) -> Request:
         """Queue `request`; ValueError (nothing queued) when its prompt cannot fit the shards' context."""
-        if self.limit is not None and len(request.prompt) >= self.limit:
-            raise ValueError(f"the prompt holds {len(request.prompt)} tokens; the shards hold {self.limit} per "
-                             f"sequence, prompt and output together")
+        check_prompt_fits(request.prompt, self.limit)
         if request.drafter is not None and request.block_size > self.step_rows:
             raise ValueError(f"a block of {request.block_size} tokens does not fit a step of {self.step_rows} rows")
         request.arrived = time.monotonic()
