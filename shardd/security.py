@@ -112,7 +112,10 @@ def log_refused_handshakes(server: zmq.Socket) -> None:
 
     from zmq.utils.monitor import recv_monitor_message
 
-    monitor = server.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+    # libzmq reports a mechanism mismatch as a protocol error when this end reads the client's greeting first, and
+    # as a handshake failure with no detail (EPIPE, ECONNRESET) when the client saw ours first and hung up: a race
+    # between the two ends, so both events are the same refusal.
+    monitor = server.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
     def watch() -> None:
         logged_at, refused = None, 0  # a client retries every 0.1 s: one line, then one per LOG_EVERY_S with a count
@@ -130,6 +133,10 @@ def log_refused_handshakes(server: zmq.Socket) -> None:
                 if event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
                     log.warning("refused a handshake on %s: the client sent no CurveZMQ keys (this daemon requires "
                                 "Curve; give shardctl --curve-server-key and --curve-client-key)%s", where, times)
+                elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                    log.warning("refused a handshake on %s: the client sent no CurveZMQ keys or hung up mid-handshake "
+                                "(errno %d; this daemon requires Curve; give shardctl --curve-server-key and "
+                                "--curve-client-key)%s", where, event["value"], times)
                 else:
                     log.warning("refused a handshake on %s: ZMTP protocol error %#x%s", where, event["value"], times)
                 logged_at, refused = now, 0
