@@ -100,22 +100,25 @@ def answer_batch(items: Sequence[tuple[torch.Tensor, Sequence[int], int, HeadReq
         return answers
 
     device = slices[0][0].device
-    logits = torch.cat([part[first:] for part, first in slices]).float()  # [A, V]: the answered rows
+    # [A, V]: the answered rows (one item's are a view of its logits)
+    logits = (slices[0][0][slices[0][1]:] if len(slices) == 1 else torch.cat([part[first:] for part, first in slices])).float()
     sampled_drafts = [draft[row] for row in sampled]
     every = len(sampled) == rows
     (item_of_row, index_of_row, given, draft, sampled, argmaxed, logprobbed) = to_device(
         device, item_of_row, index_of_row, given, draft, sampled, argmaxed, logprobbed)
     penalised = penalise_rows(logits, groups) if any(group.penalties.active for group in groups) else logits
 
-    candidate = given.clone()
-    if argmaxed.numel():
-        candidate[argmaxed] = chunked(_argmax, penalised[argmaxed])[0]
-    accepted_row = (draft >= 0) & (candidate == draft)
-    if sampled.numel():
-        tokens, accepts = verify_rows(penalised if every else penalised[sampled], temperature, top_p, top_k, seed,
-                                      position, sampled_drafts)
-        candidate[sampled] = tokens
-        accepted_row[sampled] = accepts  # a residual sample never equals its draft, but say it plainly
+    if every:  # every row sampled: the sampler's answers are the candidates
+        candidate, accepted_row = verify_rows(penalised, temperature, top_p, top_k, seed, position, sampled_drafts)
+    else:
+        candidate = given.clone()
+        if argmaxed.numel():
+            candidate[argmaxed] = chunked(_argmax, penalised[argmaxed])[0]
+        accepted_row = (draft >= 0) & (candidate == draft)
+        if sampled.numel():
+            tokens, accepts = verify_rows(penalised[sampled], temperature, top_p, top_k, seed, position, sampled_drafts)
+            candidate[sampled] = tokens
+            accepted_row[sampled] = accepts  # a residual sample never equals its draft, but say it plainly
     accepted = leading_accepted(accepted_row, item_of_row, index_of_row, len(items), width)
     final = torch.where(index_of_row <= accepted[item_of_row], candidate, given)  # after a rejection: the argmax
 

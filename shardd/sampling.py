@@ -13,7 +13,9 @@ a cut is by value, so tokens tied with the last one kept stay. Only rows with a 
 Randomness: a row at absolute position p of a request with seed s reads its uniforms from a counter-based
 hash (splitmix64) of (s, p, draw), where draw is 0 for a sample from p (the last row of a forward, the bonus
 row of a verify), 1 for the accept test of a draft and 2 for the residual sample after a rejection. The hash
-is integer arithmetic, the same on the CPU and on CUDA, so a seed reproduces the output whatever the batch,
+is integer arithmetic computed on the host (`uniform`), as are every other per-row setting the kernels read
+(the k-th column of a top-k cut, which rows cut, the draft's column): they cross with one copy, and the device
+runs only the ops that read the logits (about 35 per chunk). A seed reproduces the output whatever the batch,
 the rollback mode, chunking or engine. The draw is an inverse-CDF lookup in vocabulary order, done in
 62-bit fixed point (an exact integer cumulative sum), so no rounding of a parallel scan can move it.
 This stream replaced the one of `random.Random(f"{seed}:{pos}")` per row (issue 20): a seed gives different
@@ -61,60 +63,82 @@ def as_int64(value: int) -> int:
     return value - (1 << 64) if value >> 63 else value
 
 
-_GOLDEN = as_int64(0x9E3779B97F4A7C15)
-_MIX1 = as_int64(0xBF58476D1CE4E5B9)
-_MIX2 = as_int64(0x94D049BB133111EB)
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
-def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
+def uniform(seed: int, position: int, draw: int) -> float:
+    """The uniform in [0, 1) of draw `draw` at absolute `position` for `seed`: splitmix64 in Python integers on
+    the host (a handful of integer ops per row, where a device computation costs some thirty kernel launches),
+    the top 53 bits, exact in a float64."""
+    key = _mix(as_int64(seed) + _GOLDEN)
+    return (_mix(key + (position * 3 + draw + 1) * _GOLDEN) >> 11) * 2.0 ** -53
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 (multiplication wraps mod 2^64 on every device)."""
-    x = (x ^ _shift_right(x, 30)) * _MIX1
-    x = (x ^ _shift_right(x, 27)) * _MIX2
-    return x ^ _shift_right(x, 31)
+def _mix(x: int) -> int:
+    """splitmix64's finaliser, mod 2^64."""
+    x &= _MASK64
+    x = ((x ^ (x >> 30)) * _MIX1) & _MASK64
+    x = ((x ^ (x >> 27)) * _MIX2) & _MASK64
+    return x ^ (x >> 31)
 
 
-def uniforms(seed: torch.Tensor, position: torch.Tensor, draw) -> torch.Tensor:
-    """The uniform in [0, 1) (float64) of draw `draw` at absolute `position` for `seed` (int64 tensors or ints,
-    broadcast together)."""
-    key = _mix(seed + _GOLDEN)
-    counter = position * 3 + draw
-    bits = _mix(key + (counter + 1) * _GOLDEN)
-    return _shift_right(bits, 11).double() * 2.0 ** -53  # the top 53 bits: exact in a float64
+@dataclass
+class _Rows:
+    """The per-row settings of some rows of `verify_rows`, prepared on the host so the device only does the
+    arithmetic that needs the logits. Host lists until `on_device` packs them (one copy), then tensors [C]."""
+
+    temperature: object  # float32: the logits are divided by it
+    top_p: object        # float32
+    has_top_p: object    # bool: top_p < 1 (in float32)
+    cut: object          # bool: 0 < top_k < V
+    kth: object          # int64: top_k - 1 where cut (else 0), at most top_k_max - 1: the column of the k-th value
+    draft: object        # int64: the row's draft, 0 without one (then `has_draft` is False)
+    has_draft: object    # bool
+    u_accept: object     # float64: the accept test's uniform; 2.0 without a draft (never below a probability)
+    u_draw: object       # float64: the residual's uniform with a draft, the sample's without
+
+    def on_device(self, device) -> "_Rows":
+        kinds = [torch.float32, torch.float32, torch.bool, torch.bool, torch.int64, torch.int64, torch.bool,
+                 torch.float64, torch.float64]
+        return _Rows(*to_device(device, *((column, dtype) for column, dtype in zip(vars(self).values(), kinds))))
+
+    def rows(self, start: int, stop: int) -> "_Rows":
+        return _Rows(*(column[start:stop] for column in vars(self).values()))
 
 
-def residual(probs: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
-    """p [C, V] with each row's rejected (one-hot) draft removed: max(0, p - q) up to normalisation; a row
-    without a draft (-1) unchanged."""
-    index = draft.clamp_min(0)[:, None]
-    return probs.scatter(1, index, torch.where(draft[:, None] >= 0, 0.0, probs.gather(1, index)))
+def _row_settings(vocab: int, temperature, top_p, top_k, draft, seed=None, position=None, *, top_k_max: int) -> _Rows:
+    """`_Rows` (host lists) of rows with these settings; the uniforms only with `seed` and `position`."""
+    top_p32 = torch.tensor(top_p, dtype=torch.float64).float().tolist()  # as the device compares it
+    cut = [0 < k < vocab for k in top_k]
+    u_accept = u_draw = [0.0] * len(top_k)
+    if seed is not None:
+        u_accept = [uniform(s, p, ACCEPT) if d >= 0 else 2.0 for s, p, d in zip(seed, position, draft)]
+        u_draw = [uniform(s, p, RESIDUAL if d >= 0 else SAMPLE) for s, p, d in zip(seed, position, draft)]
+    return _Rows(
+        temperature=[float(t) for t in temperature], top_p=top_p32, has_top_p=[p < 1.0 for p in top_p32], cut=cut,
+        kth=[min(k if c else 1, max(top_k_max, 1)) - 1 for k, c in zip(top_k, cut)],
+        draft=[max(int(d), 0) for d in draft], has_draft=[d >= 0 for d in draft], u_accept=u_accept, u_draw=u_draw,
+    )
 
 
-def _truncated_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-                     top_k_max: int, any_top_p: bool) -> torch.Tensor:
+def _truncated_probs(logits: torch.Tensor, rows: _Rows, top_k_max: int, any_top_p: bool) -> torch.Tensor:
     """The sampling distributions [C, V] (vocabulary order, float32) of logits [C, V]: softmax(logits / T) cut
     to the top_k by value (ties with the k-th stay), then to the tokens of probability at least that of the
     last token of the smallest prefix, most likely first, holding top_p of the mass, renormalised.
 
     `top_k_max` (the largest top_k < V of the rows, 0: none) and `any_top_p` (some row's top_p < 1) come from
     the host; a row without a cut comes out bit for bit the same whether or not another row has one."""
-    vocab = logits.shape[-1]
-    scaled = logits.float() / temperature[:, None]
+    scaled = logits.float() / rows.temperature[:, None]
     if top_k_max:
-        cut = (top_k > 0) & (top_k < vocab)
         largest = torch.topk(scaled, top_k_max, dim=-1).values  # exact values: the k-th is whatever k_max
-        kth = largest.gather(1, (torch.where(cut, top_k, 1).clamp_max(top_k_max) - 1)[:, None])
-        scaled = scaled.masked_fill(cut[:, None] & (scaled < kth), float("-inf"))
+        kth = largest.gather(1, rows.kth[:, None])
+        scaled = scaled.masked_fill(rows.cut[:, None] & (scaled < kth), float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if any_top_p:
         ranked = torch.sort(probs, dim=-1, descending=True).values  # the same values as probs, ranked
         before = torch.cumsum(ranked, dim=-1) - ranked  # mass of the tokens ranked above
-        kept = (before < top_p[:, None]).sum(dim=-1).clamp_min(1)  # top_p 0 keeps the most likely token
-        smallest = torch.where(top_p < 1.0, ranked.gather(1, (kept - 1)[:, None]).squeeze(1), 0.0)
+        kept = (before < rows.top_p[:, None]).sum(dim=-1).clamp_min(1)  # top_p 0 keeps the most likely token
+        smallest = torch.where(rows.has_top_p, ranked.gather(1, (kept - 1)[:, None]).squeeze(1), 0.0)
         probs = probs.masked_fill(probs < smallest[:, None], 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
 
@@ -130,17 +154,21 @@ def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target[:, None], right=True).clamp_max(weights.shape[-1] - 1).squeeze(1)
 
 
-def _verify_chunk(logits, floats, ints, *, top_k_max, any_top_p):
-    """One chunk of `verify_rows`: floats [C, 5] (temperature, top_p, the three uniforms), ints [C, 2] (top_k,
-    draft)."""
-    top_k, draft = ints.unbind(1)
-    probs = _truncated_probs(logits, floats[:, 0].float(), floats[:, 1].float(), top_k, top_k_max, any_top_p)
-    has_draft = draft >= 0
-    p_draft = probs.gather(1, draft.clamp_min(0)[:, None]).squeeze(1)
-    accept = has_draft & (floats[:, 2 + ACCEPT] < p_draft.double())
-    u = torch.where(has_draft, floats[:, 2 + RESIDUAL], floats[:, 2 + SAMPLE])
-    sampled = _draw(residual(probs, draft), u)
-    return torch.where(accept, draft, sampled), accept
+def _verify_chunk(logits: torch.Tensor, rows: _Rows, top_k_max: int, any_top_p: bool):
+    """One chunk of `verify_rows`: (token, accepted) of logits [C, V] with the chunk's settings `rows`.
+
+    A draft d is accepted when its uniform is below p(d); the residual (p without d, renormalised by `_draw`)
+    is sampled otherwise, p itself for a row without a draft (u_accept 2.0 never passes the test)."""
+    probs = _truncated_probs(logits, rows, top_k_max, any_top_p)
+    p_draft = probs.gather(1, rows.draft[:, None])
+    accept = rows.u_accept < p_draft.squeeze(1).double()
+    return torch.where(accept, rows.draft, _draw(residual(probs, rows, p_draft), rows.u_draw)), accept
+
+
+def residual(probs: torch.Tensor, rows: _Rows, p_draft: torch.Tensor) -> torch.Tensor:
+    """p [C, V] with each row's rejected (one-hot) draft removed: max(0, p - q) up to normalisation; a row
+    without a draft unchanged. `p_draft` [C, 1]: each row's p at its draft column."""
+    return probs.scatter(1, rows.draft[:, None], torch.where(rows.has_draft[:, None], 0.0, p_draft))
 
 
 def _cuts(vocab: int, top_p: Sequence[float], top_k: Sequence[int]) -> dict:
@@ -156,25 +184,46 @@ def verify_rows(
     parameters (host lists: temperature > 0, top_p, top_k, seed, absolute position, draft or -1).
 
     A row with a draft accepts it with probability p(draft) (token = draft, accepted) or else samples the
-    residual (p without the draft); a row without one samples from p. One host-to-device copy, no sync."""
-    vocab = logits.shape[-1]
+    residual (p without the draft); a row without one samples from p. The settings of every row are worked out
+    on the host (the uniforms, the cuts) and cross in one copy; no sync.
+
+    Rows run in chunks of exactly `chunk_rows` (the last padded with copies of its first row, whose results are
+    dropped): the same kernels whatever the row count."""
+    rows, vocab = logits.shape
+    if rows == 0:
+        raise ValueError("no rows")
+    chunk_rows = chunk_rows or CHUNK_ROWS
     top_k = [min(int(k), vocab) for k in top_k]  # past the vocabulary: every token (and int64 whatever it was)
-    columns = to_device(logits.device, [float(t) for t in temperature], [float(p) for p in top_p], top_k,
-                        [as_int64(s) for s in seed], [int(p) for p in position], [int(d) for d in draft],
-                        [SAMPLE, ACCEPT, RESIDUAL])
-    temperature_d, top_p_d, top_k_d, seed_d, position_d, draft_d, draws = columns
-    u = uniforms(seed_d[:, None], position_d[:, None], draws)  # [A, 3]: SAMPLE, ACCEPT, RESIDUAL
-    floats = torch.cat([temperature_d[:, None], top_p_d[:, None], u], dim=1)
-    ints = torch.stack([top_k_d, draft_d], dim=1)
-    return chunked(_verify_chunk, logits, floats, ints, chunk_rows=chunk_rows,
-                   options=lambda start, stop: _cuts(vocab, top_p[start:stop], top_k[start:stop]))
+    chunks, settings = [], []  # per chunk: (start, stop, its flags), its rows' settings
+    for start in range(0, rows, chunk_rows):
+        stop = min(start + chunk_rows, rows)
+
+        def padded(column: Sequence) -> list:
+            part = list(column[start:stop])
+            return part + part[:1] * (chunk_rows - len(part))
+
+        cuts = _cuts(vocab, top_p[start:stop], top_k[start:stop])
+        settings.append(_row_settings(vocab, *map(padded, (temperature, top_p, top_k, draft, seed, position)),
+                                      top_k_max=cuts["top_k_max"]))
+        chunks.append((start, stop, cuts))
+    device_rows = _Rows(*(sum((getattr(chunk, name) for chunk in settings), []) for name in vars(settings[0]))
+                        ).on_device(logits.device)
+    tokens, accepted = [], []
+    for index, (start, stop, cuts) in enumerate(chunks):
+        part = logits[start:stop]
+        if stop - start < chunk_rows:
+            part = torch.cat([part, part[:1].expand(chunk_rows - (stop - start), vocab)])
+        token, accept = _verify_chunk(part, device_rows.rows(index * chunk_rows, (index + 1) * chunk_rows), **cuts)
+        tokens.append(token)
+        accepted.append(accept)
+    if len(chunks) == 1:
+        return tokens[0][:rows], accepted[0][:rows]
+    return torch.cat(tokens)[:rows], torch.cat(accepted)[:rows]
 
 
-def chunked(function, *columns: torch.Tensor, chunk_rows: Optional[int] = None,
-            options=None) -> tuple[torch.Tensor, ...]:
+def chunked(function, *columns: torch.Tensor, chunk_rows: Optional[int] = None) -> tuple[torch.Tensor, ...]:
     """`function` over chunks of exactly `chunk_rows` rows of the columns (the last padded with copies of its
-    first row, whose results are dropped), its outputs concatenated: the same kernels whatever the row count.
-    `options(start, stop)`: keyword arguments for the chunk of rows start..stop-1."""
+    first row, whose results are dropped), its outputs concatenated: the same kernels whatever the row count."""
     chunk_rows = chunk_rows or CHUNK_ROWS
     rows = columns[0].shape[0]
     if rows == 0:
@@ -186,8 +235,7 @@ def chunked(function, *columns: torch.Tensor, chunk_rows: Optional[int] = None,
         if stop - start < chunk_rows:
             pad = chunk_rows - (stop - start)
             chunk = [torch.cat([part, part[:1].expand(pad, *part.shape[1:])]) for part in chunk]
-        results = function(*chunk, **(options(start, stop) if options else {}))
-        outputs.append([output[:stop - start] for output in results])
+        outputs.append([output[:stop - start] for output in function(*chunk)])
     return tuple(torch.cat(parts) for parts in zip(*outputs))
 
 
@@ -200,35 +248,40 @@ def leading_accepted(accepted: torch.Tensor, group: torch.Tensor, index: torch.T
     return torch.cumprod(grid, dim=1).sum(dim=1)
 
 
-def to_device(device: torch.device, *columns: Sequence) -> list[torch.Tensor]:
-    """Host lists as int64 (ints) or float64 (floats) tensors on `device`, in one copy that does not wait
-    for the device (pinned memory, non-blocking)."""
+def to_device(device: torch.device, *columns) -> list[torch.Tensor]:
+    """Host columns as tensors on `device`, in one copy that does not wait for the device (pinned memory,
+    non-blocking). A column is a list (ints: int64, floats: float64) or a (list, dtype) pair."""
     host = []
     for column in columns:
-        floats = any(isinstance(value, float) for value in column)
-        host.append(torch.tensor(list(column), dtype=torch.float64 if floats else torch.int64))
+        if isinstance(column, tuple):
+            values, dtype = column
+        else:
+            values = list(column)
+            dtype = torch.float64 if any(isinstance(value, float) for value in values) else torch.int64
+        host.append(torch.tensor(list(values), dtype=dtype))
     if not host:
         return []
-    packed = torch.cat([tensor.view(torch.int64) for tensor in host])
+    sizes = [tensor.numel() * tensor.element_size() for tensor in host]
+    offsets = [0]
+    for size in sizes:  # each column starts at a multiple of 8 bytes, so every dtype can view its bytes
+        offsets.append(offsets[-1] + -(-size // 8) * 8)
+    packed = torch.zeros(offsets[-1], dtype=torch.uint8)
+    for tensor, offset, size in zip(host, offsets, sizes):
+        packed[offset:offset + size] = tensor.view(torch.uint8)
     if torch.device(device).type == "cuda":
         packed = packed.pin_memory().to(device, non_blocking=True)
     else:
         packed = packed.to(device)
-    out, start = [], 0
-    for tensor in host:
-        part = packed[start:start + tensor.numel()]
-        out.append(part.view(torch.float64) if tensor.dtype == torch.float64 else part)
-        start += tensor.numel()
-    return out
+    return [packed[offset:offset + size].view(tensor.dtype) for tensor, offset, size in zip(host, offsets, sizes)]
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The sampling distribution of one row of logits [V] in vocabulary order, float32 on the logits' device."""
-    top_k = min(int(params.top_k), logits.shape[-1])
-    temperature, top_p, top_k_d = to_device(logits.device, [float(params.temperature)], [float(params.top_p)],
-                                            [top_k])
-    return _truncated_probs(logits[None], temperature.float(), top_p.float(), top_k_d,
-                            **_cuts(logits.shape[-1], [params.top_p], [top_k]))[0]
+    vocab = logits.shape[-1]
+    top_k = [min(int(params.top_k), vocab)]
+    cuts = _cuts(vocab, [params.top_p], top_k)
+    rows = _row_settings(vocab, [params.temperature], [params.top_p], top_k, [-1], top_k_max=cuts["top_k_max"])
+    return _truncated_probs(logits[None], rows.on_device(logits.device), **cuts)[0]
 
 
 def sample_rows(
