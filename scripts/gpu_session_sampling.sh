@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the head shard's batched sampling (issue 20): scripts/bench_sampling.py (old per-row vs
-# batched ms per verify of 8/16/64/128 rows at Qwen3.5's vocabulary, chunk sizes swept; batch identity, CPU-equal
-# uniforms, host syncs per call), then the CUDA test of tests/test_sampling.py. Results in $OUT.
+# batched ms per verify of 8/16/64/128 rows at Qwen3.5's vocabulary, chunk sizes swept; batch identity, torch ops
+# per call, host syncs per call), then the CUDA test of tests/test_sampling.py. Results in $OUT.
 # Usage: scripts/gpu_session_sampling.sh [bench_sampling.py arguments]
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu}
