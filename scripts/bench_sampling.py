@@ -7,7 +7,8 @@ head shard ran before issue 20 (one sequence at a time, a host round trip per ro
 Also checks, on the same device, that each sequence's answer in the batch equals its answer alone
 (`batch_identical`), the share of sequences answered as on the CPU (`answers_equal_cpu`, up to 16 rows), the
 host syncs per call and the torch ops per call that produce a tensor on the device (`device_ops_per_call`, about
-the kernel launches; the seeded uniforms are computed on the host since this session's change); with --chunk-rows
+the kernel launches; the seeded uniforms are computed on the host since this session's change), on CUDA the
+chunks op by op against their CUDA graphs (`batched_ms_op_by_op`, `graphs_equal_op_by_op`); with --chunk-rows
 several values, the batched sampler is timed at each (rows per fixed-shape sort/softmax call).
 
     python3 scripts/bench_sampling.py --json $OUT/sampling.json         # about a minute at most
@@ -198,6 +199,12 @@ def main() -> int:
             entry[f"batched_ms_chunk{chunk}"] = timed(lambda: answer_batch(items), args.device, deadline)
         sampling.CHUNK_ROWS = default_chunk
         entry["batched_ms"] = entry[f"batched_ms_chunk{chunk_rows[0]}"]
+        if args.device.startswith("cuda"):  # the chunks op by op instead of as CUDA graphs, and their answers
+            sampling.GRAPHS = False
+            entry["batched_ms_op_by_op"] = timed(lambda: answer_batch(items), args.device, deadline)
+            entry["graphs_equal_op_by_op"] = answer_batch(items) == together
+            identical &= entry["graphs_equal_op_by_op"]
+            sampling.GRAPHS = True
         entry["speedup"] = entry["old_per_row_ms"] / entry["batched_ms"]
         results["rows"][rows] = entry
         print(f"{rows} rows: {entry}", file=sys.stderr, flush=True)

@@ -97,13 +97,38 @@ class _Rows:
     u_accept: object     # float64: the accept test's uniform; 2.0 without a draft (never below a probability)
     u_draw: object       # float64: the residual's uniform with a draft, the sample's without
 
-    def on_device(self, device) -> "_Rows":
-        kinds = [torch.float32, torch.float32, torch.bool, torch.bool, torch.int64, torch.int64, torch.bool,
-                 torch.float64, torch.float64]
-        return _Rows(*to_device(device, *((column, dtype) for column, dtype in zip(vars(self).values(), kinds))))
+    @staticmethod
+    def pack(chunks: Sequence["_Rows"]) -> torch.Tensor:
+        """Host rows' settings, chunk after chunk (each of the same rows), as one uint8 tensor; within a chunk
+        each column starts at a multiple of 8 bytes (`unpack` reads one chunk's part)."""
+        rows = len(chunks[0].temperature)
+        offsets = _offsets(rows)
+        packed = torch.zeros((len(chunks), offsets[-1]), dtype=torch.uint8)
+        for name, dtype, offset in zip(vars(chunks[0]), _KINDS, offsets):
+            values = torch.tensor([getattr(chunk, name) for chunk in chunks], dtype=dtype)
+            packed[:, offset:offset + rows * dtype.itemsize] = values.view(torch.uint8)
+        return packed.flatten()
 
-    def rows(self, start: int, stop: int) -> "_Rows":
-        return _Rows(*(column[start:stop] for column in vars(self).values()))
+    @staticmethod
+    def unpack(packed: torch.Tensor, rows: int) -> "_Rows":
+        """The columns of `rows` rows packed by `pack`, as views of `packed` (on any device)."""
+        offsets = _offsets(rows)
+        return _Rows(*(packed[offset:offset + rows * dtype.itemsize].view(dtype) for dtype, offset in zip(_KINDS, offsets)))
+
+    def on_device(self, device) -> "_Rows":
+        return _Rows.unpack(_copy_to(_Rows.pack([self]), device), len(self.temperature))
+
+
+_KINDS = (torch.float32, torch.float32, torch.bool, torch.bool, torch.int64, torch.int64, torch.bool, torch.float64,
+          torch.float64)  # the dtypes of _Rows' columns, in order
+
+
+def _offsets(rows: int) -> list[int]:
+    """Byte offsets of _Rows' columns packed for `rows` rows, and the end."""
+    offsets = [0]
+    for dtype in _KINDS:
+        offsets.append(offsets[-1] + -(-rows * dtype.itemsize // 8) * 8)
+    return offsets
 
 
 def _row_settings(vocab: int, temperature, top_p, top_k, draft, seed=None, position=None, *, top_k_max: int) -> _Rows:
@@ -206,19 +231,32 @@ def verify_rows(
         settings.append(_row_settings(vocab, *map(padded, (temperature, top_p, top_k, draft, seed, position)),
                                       top_k_max=cuts["top_k_max"]))
         chunks.append((start, stop, cuts))
-    device_rows = _Rows(*(sum((getattr(chunk, name) for chunk in settings), []) for name in vars(settings[0]))
-                        ).on_device(logits.device)
+    size = _offsets(chunk_rows)[-1]
+    packed = _copy_to(_Rows.pack(settings), logits.device)  # every chunk's settings, one copy
     tokens, accepted = [], []
     for index, (start, stop, cuts) in enumerate(chunks):
         part = logits[start:stop]
         if stop - start < chunk_rows:
             part = torch.cat([part, part[:1].expand(chunk_rows - (stop - start), vocab)])
-        token, accept = _verify_chunk(part, device_rows.rows(index * chunk_rows, (index + 1) * chunk_rows), **cuts)
+        token, accept = _run_chunk(part, packed[index * size:(index + 1) * size], cuts)
         tokens.append(token)
         accepted.append(accept)
     if len(chunks) == 1:
         return tokens[0][:rows], accepted[0][:rows]
     return torch.cat(tokens)[:rows], torch.cat(accepted)[:rows]
+
+
+GRAPHS = True  # on CUDA, each chunk shape's ops replay as one CUDA graph (shardd/fast/sampling.py)
+
+
+def _run_chunk(logits: torch.Tensor, packed: torch.Tensor, cuts: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_verify_chunk` of one chunk whose settings are `packed` (on the logits' device): on CUDA as a graph
+    replay (the same kernels, one launch), elsewhere op by op."""
+    if GRAPHS and logits.is_cuda:
+        from shardd.fast.sampling import chunk_graphs
+
+        return chunk_graphs(logits.device).run(logits, packed, **cuts)
+    return _verify_chunk(logits, _Rows.unpack(packed, logits.shape[0]), **cuts)
 
 
 def chunked(function, *columns: torch.Tensor, chunk_rows: Optional[int] = None) -> tuple[torch.Tensor, ...]:
@@ -248,31 +286,29 @@ def leading_accepted(accepted: torch.Tensor, group: torch.Tensor, index: torch.T
     return torch.cumprod(grid, dim=1).sum(dim=1)
 
 
-def to_device(device: torch.device, *columns) -> list[torch.Tensor]:
-    """Host columns as tensors on `device`, in one copy that does not wait for the device (pinned memory,
-    non-blocking). A column is a list (ints: int64, floats: float64) or a (list, dtype) pair."""
+def to_device(device: torch.device, *columns: Sequence) -> list[torch.Tensor]:
+    """Host lists as int64 (ints) or float64 (floats) tensors on `device`, in one copy that does not wait
+    for the device (pinned memory, non-blocking)."""
     host = []
     for column in columns:
-        if isinstance(column, tuple):
-            values, dtype = column
-        else:
-            values = list(column)
-            dtype = torch.float64 if any(isinstance(value, float) for value in values) else torch.int64
-        host.append(torch.tensor(list(values), dtype=dtype))
+        floats = any(isinstance(value, float) for value in column)
+        host.append(torch.tensor(list(column), dtype=torch.float64 if floats else torch.int64))
     if not host:
         return []
-    sizes = [tensor.numel() * tensor.element_size() for tensor in host]
-    offsets = [0]
-    for size in sizes:  # each column starts at a multiple of 8 bytes, so every dtype can view its bytes
-        offsets.append(offsets[-1] + -(-size // 8) * 8)
-    packed = torch.zeros(offsets[-1], dtype=torch.uint8)
-    for tensor, offset, size in zip(host, offsets, sizes):
-        packed[offset:offset + size] = tensor.view(torch.uint8)
+    packed = _copy_to(torch.cat([tensor.view(torch.int64) for tensor in host]), device)
+    out, start = [], 0
+    for tensor in host:
+        part = packed[start:start + tensor.numel()]
+        out.append(part.view(torch.float64) if tensor.dtype == torch.float64 else part)
+        start += tensor.numel()
+    return out
+
+
+def _copy_to(host: torch.Tensor, device) -> torch.Tensor:
+    """`host` on `device` without waiting for it (through pinned memory, non-blocking, on CUDA)."""
     if torch.device(device).type == "cuda":
-        packed = packed.pin_memory().to(device, non_blocking=True)
-    else:
-        packed = packed.to(device)
-    return [packed[offset:offset + size].view(tensor.dtype) for tensor, offset, size in zip(host, offsets, sizes)]
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -195,6 +195,46 @@ def test_the_stream_and_the_answers_are_the_same_on_cuda():
     assert [answer[:2] for answer in on_cuda] == [answer[:2] for answer in answer_batch(items)]
 
 
+
+def test_a_top_k_cut_reads_the_same_kth_value_whatever_k_max():
+    """The CUDA graphs of the sampler (shardd/fast/sampling.py) round top_k_max up to a power of two: the k-th
+    largest value, and so every answer, is the same for any k_max >= k."""
+    from shardd.fast.sampling import k_bucket
+
+    assert [k_bucket(k, 100) for k in (0, 1, 2, 3, 5, 64, 65, 99)] == [0, 1, 2, 4, 8, 64, 100, 100]
+    generator = torch.Generator().manual_seed(11)
+    logits = torch.randn(CHUNK_ROWS, 300, generator=generator) * 4
+    logits[:, 10:20] = logits[:, 10:11]  # ties at the cut
+    top_k = [0, 1, 3, 5, 7, 40, 299, 300] * 2
+    rng = random.Random(3)
+    for top_p in ([1.0] * CHUNK_ROWS, [rng.choice([1.0, 0.9, 0.5]) for _ in range(CHUNK_ROWS)]):
+        cuts = sm._cuts(300, top_p, top_k)
+        rows = sm._row_settings(300, [0.7] * CHUNK_ROWS, top_p, top_k, [rng.randrange(-1, 300) for _ in top_k],
+                                [5] * CHUNK_ROWS, list(range(CHUNK_ROWS)), top_k_max=cuts["top_k_max"]).on_device("cpu")
+        want = sm._verify_chunk(logits, rows, **cuts)
+        for k_max in (cuts["top_k_max"] + 1, k_bucket(cuts["top_k_max"], 300), 300):
+            got = sm._verify_chunk(logits, rows, top_k_max=k_max, any_top_p=cuts["any_top_p"])
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), k_max
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_chunk_graphs_answer_as_op_by_op_on_cuda(monkeypatch):
+    """Each chunk replayed as a CUDA graph gives the answers of the same ops run one by one, for every kind of
+    row, several top_k buckets and both top_p cases, twice (the second call replays graphs captured by the first)."""
+    generator = torch.Generator().manual_seed(12)
+    batches = [mixed_batch(generator) for _ in range(3)]
+    batches.append([(torch.randn(8, VOCAB, generator=generator).cuda(), list(range(8)), 4,
+                     HeadRequest(SamplingParams(0.9, top_k=k, seed=k), drafts=[1] * 7)) for k in (1, 2, 3, 9, 33)])
+    batches = [[(logits.cuda(), ids, pos, head) for logits, ids, pos, head in items] for items in batches]
+    graphed = [answer_batch(items) for items in batches] + [answer_batch(items) for items in batches]
+    monkeypatch.setattr(sm, "GRAPHS", False)
+    eager = [answer_batch(items) for items in batches] * 2
+    assert graphed == eager
+    from shardd.fast.sampling import chunk_graphs
+
+    assert any(graph is not None for graph in chunk_graphs(torch.device("cuda")).graphs.values())
+
+
 VOCAB = 50
 
 
