@@ -58,18 +58,19 @@ class ChunkGraphs:
         captured = self.graphs[key]
         if captured is None:
             return _verify_chunk(logits.float(), _Rows.unpack(packed, rows), top_k_max=top_k_max, any_top_p=any_top_p)
-        captured.logits.copy_(logits)
-        captured.packed.copy_(packed)
-        captured.graph.replay()
-        token, accepted = captured.outputs
-        return token.clone(), accepted.clone()  # the next replay overwrites the graph's outputs
+        with torch.cuda.device(self.device):  # the graph's device's current stream, whichever device is current
+            captured.logits.copy_(logits)
+            captured.packed.copy_(packed)
+            captured.graph.replay()
+            token, accepted = captured.outputs
+            return token.clone(), accepted.clone()  # the next replay overwrites the graph's outputs
 
     def _capture(self, rows: int, vocab: int, bucket: int, any_top_p: bool, packed_bytes: int) -> _Captured | None:
         from shardd.sampling import _Rows, _verify_chunk
 
         try:
             # normal tensors, not inference ones: a daemon samples under inference_mode, a test may not
-            with torch.inference_mode(False):
+            with torch.inference_mode(False), torch.cuda.device(self.device):
                 shape = (rows, vocab, packed_bytes)
                 if shape not in self.inputs:  # zeros: valid columns (0) and finite logits for the warm-up runs
                     self.inputs[shape] = (torch.zeros((rows, vocab), dtype=torch.float32, device=self.device),
