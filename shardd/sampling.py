@@ -235,9 +235,7 @@ def verify_rows(
     packed = _copy_to(_Rows.pack(settings), logits.device)  # every chunk's settings, one copy
     tokens, accepted = [], []
     for index, (start, stop, cuts) in enumerate(chunks):
-        part = logits[start:stop]
-        if stop - start < chunk_rows:
-            part = torch.cat([part, part[:1].expand(chunk_rows - (stop - start), vocab)])
+        part = _padded_rows(logits[start:stop], chunk_rows)
         token, accept = _run_chunk(part, packed[index * size:(index + 1) * size], cuts)
         tokens.append(token)
         accepted.append(accept)
@@ -255,7 +253,9 @@ def _run_chunk(logits: torch.Tensor, packed: torch.Tensor, cuts: dict) -> tuple[
     if GRAPHS and logits.is_cuda:
         from shardd.fast.sampling import chunk_graphs
 
-        return chunk_graphs(logits.device).run(logits, packed, **cuts)
+        replayed = chunk_graphs(logits.device).run(logits, packed, **cuts)
+        if replayed is not None:
+            return replayed
     return _verify_chunk(logits, _Rows.unpack(packed, logits.shape[0]), **cuts)
 
 
@@ -269,12 +269,16 @@ def chunked(function, *columns: torch.Tensor, chunk_rows: Optional[int] = None) 
     outputs = []
     for start in range(0, rows, chunk_rows):
         stop = min(start + chunk_rows, rows)
-        chunk = [column[start:stop] for column in columns]
-        if stop - start < chunk_rows:
-            pad = chunk_rows - (stop - start)
-            chunk = [torch.cat([part, part[:1].expand(pad, *part.shape[1:])]) for part in chunk]
+        chunk = [_padded_rows(column[start:stop], chunk_rows) for column in columns]
         outputs.append([output[:stop - start] for output in function(*chunk)])
     return tuple(torch.cat(parts) for parts in zip(*outputs))
+
+
+def _padded_rows(part: torch.Tensor, rows: int) -> torch.Tensor:
+    """`part` (at most `rows` rows) padded to `rows` with copies of its first row (results there are dropped)."""
+    if part.shape[0] == rows:
+        return part
+    return torch.cat([part, part[:1].expand(rows - part.shape[0], *part.shape[1:])])
 
 
 def leading_accepted(accepted: torch.Tensor, group: torch.Tensor, index: torch.Tensor, groups: int,

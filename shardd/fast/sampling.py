@@ -2,15 +2,15 @@
 
 A chunk of `CHUNK_ROWS` rows runs some 35 small ops (softmax, the top-k and top-p cuts, the accept test, the
 fixed-point inverse-CDF draw); on the GPU their launches cost more than their arithmetic. Captured, a chunk is
-three copies in (its logits, its packed settings) and one replay. The graph runs the same kernels on the same
+two copies in (its logits, its packed settings), one replay and two small copies out. The graph runs the same kernels on the same
 shapes as the op-by-op reference (`shardd.sampling._verify_chunk`, which the CPU runs and the tests compare
 with), so its answers are the same bits.
 
 A graph is kept per (vocabulary, rows, top_k bucket, whether any row cuts by top_p): the top-k cut reads the
 k-th largest value out of `torch.topk(k_max)`, and the k-th value is the same whatever k_max >= k, so k_max is
 rounded up to a power of two (at most the vocabulary) and ~18 buckets cover every request. All graphs of a device
-share one memory pool and, per chunk shape, one pair of input buffers (they never run at once). A shape whose capture fails runs op by op from then on, with
-one warning in the log.
+share one memory pool and, per chunk shape, one pair of input buffers (they never run at once). A shape whose
+capture fails runs op by op from then on, with one warning in the log.
 """
 
 from __future__ import annotations
@@ -44,20 +44,19 @@ class ChunkGraphs:
         self.device = device
         self.pool = None
         self.graphs: dict[tuple, _Captured | None] = {}  # None: capture failed, run op by op
-        self.inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (rows, vocab, bytes) -> logits, packed
+        self.inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (rows, vocab) -> logits, packed
 
     def run(self, logits: torch.Tensor, packed: torch.Tensor, *, top_k_max: int, any_top_p: bool):
-        """(token, accepted) of one chunk, as `_verify_chunk` computes them; the outputs are the caller's."""
-        from shardd.sampling import _Rows, _verify_chunk
-
+        """(token, accepted) of one chunk, as `_verify_chunk` computes them (the outputs are the caller's), or None
+        when this shape could not be captured (the caller runs it op by op)."""
         rows, vocab = logits.shape
         bucket = k_bucket(top_k_max, vocab)
-        key = (rows, vocab, bucket, any_top_p, packed.numel())
+        key = (rows, vocab, bucket, any_top_p)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(rows, vocab, bucket, any_top_p, packed.numel())
+            self.graphs[key] = self._capture(rows, vocab, bucket, any_top_p)
         captured = self.graphs[key]
         if captured is None:
-            return _verify_chunk(logits.float(), _Rows.unpack(packed, rows), top_k_max=top_k_max, any_top_p=any_top_p)
+            return None
         with torch.cuda.device(self.device):  # the graph's device's current stream, whichever device is current
             captured.logits.copy_(logits)
             captured.packed.copy_(packed)
@@ -65,18 +64,18 @@ class ChunkGraphs:
             token, accepted = captured.outputs
             return token.clone(), accepted.clone()  # the next replay overwrites the graph's outputs
 
-    def _capture(self, rows: int, vocab: int, bucket: int, any_top_p: bool, packed_bytes: int) -> _Captured | None:
-        from shardd.sampling import _Rows, _verify_chunk
+    def _capture(self, rows: int, vocab: int, bucket: int, any_top_p: bool) -> _Captured | None:
+        from shardd.sampling import _offsets, _Rows, _verify_chunk
 
         try:
             # normal tensors, not inference ones: a daemon samples under inference_mode, a test may not
             with torch.inference_mode(False), torch.cuda.device(self.device):
-                shape = (rows, vocab, packed_bytes)
-                if shape not in self.inputs:  # zeros: valid columns (0) and finite logits for the warm-up runs
-                    self.inputs[shape] = (torch.zeros((rows, vocab), dtype=torch.float32, device=self.device),
-                                          torch.zeros(packed_bytes, dtype=torch.uint8, device=self.device))
-                logits, packed = self.inputs[shape]
-                logits.zero_()
+                if (rows, vocab) not in self.inputs:  # zeros: valid columns (0) and finite logits for the warm-up
+                    self.inputs[rows, vocab] = (
+                        torch.zeros((rows, vocab), dtype=torch.float32, device=self.device),
+                        torch.zeros(_offsets(rows)[-1], dtype=torch.uint8, device=self.device))
+                logits, packed = self.inputs[rows, vocab]
+                logits.zero_()  # an earlier replay's settings may name columns past this bucket
                 packed.zero_()
                 settings = _Rows.unpack(packed, rows)
                 side = torch.cuda.Stream(self.device)
