@@ -113,7 +113,8 @@ class _Rows:
     def unpack(packed: torch.Tensor, rows: int) -> "_Rows":
         """The columns of `rows` rows packed by `pack`, as views of `packed` (on any device)."""
         offsets = _offsets(rows)
-        return _Rows(*(packed[offset:offset + rows * dtype.itemsize].view(dtype) for dtype, offset in zip(_KINDS, offsets)))
+        return _Rows(*(packed[offset:offset + rows * dtype.itemsize].view(dtype)
+                       for dtype, offset in zip(_KINDS, offsets)))
 
     def on_device(self, device) -> "_Rows":
         return _Rows.unpack(_copy_to(_Rows.pack([self]), device), len(self.temperature))

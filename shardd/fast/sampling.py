@@ -2,9 +2,9 @@
 
 A chunk of `CHUNK_ROWS` rows runs some 35 small ops (softmax, the top-k and top-p cuts, the accept test, the
 fixed-point inverse-CDF draw); on the GPU their launches cost more than their arithmetic. Captured, a chunk is
-two copies in (its logits, its packed settings), one replay and two small copies out. The graph runs the same kernels on the same
-shapes as the op-by-op reference (`shardd.sampling._verify_chunk`, which the CPU runs and the tests compare
-with), so its answers are the same bits.
+two copies in (its logits, its packed settings), one replay and two small copies out. The graph runs the same
+kernels on the same shapes as the op-by-op reference (`shardd.sampling._verify_chunk`, which the CPU runs and
+the tests compare with), so its answers are the same bits.
 
 A graph is kept per (vocabulary, rows, top_k bucket, whether any row cuts by top_p): the top-k cut reads the
 k-th largest value out of `torch.topk(k_max)`, and the k-th value is the same whatever k_max >= k, so k_max is
