@@ -101,7 +101,8 @@ def answer_batch(items: Sequence[tuple[torch.Tensor, Sequence[int], int, HeadReq
 
     device = slices[0][0].device
     item_rows = [part[first:] for part, first in slices]
-    logits = (item_rows[0] if len(item_rows) == 1 else torch.cat(item_rows)).float()  # [A, V] answered rows; one item's: a view
+    # [A, V]: the answered rows (one item's: a view of its logits)
+    logits = (item_rows[0] if len(item_rows) == 1 else torch.cat(item_rows)).float()
     sampled_drafts = [draft[row] for row in sampled]
     every = len(sampled) == rows
     (item_of_row, index_of_row, given, draft, sampled, argmaxed, logprobbed) = to_device(
