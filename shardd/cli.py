@@ -216,6 +216,10 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
         # the drafter's weights before the engines' pools and graphs: loading's transients (a synthetic vocab
         # matrix in float32) come while the least is held, which is what lets a capped daemon load
         draft_model = build_drafter(source, draft, dtype=dtype, device=device, shard=model) if draft else None
+        if torch.device(device).type == "cuda":
+            # and handed back before the pools: a capped allocator counts what it caches, so the checkpoint
+            # buffers (one 2.4 GiB block for the 27B shape) failed under 24 GiB with 2.7 GiB cached and free
+            torch.cuda.empty_cache()
         shard = None if model is None else serve_with(engine, model, max_sequences=max_sequences, max_context=max_context,
                                                       step_rows=step_rows)
         drafter = draft_with(engine, draft_model, max_sequences=max_sequences, max_context=max_context)

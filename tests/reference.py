@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -34,7 +36,30 @@ def hf_model(model_dir: str | Path):
     assert set(missing) <= {"lm_head.weight"}, missing
     if config.tie_word_embeddings:
         model.tie_weights()
+    _torch_kernels(model)
     return model
+
+
+def _torch_kernels(model) -> None:
+    """The reference runs on the CPU, so it takes transformers' torch functions for the gated delta rule and the
+    conv: where fla-core or causal-conv1d is importable (the GPU hosts carry fla-core), transformers binds their
+    CUDA kernels instead, and those refuse CPU tensors. Both ways transformers has bound them are undone: the
+    module's decorated functions (newer releases; the torch function is the wrapper's __wrapped__) and the
+    layer's attributes (older ones)."""
+    module = sys.modules[type(model).__module__]
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                 "causal_conv1d_update"):
+        function = getattr(module, name, None)
+        if callable(function) and hasattr(function, "__wrapped__"):
+            setattr(module, name, inspect.unwrap(function))
+    for layer in model.modules():
+        for attribute in ("chunk_gated_delta_rule", "recurrent_gated_delta_rule"):
+            if hasattr(layer, attribute) and hasattr(module, "torch_" + attribute):
+                setattr(layer, attribute, getattr(module, "torch_" + attribute))
+        if hasattr(layer, "causal_conv1d_fn"):  # None: the layer's own conv
+            layer.causal_conv1d_fn = None
+        if hasattr(layer, "causal_conv1d_update") and hasattr(module, "torch_causal_conv1d_update"):
+            layer.causal_conv1d_update = module.torch_causal_conv1d_update
 
 
 @torch.inference_mode()
