@@ -120,6 +120,8 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
             model_dir = resolve_model(model_dir)
         except ModelNotFound as error:
             raise click.BadParameter(str(error), param_hint="--model") from None
+    if max_gpu_memory is not None:
+        expandable_segments()
     draft_only = layers == "none"
     if draft_only and draft is None:
         raise click.UsageError("--layers none serves only a drafter: give --draft DIR|synthetic[:LAYERS]")
@@ -258,6 +260,17 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
         storage.mode if storage.enabled else "none", shard.checkpoint_bytes_per_sequence() / MiB, shard.fingerprint,
     )
     daemon.serve(listener)
+
+
+def expandable_segments() -> None:
+    """A capped daemon's allocator maps memory as it grows instead of caching fixed segments: with segments, the
+    27B FP8 shard's checkpoint buffers (one 2.4 GiB block) failed under 24 GiB with 3.4 GiB cached and free in
+    pieces. Before CUDA starts (the allocator reads this once); an operator's own setting of it is kept."""
+    import os
+
+    setting = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments" not in setting:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [setting, "expandable_segments:True"]))
 
 
 def limit_device_memory(torch, device, cap: int) -> None:
