@@ -60,7 +60,9 @@ def main():
                    "or auto (fast on a CUDA device).")
 @click.option("--step-rows", type=click.IntRange(1, 4096), default=None,
               help="Fast engine: rows of its one fixed-shape step, shared by the sequences of a batch (each brings "
-                   f"at most --max-verify-tokens). Default {DEFAULT_STEP_ROWS}, or --max-verify-tokens if larger.")
+                   f"at most --max-verify-tokens). Default {DEFAULT_STEP_ROWS}, at most --max-sequences x "
+                   "--max-verify-tokens, at least --max-verify-tokens; with FP8 weights --max-verify-tokens (the "
+                   "FP8 GEMM's time grows with the rows).")
 @click.option("--max-sequences", type=click.IntRange(1, 65536), default=8, show_default=True)
 @click.option("--max-context", type=click.IntRange(1, 1 << 22), default=4096, show_default=True, help="Tokens per sequence.")
 @click.option("--max-tokens-per-request", type=click.IntRange(1, 1 << 20), default=4096, show_default=True)
@@ -156,10 +158,11 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
         if draft is not None:
             parse_draft(draft)
         engine = resolve_engine(engine, device)
-        step_rows = step_rows_for(engine, step_rows, max_verify_tokens)
         # FP8 weights stay FP8 on a GPU (and in the fast step); the CPU reference dequantizes them at load
         keep_fp8 = engine == "fast" or torch.device(device).type == "cuda"
         scheme = source.scheme()
+        step_rows = step_rows_for(engine, step_rows, max_verify_tokens, max_sequences=max_sequences,
+                                  fp8=scheme is not None and keep_fp8)
         cap = None
         if max_gpu_memory is not None:
             from shardd.health import device_memory

@@ -43,17 +43,27 @@ def resolve_engine(engine: str, device) -> str:
     return engine
 
 
-def step_rows_for(engine: str, step_rows: int | None, max_verify_tokens: int) -> int | None:
+def step_rows_for(engine: str, step_rows: int | None, max_verify_tokens: int, *, max_sequences: int | None = None,
+                  fp8: bool = False) -> int | None:
     """The fast engine's R for `--step-rows` (None: the default); None for the reference engine, which has no
     step (and refuses an explicit --step-rows by name). R must hold one sequence's step (max_verify_tokens, or
-    the fast engine's 16 rows without rollback storage)."""
+    the fast engine's 16 rows without rollback storage).
+
+    The default is DEFAULT_STEP_ROWS, but never more rows than `max_sequences` sequences' steps can fill (a
+    daemon of one sequence steps 16 rows: unused rows still cost their GEMM), and one sequence's step with FP8
+    weights: the weight-only FP8 GEMM's time grows with the rows (the 27B shape on an H200: 8.5 ms at 16 rows,
+    20.3 at 64, where bf16 cuBLAS takes 13.5; bench/results/h200/fp8_gemm_95f786d.json), so FP8 batching is
+    an operator's explicit --step-rows."""
     one_sequence = max_verify_tokens or 16  # shardd.fast.shard.DEFAULT_ROWS
     if engine != "fast":
         if step_rows is not None:
             raise ValueError(f"--step-rows sizes the fast engine's step; the {engine} engine has none")
         return None
     if step_rows is None:
-        return max(DEFAULT_STEP_ROWS, one_sequence)
+        if fp8:
+            return one_sequence
+        rows = DEFAULT_STEP_ROWS if max_sequences is None else min(DEFAULT_STEP_ROWS, max_sequences * one_sequence)
+        return max(rows, one_sequence)
     if step_rows < one_sequence:
         raise ValueError(f"--step-rows {step_rows} must hold one sequence's step of {one_sequence} rows "
                          "(--max-verify-tokens)")

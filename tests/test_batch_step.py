@@ -357,3 +357,18 @@ def test_bf16_failing_item_and_slot_reuse_on_the_gpu():
         results = forward_batch(batched, items)
         for i, it in enumerate(items):
             outputs_equal(results[i], alone.forward(solo[i], it.pos, tokens=it.tokens))
+
+
+def test_the_default_step_rows_are_what_a_daemon_can_fill():
+    from shardd.engine import DEFAULT_STEP_ROWS, step_rows_for
+
+    assert step_rows_for("fast", None, 16) == DEFAULT_STEP_ROWS
+    assert step_rows_for("fast", None, 16, max_sequences=8) == DEFAULT_STEP_ROWS
+    assert step_rows_for("fast", None, 16, max_sequences=1) == 16  # a second sequence's rows could never be filled
+    assert step_rows_for("fast", None, 16, max_sequences=2) == 32
+    assert step_rows_for("fast", None, 128, max_sequences=1) == 128
+    assert step_rows_for("fast", None, 0, max_sequences=1) == 16  # no rollback storage: the fast engine's 16 rows
+    # FP8 weights: one sequence's step (the FP8 GEMM's time grows with rows); an explicit R is the operator's
+    assert step_rows_for("fast", None, 16, max_sequences=8, fp8=True) == 16
+    assert step_rows_for("fast", 64, 16, max_sequences=1, fp8=True) == 64
+    assert step_rows_for("reference", None, 16, max_sequences=1, fp8=True) is None
