@@ -44,7 +44,13 @@ Frames = list  # of bytes | bytearray | memoryview | zmq.Frame
 _COMMON_KEYS = frozenset(f.name for f in COMMON_FIELDS)
 _REPLY_KEYS = frozenset({"v", "id", "type", "ok", "result", "tensors", "error"})
 _DESCRIPTOR_KEYS = frozenset({"name", "dtype", "shape"})
+_INT_TYPE = frozenset({int})
+_ROWS = frozenset({"rows"})  # a batch item's count of its rows of tensor 'hidden'; not a record field
 _TYPE_NAMES = frozenset(t.value for t in MessageType)
+# Per record type, its fields in order (what the encoders walk) and, per message type, its tensor frames' names.
+_FIELD_NAMES = {record: tuple(f.name for f in dataclasses.fields(record))
+                for record in (*RECORD_TYPES.values(), *BATCH_RECORD_TYPES.values())}
+_TENSOR_NAMES = {mtype: frozenset(spec.name for spec in specs) for mtype, specs in REQUEST_TENSORS.items()}
 # The receiver's limits are not known when a request is encoded.
 _NO_LIMITS = Limits(
     max_tokens_per_request=sys.maxsize, max_frame_bytes=sys.maxsize, max_total_bytes=sys.maxsize,
@@ -149,32 +155,57 @@ def _check_int(value: Any, what: str, minimum: Optional[int], limit: Optional[in
     return value
 
 
-def _field_value(header: dict, spec: FieldSpec, mtype: MessageType) -> Any:
-    if spec.name not in header:  # most optional fields are: no message built for them
-        if spec.required:
-            raise _bad(f"missing field '{spec.name}' of {mtype.value}")
-        return spec.default
+def _ints_within(values: list, minimum: Optional[int], limit: Optional[int]) -> bool:
+    """Whether every item is an int in [minimum, limit): the common case, checked without a call per item."""
+    if not set(map(type, values)) <= _INT_TYPE:  # `type is int`: True/False are ints in Python, not ids
+        return False
+    if not values:
+        return True
+    return (minimum is None or min(values) >= minimum) and (limit is None or max(values) < limit)
+
+
+def _present_value(value: Any, spec: FieldSpec, mtype: MessageType) -> Any:
+    """A present field's value, checked against its spec; the error message is built only for a refusal."""
+    kind = spec.kind
+    if kind == "int":
+        if type(value) is int and (spec.minimum is None or value >= spec.minimum) and (
+                spec.limit is None or value < spec.limit):
+            return value
+        return _check_int(value, f"field '{spec.name}' of {mtype.value}", spec.minimum, spec.limit)
     what = f"field '{spec.name}' of {mtype.value}"
-    value = header[spec.name]
-    if spec.kind == "int":
-        return _check_int(value, what, spec.minimum, spec.limit)
-    if spec.kind == "bool":
+    if kind == "bool":
         if type(value) is not bool:
             raise _bad(f"{what} must be a bool, got {_describe(value)}")
         return value
-    if spec.kind == "float":
+    if kind == "float":
         if type(value) not in (int, float) or not math.isfinite(value):
             raise _bad(f"{what} must be a finite number, got {_describe(value)}")
         if (spec.minimum is not None and value < spec.minimum) or (spec.limit is not None and value > spec.limit):
             raise _bad(f"{what} = {value} is out of range ({spec.minimum} <= x <= {spec.limit})")
         return float(value)
-    if spec.kind == "int_list":
+    if kind == "int_list":
         if type(value) is not list:
             raise _bad(f"{what} must be a list of ints, got {_describe(value)}")
-        for i, item in enumerate(value):
-            _check_int(item, f"{what}[{i}]", spec.minimum, spec.limit)
+        if not _ints_within(value, spec.minimum, spec.limit):
+            for i, item in enumerate(value):  # the first bad item names itself
+                _check_int(item, f"{what}[{i}]", spec.minimum, spec.limit)
         return value
     raise AssertionError(f"schema kind {spec.kind!r} has no validator")
+
+
+def _field_values(header: dict, specs: tuple[FieldSpec, ...], mtype: MessageType) -> dict[str, Any]:
+    """Every field of `specs` from `header`, in spec order (so the first bad one is the one reported): checked
+    where present, the default where absent and optional."""
+    values = {}
+    for spec in specs:
+        name = spec.name
+        if name in header:
+            values[name] = _present_value(header[name], spec, mtype)
+        elif spec.required:
+            raise _bad(f"missing field '{name}' of {mtype.value}")
+        else:
+            values[name] = spec.default
+    return values
 
 
 def _descriptor(entry: Any, index: int) -> tuple[str, str, tuple[int, ...]]:
@@ -262,7 +293,7 @@ def decode_request(frames: Frames, limits: Limits | None = None) -> Request:
         raise _bad("missing field 'id'")
     request_id = _check_int(header["id"], "field 'id'", 0, ID_LIMIT)
 
-    values = {spec.name: _field_value(header, spec, mtype) for spec in specs}
+    values = _field_values(header, specs, mtype)
     found = _tensors(header.get("tensors", []), views[1:])
     tensors = _request_tensors(found, REQUEST_TENSORS[mtype], mtype)
     record = RECORD_TYPES[mtype](id=request_id, **values, **tensors)
@@ -342,14 +373,14 @@ def _batch_rows(items: list, hidden: Optional[WireTensor], mtype: MessageType) -
 
 def _decode_item(item: dict, hidden: Optional[WireTensor], record_type: type, specs: tuple, names: set,
                  mtype: MessageType, limits: Limits):
-    keys = set(item) - {"rows"}
-    refused = sorted(keys & BATCH_REFUSED_FIELDS)
-    if refused:
+    keys = item.keys() - _ROWS
+    if keys & BATCH_REFUSED_FIELDS:
+        refused = sorted(keys & BATCH_REFUSED_FIELDS)
         raise _bad(f"field '{refused[0]}' of {mtype.value} is not available in a batch: send that request alone")
-    unknown = sorted(str(key) for key in keys - names)
-    if unknown:
+    if not keys <= names:
+        unknown = sorted(str(key) for key in keys - names)
         raise _bad(f"unknown field(s) {unknown} in a {mtype.value} item; allowed: {sorted(names | {'rows'})}")
-    values = {spec.name: _field_value(item, spec, mtype) for spec in specs}
+    values = _field_values(item, specs, mtype)
     if hidden is not None:
         values["hidden"] = hidden
     record = record_type(id=0, **values)
@@ -378,12 +409,12 @@ PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 def _check_request(record: Request, limits: Limits) -> None:
     """Rules that span fields: token source, sizes, checkpoint geometry, capture layers."""
     if isinstance(record, Forward):
-        kind = record.type.value
+        kind = record.type  # its .value only in a refusal's message
         if (record.tokens is None) == (record.hidden is None):
-            raise _bad(f"{kind} needs exactly one of field 'tokens' or tensor 'hidden'")
+            raise _bad(f"{kind.value} needs exactly one of field 'tokens' or tensor 'hidden'")
         n = record.n_tokens
         if n < 1:
-            raise _bad(f"{kind} needs at least one token")
+            raise _bad(f"{kind.value} needs at least one token")
         if n > limits.max_tokens_per_request:
             raise _too_large(f"{n} tokens in one request, limit {limits.max_tokens_per_request}")
         if record.hidden is not None and record.hidden.shape[1] < 1:
@@ -397,12 +428,12 @@ def _check_request(record: Request, limits: Limits) -> None:
             raise _bad(f"field 'repetition_penalty' = {record.repetition_penalty} must be > 0")
         for name in ("output_tokens", "prompt_tokens"):
             if getattr(record, name) is not None and not penalised:
-                raise _bad(f"field '{name}' of {kind} is only read by a penalty ({', '.join(PENALTY_FIELDS)})")
+                raise _bad(f"field '{name}' of {kind.value} is only read by a penalty ({', '.join(PENALTY_FIELDS)})")
         if record.drafts is not None:
             proposing = isinstance(record, Capture) and record.propose is not None
             if not (record.temperature or penalised or record.logprobs is not None or proposing):
-                raise _bad(f"field 'drafts' of {kind} needs temperature > 0, a penalty, logprobs or propose (otherwise "
-                           f"the coordinator compares argmax ids)")
+                raise _bad(f"field 'drafts' of {kind.value} needs temperature > 0, a penalty, logprobs or propose "
+                           f"(otherwise the coordinator compares argmax ids)")
             if len(record.drafts) >= n:
                 raise _bad(f"{len(record.drafts)} drafts for {n} rows: a verify has one row more than drafts")
     if isinstance(record, Capture):
@@ -447,23 +478,22 @@ def encode_request(record: Request, validate: bool = True) -> Frames:
         return _encode_batch(record, validate)
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": record.type.value, "id": record.id}
     tensors: dict[str, WireTensor] = {}
-    tensor_names = {spec.name for spec in REQUEST_TENSORS[record.type]}
-    for f in dataclasses.fields(record):
-        value = getattr(record, f.name)
-        if f.name == "id" or value is None:
+    tensor_names = _TENSOR_NAMES[record.type]
+    for name in _FIELD_NAMES[type(record)]:
+        value = getattr(record, name)
+        if name == "id" or value is None:
             continue
-        if f.name in tensor_names:
-            tensors[f.name] = value
+        if name in tensor_names:
+            tensors[name] = value
         elif isinstance(value, (list, tuple)):
-            header[f.name] = list(value)
+            header[name] = list(value)
         else:
-            header[f.name] = value
+            header[name] = value
     frames = _pack_or_raise(ErrorCode.BAD_REQUEST, header, tensors)
     if validate:
         mtype = record.type
         _check_int(record.id, "field 'id'", 0, ID_LIMIT)
-        for spec in REQUEST_FIELDS[mtype]:
-            _field_value(header, spec, mtype)
+        _field_values(header, REQUEST_FIELDS[mtype], mtype)
         _request_tensors(tensors, REQUEST_TENSORS[mtype], mtype)
         _check_request(record, _NO_LIMITS)
     return frames
@@ -475,15 +505,15 @@ def _encode_batch(record: Batch, validate: bool) -> Frames:
     items, hidden = [], []
     for item in record.items:
         entry: dict[str, Any] = {}
-        for f in dataclasses.fields(item):
-            value = getattr(item, f.name)
-            if f.name == "id" or value is None:
+        for name in _FIELD_NAMES[type(item)]:
+            value = getattr(item, name)
+            if name == "id" or value is None:
                 continue
-            if f.name == "hidden":
+            if name == "hidden":
                 entry["rows"] = value.shape[0]
                 hidden.append(value)
             else:
-                entry[f.name] = list(value) if isinstance(value, (list, tuple)) else value
+                entry[name] = list(value) if isinstance(value, (list, tuple)) else value
         items.append(entry)
     header = {"v": PROTOCOL_VERSION, "type": record.type.value, "id": record.id, "items": items}
     if hidden and validate and len(hidden) != len(items):
@@ -493,8 +523,9 @@ def _encode_batch(record: Batch, validate: bool) -> Frames:
     except ProtocolError as error:  # rows of different widths or dtypes
         raise _bad(f"the items' hidden rows do not stack: {error.message}") from error
     frames = _pack_or_raise(ErrorCode.BAD_REQUEST, header, tensors)
-    if validate:
-        decoded = decode_request(frames, _NO_LIMITS)
+    if validate:  # as the receiver decodes it (the header as built: msgpack would hand back the same values)
+        described = {**header, "tensors": [t.descriptor(name) for name, t in tensors.items()]}
+        decoded = _decode_batch(described, frames, record.type, _NO_LIMITS)
         for index, item in enumerate(decoded.items):
             if isinstance(item, ProtocolError):
                 raise ProtocolError(item.code, f"items[{index}]: {item.message}")

@@ -9,7 +9,7 @@ import ctypes
 import math
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 from .errors import ErrorCode, ProtocolError
@@ -53,6 +53,10 @@ class WireTensor:
     dtype: str
     shape: tuple[int, ...]
     data: Buffer
+    # (tensor, first row) when this is a row_slice of `tensor`: lets concat_rows hand back consecutive slices of
+    # one tensor as a view of it instead of copying them (the relay passes a shard's rows on this way). Not part
+    # of the value: a slice equals the same bytes made any other way.
+    origin: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -120,13 +124,24 @@ class WireTensor:
         if self.data.nbytes == 0:
             tensor = torch.empty(self.shape, dtype=torch_dtype)
         else:
-            with warnings.catch_warnings():
-                # torch warns on read-only buffers; the docstring above states the contract instead.
-                warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                tensor = torch.frombuffer(self.data, dtype=torch_dtype).view(self.shape)
+            _quiet_read_only_warning()
+            tensor = torch.frombuffer(self.data, dtype=torch_dtype).view(self.shape)
         if device is not None:
             tensor = tensor.to(device)
         return tensor
+
+
+_READ_ONLY_FILTERED = False
+
+
+def _quiet_read_only_warning() -> None:
+    """torch warns on every read-only buffer (a received frame) it wraps; `to_torch`'s docstring states that
+    contract instead. One process-wide filter for that one message, installed once: a `catch_warnings` block
+    around each call cost more than the rest of decoding a batch item."""
+    global _READ_ONLY_FILTERED
+    if not _READ_ONLY_FILTERED:
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        _READ_ONLY_FILTERED = True
 
 
 def _torch_dtype_names(torch: Any) -> dict[Any, str]:
@@ -139,10 +154,30 @@ def concat_rows(parts: "list[WireTensor]") -> WireTensor:
     if len(parts) == 1:
         return parts[0]
     rows = sum(part.shape[0] for part in parts)
+    joined = _consecutive_slices(parts)
+    if joined is not None:
+        base, first = joined
+        return row_slice(base, first, rows)
     return WireTensor(parts[0].dtype, (rows, *parts[0].shape[1:]), b"".join(part.data for part in parts))
+
+
+def _consecutive_slices(parts: "list[WireTensor]") -> "tuple[WireTensor, int] | None":
+    """(tensor, first row) when `parts` are row slices of one tensor, each starting where the previous ended."""
+    origin = parts[0].origin
+    if origin is None:
+        return None
+    base, first = origin
+    at = first
+    for part in parts:
+        if part.origin is None or part.origin[0] is not base or part.origin[1] != at:
+            return None
+        at += part.shape[0]
+    return base, first
 
 
 def row_slice(tensor: WireTensor, start: int, rows: int) -> WireTensor:
     """Rows start .. start+rows-1 of a [n, ...] tensor, a view of its bytes (no copy)."""
     row_bytes = tensor.nbytes // tensor.shape[0] if tensor.shape[0] else 0
-    return WireTensor(tensor.dtype, (rows, *tensor.shape[1:]), tensor.data[start * row_bytes:(start + rows) * row_bytes])
+    base, first = tensor.origin if tensor.origin is not None else (tensor, 0)
+    data = tensor.data[start * row_bytes:(start + rows) * row_bytes]
+    return WireTensor(tensor.dtype, (rows, *tensor.shape[1:]), data, origin=(base, first + start))

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call (<= 9 minutes) for issue 15: the GPU tests of the rollback that copies nothing, then the
+# One device call (<= 9 minutes) for issue 15: the GPU tests of the rollback that copies nothing, the relay's host
+# cost on the GPU host's CPU (scripts/profile_relay_host.py), then the
 # benchmark parts that measure the split: relay (two daemons, relay_by_phase and the e2e keys), local (one
 # process: the reference the e2e ratios divide by), delay (relay_vs_delay through scripts/delay_proxy.py) and
 # dflash (three daemons, e2e_dflash_step_ms). Both daemons share cuda:0 when one GPU is there. Results land in
@@ -14,6 +15,9 @@ GPU_ENV_NPROC=1
 echo "== GPU tests (rollback off the critical path, bit-identical; bf16 speculative = greedy)"
 timeout ${TESTS_TIMEOUT:-110} python3 -m pytest -q tests/test_fast_path.py \
     -k "critical_path or bit_identical or bf16 or graph_replay" 2>&1 | tail -6 | tee "$OUT/gpu_tests_relay.txt"
+echo "== the relay's host cost on this host's CPU (scripts/profile_relay_host.py: no sockets, no device)"
+timeout 90 python3 scripts/profile_relay_host.py --json "$OUT/relay_host_profile.json" 2>&1 | cut -c1-200 | tail -6
+cp "$OUT"/relay_host_profile.json bench/results/h200/ 2>/dev/null
 echo "== bench_gpu --parts ${PARTS:-relay,local,delay,relay-dflash}"
 timeout ${BENCH_TIMEOUT:-400} python3 scripts/bench_gpu.py --parts "${PARTS:-relay,local,delay,relay-dflash}" --tokens 64 \
     --repeats 10 --json "$OUT/gpu_bench_relay.json" "$@" > "$OUT/gpu_bench_relay.txt" 2>&1

@@ -806,8 +806,16 @@ def _hidden(request):
     return request.hidden.to_torch() if request.hidden is not None else None
 
 
+# The fields head_request reads; with all of them absent a request wants the argmax alone.
+HEAD_FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+               "prompt_tokens", "output_tokens", "drafts", "logprobs")
+PLAIN_HEAD = HeadRequest()
+
+
 def head_request(request) -> HeadRequest:
     """The head-shard extras a FORWARD/CAPTURE asks for (all absent: today's argmax request)."""
+    if not any(getattr(request, name) is not None for name in HEAD_FIELDS):
+        return PLAIN_HEAD  # most items of a batch: one shared answer, no objects built per item
     sampling = None
     if request.temperature:
         sampling = SamplingParams(request.temperature, 1.0 if request.top_p is None else request.top_p,

@@ -44,6 +44,7 @@ from protocol import (
     peek_id,
     peek_type,
 )
+from protocol.tensors import concat_rows, row_slice
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -263,6 +264,33 @@ def test_zmq_frames_decode_without_copy():
     assert record.hidden.data.obj is frames[1]
     assert torch.equal(record.hidden.to_torch(), hidden)
     assert peek_id(frames) == 3
+
+
+def test_a_batch_relayed_whole_is_passed_on_without_a_copy():
+    """The relay splits a shard's batch reply into items and joins the surviving items' rows for the next shard:
+    when every item goes on, in order, the joined frame is the received one (a view); otherwise the rows are
+    copied. Either way the bytes are the items' rows end to end."""
+    received = decode_reply(message({"v": 1, "id": 1, "type": "FORWARD", "ok": True, "result": {},
+                                     "tensors": [{"name": "hidden", "dtype": "float32", "shape": [4, 1]}]},
+                                    zmq.Frame(bytes(range(16))))).tensors["hidden"]
+    memory = received.data.obj  # the received frame
+    rows = [row_slice(received, 0, 1), row_slice(received, 1, 2), row_slice(received, 3, 1)]
+    joined = concat_rows(rows)
+    assert joined == received and joined.data.obj is memory
+    assert concat_rows(rows[1:]) == row_slice(received, 1, 3) and concat_rows(rows[1:]).data.obj is memory
+    for parts in ([rows[0], rows[2]], [rows[1], rows[0]], [rows[0], row_slice(wire(torch.zeros(1, 1)), 0, 1)]):
+        copied = concat_rows(parts)
+        assert bytes(copied.data) == b"".join(bytes(part.data) for part in parts)
+        assert copied.shape == (sum(part.shape[0] for part in parts), 1)
+    # a slice of a slice remembers the first tensor
+    assert concat_rows([row_slice(rows[1], 0, 1), row_slice(rows[1], 1, 1), rows[2]]) == row_slice(received, 1, 3)
+
+
+def test_int_lists_refuse_bools_floats_and_out_of_range_ids_by_item():
+    for bad, index in (([1, True, 2], 1), ([1, 2.0], 1), ([-1], 0), ([0, 1 << 31], 1)):
+        error = rejection(message({**FORWARD, "tokens": bad}))
+        assert error.code is ErrorCode.BAD_REQUEST and f"tokens' of FORWARD[{index}]" in error.message, error.message
+    assert decode_request(message({**FORWARD, "tokens": [0, (1 << 31) - 1]})).tokens == [0, (1 << 31) - 1]
 
 
 def test_from_torch_aliases_a_contiguous_cpu_tensor_and_keeps_it_alive():
