@@ -153,17 +153,19 @@ class ShardClient:
         is not valid protocol v1. An explicit `timeout_s` also bounds the wait for a connection."""
         return self.receive(self.send(record, timeout_s), timeout_s)
 
-    def send(self, record: Request, connect_timeout_s: Optional[float] = None) -> Request:
+    def send(self, record: Request, connect_timeout_s: Optional[float] = None, *, validate: bool = True) -> Request:
         """Send without waiting for the reply; returns the record as sent (with its id) for `receive`.
         Lets a caller keep several daemons busy at once, and send a daemon several requests back to back (it
         serves them in order; each reply is then read with its own `receive`, in any order).
         Waits up to `connect_timeout_s` (default: the liveness timeout) for a connection to the daemon,
-        else ShardUnavailable; nothing is left queued then."""
+        else ShardUnavailable; nothing is left queued then. The record is checked as the daemon will check it
+        (ProtocolError, nothing sent) unless `validate` is False: a batch whose bad items the daemon is to refuse
+        one by one, leaving the others to run."""
         if self._socket.closed:
             raise RuntimeError(f"{self.endpoint}: client is closed")
         started = time.perf_counter_ns()
         record = dataclasses.replace(record, id=next(self._ids))
-        frames = encode_request(record)
+        frames = encode_request(record, validate=validate)
         encoded = time.perf_counter_ns()
         if connect_timeout_s is None:
             connect_timeout_s = min(self.liveness_timeout_s, self.compute_timeout(record))

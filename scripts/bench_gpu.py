@@ -422,10 +422,14 @@ def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] 
             endpoint = f"tcp://127.0.0.1:{tcp_ports[index]}"
         log = open(run_dir / f"shard{index}-{mode}{tag}.log", "w")
         # a range of None: a daemon that hosts only the synthetic DFlash drafter
+        # The fast step of the one-process reference (a FastShard of BLOCK rows): a token's bits are a function of
+        # the step's shape (cuBLAS picks its kernel by the rows), so one process and the daemons compare bit for bit
+        # only when their R is the same, and the relay figure is then the split's cost alone.
+        same_step = ["--step-rows", str(BLOCK)] if args.e2e_engine == "fast" and "--step-rows" not in extra else []
         layers = ["--layers", "none", "--draft", "synthetic"] if layer_range is None else [
             "--layers", f"{layer_range[0]}:{layer_range[1]}", "--engine", args.e2e_engine,
             *(["--quantize", args.fp8] if args.fp8 else []),
-            "--rollback-mode", mode, "--max-verify-tokens", str(BLOCK)]
+            "--rollback-mode", mode, "--max-verify-tokens", str(BLOCK), *same_step]
         command = [sys.executable, "-m", "shardd", "serve", "--synthetic", f"{args.preset}:{args.seed}", *layers,
                    "--device", devices[index], "--dtype", args.e2e_dtype, "--bind", endpoint, "--max-sequences", str(max_sequences),
                    "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK), *extra]

@@ -2,10 +2,10 @@
 
 Two `ShardDaemon`s (layers 0:1 and 1:2 of the tiny preset, hidden `--hidden`) over FastShards whose device step is
 a no-op, driven in one process the way `coordinator.pipeline.Pipeline` drives them: per step the coordinator
-builds each shard's (batched) FORWARD, encodes it, the daemon handles the frames (decode, checks, the step's host
-work, reply), the coordinator decodes and splits the reply, and, for a verify, both shards get a ROLLBACK.
-What is left is every host phase of the relay except the transport and the device: the figure to compare
-between commits, here or on a GPU host's CPU.
+builds each shard's (batched) FORWARD, encodes it (a batch unchecked: its daemon checks each item), the daemon
+handles the frames (decode, checks, the step's host work, reply), the coordinator decodes and splits the reply,
+and, for a verify, both shards get a ROLLBACK. What is left is every host phase of the relay except the transport
+and the device: the figure to compare between commits, here or on a GPU host's CPU.
 
     PYTHONPATH=$PWD python scripts/profile_relay_host.py --streams 1,8,32
     PYTHONPATH=$PWD python scripts/profile_relay_host.py --streams 32 --rows 1 --profile
@@ -92,7 +92,7 @@ class Relay:
                 forward_record(seq, self.pos[seq], checkpoint=verify, sampling=head, **inputs(seq))
                 for seq in range(self.streams)])
             sent = ForwardBatch(id=2, items=tuple(records)) if self.streams > 1 else records[0]
-            frames = self._timed("coordinator encode", encode_request, sent)
+            frames = self._timed("coordinator encode", encode_request, sent, self.streams == 1)  # as Pipeline sends
             reply = self._timed(f"daemon {k} FORWARD", shard.handle, frames)
             decoded = self._timed("coordinator decode", decode_reply, reply)
             answers = [decoded] if self.streams == 1 else self._timed("coordinator decode", split_batch_reply, decoded,
@@ -104,7 +104,7 @@ class Relay:
             items = tuple(Rollback(id=0, seq=seq, keep=keep) for seq in range(self.streams))
             rollback = RollbackBatch(id=3, items=items) if self.streams > 1 else items[0]
             for k, shard in enumerate(self.shards):
-                frames = self._timed("coordinator encode", encode_request, rollback)
+                frames = self._timed("coordinator encode", encode_request, rollback, self.streams == 1)
                 self._timed(f"daemon {k} ROLLBACK", shard.handle, frames)
         for seq in range(self.streams):
             self.pos[seq] += keep if verify else self.rows

@@ -294,6 +294,24 @@ def test_pipeline_batch_over_two_daemons_fails_one_item_alone_and_survives_a_kil
         assert pipeline.clients[0].forward(3, 5, [8]).result["length"] == 6
 
 
+def test_pipeline_batch_item_the_codec_refuses_fails_alone(daemons):
+    """A token id the protocol refuses (out of 0 <= id < 2^31, not a vocabulary check) fails its item alone, with
+    the daemon's BAD_REQUEST naming the field, as any other bad item does: it does not take the batch with it."""
+    with Pipeline.connect([daemons["small"].bind], timeout_s=10, liveness_timeout_s=2) as pipeline:
+        for seq in (21, 22, 23):
+            pipeline.open(seq)
+        try:
+            results = pipeline.forward_batch([BatchForward(21, 0, [1, 2]), BatchForward(22, 0, [1, -5]),
+                                              BatchForward(23, 0, [3])])
+            assert isinstance(results[1], ShardError) and results[1].code is ErrorCode.BAD_REQUEST, results[1]
+            assert "tokens" in str(results[1])
+            assert results[0] == pipeline.forward(22, 0, [1, 2])  # seq 22 is still at 0: the refusal changed nothing
+            assert len(results[2]) == 1
+        finally:
+            for seq in (21, 22, 23):
+                pipeline.close(seq)
+
+
 def test_pipeline_batch_splits_by_rows_and_chunks_a_long_item_alone(daemons):
     small = daemons["small"]
     with Pipeline.connect([small.bind], timeout_s=10, liveness_timeout_s=2) as pipeline:
