@@ -116,6 +116,24 @@ def sweep(target, prompts, args, label: str) -> dict:
     return out
 
 
+def in_step_prefill(target, prompts, args, checks: dict) -> dict:
+    """Greedy aggregate tok/s at 1/8/32 streams with every prompt in chunks of one sequence's step (BLOCK rows)
+    inside the batched step beside the decode rows, not through the prefill path: the spare rows of a fixed step
+    cost little (R = 128: one 16-row block 19.5 ms, eight 22.8), so many streams' prompts should go faster so.
+    The chunking changes a prompt's bits (the prefill path rounds differently), so its checks compare these runs
+    with each other: each stream the same whatever the concurrency."""
+    chunked = argparse.Namespace(**{**vars(args), "prefill_chunk": BLOCK})
+    tok_s, first = {}, None
+    for c in (1, 8, 32):
+        tokens, tok_s[str(c)], _ = run_streams(target, prompts[:c], chunked)
+        print(f"local greedy x{c}, prompts in {BLOCK}-row chunks in the step: {tok_s[str(c)]} tok/s", flush=True)
+        if first is None:
+            first = tokens[0]
+        else:
+            checks[f"prefill_chunk16_x{c}_stream0_equals_x1"] = tokens[0] == first
+    return tok_s
+
+
 def fixed_step(args, fast_shard) -> dict:
     """FastShard's `step_rows` (R, the rows every batched step holds): --daemon-step-rows, else what `shardd serve`
     defaults to; nothing for a FastShard without batched steps."""
@@ -175,6 +193,8 @@ def run_batch_local(args) -> dict:
     tokens, out["batch_checkpoint_oracle_x8_tok_s"], _ = run_streams(checkpointing, prompts[:8], args, references=greedy,
                                                                     rollback=CHECKPOINT)
     checks["checkpoint_oracle_x8_equals_greedy"] = tokens == greedy[:8]
+    if getattr(args, "prefill_chunk", None) != BLOCK:
+        out["batch_tok_s_local_prefill_chunk16"] = in_step_prefill(target, prompts, args, checks)
     out["batch_tok_s_local"] = result["tok_s"]
     out["batch_mean_commit_local"] = result["mean_commit"]
     out["batch_decode_tok_s_local"] = result["decode_tok_s"]
@@ -298,6 +318,10 @@ def summarize_batch(merged: dict) -> None:
             targets[f"{where}_greedy_x8_over_x1"] = round(greedy["8"] / greedy["1"], 2)  # target >= 6
             targets[f"{where}_greedy_x32_over_x1"] = round(greedy["32"] / greedy["1"], 2)  # target >= 20
             targets[f"{where}_oracle_x8_tok_s"] = tok_s["oracle"]["8"]  # target >= 2000 in one process
+            chunked = merged.get(f"batch_tok_s_{where}_prefill_chunk16")
+            if chunked:  # prompts inside the batched step, over the same one-stream run's figure
+                targets[f"{where}_greedy_prefill_chunk16_x8_over_x1"] = round(chunked["8"] / greedy["1"], 2)
+                targets[f"{where}_greedy_prefill_chunk16_x32_over_x1"] = round(chunked["32"] / greedy["1"], 2)
             decode = merged.get(f"batch_decode_tok_s_{where}") or {}
             if decode.get("greedy", {}).get("1"):  # the same ratios without the prefill
                 g = decode["greedy"]
@@ -329,6 +353,10 @@ def batch_table(merged: dict) -> str:
             if row:
                 lines.append(f"{where[:7]:7} {kind[:2] + '/dec':6}" + "".join(f"{str(row.get(str(c), '-')):>9}"
                                                                     for c in CONCURRENCY))
+        chunked = merged.get(f"batch_tok_s_{where}_prefill_chunk16")
+        if chunked:  # greedy, every prompt in 16-row chunks inside the batched step
+            lines.append(f"{where[:7]:7} {'gr/c16':6}" + "".join(f"{str(chunked.get(str(c), '-')):>9}"
+                                                                for c in CONCURRENCY))
     if "batch_http" in merged:
         http = merged["batch_http"]
         lines.append(f"HTTP x{http['streams']}: {http['tok_s']} tok/s, without HTTP {http.get('direct_tok_s')} "
