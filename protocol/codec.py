@@ -51,6 +51,12 @@ _TYPE_NAMES = frozenset(t.value for t in MessageType)
 _FIELD_NAMES = {record: tuple(f.name for f in dataclasses.fields(record))
                 for record in (*RECORD_TYPES.values(), *BATCH_RECORD_TYPES.values())}
 _TENSOR_NAMES = {mtype: frozenset(spec.name for spec in specs) for mtype, specs in REQUEST_TENSORS.items()}
+# Per record type, the default of each field that has one: a decoded record is filled in from these (_record).
+_DEFAULTS = {record: {f.name: f.default for f in dataclasses.fields(record) if f.default is not dataclasses.MISSING}
+             for record in RECORD_TYPES.values()}
+assert not any(hasattr(record, "__post_init__") or any(f.default_factory is not dataclasses.MISSING
+                                                        for f in dataclasses.fields(record))
+               for record in RECORD_TYPES.values()), "_record builds records without their __init__"
 # The receiver's limits are not known when a request is encoded.
 _NO_LIMITS = Limits(
     max_tokens_per_request=sys.maxsize, max_frame_bytes=sys.maxsize, max_total_bytes=sys.maxsize,
@@ -296,7 +302,7 @@ def decode_request(frames: Frames, limits: Limits | None = None) -> Request:
     values = _field_values(header, specs, mtype)
     found = _tensors(header.get("tensors", []), views[1:])
     tensors = _request_tensors(found, REQUEST_TENSORS[mtype], mtype)
-    record = RECORD_TYPES[mtype](id=request_id, **values, **tensors)
+    record = _record(RECORD_TYPES[mtype], {"id": request_id, **values, **tensors})
     _check_request(record, limits)
     return record
 
@@ -371,6 +377,17 @@ def _batch_rows(items: list, hidden: Optional[WireTensor], mtype: MessageType) -
     return rows
 
 
+def _record(record_type: type, values: dict) -> Request:
+    """`record_type(**values)` for values the decoder has checked, built without the frozen dataclass's __init__
+    (which sets each of a FORWARD's ~20 fields through object.__setattr__: most of the time of decoding a batch
+    item): the records have no __post_init__ and no default factories, so the defaults and then the values in
+    the instance's __dict__ are the same record."""
+    record = object.__new__(record_type)
+    record.__dict__.update(_DEFAULTS[record_type])
+    record.__dict__.update(values)
+    return record
+
+
 def _decode_item(item: dict, hidden: Optional[WireTensor], record_type: type, specs: tuple, names: set,
                  mtype: MessageType, limits: Limits):
     keys = item.keys() - _ROWS
@@ -381,9 +398,10 @@ def _decode_item(item: dict, hidden: Optional[WireTensor], record_type: type, sp
         unknown = sorted(str(key) for key in keys - names)
         raise _bad(f"unknown field(s) {unknown} in a {mtype.value} item; allowed: {sorted(names | {'rows'})}")
     values = _field_values(item, specs, mtype)
+    values["id"] = 0
     if hidden is not None:
         values["hidden"] = hidden
-    record = record_type(id=0, **values)
+    record = _record(record_type, values)
     _check_request(record, limits)
     return record
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import operator
 import os
 import signal
 import time
@@ -809,12 +810,13 @@ def _hidden(request):
 # The fields head_request reads; with all of them absent a request wants the argmax alone.
 HEAD_FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
                "prompt_tokens", "output_tokens", "drafts", "logprobs")
+_head_values = operator.attrgetter(*HEAD_FIELDS)
 PLAIN_HEAD = HeadRequest()
 
 
 def head_request(request) -> HeadRequest:
     """The head-shard extras a FORWARD/CAPTURE asks for (all absent: today's argmax request)."""
-    if not any(getattr(request, name) is not None for name in HEAD_FIELDS):
+    if _head_values(request).count(None) == len(HEAD_FIELDS):
         return PLAIN_HEAD  # most items of a batch: one shared answer, no objects built per item
     sampling = None
     if request.temperature:

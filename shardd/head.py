@@ -11,6 +11,7 @@ request alone, never on what else is in the batch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional, Sequence
 
 import torch
@@ -29,7 +30,7 @@ class HeadRequest:
     drafts: Sequence[int] = ()
     logprobs: Optional[int] = None  # top logprobs per answered row; None: none at all
 
-    @property
+    @cached_property  # read several times per batch item; a frozen request's answer never changes
     def needed(self) -> bool:
         """Whether the shard's argmax ids are not already the whole answer."""
         return self.sampling is not None or self.penalties.active or self.logprobs is not None
