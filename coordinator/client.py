@@ -113,8 +113,12 @@ class ShardClient:
         timeout_s: float = 120.0,
         curve: Optional[CurveKeys] = None,
         liveness_timeout_s: float = LIVENESS_TIMEOUT_S,
+        busy_poll_s: float = 0.0,
     ) -> None:
         self.endpoint = endpoint
+        # a reply awaited for up to this long is polled for without sleeping (a core kept busy, no wake-up on its way
+        # in; the daemons' --busy-poll-ms is the same on their side)
+        self.busy_poll_s = busy_poll_s
         self.timeout_s = timeout_s  # compute timeout of a request without tokens; more per token
         self.liveness_timeout_s = liveness_timeout_s
         self._ids = itertools.count(1)
@@ -244,7 +248,8 @@ class ShardClient:
             if remaining_ms <= 0:
                 self._watch.update()
                 raise ShardTimeout(self.endpoint, what, timeout_s, connected=self._watch.up)
-            events = dict(self._poller.poll(max(1, int(remaining_ms))))
+            spinning = time.monotonic() - started < self.busy_poll_s
+            events = dict(self._poller.poll(0 if spinning else max(1, int(remaining_ms))))
             if self._socket not in events:
                 if self._watch.monitor in events:
                     self._watch.update()

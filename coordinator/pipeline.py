@@ -216,9 +216,9 @@ class Pipeline:
 
     @classmethod
     def connect(cls, endpoints: Iterable[str], timeout_s: float = 120.0, curve: Optional[CurveKeys] = None,
-                liveness_timeout_s: float = LIVENESS_TIMEOUT_S) -> "Pipeline":
-        clients = [ShardClient(endpoint, timeout_s=timeout_s, curve=curve, liveness_timeout_s=liveness_timeout_s)
-                   for endpoint in endpoints]
+                liveness_timeout_s: float = LIVENESS_TIMEOUT_S, busy_poll_s: float = 0.0) -> "Pipeline":
+        clients = [ShardClient(endpoint, timeout_s=timeout_s, curve=curve, liveness_timeout_s=liveness_timeout_s,
+                               busy_poll_s=busy_poll_s) for endpoint in endpoints]
         try:
             return cls(clients)
         except BaseException:

@@ -856,11 +856,19 @@ def run_relay(args) -> dict:
     if args.daemon_profile:  # a short extra run under cProfile: slower, so apart from the timed runs
         Path(args.daemon_profile).mkdir(parents=True, exist_ok=True)
         runs.append(("checkpoint", {"SHARDD_PROFILE": str(Path(args.daemon_profile).resolve())}, "-profiled"))
+    if args.busy_poll_ms:  # the same runs with both ends polling without sleeping: side by side in one JSON
+        runs += [(mode, {}, "-busy") for mode in ("checkpoint", "replay-ssm")]
     for mode, env, tag in runs:
-        processes, endpoints = start_daemons(args, ranges, mode, run_dir, devices=devices, env=env, tag=tag)
+        busy = tag == "-busy"
+        processes, endpoints = start_daemons(args, ranges, mode, run_dir, devices=devices, env=env, tag=tag,
+                                             extra=["--busy-poll-ms", str(args.busy_poll_ms)] if busy else [])
         try:
-            with Pipeline.connect(endpoints, timeout_s=600) as pipeline:
+            with Pipeline.connect(endpoints, timeout_s=600, busy_poll_s=args.busy_poll_ms / 1000 if busy else 0) as pipeline:
                 greedy_decode(pipeline, 98, prompt[:32], 4)  # warm-up: capture the graphs
+                if busy:
+                    out.setdefault("relay_busy_poll", {"busy_poll_ms": args.busy_poll_ms}).update(
+                        busy_poll_run(pipeline, prompt, mode, args, hashes))
+                    continue
                 if tag:
                     reference = greedy_decode(pipeline, 1, prompt, min(args.tokens, 32)).tokens
                     drafter = OracleDrafter.with_mean_commit(reference, len(prompt), block_size=BLOCK, mean_commit=MEAN_COMMIT)
@@ -894,6 +902,29 @@ def run_relay(args) -> dict:
         out["daemon_profile_top"] = {path.name: daemon_profile_top(path) for path in sorted(Path(args.daemon_profile).glob("*.prof"))}
     out["hashes"] = hashes
     return out
+
+
+def busy_poll_run(pipeline, prompt, mode: str, args, hashes: dict) -> dict:
+    """Greedy and speculative (oracle) through daemons and a coordinator that poll without sleeping: the keys the
+    plain runs report, under `relay_busy_poll` (summarize() sets its relay against the one-process step)."""
+    from coordinator.decoding import greedy_decode, speculative_decode
+    from coordinator.drafters import OracleDrafter
+
+    out = {}
+    if mode == "checkpoint":
+        greedy = greedy_decode(pipeline, 1, prompt, args.tokens)
+        hashes["relay-busy/greedy"] = token_hash(greedy.tokens)
+        out["e2e_greedy_ms_per_token"] = round(greedy.decode_seconds / len(greedy.tokens) * 1e3, 3)
+        reference = greedy.tokens
+    else:
+        reference = greedy_decode(pipeline, 1, prompt, args.tokens).tokens
+    drafter = OracleDrafter.with_mean_commit(reference, len(prompt), block_size=BLOCK, mean_commit=MEAN_COMMIT)
+    result = speculative_decode(pipeline, 2, prompt, drafter, block_size=BLOCK, rollback=mode,
+                                max_new_tokens=args.tokens)
+    hashes[f"relay-busy/{mode}"] = token_hash(result.tokens)
+    step_ms = round(result.decode_seconds / result.steps * 1e3, 3)
+    print(f"relay {mode}, busy polling {args.busy_poll_ms} ms: {step_ms} ms per step", flush=True)
+    return {f"e2e_tok_s_{mode}": round(len(result.tokens) / result.decode_seconds, 2), f"e2e_step_ms_{mode}": step_ms}
 
 
 # ---- dflash: the drafter on the same path, three daemons ---------------------------------------------------
@@ -1213,6 +1244,9 @@ def main() -> int:
     parser.add_argument("--e2e-devices", default="cuda:0,cuda:1", help="Devices of the two daemons.")
     parser.add_argument("--e2e-dtype", default="bfloat16")
     parser.add_argument("--e2e-engine", default="fast", help="The daemons' --engine (reference: a CPU check).")
+    parser.add_argument("--busy-poll-ms", type=float, default=0.0,
+                        help="relay: also the runs with daemons (--busy-poll-ms) and coordinator polling without "
+                             "sleeping for this long (relay_busy_poll, side by side with the plain runs).")
     parser.add_argument("--daemon-profile", default=None, help="relay: also a short run with the daemons under cProfile, "
                         "dumps in this directory, their top functions in the JSON.")
     parser.add_argument("--fp8", choices=("fp8-block", "fp8-channel"), default=None,
@@ -1253,6 +1287,7 @@ def main() -> int:
                    "--prompt-len", str(args.prompt_len), "--tokens", str(args.tokens), "--repeats", str(args.repeats),
                    "--long-context", str(args.long_context), "--e2e-devices", args.e2e_devices, "--e2e-dtype", args.e2e_dtype,
                    "--e2e-engine", args.e2e_engine, *(["--daemon-profile", args.daemon_profile] if args.daemon_profile else []),
+                   "--busy-poll-ms", str(args.busy_poll_ms),
                    *(["--fp8", args.fp8] if args.fp8 else []),
                    "--draft", args.draft, "--commits", args.commits, "--placements", args.placements,
                    "--dflash-device", args.dflash_device, "--dflash-engine", args.dflash_engine,
@@ -1307,6 +1342,15 @@ def summarize(merged: dict) -> None:
         merged["e2e_vs_local"] = {m: round(merged["e2e_tok_s"][m] / merged["tok_s"][m], 3) for m in merged["e2e_tok_s"] if m in merged["tok_s"]}
     if "e2e_greedy_ms_per_token" in merged and "greedy_ms_per_token" in merged:  # target: <= 1.05
         merged["e2e_greedy_vs_local"] = round(merged["e2e_greedy_ms_per_token"] / merged["greedy_ms_per_token"], 3)
+    busy = merged.get("relay_busy_poll")
+    if busy and "tok_s" in merged:  # the same ratios for the runs that poll without sleeping
+        for m in ("checkpoint", "replay-ssm"):
+            if f"e2e_step_ms_{m}" in busy and m in merged["tok_s"]:
+                local_step = 1e3 * merged["mean_commit"][m] / merged["tok_s"][m]
+                busy[f"relay_ms_per_step_{m}"] = round(busy[f"e2e_step_ms_{m}"] - local_step, 3)
+                busy[f"e2e_vs_local_{m}"] = round(busy[f"e2e_tok_s_{m}"] / merged["tok_s"][m], 3)
+        if "e2e_greedy_ms_per_token" in busy and "greedy_ms_per_token" in merged:
+            busy["e2e_greedy_vs_local"] = round(busy["e2e_greedy_ms_per_token"] / merged["greedy_ms_per_token"], 3)
     summarize_batch(merged)
     # The batch parts hash no single output: their streams are checked by batch_identical.
     merged["outputs_identical"] = len(set(merged["hashes"].values())) <= 1 and merged.get("batch_identical", True)

@@ -31,7 +31,7 @@ from bench_gpu import phase_table
 r = json.load(open(sys.argv[1]))
 for key in ("outputs_identical", "failed_parts", "tok_s", "e2e_tok_s", "e2e_vs_local", "relay_ms_per_step", "step_ms",
             "e2e_step_ms", "greedy_ms_per_token", "e2e_greedy_ms_per_token", "e2e_greedy_vs_local", "rollback_ms",
-            "rollback_share_of_step", "e2e_dflash_step_ms", "relay_round_trip_ms"):
+            "rollback_share_of_step", "e2e_dflash_step_ms", "relay_round_trip_ms", "relay_busy_poll"):
     print(f"{key}: {r.get(key)}")
 delay = r.get("relay_vs_delay")
 if delay:

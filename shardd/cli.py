@@ -78,6 +78,9 @@ def main():
 @click.option("--curve-allow", "curve_allow_dir", type=click.Path(exists=True, file_okay=False), help="Directory of allowed client public keys.")
 @click.option("--sequence-idle-timeout", type=click.FloatRange(0), default=300.0, show_default=True,
               help="Seconds a sequence may go without a request before it is closed and its memory returned (0: never).")
+@click.option("--busy-poll-ms", type=click.FloatRange(0, 1000), default=0.0, show_default=True,
+              help="After each request, poll for the next one without sleeping for this long (a core kept busy, "
+                   "no wake-up on the next request's way in; 0: sleep at once). For a dedicated GPU host.")
 @click.option("--threads", type=int, default=None,
               help="CPU threads for torch (default: 1 on a GPU, whose host work is small copies; torch's choice on the CPU).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
@@ -88,7 +91,7 @@ def main():
               help="text lines, or one JSON object per line.")
 def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_file, max_verify_tokens, rollback_mode, engine,
           step_rows, max_sequences, max_context, max_tokens_per_request, max_gpu_memory, quantize, curve_secret_key, curve_allow_dir,
-          sequence_idle_timeout,
+          sequence_idle_timeout, busy_poll_ms,
           threads, metrics_port,
           metrics_host, log_level, log_format):
     """Load a layer range (and/or a drafter) and serve it until SIGTERM, SIGINT or SHUTDOWN.
@@ -174,7 +177,8 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
     storage = RollbackStorage(rollback_mode if max_verify_tokens else None, max_verify_tokens)
     options = ServeOptions(bind=bind, max_sequences=max_sequences, max_context=max_context,
                            max_tokens_per_request=max_tokens_per_request, curve_secret_key=curve_secret_key,
-                           curve_allow_dir=curve_allow_dir, sequence_idle_timeout=sequence_idle_timeout)
+                           curve_allow_dir=curve_allow_dir, sequence_idle_timeout=sequence_idle_timeout,
+                           busy_poll_s=busy_poll_ms / 1000)
     try:
         plan = daemon_memory_plan(source, config, None if draft_only else (begin, end), draft, dtype=dtype,
                                   keep_fp8=keep_fp8, engine=engine, storage=storage, options=options, cap=cap,

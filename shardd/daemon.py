@@ -89,6 +89,7 @@ class ServeOptions:
     memory: dict | None = None  # the memory plan (shardd.memory.MemoryPlan.describe), HELLO "memory"
     quantization: dict | None = None  # the FP8 scheme of the weights (shardd.quant.Fp8Scheme.describe), HELLO
     sequence_idle_timeout: float = 300.0  # seconds without a request before a sequence is closed; 0: never
+    busy_poll_s: float = 0.0  # after a request, poll for the next without sleeping this long (--busy-poll-ms)
 
 
 @dataclass
@@ -736,7 +737,7 @@ class ShardDaemon:
         socket = listener.socket
         curve = options.curve_secret_key is not None
         trusted_transport = curve or is_file_ipc(options.bind)
-        next_sweep = time.monotonic()
+        next_sweep = busy_until = time.monotonic()
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
 
@@ -769,7 +770,7 @@ class ShardDaemon:
                 if time.monotonic() >= next_sweep:
                     self.expire_idle()
                     next_sweep = time.monotonic() + 1.0
-                if not poller.poll(watchdog.poll_ms(100)):
+                if not self._next_request(poller, socket, watchdog.poll_ms(100), busy_until):
                     continue
                 PHASES.start()
                 received = receive_request(socket)  # frame by frame: no more frames held than the type allows
@@ -790,6 +791,7 @@ class ShardDaemon:
                 socket.send_multipart(envelope + reply, copy=False)
                 PHASES.lap("send")
                 PHASES.finish(self.phase_type)
+                busy_until = time.monotonic() + options.busy_poll_s
         finally:
             if profiler is not None:
                 profiler.disable()
@@ -797,6 +799,16 @@ class ShardDaemon:
             systemd.notify("STOPPING=1")
             listener.close()
             log.info("stopped: %d sequences were open", len(self.sequences))
+
+
+    def _next_request(self, poller, socket, timeout_ms: int, busy_until: float) -> bool:
+        """Whether a request is waiting: polled without sleeping until `busy_until` (--busy-poll-ms after the last
+        reply: the next request of a decode is usually milliseconds away, and a sleeping process wakes late on a
+        loaded host), then waited for up to `timeout_ms`."""
+        while not self.stopping and time.monotonic() < busy_until:
+            if socket.poll(0):
+                return True
+        return bool(poller.poll(timeout_ms))
 
 
 MIN_FRAME_BYTES = 16 << 20  # small models still answer a modestly oversized frame with TOO_LARGE

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -266,6 +267,30 @@ def test_every_shardctl_command_has_an_example_and_json():
         result = CliRunner().invoke(cli, [name, "-h"])
         assert result.exit_code == 0, result.output
         assert "Example" in result.output and "--json" in result.output, name
+
+
+def test_a_busy_polling_daemon_and_client_answer_as_sleeping_ones_and_stop_at_once(workdir):
+    """--busy-poll-ms (the daemon) and busy_poll_s (the client) change how each waits, not what is answered: the
+    same ids as without, requests apart by more than the window are still served, and SIGTERM ends the daemon
+    within its poll, not after the window."""
+    from coordinator.client import ShardClient
+
+    bind = f"ipc://{workdir}/busy.sock"
+    daemon = Daemon("busy", bind, ["--layers", "0:6", "--busy-poll-ms", "300"], workdir)
+    try:
+        daemon.wait_ready()
+        with ShardClient(bind, timeout_s=30, busy_poll_s=0.3) as busy, ShardClient(bind, timeout_s=30) as plain:
+            busy.open(1)
+            plain.open(2)
+            ids = busy.forward(1, 0, [1, 2, 3]).result["ids"]
+            time.sleep(0.5)  # past both windows: the daemon and the client are back to sleeping polls
+            assert plain.forward(2, 0, [1, 2, 3]).result["ids"] == ids
+            assert busy.forward(1, 3, [4]).result["length"] == 4
+        started = time.monotonic()
+        daemon.signal(signal.SIGTERM)  # inside the 300 ms window after the last reply
+        assert daemon.wait(10) == 0 and time.monotonic() - started < 5, daemon.output()
+    finally:
+        daemon.stop()
 
 
 def test_one_vocabulary_of_flags():
