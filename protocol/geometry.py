@@ -34,8 +34,8 @@ def check_verify_geometry(parents: Sequence[int] | None, n_tokens: int) -> None:
     def reject(reason: str) -> None:
         raise ProtocolError(ErrorCode.GEOMETRY_REJECTED, f"verify geometry rejected: {reason}")
 
-    if parents is not None and len(parents) == n_tokens and parents == list(range(-1, n_tokens - 1)):
-        return  # the pure chain: every request the coordinator sends
+    if parents == pure_chain(n_tokens):
+        return  # every request the coordinator sends: one comparison, not the scan below
     if parents is None:
         reject(f"missing: a checkpointed request of {n_tokens} tokens must carry parents {pure_chain(n_tokens)[:4]}...")
     if len(parents) < n_tokens:
