@@ -138,6 +138,13 @@ def run_local(args) -> dict:
         from shardd.weights import shard_shapes
 
         out["quantize"] = args.fp8
+        if args.fp8_pdl:  # every fixed tile config with programmatic dependent launch: the A/B against a plain run
+            import dataclasses
+
+            from shardd.kernels import fp8_gemm
+
+            fp8_gemm.TILE_TABLE.update({key: dataclasses.replace(c, pdl=True) for key, c in fp8_gemm.TILE_TABLE.items()})
+            out["fp8_pdl"] = True
         weights = ModelSource(synthetic=f"{args.preset}:{args.seed}", quantize=args.fp8).tensors(
             shard_shapes(config, 0, config.num_layers), dtype=torch.bfloat16, device=device, keep_fp8=True)
     else:
@@ -1251,6 +1258,8 @@ def main() -> int:
                         "dumps in this directory, their top functions in the JSON.")
     parser.add_argument("--fp8", choices=("fp8-block", "fp8-channel"), default=None,
                         help="FP8 linears in this layout (the head and embedding bf16); the floor is their bytes.")
+    parser.add_argument("--fp8-pdl", action="store_true",
+                        help="With --fp8: the FP8 GEMM's fixed tile configs with programmatic dependent launch.")
     parser.add_argument("--batch-rows", type=int, default=512, help="The batch parts' scheduler rows per step.")
     parser.add_argument("--daemon-step-rows", type=int, default=None,
                         help="The batch parts' fixed step R (FastShard step_rows in process, shardd serve --step-rows; "
@@ -1288,7 +1297,7 @@ def main() -> int:
                    "--long-context", str(args.long_context), "--e2e-devices", args.e2e_devices, "--e2e-dtype", args.e2e_dtype,
                    "--e2e-engine", args.e2e_engine, *(["--daemon-profile", args.daemon_profile] if args.daemon_profile else []),
                    "--busy-poll-ms", str(args.busy_poll_ms),
-                   *(["--fp8", args.fp8] if args.fp8 else []),
+                   *(["--fp8", args.fp8] if args.fp8 else []), *(["--fp8-pdl"] if args.fp8_pdl else []),
                    "--draft", args.draft, "--commits", args.commits, "--placements", args.placements,
                    "--dflash-device", args.dflash_device, "--dflash-engine", args.dflash_engine,
                    "--dflash-dtype", args.dflash_dtype, "--batch-rows", str(args.batch_rows),

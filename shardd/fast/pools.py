@@ -49,24 +49,24 @@ class SlotRecurrenceLog:
 
     def restore(self, states: GDNStates, keep: int) -> None:
         pools, slot = self.pools, self.slot
-        if keep:  # the recurrence kernel reads the saved state and leaves the state after `keep` tokens
-            # queued on the stream, no host wait: the control goes through a pinned buffer of its own per rollback
-            # (the caching host allocator keeps it until the copy ran). One shared pinned buffer was rewritten by
-            # the next sequence's rollback of the same batch before its queued copy ran: that sequence's segment
-            # then replayed twice and this one was never rolled back (issue 20, GPU only).
-            control = pools.replay_control
-            host = torch.tensor(segments.segment(slot, keep, 0), dtype=torch.int32)
-            control.copy_(host.pin_memory() if control.is_cuda else host, non_blocking=True)
+        if keep:  # the recurrence kernel reads the saved state and leaves the state after `keep` tokens, queued
+            # on the stream with no host work but the launch: its control is this (slot, keep)'s row of a table
+            # written once on the device (a control copied per rollback cost a pinned buffer and a copy each:
+            # ~0.5 ms of host time ahead of the next FORWARD on a GPU host)
             gdn_kernels.gdn_recurrence(
-                pools.recurrence_inputs, pools.recurrent, pools.recurrent0, pools.replay_out, control,
-                layer0=0, layers=len(pools.gdn_layers), rows=pools.rows, num_k_heads=pools.config.linear_num_key_heads,
-                initial=pools.recurrent0,
+                pools.recurrence_inputs, pools.recurrent, pools.recurrent0, pools.replay_out,
+                pools.replay_controls[slot, keep], layer0=0, layers=len(pools.gdn_layers), rows=pools.rows,
+                num_k_heads=pools.config.linear_num_key_heads, initial=pools.recurrent0,
             )
         else:
             states.recurrent.copy_(pools.recurrent0[slot, :, 0])
+        # the conv window after `keep` tokens: the last `width` rows of (the window before the step, its kept inputs)
         width = pools.conv0.shape[-2]
-        full = torch.cat([pools.conv0[slot], pools.conv_inputs[slot, :, :keep]], dim=1)  # [L, W + keep, C]
-        states.conv.copy_(full[:, keep : keep + width])
+        if keep >= width:
+            states.conv.copy_(pools.conv_inputs[slot, :, keep - width : keep])
+        else:
+            states.conv[:, : width - keep].copy_(pools.conv0[slot, :, keep:])
+            states.conv[:, width - keep :].copy_(pools.conv_inputs[slot, :, :keep])
 
     def nbytes(self) -> int:
         p, s = self.pools, self.slot
@@ -118,7 +118,10 @@ class StatePools:
             self.conv0 = torch.zeros((slots, layers, width, conv_dim), **f32)
             self.conv_inputs = torch.zeros((slots, layers, rows, conv_dim), **f32)
             self.replay_out = torch.zeros((max(layers, 1), rows, heads, v_dim), **f32)
-            self.replay_control = torch.zeros(segments.FIELDS, dtype=torch.int32, device=device)
+            # the control of a rollback's re-run, per (slot, keep): one segment of `keep` rows from position 0
+            self.replay_controls = torch.tensor(
+                [[segments.segment(slot, keep, 0) for keep in range(rows + 1)] for slot in range(slots)],
+                dtype=torch.int32, device=device)
         self.mode = mode
         # per slot, the checkpoint slot its next step starts from after a checkpoint rollback (-1: its own state)
         self.start = [-1] * slots
