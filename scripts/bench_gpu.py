@@ -855,7 +855,10 @@ def run_relay(args) -> dict:
 
     ranges, prompt = halves_and_prompt(args)
     devices = e2e_devices(args)
-    out: dict = {"relay_devices": devices}
+    from shardd.engine import busy_poll_seconds
+
+    # the plain runs' daemons take `shardd serve`'s default (--busy-poll-ms auto), their coordinator sleeps
+    out: dict = {"relay_devices": devices, "relay_daemon_busy_poll_ms": busy_poll_seconds("auto", devices[0]) * 1000}
     by_phase: dict = {}
     hashes: dict = {}
     run_dir = Path(tempfile.mkdtemp(prefix="bench-relay-"))

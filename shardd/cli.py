@@ -14,7 +14,8 @@ from protocol.layout import CHECKPOINT, SHARD_ROLLBACK_MODES, check_layer_range,
 from shardd import __version__, logs, systemd
 from shardd.logs import FORMATS, LEVELS
 from shardd.progress import LoadProgress
-from shardd.engine import DEFAULT_STEP_ROWS, ENGINES, step_rows_for
+from shardd.engine import (AUTO_BUSY_POLL_CPUS, AUTO_BUSY_POLL_MS, DEFAULT_STEP_ROWS, ENGINES, busy_poll_seconds,
+                           step_rows_for)
 from shardd.hub import ModelNotFound, resolve_model
 from shardd.listen import endpoint_problem
 
@@ -78,9 +79,11 @@ def main():
 @click.option("--curve-allow", "curve_allow_dir", type=click.Path(exists=True, file_okay=False), help="Directory of allowed client public keys.")
 @click.option("--sequence-idle-timeout", type=click.FloatRange(0), default=300.0, show_default=True,
               help="Seconds a sequence may go without a request before it is closed and its memory returned (0: never).")
-@click.option("--busy-poll-ms", type=click.FloatRange(0, 1000), default=0.0, show_default=True,
+@click.option("--busy-poll-ms", default="auto", show_default=True,
               help="After each request, poll for the next one without sleeping for this long (a core kept busy, "
-                   "no wake-up on the next request's way in; 0: sleep at once). For a dedicated GPU host.")
+                   "no wake-up on the next request's way in; 0: sleep at once). auto: "
+                   f"{AUTO_BUSY_POLL_MS:g} on a GPU with at least {AUTO_BUSY_POLL_CPUS} usable CPUs (a dedicated GPU "
+                   "host), else 0.")
 @click.option("--threads", type=int, default=None,
               help="CPU threads for torch (default: 1 on a GPU, whose host work is small copies; torch's choice on the CPU).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
@@ -172,13 +175,14 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
 
             # a fraction is of the GPU; of the host's memory for a CPU shard (the accounting is the same)
             cap = parse_memory(max_gpu_memory, device_memory(torch.device(device))["total_bytes"])
+        busy_poll_s = busy_poll_seconds(busy_poll_ms, device)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     storage = RollbackStorage(rollback_mode if max_verify_tokens else None, max_verify_tokens)
     options = ServeOptions(bind=bind, max_sequences=max_sequences, max_context=max_context,
                            max_tokens_per_request=max_tokens_per_request, curve_secret_key=curve_secret_key,
                            curve_allow_dir=curve_allow_dir, sequence_idle_timeout=sequence_idle_timeout,
-                           busy_poll_s=busy_poll_ms / 1000)
+                           busy_poll_s=busy_poll_s)
     try:
         plan = daemon_memory_plan(source, config, None if draft_only else (begin, end), draft, dtype=dtype,
                                   keep_fp8=keep_fp8, engine=engine, storage=storage, options=options, cap=cap,
@@ -208,6 +212,8 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
         log.error("%s", exc)
         sys.exit(EXIT_FAILURE)
     log.info("bound %s", listener.endpoint)
+    if busy_poll_s:
+        log.info("polling for the next request %g ms after each reply without sleeping (--busy-poll-ms)", busy_poll_s * 1000)
     # after the bind: a port that is taken fails in one line, before anything else is said
     log.info("memory plan: %s = %s%s", plan.line(), fmt_gib(plan.total),
              f" of --max-gpu-memory {fmt_gib(cap)}" if cap else "")

@@ -89,3 +89,35 @@ def draft_with(engine: str, hosted, *, max_sequences: int, max_context: int):
 
     hosted.model = FastDrafter(hosted.model, max_sequences=max_sequences, max_context=max_context)
     return hosted
+
+
+# `shardd serve --busy-poll-ms auto`: a daemon on a GPU host with cores to spare polls for its next request without
+# sleeping for this long after each reply. Measured on an H200 host (16 CPUs, two daemons, both ends polling 20 ms;
+# bench/results/h200/gpu_bench_relay.json): relay 3.72 -> 2.56 ms a checkpoint verify step, 3.69 -> 3.33 replay-ssm;
+# on 2 CPUs polling takes the cores the daemons' own threads need (a step 3x slower), hence the CPU floor.
+AUTO_BUSY_POLL_MS = 20.0
+AUTO_BUSY_POLL_CPUS = 8
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def busy_poll_seconds(value: str | float, device) -> float:
+    """--busy-poll-ms as seconds: a number of milliseconds in [0, 1000], or `auto` (AUTO_BUSY_POLL_MS on a CUDA
+    device with at least AUTO_BUSY_POLL_CPUS usable CPUs, else 0)."""
+    if str(value).strip().lower() == "auto":
+        import torch
+
+        dedicated = torch.device(device).type == "cuda" and usable_cpus() >= AUTO_BUSY_POLL_CPUS
+        return AUTO_BUSY_POLL_MS / 1000 if dedicated else 0.0
+    try:
+        ms = float(value)
+    except ValueError:
+        raise ValueError(f"--busy-poll-ms must be a number of milliseconds or auto, got {value!r}") from None
+    if not 0 <= ms <= 1000:  # also refuses nan
+        raise ValueError(f"--busy-poll-ms must be within [0, 1000], got {value!r}")
+    return ms / 1000

@@ -184,7 +184,9 @@ def test_a_wildcard_port_is_reported(workdir):
     (["--layers", "0:9"], 2, "layer range 0:9 is not inside 0:6"),
     (["--log-level", "CHATTY"], 2, "Invalid value for '--log-level'"),
     (["--device", "tpu"], 2, "--device must be cpu or cuda:N"),
-], ids=["reversed", "outside", "log-level", "device"])
+    (["--busy-poll-ms", "soon"], 2, "--busy-poll-ms must be a number of milliseconds or auto, got 'soon'"),
+    (["--busy-poll-ms", "2000"], 2, "--busy-poll-ms must be within [0, 1000]"),
+], ids=["reversed", "outside", "log-level", "device", "busy-poll-word", "busy-poll-range"])
 def test_usage_errors_are_one_clear_line(args, code, message):
     result, _ = run_serve("--synthetic", "tiny", "--bind", free_tcp_endpoint(), *args)
     assert result.returncode == code and message in result.stderr, result.stderr
@@ -267,6 +269,19 @@ def test_every_shardctl_command_has_an_example_and_json():
         result = CliRunner().invoke(cli, [name, "-h"])
         assert result.exit_code == 0, result.output
         assert "Example" in result.output and "--json" in result.output, name
+
+
+def test_busy_polling_is_on_by_default_only_for_a_gpu_with_cores_to_spare(monkeypatch):
+    """--busy-poll-ms auto (the default): AUTO_BUSY_POLL_MS on a CUDA device with enough usable CPUs, else 0 (on
+    a small host polling takes the cores the daemons' threads need); a number is taken as given."""
+    from shardd import engine
+
+    monkeypatch.setattr(engine, "usable_cpus", lambda: 16)
+    assert engine.busy_poll_seconds("auto", "cuda:0") == engine.AUTO_BUSY_POLL_MS / 1000
+    assert engine.busy_poll_seconds("auto", "cpu") == 0
+    assert engine.busy_poll_seconds("0", "cuda:0") == 0 and engine.busy_poll_seconds("2.5", "cpu") == 0.0025
+    monkeypatch.setattr(engine, "usable_cpus", lambda: engine.AUTO_BUSY_POLL_CPUS - 1)
+    assert engine.busy_poll_seconds("AUTO", "cuda:1") == 0
 
 
 def test_a_busy_polling_daemon_and_client_answer_as_sleeping_ones_and_stop_at_once(workdir):
