@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from shardd.fast.weights import FusedAttention, FusedLayer
-from shardd.model.norm import gated_rms_norm, rms_norm
+from shardd.kernels import elementwise
 from shardd.model.rope import apply_rotary
 from shardd.model.shard import ShardModel, ShardOutput
 from shardd.model.state import GDNState, KVCache, SequenceState
@@ -31,26 +31,54 @@ def available(device: torch.device) -> bool:
 
 def prefill(model: ShardModel, layers: list[FusedLayer], state: SequenceState, pos: int, x: torch.Tensor,
             capture_layers) -> ShardOutput:
-    """x [n, hidden] (embedded tokens or the previous shard's hidden) at positions pos .. pos + n - 1."""
+    """x [n, hidden] (embedded tokens or the previous shard's hidden) at positions pos .. pos + n - 1.
+
+    The residual stream is kept as the step keeps it: each branch's output is added by the next norm's kernel
+    (shardd/kernels/elementwise.py, the reference's rounding points) and the SwiGLU product is one kernel: a
+    prefill call is launch-bound up to ~1,000 tokens on an H200 host (110 ms of host time for 38 ms of kernels
+    at 256 tokens, bench/results/h200/prefill_profile_538a901.json), and the reference's norms took ~8 launches
+    each."""
     c = model.config
+    eps = c.rms_norm_eps
     wanted = set(capture_layers)
     out = ShardOutput()
+    hidden = x.clone()  # updated in place below: never the caller's tensor
+    normed = torch.empty_like(hidden)
+    act = torch.empty((hidden.shape[0], c.intermediate_size), dtype=hidden.dtype, device=hidden.device)
+    delta = None  # the last branch's output, added to the residual stream by the next norm
     for layer in layers:
-        mixed = rms_norm(x, layer.input_layernorm, c.rms_norm_eps)
+        _add_norm(hidden, delta, layer.input_layernorm, eps, normed)
         if isinstance(layer.mixer, FusedAttention):
-            x = x + _attention(model, layer, mixed, state.kv[layer.index], pos)
+            delta = _attention(model, layer, normed, state.kv[layer.index], pos)
         else:
-            x = x + _gdn(model, layer, mixed, state.gdn[layer.index])
-        gate, up = F.linear(rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps), layer.gate_up).chunk(2, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, layer.down)
+            delta = _gdn(model, layer, normed, state.gdn[layer.index])
+        _add_norm(hidden, delta, layer.post_attention_layernorm, eps, normed)
+        delta = F.linear(elementwise.silu_mul(F.linear(normed, layer.gate_up), act), layer.down)
         if layer.index in wanted:
-            out.captured[layer.index] = x
+            out.captured[layer.index] = hidden + delta
     if model.owns_head:
-        out.logits = F.linear(rms_norm(x, model.norm, c.rms_norm_eps), model.lm_head)
+        _add_norm(hidden, delta, model.norm, eps, normed)
+        out.logits = F.linear(normed, model.lm_head)
         out.ids = out.logits.argmax(dim=-1)
     else:
-        out.hidden = x
+        if delta is not None:
+            hidden += delta
+        out.hidden = hidden
     return out
+
+
+def _add_norm(hidden: torch.Tensor, delta, weight, eps: float, normed: torch.Tensor) -> None:
+    """hidden += delta (rounded as the reference's residual add), normed = rms_norm(hidden): one launch."""
+    if delta is None:
+        elementwise.add_rms_norm(hidden, weight, eps, out=normed)
+    else:
+        elementwise.add_rms_norm(hidden, weight, eps, delta=delta, sum_out=hidden, out=normed)
+
+
+def _head_norm(x: torch.Tensor, weight, eps: float) -> torch.Tensor:
+    """The zero-centred norm of each head's row of x [n, heads, dim] (q_norm, k_norm), one launch."""
+    n, heads, dim = x.shape
+    return elementwise.add_rms_norm(x.reshape(n * heads, dim), weight, eps).view(n, heads, dim)
 
 
 def _gdn(model: ShardModel, layer: FusedLayer, x: torch.Tensor, state: GDNState) -> torch.Tensor:
@@ -58,7 +86,8 @@ def _gdn(model: ShardModel, layer: FusedLayer, x: torch.Tensor, state: GDNState)
 
     c, mixer = model.config, layer.mixer
     n = x.shape[0]
-    mixed, z, b, a = F.linear(x, mixer.in_proj).split(
+    proj = F.linear(x, mixer.in_proj)
+    mixed, z, b, a = proj.split(
         [c.linear_conv_dim, c.linear_value_dim, c.linear_num_value_heads, c.linear_num_value_heads], dim=-1
     )
     window = torch.cat([state.conv.to(mixed.dtype), mixed], dim=0)  # [kernel - 1 + n, conv_dim]
@@ -74,9 +103,11 @@ def _gdn(model: ShardModel, layer: FusedLayer, x: torch.Tensor, state: GDNState)
         initial_state=state.recurrent[None], output_final_state=True, use_qk_l2norm_in_kernel=True,
     )
     state.recurrent.copy_(final[0])
-    core = core[0].to(x.dtype)  # [n, v_heads, v_dim]
-    out = gated_rms_norm(core, z.view(n, c.linear_num_value_heads, c.linear_value_head_dim), mixer.norm, c.rms_norm_eps)
-    return F.linear(out.reshape(n, c.linear_value_dim), mixer.out_proj)
+    # the plain norm of each head's core row, gated by silu(z): one launch (the kernel rounds core to x's dtype
+    # first, as the reference's `core.to(x.dtype)`)
+    out = torch.empty((n, c.linear_value_dim), dtype=x.dtype, device=x.device)
+    elementwise.gated_rms_norm(core[0].contiguous(), z, mixer.norm, c.rms_norm_eps, out)
+    return F.linear(out, mixer.out_proj)
 
 
 def _attention(model: ShardModel, layer: FusedLayer, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
@@ -86,8 +117,8 @@ def _attention(model: ShardModel, layer: FusedLayer, x: torch.Tensor, cache: KVC
     n, heads, kv_heads, dim = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
     q, k, v = F.linear(x, mixer.qkv).split([2 * heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     query, gate = q.reshape(n, heads, 2 * dim).chunk(2, dim=-1)
-    query = rms_norm(query, mixer.q_norm, c.rms_norm_eps)
-    key = rms_norm(k.reshape(n, kv_heads, dim), mixer.k_norm, c.rms_norm_eps)
+    query = _head_norm(query, mixer.q_norm, c.rms_norm_eps)
+    key = _head_norm(k.reshape(n, kv_heads, dim), mixer.k_norm, c.rms_norm_eps)
     cos, sin = model.rope.cos_sin(torch.arange(start, start + n, device=x.device), x.dtype)
     query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
     end = start + n
