@@ -855,10 +855,15 @@ def run_relay(args) -> dict:
 
     ranges, prompt = halves_and_prompt(args)
     devices = e2e_devices(args)
+    from shardd.cli import serve as serve_command
     from shardd.engine import busy_poll_seconds
 
-    # the plain runs' daemons take `shardd serve`'s default (--busy-poll-ms auto), their coordinator sleeps
-    out: dict = {"relay_devices": devices, "relay_daemon_busy_poll_ms": busy_poll_seconds("auto", devices[0]) * 1000}
+    def serve_default(option: str):
+        return next(param.default for param in serve_command.params if option in param.opts)
+
+    # the plain runs' daemons take `shardd serve`'s default --busy-poll-ms, their coordinator sleeps
+    out: dict = {"relay_devices": devices, "relay_daemon_busy_poll_ms": busy_poll_seconds(
+        serve_default("--busy-poll-ms"), devices[0]) * 1000}
     by_phase: dict = {}
     hashes: dict = {}
     run_dir = Path(tempfile.mkdtemp(prefix="bench-relay-"))

@@ -92,9 +92,11 @@ def draft_with(engine: str, hosted, *, max_sequences: int, max_context: int):
 
 
 # `shardd serve --busy-poll-ms auto`: a daemon on a GPU host with cores to spare polls for its next request without
-# sleeping for this long after each reply. Measured on an H200 host (16 CPUs, two daemons, both ends polling 20 ms;
-# bench/results/h200/gpu_bench_relay.json): relay 3.72 -> 2.56 ms a checkpoint verify step, 3.69 -> 3.33 replay-ssm;
-# on 2 CPUs polling takes the cores the daemons' own threads need (a step 3x slower), hence the CPU floor.
+# sleeping for this long after each reply. Measured on an H200 host (16 CPUs, two daemons): both ends polling 20 ms
+# cut the relay 3.72 -> 2.56 ms a checkpoint verify step, 3.69 -> 3.33 replay-ssm (gpu_bench_relay.json); the
+# daemons alone polling, none of it (3.73: gpu_bench_relay_62178da.json): the wake-up that costs is the
+# coordinator's, so polling is not the daemons' default. On 2 CPUs polling takes the cores the daemons' own threads
+# need (a step 3x slower), hence the CPU floor of `auto`.
 AUTO_BUSY_POLL_MS = 20.0
 AUTO_BUSY_POLL_CPUS = 8
 

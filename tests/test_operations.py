@@ -271,8 +271,8 @@ def test_every_shardctl_command_has_an_example_and_json():
         assert "Example" in result.output and "--json" in result.output, name
 
 
-def test_busy_polling_is_on_by_default_only_for_a_gpu_with_cores_to_spare(monkeypatch):
-    """--busy-poll-ms auto (the default): AUTO_BUSY_POLL_MS on a CUDA device with enough usable CPUs, else 0 (on
+def test_busy_polling_auto_is_on_only_for_a_gpu_with_cores_to_spare(monkeypatch):
+    """--busy-poll-ms auto: AUTO_BUSY_POLL_MS on a CUDA device with enough usable CPUs, else 0 (on
     a small host polling takes the cores the daemons' threads need); a number is taken as given."""
     from shardd import engine
 
