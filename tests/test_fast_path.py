@@ -241,6 +241,56 @@ def test_gpu_prefill_matches_the_reference():
     assert relative(b_state.gdn.conv, a_state.gdn.conv) < 1e-2  # later layers' inputs carry the tf32 rounding
 
 
+def reference_chunk_rule(q, k, v, *, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+    """fla's `chunk_gated_delta_rule` calling convention ([1, n, heads, dim] inputs, q/k l2-normalised in the
+    kernel), computed by the reference model's token-by-token recurrence (shardd/model/delta_rule.py)."""
+    from shardd.model.delta_rule import recurrent_delta_rule
+    from shardd.model.gdn import l2_normalize
+
+    assert use_qk_l2norm_in_kernel and output_final_state
+    repeat = v.shape[2] // q.shape[2]  # each q/k head serves consecutive value heads
+    query = (l2_normalize(q[0].float()) * scale).repeat_interleave(repeat, dim=1).transpose(0, 1)
+    key = l2_normalize(k[0].float()).repeat_interleave(repeat, dim=1).transpose(0, 1)
+    state = initial_state[0].float().clone()
+    core = recurrent_delta_rule(query, key, v[0].float().transpose(0, 1), g[0].float().t(), beta[0].float().t(), state)
+    return core.transpose(0, 1)[None].to(v.dtype), state[None]
+
+
+@pytest.mark.parametrize("layers", [None, (0, 4)], ids=["whole", "first-half"])  # 0:4 ends on attention
+def test_the_gpu_prefill_path_matches_the_reference_with_the_reference_recurrence(layers):
+    """shardd.fast.prefill (the fused norms and residual adds, the SwiGLU kernel, flash attention's SDPA call)
+    with fla's chunked rule swapped for the reference's own recurrence: on the CPU (the kernels under Triton's
+    interpreter) it agrees with the reference model, logits or hidden rows, captures and state, over two calls."""
+    from shardd.fast import prefill
+
+    begin, end = layers or (0, None)
+    reference = shard(CHECKPOINT, preset="small", begin=begin, end=end)
+    step = fast(CHECKPOINT, preset="small", begin=begin, end=end)
+    vocab, capture = reference.config.vocab_size, (1,)
+    a_state, b_state = reference.new_state(CONTEXT), step.new_state(CONTEXT)
+    relative = lambda x, ref: ((x.float() - ref.float()).norm() / ref.float().norm()).item()  # noqa: E731
+    generator = torch.Generator().manual_seed(3)
+    for pos, n in ((0, 40), (40, 9)):
+        if reference.owns_embedding:
+            block = ids(n, vocab, pos)
+            a = reference.forward(a_state, pos, tokens=block, capture_layers=capture)
+            x = torch.nn.functional.embedding(torch.tensor(block, device=DEVICE), step.model.embed_tokens)
+        else:
+            x = torch.randn(n, reference.config.hidden_size, generator=generator).to(DEVICE)
+            a = reference.forward(a_state, pos, hidden=x, capture_layers=capture)
+        rb.settle(b_state)
+        b = prefill.prefill(step.model, step.layers, b_state, pos, x, capture, chunk_rule=reference_chunk_rule)
+        b_state.length = pos + n
+        if reference.owns_head:
+            assert relative(b.logits, a.logits) < 1e-5 and b.ids.tolist() == a.ids.tolist()
+        else:
+            assert relative(b.hidden, a.hidden) < 1e-5
+        assert relative(b.captured[1], a.captured[1]) < 1e-5
+    for layer in reference.gdn_layers:
+        assert relative(b_state.gdn[layer].recurrent, a_state.gdn[layer].recurrent) < 1e-5
+    assert relative(b_state.gdn.conv, a_state.gdn.conv) < 1e-5
+
+
 def test_daemons_serve_the_fast_engine(tmp_path):
     """`shardd serve --engine fast` over real sockets (two daemons, tcp and ipc): HELLO names the engine and its T,
     and speculative decoding through them gives exactly their greedy output (on the CPU under Triton's

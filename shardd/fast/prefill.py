@@ -30,14 +30,17 @@ def available(device: torch.device) -> bool:
 
 
 def prefill(model: ShardModel, layers: list[FusedLayer], state: SequenceState, pos: int, x: torch.Tensor,
-            capture_layers) -> ShardOutput:
+            capture_layers, chunk_rule=None) -> ShardOutput:
     """x [n, hidden] (embedded tokens or the previous shard's hidden) at positions pos .. pos + n - 1.
 
     The residual stream is kept as the step keeps it: each branch's output is added by the next norm's kernel
     (shardd/kernels/elementwise.py, the reference's rounding points) and the SwiGLU product is one kernel: a
     prefill call is launch-bound up to ~1,000 tokens on an H200 host (110 ms of host time for 38 ms of kernels
     at 256 tokens, bench/results/h200/prefill_profile_538a901.json), and the reference's norms took ~8 launches
-    each."""
+    each. `chunk_rule`: the gated delta rule, called as fla's `chunk_gated_delta_rule` (default: fla's own; the
+    CPU test passes the reference's recurrence, so the rest of this path is tested without a GPU)."""
+    if chunk_rule is None:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk_rule
     c = model.config
     eps = c.rms_norm_eps
     wanted = set(capture_layers)
@@ -51,7 +54,7 @@ def prefill(model: ShardModel, layers: list[FusedLayer], state: SequenceState, p
         if isinstance(layer.mixer, FusedAttention):
             delta = _attention(model, layer, normed, state.kv[layer.index], pos)
         else:
-            delta = _gdn(model, layer, normed, state.gdn[layer.index])
+            delta = _gdn(model, layer, normed, state.gdn[layer.index], chunk_rule)
         _add_norm(hidden, delta, layer.post_attention_layernorm, eps, normed)
         delta = F.linear(elementwise.silu_mul(F.linear(normed, layer.gate_up), act), layer.down)
         if layer.index in wanted:
@@ -81,9 +84,7 @@ def _head_norm(x: torch.Tensor, weight, eps: float) -> torch.Tensor:
     return elementwise.add_rms_norm(x.reshape(n * heads, dim), weight, eps).view(n, heads, dim)
 
 
-def _gdn(model: ShardModel, layer: FusedLayer, x: torch.Tensor, state: GDNState) -> torch.Tensor:
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
+def _gdn(model: ShardModel, layer: FusedLayer, x: torch.Tensor, state: GDNState, chunk_rule) -> torch.Tensor:
     c, mixer = model.config, layer.mixer
     n = x.shape[0]
     proj = F.linear(x, mixer.in_proj)
@@ -95,7 +96,7 @@ def _gdn(model: ShardModel, layer: FusedLayer, x: torch.Tensor, state: GDNState)
     conv = F.silu(F.conv1d(window.t()[None], mixer.conv_weight[:, None, :], groups=window.shape[1])[0].t())
     query, key, value = conv.split([c.linear_key_dim, c.linear_key_dim, c.linear_value_dim], dim=-1)
     g = mixer.neg_decay * F.softplus(a.float() + mixer.dt_bias)
-    core, final = chunk_gated_delta_rule(
+    core, final = chunk_rule(
         query.reshape(1, n, c.linear_num_key_heads, c.linear_key_head_dim),
         key.reshape(1, n, c.linear_num_key_heads, c.linear_key_head_dim),
         value.reshape(1, n, c.linear_num_value_heads, c.linear_value_head_dim),
