@@ -308,6 +308,16 @@ def test_a_busy_polling_daemon_and_client_answer_as_sleeping_ones_and_stop_at_on
         daemon.stop()
 
 
+def test_shardctl_busy_poll_gives_the_same_tokens_on_both_ends():
+    """shardctl --busy-poll-ms: the coordinator polls for each reply and the shards it launches for their next
+    request (shardd serve --busy-poll-ms); the tokens are those of a plain run."""
+    args = ["generate", "--synthetic", "tiny", "--split", 2, "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", 6,
+            "--drafter", "oracle", "--ignore-eos", "--json"]
+    plain, busy = shardctl(*args), shardctl(*args, "--busy-poll-ms", 5)
+    assert plain.exit_code == 0 and busy.exit_code == 0, (plain.output, busy.output)
+    assert json.loads(busy.stdout)["tokens"] == json.loads(plain.stdout)["tokens"]
+
+
 def test_one_vocabulary_of_flags():
     def options(*path):
         from shardd.cli import main as shardd_main

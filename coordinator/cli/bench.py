@@ -17,6 +17,7 @@ from coordinator.cli.generate import ORACLE_NOTE
 from coordinator.cli.options import (
     EXIT_DIFFER,
     check_mean_commit,
+    busy_poll_option,
     curve_args,
     daemon_args_from,
     load_curve,
@@ -62,14 +63,15 @@ def run_generate_subprocess(args: Sequence[str]) -> dict:
 @click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
 @click.option("--concurrency", type=click.IntRange(1), default=1, show_default=True,
               help="Streams per run, batched by the scheduler: the table adds their aggregate tok/s.")
+@busy_poll_option
 @click.option("--prompt", help="Prompt text.")
 @click.option("--prompt-ids", help="Prompt token ids (default: a fixed 32-token prompt).")
 @click.option("--json", "json_file", is_flag=False, flag_value="-", default=None, metavar="[FILE]",
               type=click.Path(dir_okay=False, allow_dash=True),
               help="Print the full record as JSON instead of the table (--json FILE: write it there, table on stdout).")
 def bench(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
-          curve_client_key, quantize, ab_spec, runs, drafter, block_size, mean_commit, max_new_tokens, concurrency, prompt,
-          prompt_ids, json_file):
+          curve_client_key, quantize, ab_spec, runs, drafter, block_size, mean_commit, max_new_tokens, concurrency,
+          busy_poll_ms, prompt, prompt_ids, json_file):
     """A/B/A benchmark of two rollback modes: each run a fresh `shardctl generate --json`.
 
     Launched shards are started afresh per block with that block's rollback mode.
@@ -89,7 +91,8 @@ def bench(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
     prompt_args = ["--prompt", prompt] if prompt is not None else ["--prompt-ids", prompt_ids or ",".join(
         str(i) for i in benchmark_prompt())]
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
-                     daemon_args_from(dtype=dtype, max_sequences=concurrency if concurrency > 8 else None),
+                     daemon_args_from(dtype=dtype, max_sequences=concurrency if concurrency > 8 else None,
+                                      busy_poll_ms=busy_poll_ms or None),
                      curve=curve_server_key or curve_client_key, quantize=quantize)
     curve = load_curve(curve_server_key, curve_client_key)
     if not plan.launches:
@@ -102,6 +105,7 @@ def bench(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
     generate_args = [
         *prompt_args, "--max-new-tokens", str(max_new_tokens), "--drafter", drafter, "--block-size", str(block_size),
         "--mean-commit", str(mean_commit), "--ignore-eos", "--timeout", str(timeout), "--concurrency", str(concurrency),
+        "--busy-poll-ms", str(busy_poll_ms),
         *curve_args(curve_server_key, curve_client_key),
         *(["--tokenizer", plan.model_dir] if plan.model_dir else []),
     ]

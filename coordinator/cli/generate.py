@@ -16,6 +16,7 @@ import click
 
 from coordinator import benchstats
 from coordinator.cli.options import (
+    busy_poll_option,
     check_mean_commit,
     daemon_args_from,
     launched_capacity_options,
@@ -257,6 +258,7 @@ def describe_generation(record: dict) -> str:
               help="Sampling seed: the same seed gives the same output (default: a random one).")
 @recovery_timeout_option
 @liveness_timeout_option
+@busy_poll_option
 @click.option("--concurrency", type=click.IntRange(1), default=1, show_default=True,
               help="Run this many copies of the request at once, batched by the scheduler (a throughput "
                    "benchmark: the output is the first copy's; --json adds aggregate_tok_s and streams_identical).")
@@ -265,7 +267,7 @@ def describe_generation(record: dict) -> str:
 def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
              curve_client_key, quantize, max_sequences, max_context, prompt, prompt_ids, tokenizer_dir, max_new_tokens, drafter,
              draft_shard, draft, draft_placement, block_size, rollback, mean_commit, oracle_seed, ignore_eos, temperature, top_p, top_k,
-             seed, recovery_timeout, liveness_timeout, concurrency, print_ids, as_json):
+             seed, recovery_timeout, liveness_timeout, busy_poll_ms, concurrency, print_ids, as_json):
     """Generate greedily (or sampling, --temperature), speculating with a drafter; stream the text as tokens commit.
 
     \b
@@ -282,7 +284,8 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
     check_mean_commit(drafter, mean_commit, block_size)
     speculating = drafter != GREEDY
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
-                     daemon_args_from(dtype=dtype, max_sequences=max_sequences, max_context=max_context),
+                     daemon_args_from(dtype=dtype, max_sequences=max_sequences, max_context=max_context,
+                                      busy_poll_ms=busy_poll_ms or None),
                      curve=curve_server_key or curve_client_key, quantize=quantize)
     if shards and (max_sequences or max_context):
         raise click.UsageError("--max-sequences and --max-context size the shards generate launches; "
@@ -298,8 +301,9 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
         draft_client = None
         if draft_endpoint is not None:
             draft_client = stack.enter_context(ShardClient(draft_endpoint, timeout_s=timeout, curve=curve,
-                                                           liveness_timeout_s=liveness_timeout))
-        with connect_pipeline(endpoints, timeout, curve, liveness_timeout) as pipeline:
+                                                           liveness_timeout_s=liveness_timeout,
+                                                           busy_poll_s=busy_poll_ms / 1000))
+        with connect_pipeline(endpoints, timeout, curve, liveness_timeout, busy_poll_ms) as pipeline:
             if speculating:
                 try:
                     pipeline.check_speculation(rollback, block_size)

@@ -312,11 +312,12 @@ def hello_or_wait(client: ShardClient, timeout: float, *, wait_to_start: bool = 
 
 
 def connect_pipeline(endpoints: Sequence[str], timeout: float, curve: Optional[CurveKeys] = None,
-                     liveness_timeout: float = LIVENESS_TIMEOUT_S) -> Pipeline:
+                     liveness_timeout: float = LIVENESS_TIMEOUT_S, busy_poll_ms: float = 0.0) -> Pipeline:
     for endpoint in endpoints:
         with ShardClient(endpoint, timeout_s=timeout, curve=curve, liveness_timeout_s=liveness_timeout) as client:
             hello_or_wait(client, timeout, curve=curve)
     try:
-        return Pipeline.connect(endpoints, timeout_s=timeout, curve=curve, liveness_timeout_s=liveness_timeout)
+        return Pipeline.connect(endpoints, timeout_s=timeout, curve=curve, liveness_timeout_s=liveness_timeout,
+                                busy_poll_s=busy_poll_ms / 1000)
     except PipelineError as error:
         raise click.UsageError(str(error)) from None

@@ -6,6 +6,7 @@ import click
 
 from coordinator.cli.options import (
     MissingExtra,
+    busy_poll_option,
     daemon_args_from,
     launched_capacity_options,
     load_curve,
@@ -32,6 +33,7 @@ from protocol.layout import CHECKPOINT, ROLLBACK_MODES
               help="Tokens one request to a launched shard may carry (shardd's default).")
 @recovery_timeout_option
 @liveness_timeout_option
+@busy_poll_option
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the HTTP server listens on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(exists=True, file_okay=False),
@@ -64,7 +66,7 @@ from protocol.layout import CHECKPOINT, ROLLBACK_MODES
                    "/metrics stay open); required when --host is not loopback.")
 def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
           curve_client_key, quantize, max_sequences, max_context, max_tokens_per_request, recovery_timeout, liveness_timeout,
-          host, port, tokenizer_dir, served_model_name, drafter, draft_shard, draft, draft_placement, block_size, rollback, batch_rows, log_level,
+          busy_poll_ms, host, port, tokenizer_dir, served_model_name, drafter, draft_shard, draft, draft_placement, block_size, rollback, batch_rows, log_level,
           max_body_bytes, request_timeout, max_connections, as_json, api_key):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
     /version, /health, /metrics).
@@ -93,7 +95,7 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
     speculating = drafter != "none"
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
                      daemon_args_from(dtype=dtype, max_sequences=max_sequences, max_context=max_context,
-                                      max_tokens_per_request=max_tokens_per_request),
+                                      max_tokens_per_request=max_tokens_per_request, busy_poll_ms=busy_poll_ms or None),
                      curve=curve_server_key or curve_client_key, quantize=quantize)
     if shards and (max_sequences or max_context or max_tokens_per_request):
         raise click.UsageError("--max-sequences, --max-context and --max-tokens-per-request size the shards serve "
@@ -105,7 +107,7 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
         raise click.UsageError("--draft-shard and --draft go with --drafter dflash")
     curve = load_curve(curve_server_key, curve_client_key)
     with plan.running_with_drafter(mode_daemon_args(rollback, block_size, speculating)) as (endpoints, draft_endpoint):
-        with connect_pipeline(endpoints, timeout, curve, liveness_timeout) as pipeline:
+        with connect_pipeline(endpoints, timeout, curve, liveness_timeout, busy_poll_ms) as pipeline:
             try:
                 tokenizer = load_tokenizer(tokenizer_dir or plan.model_dir, pipeline.vocab_size, pipeline.shards,
                                            given=tokenizer_dir is not None)
@@ -129,7 +131,7 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
                             block_size=block_size, timeout=timeout, curve=curve, draft_endpoint=draft_endpoint,
                             eos_ids=eos_ids, chat_template=template, defaults=generation_defaults(source_dir),
                             recovery_timeout_s=recovery_timeout, liveness_timeout_s=liveness_timeout,
-                            step_rows=batch_rows)
+                            step_rows=batch_rows, busy_poll_s=busy_poll_ms / 1000)
         except (PipelineError, ValueError) as error:
             raise click.UsageError(str(error)) from None
         progress(f"tokenizer: {tokenizer.source}; chat template: {template.origin if template else 'none'}; "

@@ -100,8 +100,10 @@ class Engine:
         recovery_timeout_s: float = RECOVERY_TIMEOUT_S,
         liveness_timeout_s: float = LIVENESS_TIMEOUT_S,
         step_rows: Optional[int] = None,
+        busy_poll_s: float = 0.0,
     ) -> None:
-        """`step_rows`: the scheduler's rows per step (default: the shards' fixed step, see Scheduler)."""
+        """`step_rows`: the scheduler's rows per step (default: the shards' fixed step, see Scheduler);
+        `busy_poll_s`: each shard's reply is polled for without sleeping this long (shardctl --busy-poll-ms)."""
         if drafter not in SERVE_DRAFTERS:
             raise ValueError(f"shardctl serve drafts with one of {', '.join(SERVE_DRAFTERS)}, not {drafter!r}")
         if drafter == "dflash" and draft_endpoint is None:
@@ -121,6 +123,7 @@ class Engine:
         self.metrics = metrics or ServeMetrics()
         self.recovery_timeout_s = recovery_timeout_s  # shardctl serve --recovery-timeout
         self.liveness_timeout_s = liveness_timeout_s  # shardctl serve --liveness-timeout
+        self.busy_poll_s = busy_poll_s  # shardctl serve --busy-poll-ms
         self._idle: "queue.SimpleQueue[Connection]" = queue.SimpleQueue()
         first = self._connect()  # refuses a shard set that cannot form the model, or cannot speculate so
         try:
@@ -156,11 +159,11 @@ class Engine:
 
     def _connect(self) -> Connection:
         pipeline = Pipeline.connect(self.endpoints, timeout_s=self.timeout, curve=self.curve,
-                                    liveness_timeout_s=self.liveness_timeout_s)
+                                    liveness_timeout_s=self.liveness_timeout_s, busy_poll_s=self.busy_poll_s)
         draft_client = None
         if self.draft_endpoint is not None:
             draft_client = ShardClient(self.draft_endpoint, timeout_s=self.timeout, curve=self.curve,
-                                       liveness_timeout_s=self.liveness_timeout_s)
+                                       liveness_timeout_s=self.liveness_timeout_s, busy_poll_s=self.busy_poll_s)
         return Connection(pipeline, draft_client)
 
     def _take(self) -> Connection:
