@@ -9,7 +9,6 @@ above its kernels' is launch-bound: a CUDA graph of a fixed chunk would remove m
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ def main() -> int:
     import torch
 
     from bench_gpu import profile_top
+    from bench_seed import write_json
     from protocol.layout import CHECKPOINT
     from shardd.fast.shard import FastShard
     from shardd.model import rollback as rb
@@ -72,9 +72,7 @@ def main() -> int:
         out["by_length"][str(n)] = row
         print(f"prefill {n:5d} tokens: wall {row['wall_ms']:8.2f} ms, host {row['host_ms']:8.2f} ms, kernels "
               f"{row['kernel_ms']:8.2f} ms in {row['launches']} launches, {row['tok_s']} tok/s", flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
     return 0
 
 
