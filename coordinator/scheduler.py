@@ -63,7 +63,12 @@ from coordinator.pipeline import BatchForward
 from coordinator.target import ReplayTarget, RollbackFailed, SequenceLost
 from protocol.layout import CHECKPOINT, REPLAY, ROLLBACK_MODES
 
-DEFAULT_STEP_ROWS = 256  # rows per step at least: 32 streams' blocks of 8, or a prompt chunk beside 128 decode rows
+# Rows per step at least: 32 streams' blocks of 16, or a 512-token prompt chunk beside 512 decode rows. The chunk
+# (half of it) is what a prefill call costs least per token below ~1,000 tokens on a GPU: on the H200 host a
+# 27B-shape prefill call is launch-bound there (128 / 256 / 512 tokens: 129 / 110 / 114 ms of wall time for 29 / 38
+# / 63 ms of kernels; bench/results/h200/prefill_profile_538a901.json), so 128-token chunks (the default of 256
+# rows) took a 512-token prompt 4.5x as long as one 512-token chunk. vLLM and SGLang chunk prompts at 2,048-8,192.
+DEFAULT_STEP_ROWS = 1024
 
 QUEUED, PREFILL, DECODE, DONE = "queued", "prefill", "decode", "done"
 

@@ -154,6 +154,7 @@ def run_batch_local(args) -> dict:
     import torch
 
     from coordinator.sampling import Sampling
+    from coordinator.scheduler import DEFAULT_STEP_ROWS as SCHEDULER_ROWS
     from protocol.layout import CHECKPOINT, REPLAY_SSM
     from shardd.fast.shard import FastShard
     from shardd.model import rollback as rb
@@ -173,7 +174,9 @@ def run_batch_local(args) -> dict:
     del weights
     shard = FastShard(model, max_sequences=max(CONCURRENCY) + 1, max_context=context, **fixed_step(args, FastShard))
     out: dict = {"batch_preset": args.preset, "batch_prompt_len": args.prompt_len, "batch_new_tokens": args.tokens,
-                 "batch_rows": args.batch_rows, "batch_fixed_step_rows_local": getattr(shard, "batch_rows", None),
+                 # None: the scheduler's default (at least DEFAULT_STEP_ROWS; prompts in chunks of half of it)
+                 "batch_rows": args.batch_rows, "batch_scheduler_default_rows": SCHEDULER_ROWS,
+                 "batch_fixed_step_rows_local": getattr(shard, "batch_rows", None),
                  "batch_build_s": round(time.perf_counter() - started, 1)}
     target = LocalTarget.from_shards([shard], context)
     prompts = stream_prompts(args, max(CONCURRENCY))

@@ -1268,7 +1268,8 @@ def main() -> int:
                         help="FP8 linears in this layout (the head and embedding bf16); the floor is their bytes.")
     parser.add_argument("--fp8-pdl", action="store_true",
                         help="With --fp8: the FP8 GEMM's fixed tile configs with programmatic dependent launch.")
-    parser.add_argument("--batch-rows", type=int, default=512, help="The batch parts' scheduler rows per step.")
+    parser.add_argument("--batch-rows", type=int, default=None,
+                        help="The batch parts' scheduler rows per step (default: the scheduler's, as shardctl serve).")
     parser.add_argument("--daemon-step-rows", type=int, default=None,
                         help="The batch parts' fixed step R (FastShard step_rows in process, shardd serve --step-rows; "
                              "default: shardd's).")
@@ -1308,7 +1309,7 @@ def main() -> int:
                    *(["--fp8", args.fp8] if args.fp8 else []), *(["--fp8-pdl"] if args.fp8_pdl else []),
                    "--draft", args.draft, "--commits", args.commits, "--placements", args.placements,
                    "--dflash-device", args.dflash_device, "--dflash-engine", args.dflash_engine,
-                   "--dflash-dtype", args.dflash_dtype, "--batch-rows", str(args.batch_rows),
+                   "--dflash-dtype", args.dflash_dtype, *(["--batch-rows", str(args.batch_rows)] if args.batch_rows else []),
                    *(["--daemon-step-rows", str(args.daemon_step_rows)] if args.daemon_step_rows else []),
                    *(["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []),
                    "--step-rows", args.step_rows, "--batch-step-budget-s", str(args.batch_step_budget_s),
