@@ -225,9 +225,5 @@ class FastDrafter:
         torch.argmax(self.logits, dim=-1, out=self.ids)
 
     def _add_norm(self, delta, weight) -> None:
-        eps = self.config.rms_norm_eps
-        if delta is None:
-            elementwise.add_rms_norm(self.hidden, weight, eps, out=self.normed, zero_centred=False)
-        else:
-            elementwise.add_rms_norm(self.hidden, weight, eps, delta=delta, sum_out=self.hidden, out=self.normed,
-                                     zero_centred=False)
+        elementwise.residual_rms_norm(self.hidden, delta, weight, self.config.rms_norm_eps, self.normed,
+                                      zero_centred=False)

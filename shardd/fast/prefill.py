@@ -50,17 +50,17 @@ def prefill(model: ShardModel, layers: list[FusedLayer], state: SequenceState, p
     act = torch.empty((hidden.shape[0], c.intermediate_size), dtype=hidden.dtype, device=hidden.device)
     delta = None  # the last branch's output, added to the residual stream by the next norm
     for layer in layers:
-        _add_norm(hidden, delta, layer.input_layernorm, eps, normed)
+        elementwise.residual_rms_norm(hidden, delta, layer.input_layernorm, eps, normed)
         if isinstance(layer.mixer, FusedAttention):
             delta = _attention(model, layer, normed, state.kv[layer.index], pos)
         else:
             delta = _gdn(model, layer, normed, state.gdn[layer.index], chunk_rule)
-        _add_norm(hidden, delta, layer.post_attention_layernorm, eps, normed)
+        elementwise.residual_rms_norm(hidden, delta, layer.post_attention_layernorm, eps, normed)
         delta = F.linear(elementwise.silu_mul(F.linear(normed, layer.gate_up), act), layer.down)
         if layer.index in wanted:
             out.captured[layer.index] = hidden + delta
     if model.owns_head:
-        _add_norm(hidden, delta, model.norm, eps, normed)
+        elementwise.residual_rms_norm(hidden, delta, model.norm, eps, normed)
         out.logits = F.linear(normed, model.lm_head)
         out.ids = out.logits.argmax(dim=-1)
     else:
@@ -68,14 +68,6 @@ def prefill(model: ShardModel, layers: list[FusedLayer], state: SequenceState, p
             hidden += delta
         out.hidden = hidden
     return out
-
-
-def _add_norm(hidden: torch.Tensor, delta, weight, eps: float, normed: torch.Tensor) -> None:
-    """hidden += delta (rounded as the reference's residual add), normed = rms_norm(hidden): one launch."""
-    if delta is None:
-        elementwise.add_rms_norm(hidden, weight, eps, out=normed)
-    else:
-        elementwise.add_rms_norm(hidden, weight, eps, delta=delta, sum_out=hidden, out=normed)
 
 
 def _head_norm(x: torch.Tensor, weight, eps: float) -> torch.Tensor:

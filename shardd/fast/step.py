@@ -68,29 +68,21 @@ def run_step(model: ShardModel, layers: list[FusedLayer], pools: StatePools, buf
     delta = None  # the last branch's output, added to the residual stream by the next norm
     gdn_row = {layer: row for row, layer in enumerate(pools.gdn_layers)}
     for layer in layers:
-        _add_norm(b, delta, layer.input_layernorm, eps)
+        elementwise.residual_rms_norm(b.hidden, delta, layer.input_layernorm, eps, b.normed)
         if isinstance(layer.mixer, FusedAttention):
             delta = _attention(model, layer, pools, b, rows)
         else:
             delta = _gdn(model, layer, gdn_row[layer.index], pools, b, rows)
-        _add_norm(b, delta, layer.post_attention_layernorm, eps)
+        elementwise.residual_rms_norm(b.hidden, delta, layer.post_attention_layernorm, eps, b.normed)
         delta = F.linear(elementwise.silu_mul(F.linear(b.normed, layer.gate_up), b.act), layer.down)
         if layer.index in captured:
             torch.add(b.hidden, delta, out=captured[layer.index])
     if model.owns_head:
-        _add_norm(b, delta, model.norm, eps)
+        elementwise.residual_rms_norm(b.hidden, delta, model.norm, eps, b.normed)
         b.logits.copy_(F.linear(b.normed, model.lm_head))
         torch.argmax(b.logits, dim=-1, out=b.ids)
     else:
         b.hidden.add_(delta)
-
-
-def _add_norm(b: StepBuffers, delta, weight, eps) -> None:
-    """hidden += delta (rounded as the reference's residual add), normed = rms_norm(hidden)."""
-    if delta is None:
-        elementwise.add_rms_norm(b.hidden, weight, eps, out=b.normed)
-    else:
-        elementwise.add_rms_norm(b.hidden, weight, eps, delta=delta, sum_out=b.hidden, out=b.normed)
 
 
 def _gdn(model, layer: FusedLayer, row: int, pools: StatePools, b: StepBuffers, rows: int) -> torch.Tensor:

@@ -47,6 +47,12 @@ def add_rms_norm(x, weight, eps, *, delta=None, sum_out=None, out=None, zero_cen
     return out
 
 
+def residual_rms_norm(hidden, delta, weight, eps, out, *, zero_centred=True):
+    """The residual stream's step between two branches, one launch: hidden += delta in place (rounded as the
+    reference's residual add; nothing to add before the first branch: delta None), out = rms_norm(hidden)."""
+    return add_rms_norm(hidden, weight, eps, delta=delta, sum_out=hidden, out=out, zero_centred=zero_centred)
+
+
 @triton.jit
 def _gated_rms_norm_kernel(core_ptr, z_ptr, w_ptr, out_ptr, heads, width, z_stride, eps, BLOCK: tl.constexpr):
     # one (token, head) row: core [T, heads, width] float32, z [T, heads * width] (a strided view)
