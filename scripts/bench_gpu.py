@@ -855,15 +855,8 @@ def run_relay(args) -> dict:
 
     ranges, prompt = halves_and_prompt(args)
     devices = e2e_devices(args)
-    from shardd.cli import serve as serve_command
-    from shardd.engine import busy_poll_seconds
-
-    def serve_default(option: str):
-        return next(param.default for param in serve_command.params if option in param.opts)
-
-    # the plain runs' daemons take `shardd serve`'s default --busy-poll-ms, their coordinator sleeps
-    out: dict = {"relay_devices": devices, "relay_daemon_busy_poll_ms": busy_poll_seconds(
-        serve_default("--busy-poll-ms"), devices[0]) * 1000}
+    # the plain runs sleep on both ends (--busy-poll-ms 0 given, whatever shardd's default), the busy ones poll
+    out: dict = {"relay_devices": devices, "relay_daemon_busy_poll_ms": 0.0}
     by_phase: dict = {}
     hashes: dict = {}
     run_dir = Path(tempfile.mkdtemp(prefix="bench-relay-"))
@@ -876,7 +869,7 @@ def run_relay(args) -> dict:
     for mode, env, tag in runs:
         busy = tag == "-busy"
         processes, endpoints = start_daemons(args, ranges, mode, run_dir, devices=devices, env=env, tag=tag,
-                                             extra=["--busy-poll-ms", str(args.busy_poll_ms)] if busy else [])
+                                             extra=["--busy-poll-ms", str(args.busy_poll_ms if busy else 0)])
         try:
             with Pipeline.connect(endpoints, timeout_s=600, busy_poll_s=args.busy_poll_ms / 1000 if busy else 0) as pipeline:
                 greedy_decode(pipeline, 98, prompt[:32], 4)  # warm-up: capture the graphs
