@@ -23,6 +23,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="qwen3.5-27b")
     parser.add_argument("--lengths", default="64,128,256,512,1024,2048")
+    parser.add_argument("--rule", default="direct", choices=("direct", "public", "both"),
+                        help="fla's gated delta rule through its forward functions (the prefill's default), its public "
+                             "wrapper, or both one after the other (an A/B in one process)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -31,6 +34,7 @@ def main() -> int:
     from bench_gpu import profile_top
     from bench_seed import write_json
     from protocol.layout import CHECKPOINT
+    from shardd.fast import prefill
     from shardd.fast.shard import FastShard
     from shardd.model import rollback as rb
     from shardd.model.shard import ShardModel
@@ -49,8 +53,11 @@ def main() -> int:
     generator = torch.Generator().manual_seed(0)
     out: dict = {"preset": args.preset, "prefill_path": "fla + flash attention" if shard.prefill_kernels else "reference",
                  "by_length": {}}
-    for n in lengths:
+    rules = ("direct", "public") if args.rule == "both" else (args.rule,)
+    default_rule = prefill.fla_rule
+    for rule, n in [(rule, n) for n in lengths for rule in rules]:
         tokens = torch.randint(0, config.vocab_size, (n,), generator=generator).tolist()
+        prefill.fla_rule = lambda rule=rule: default_rule(direct=rule == "direct")  # noqa: E731
 
         def call():
             state.length = 0
@@ -69,8 +76,8 @@ def main() -> int:
         row = {"wall_ms": round(statistics.median(walls) * 1e3, 2), "host_ms": round(statistics.median(hosts) * 1e3, 2),
                "kernel_ms": top[-1]["ms_per_call"], "launches": top[-1]["launches"],
                "tok_s": round(n / statistics.median(walls), 1), "top": top[:-1]}
-        out["by_length"][str(n)] = row
-        print(f"prefill {n:5d} tokens: wall {row['wall_ms']:8.2f} ms, host {row['host_ms']:8.2f} ms, kernels "
+        out["by_length"][str(n) if len(rules) == 1 else f"{n}/{rule}"] = row
+        print(f"prefill {n:5d} tokens ({rule}): wall {row['wall_ms']:8.2f} ms, host {row['host_ms']:8.2f} ms, kernels "
               f"{row['kernel_ms']:8.2f} ms in {row['launches']} launches, {row['tok_s']} tok/s", flush=True)
     write_json(args.json, out)
     return 0

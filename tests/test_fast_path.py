@@ -241,6 +241,30 @@ def test_gpu_prefill_matches_the_reference():
     assert relative(b_state.gdn.conv, a_state.gdn.conv) < 1e-2  # later layers' inputs carry the tf32 rounding
 
 
+@gpu_only
+def test_the_prefill_calls_fla_s_forward_with_the_public_function_s_bits():
+    """`prefill.fla_rule()` (fla's forward functions without the public wrapper's layers) gives the public
+    `chunk_gated_delta_rule`'s bits: a prefill in two calls through each, logits and every layer's state equal."""
+    pytest.importorskip("fla", reason="the GPU prefill uses flash-linear-attention (the `cuda` extra)")
+    from shardd.fast import prefill
+
+    step = fast(CHECKPOINT, preset="small")
+    states = [step.new_state(CONTEXT), step.new_state(CONTEXT)]
+    vocab = step.model.config.vocab_size
+    for pos, n in ((0, 70), (70, 33)):
+        block = ids(n, vocab, pos)
+        x = torch.nn.functional.embedding(torch.tensor(block, device=DEVICE), step.model.embed_tokens)
+        outs = []
+        for state, rule in zip(states, (prefill.fla_rule(), prefill.fla_rule(direct=False))):
+            rb.settle(state)
+            outs.append(prefill.prefill(step.model, step.layers, state, pos, x, (), chunk_rule=rule))
+            state.length = pos + n
+        assert torch.equal(outs[0].logits, outs[1].logits)
+    for layer in step.model.gdn_layers:
+        assert torch.equal(states[0].gdn[layer].recurrent, states[1].gdn[layer].recurrent)
+        assert torch.equal(states[0].gdn[layer].conv, states[1].gdn[layer].conv)
+
+
 def reference_chunk_rule(q, k, v, *, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
     """fla's `chunk_gated_delta_rule` calling convention ([1, n, heads, dim] inputs, q/k l2-normalised in the
     kernel), computed by the reference model's token-by-token recurrence (shardd/model/delta_rule.py)."""

@@ -9,6 +9,8 @@ chunks always takes this path, so a re-fill reproduces the original state. Witho
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +31,37 @@ def available(device: torch.device) -> bool:
     return True
 
 
+_FLA_DIRECT_VERSIONS = ("0.6.",)  # fla releases whose internal forward's signature `fla_rule` was written against
+
+
+@functools.lru_cache(maxsize=None)
+def fla_rule(direct: bool = True):
+    """fla's chunked gated delta rule, called as `chunk_gated_delta_rule` is.
+
+    `direct`: its forward functions without the public wrapper's layers (backend dispatch, input guard, autograd
+    Function, autocast), which were a third of a prefill call's host time (py-spy,
+    bench/results/h200/prefill_pyspy_summary_538a901.txt). The same kernels in the same order on the same
+    inputs (made contiguous as the guard makes them), so the same bits; a GPU test compares the two. Only for
+    the fla releases in `_FLA_DIRECT_VERSIONS`: on any other the public function."""
+    import fla
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    if not direct or not fla.__version__.startswith(_FLA_DIRECT_VERSIONS):
+        return chunk_gated_delta_rule
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+
+    def rule(q, k, v, *, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+        if use_qk_l2norm_in_kernel:
+            q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
+        _, core, _, final, _, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state.contiguous(),
+                                                               output_final_state)
+        return core.to(q.dtype), final
+
+    return rule
+
+
 def prefill(model: ShardModel, layers: list[FusedLayer], state: SequenceState, pos: int, x: torch.Tensor,
             capture_layers, chunk_rule=None) -> ShardOutput:
     """x [n, hidden] (embedded tokens or the previous shard's hidden) at positions pos .. pos + n - 1.
@@ -37,10 +70,11 @@ def prefill(model: ShardModel, layers: list[FusedLayer], state: SequenceState, p
     (shardd/kernels/elementwise.py, the reference's rounding points) and the SwiGLU product is one kernel: a
     prefill call is launch-bound up to ~1,000 tokens on an H200 host (110 ms of host time for 38 ms of kernels
     at 256 tokens, bench/results/h200/prefill_profile_538a901.json), and the reference's norms took ~8 launches
-    each. `chunk_rule`: the gated delta rule, called as fla's `chunk_gated_delta_rule` (default: fla's own; the
-    CPU test passes the reference's recurrence, so the rest of this path is tested without a GPU)."""
+    each. `chunk_rule`: the gated delta rule, called as fla's `chunk_gated_delta_rule` (default:
+    `fla_rule()`; the CPU test passes the reference's recurrence, so the rest of this path is tested without a
+    GPU)."""
     if chunk_rule is None:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk_rule
+        chunk_rule = fla_rule()
     c = model.config
     eps = c.rms_norm_eps
     wanted = set(capture_layers)
