@@ -15,7 +15,7 @@ echo "== GPU tests"
 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_fast_path.py \
     -k "prefill or bit_identical" 2>&1 | tail -4 | tee "$OUT/gpu_tests_check_$TAG.txt"
 echo "== profile_prefill"
-timeout ${PROFILE_TIMEOUT:-70} python3 scripts/profile_prefill.py --lengths 256,512,1024 \
+timeout ${PROFILE_TIMEOUT:-70} python3 scripts/profile_prefill.py --lengths ${PROFILE_LENGTHS:-256,512,1024} --rule ${PROFILE_RULE:-both} \
     --json "$OUT/prefill_profile_$TAG.json" 2>&1 | grep '^prefill'
 echo "== bench_gpu --parts relay,local"
 timeout ${BENCH_TIMEOUT:-240} python3 scripts/bench_gpu.py --parts relay,local --tokens 64 --repeats 10 \
