@@ -26,6 +26,9 @@ def main() -> int:
     parser.add_argument("--rule", default="direct", choices=("direct", "public", "both"),
                         help="fla's gated delta rule through its forward functions (the prefill's default), its public "
                              "wrapper, or both one after the other (an A/B in one process)")
+    parser.add_argument("--prefill-rows", default="0,512",
+                        help="comma-separated pieces to compare: 0 = one eager call, P = pieces of P rows, each whole "
+                             "piece replayed from CUDA graphs (`shardd serve --prefill-rows`)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -35,6 +38,7 @@ def main() -> int:
     from bench_seed import write_json
     from protocol.layout import CHECKPOINT
     from shardd.fast import prefill
+    from shardd.fast.graph import PrefillGraphs
     from shardd.fast.shard import FastShard
     from shardd.model import rollback as rb
     from shardd.model.shard import ShardModel
@@ -54,10 +58,16 @@ def main() -> int:
     out: dict = {"preset": args.preset, "prefill_path": "fla + flash attention" if shard.prefill_kernels else "reference",
                  "by_length": {}}
     rules = ("direct", "public") if args.rule == "both" else (args.rule,)
+    pieces = [int(p) for p in args.prefill_rows.split(",")]
     default_rule = prefill.fla_rule
-    for rule, n in [(rule, n) for n in lengths for rule in rules]:
+    graphs = {}  # pieces -> its PrefillGraphs (captured once per process, as a daemon's)
+    variants = [(rule, p, n) for n in lengths for p in pieces for rule in rules if not (p and rule == "public")]
+    for rule, p, n in variants:
         tokens = torch.randint(0, config.vocab_size, (n,), generator=generator).tolist()
-        prefill.fla_rule = lambda rule=rule: default_rule(direct=rule == "direct")  # noqa: E731
+        prefill.fla_rule = lambda direct=True, rule=rule: default_rule(direct=rule == "direct")  # noqa: E731
+        if p and p not in graphs:
+            graphs[p] = PrefillGraphs(model, shard.layers, shard.pools, p)
+        shard.prefill_rows, shard.prefill_graphs = p, graphs.get(p)
 
         def call():
             state.length = 0
@@ -76,9 +86,13 @@ def main() -> int:
         row = {"wall_ms": round(statistics.median(walls) * 1e3, 2), "host_ms": round(statistics.median(hosts) * 1e3, 2),
                "kernel_ms": top[-1]["ms_per_call"], "launches": top[-1]["launches"],
                "tok_s": round(n / statistics.median(walls), 1), "top": top[:-1]}
-        out["by_length"][str(n) if len(rules) == 1 else f"{n}/{rule}"] = row
-        print(f"prefill {n:5d} tokens ({rule}): wall {row['wall_ms']:8.2f} ms, host {row['host_ms']:8.2f} ms, kernels "
-              f"{row['kernel_ms']:8.2f} ms in {row['launches']} launches, {row['tok_s']} tok/s", flush=True)
+        if p:
+            row["graph_failures"] = {str(list(k)): v for k, v in graphs[p].failures.items()}
+        name = str(n) if len(variants) == len(lengths) else f"{n}/{rule}/pieces{p}"
+        out["by_length"][name] = row
+        print(f"prefill {n:5d} tokens ({rule}, pieces {p or 'none'}): wall {row['wall_ms']:8.2f} ms, host "
+              f"{row['host_ms']:8.2f} ms, kernels {row['kernel_ms']:8.2f} ms in {row['launches']} launches, "
+              f"{row['tok_s']} tok/s", flush=True)
     write_json(args.json, out)
     return 0
 

@@ -14,8 +14,8 @@ from protocol.layout import CHECKPOINT, SHARD_ROLLBACK_MODES, check_layer_range,
 from shardd import __version__, logs, systemd
 from shardd.logs import FORMATS, LEVELS
 from shardd.progress import LoadProgress
-from shardd.engine import (AUTO_BUSY_POLL_CPUS, AUTO_BUSY_POLL_MS, DEFAULT_STEP_ROWS, ENGINES, busy_poll_seconds,
-                           step_rows_for)
+from shardd.engine import (AUTO_BUSY_POLL_CPUS, AUTO_BUSY_POLL_MS, DEFAULT_STEP_ROWS, ENGINES, PREFILL_ROWS,
+                           busy_poll_seconds, step_rows_for)
 from shardd.hub import ModelNotFound, resolve_model
 from shardd.listen import endpoint_problem
 
@@ -64,6 +64,10 @@ def main():
                    f"at most --max-verify-tokens). Default {DEFAULT_STEP_ROWS}, at most --max-sequences x "
                    "--max-verify-tokens, at least --max-verify-tokens; with FP8 weights --max-verify-tokens (the "
                    "FP8 GEMM's time grows with the rows).")
+@click.option("--prefill-rows", type=click.IntRange(0, 1 << 16), default=PREFILL_ROWS, show_default=True,
+              help="Fast engine on a GPU: a prompt goes through the prefill in pieces of this many rows, each whole "
+                   "piece replayed from CUDA graphs (a prompt chunk costs its kernels' time, not its launches'); "
+                   "0: one eager call per request.")
 @click.option("--max-sequences", type=click.IntRange(1, 65536), default=8, show_default=True)
 @click.option("--max-context", type=click.IntRange(1, 1 << 22), default=4096, show_default=True, help="Tokens per sequence.")
 @click.option("--max-tokens-per-request", type=click.IntRange(1, 1 << 20), default=4096, show_default=True)
@@ -93,7 +97,7 @@ def main():
 @click.option("--log-format", type=click.Choice(FORMATS), default="text", show_default=True,
               help="text lines, or one JSON object per line.")
 def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_file, max_verify_tokens, rollback_mode, engine,
-          step_rows, max_sequences, max_context, max_tokens_per_request, max_gpu_memory, quantize, curve_secret_key, curve_allow_dir,
+          step_rows, prefill_rows, max_sequences, max_context, max_tokens_per_request, max_gpu_memory, quantize, curve_secret_key, curve_allow_dir,
           sequence_idle_timeout, busy_poll_ms,
           threads, metrics_port,
           metrics_host, log_level, log_format):
@@ -186,7 +190,8 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
     try:
         plan = daemon_memory_plan(source, config, None if draft_only else (begin, end), draft, dtype=dtype,
                                   keep_fp8=keep_fp8, engine=engine, storage=storage, options=options, cap=cap,
-                                  step_rows=step_rows)
+                                  step_rows=step_rows,
+                                  prefill_rows=prefill_rows if torch.device(device).type == "cuda" else 0)
     except (ValueError, OSError) as exc:
         log.error("cannot plan memory: %s", exc)
         sys.exit(EXIT_FAILURE)
@@ -236,7 +241,7 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
             # buffers (one 2.4 GiB block for the 27B shape) failed under 24 GiB with 2.7 GiB cached and free
             torch.cuda.empty_cache()
         shard = None if model is None else serve_with(engine, model, max_sequences=max_sequences, max_context=max_context,
-                                                      step_rows=step_rows)
+                                                      step_rows=step_rows, prefill_rows=prefill_rows)
         drafter = draft_with(engine, draft_model, max_sequences=max_sequences, max_context=max_context)
         del model, draft_model
         if torch.device(device).type == "cuda":

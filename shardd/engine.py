@@ -15,6 +15,11 @@ ENGINES = ("auto", "reference", "fast")
 # H200 every 27B-shape weight GEMM at 64 rows costs 1.18x the weight-read floor (1.12x at 16): four verify blocks
 # of 16, or 64 decoding sequences, for about the price of one (issue 20; scripts/bench_gpu.py --parts batch-step).
 DEFAULT_STEP_ROWS = 64
+# P of the fast engine's GPU prefill (`shardd serve --prefill-rows`): prompts go in pieces of P rows, each whole
+# piece replayed from CUDA graphs. The coordinator's prompt chunk (coordinator/scheduler.py: half its default 1,024
+# rows a step), where an eager 27B-shape prefill call on an H200 host took ~114 ms of launches for ~63 ms of
+# kernels (bench/results/h200/prefill_profile_538a901.json).
+PREFILL_ROWS = 512
 
 
 def _interpreted() -> bool:
@@ -70,14 +75,17 @@ def step_rows_for(engine: str, step_rows: int | None, max_verify_tokens: int, *,
     return step_rows
 
 
-def serve_with(engine: str, shard, *, max_sequences: int, max_context: int, step_rows: int | None = None):
+def serve_with(engine: str, shard, *, max_sequences: int, max_context: int, step_rows: int | None = None,
+               prefill_rows: int | None = None):
     """The shard as the daemon serves it: itself, or a FastShard over it (state pools sized here; `step_rows`: the
-    batched step's R, default one sequence's rows)."""
+    batched step's R, default one sequence's rows; `prefill_rows`: the GPU prefill's graphed piece, default
+    PREFILL_ROWS)."""
     if engine != "fast":
         return shard
     from shardd.fast.shard import FastShard
 
-    return FastShard(shard, max_sequences=max_sequences, max_context=max_context, step_rows=step_rows)
+    return FastShard(shard, max_sequences=max_sequences, max_context=max_context, step_rows=step_rows,
+                     prefill_rows=PREFILL_ROWS if prefill_rows is None else prefill_rows)
 
 
 def draft_with(engine: str, hosted, *, max_sequences: int, max_context: int):

@@ -289,7 +289,7 @@ def build_drafter(
 
 def daemon_memory_plan(source: ModelSource, config: ModelConfig, layers: tuple[int, int] | None, draft: str | None, *,
                        dtype: str, keep_fp8: bool, engine: str, storage: RollbackStorage, options, cap: int | None,
-                       step_rows: int | None = None):
+                       step_rows: int | None = None, prefill_rows: int = 0):
     """The memory a daemon serving `layers` (None: only a drafter) and `draft` will allocate (shardd.memory), from
     the configs alone: nothing is loaded."""
     from shardd.memory import drafter_weight_bytes, plan_memory
@@ -316,4 +316,4 @@ def daemon_memory_plan(source: ModelSource, config: ModelConfig, layers: tuple[i
         checkpoint_bytes_per_sequence=rb.storage_bytes_per_sequence(config, gdn, storage),
         # the fast step's R (--step-rows), else one sequence's rows (FastShard's DEFAULT_ROWS without storage)
         step_rows=step_rows or (storage.max_verify_tokens if storage.enabled else 16),
-        drafter_bytes=drafter_bytes, cap=cap)
+        drafter_bytes=drafter_bytes, cap=cap, prefill_rows=prefill_rows if layers is not None else 0)

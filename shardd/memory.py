@@ -85,11 +85,11 @@ class MemoryPlan:
 def plan_memory(
     config: ModelConfig, begin: int, end: int, *, weight_bytes: int, dtype_bytes: int, engine: str,
     max_sequences: int, max_context: int, max_tokens_per_request: int, checkpoint_bytes_per_sequence: int,
-    step_rows: int, drafter_bytes: int = 0, cap: int | None = None,
+    step_rows: int, drafter_bytes: int = 0, cap: int | None = None, prefill_rows: int = 0,
 ) -> MemoryPlan:
     """What a daemon serving layers [begin, end) will allocate with these options. The fast engine allocates every
     sequence slot (plus one scratch slot) at start; the reference engine allocates as sequences open, so its plan is
-    the worst case of `max_sequences` open at once."""
+    the worst case of `max_sequences` open at once. `prefill_rows`: the GPU prefill's graphed piece (0: none)."""
     c = config
     attention = [i for i in range(begin, end) if not c.is_gdn(i)]
     gdn = [i for i in range(begin, end) if c.is_gdn(i)]
@@ -113,9 +113,16 @@ def plan_memory(
         items["step_buffers_and_graphs"] = buffers + GRAPH_POOL_BYTES
     # the largest transient of a prefill request: its chunk's MLP activations (and logits on the head shard)
     tokens = min(max_tokens_per_request, max_context)
-    chunk = min(tokens, 1024)
-    items["prefill_activations"] = chunk * (c.intermediate_size * 3 + c.hidden_size * 4) * dtype_bytes + (
-        tokens * c.vocab_size * 4 if head else 0)
+    chunk = min(tokens, prefill_rows or 1024)
+    activations = chunk * (c.intermediate_size * 3 + c.hidden_size * 4) * dtype_bytes
+    items["prefill_activations"] = activations + (tokens * c.vocab_size * 4 if head else 0)
+    if engine == "fast" and prefill_rows and prefill_rows <= max_context:
+        # shardd.fast.prefill.PrefillGraphs, once a piece of prefill_rows has run: a staging copy of one sequence's
+        # GDN state, the static buffers (the residual stream, its norm, the SwiGLU product, an attention core's
+        # output) and the graphs' pool, the transients of one piece kept
+        static = prefill_rows * (c.hidden_size * 3 + c.intermediate_size) * dtype_bytes
+        items["prefill_graphs"] = (c.recurrent_state_bytes() + c.conv_state_bytes()) * len(gdn) + static + (
+            prefill_rows * (c.intermediate_size * 3 + c.hidden_size * 4) * dtype_bytes + GRAPH_POOL_BYTES)
     if drafter_bytes:
         items["drafter"] = drafter_bytes
     return MemoryPlan(items, cap)

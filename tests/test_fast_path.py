@@ -247,6 +247,7 @@ def test_the_prefill_calls_fla_s_forward_with_the_public_function_s_bits():
     `chunk_gated_delta_rule`'s bits: a prefill in two calls through each, logits and every layer's state equal."""
     pytest.importorskip("fla", reason="the GPU prefill uses flash-linear-attention (the `cuda` extra)")
     from shardd.fast import prefill
+    from shardd.fast.graph import PrefillGraphs
 
     step = fast(CHECKPOINT, preset="small")
     states = [step.new_state(CONTEXT), step.new_state(CONTEXT)]
@@ -263,6 +264,43 @@ def test_the_prefill_calls_fla_s_forward_with_the_public_function_s_bits():
     for layer in step.model.gdn_layers:
         assert torch.equal(states[0].gdn[layer].recurrent, states[1].gdn[layer].recurrent)
         assert torch.equal(states[0].gdn[layer].conv, states[1].gdn[layer].conv)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_prefill_graphs_replay_the_eager_prefill_s_bits(dtype):
+    """PrefillGraphs on the GPU (fla's rule, real CUDA graphs): a prompt in pieces of 32 rows gives the eager
+    pieces' bits (logits, captures, every layer's state, the KV rows), the first call's check keeps the graphs,
+    and a second sequence in another slot at another position replays them with the same bits."""
+    pytest.importorskip("fla", reason="the GPU prefill uses flash-linear-attention (the `cuda` extra)")
+    from shardd.fast import prefill
+    from shardd.fast.graph import PrefillGraphs
+
+    model = shard(CHECKPOINT, preset="small", dtype=dtype)
+    step = FastShard(model, max_sequences=2, max_context=CONTEXT, prefill_rows=32)
+    eager = FastShard(model, max_sequences=2, max_context=CONTEXT, prefill_rows=0, layers=step.layers)
+    assert step.prefill_graphs is not None and step.prefill_graphs.use_graphs
+    vocab, capture = model.config.vocab_size, (1, 3)
+    for seq, (pos, n) in enumerate(((0, 70), (ROWS, 64))):
+        a, b = step.new_state(CONTEXT), eager.new_state(CONTEXT)
+        if pos:  # a first block through the step, then the prompt's rest from `pos`
+            block = ids(pos, vocab, 50 + seq)
+            step.forward(a, 0, tokens=block), eager.forward(b, 0, tokens=block)
+        tokens = ids(n, vocab, seq)
+        out = step.forward(a, pos, tokens=tokens, capture_layers=capture)
+        x = torch.nn.functional.embedding(torch.tensor(tokens, device=DEVICE), model.embed_tokens)
+        rb.settle(b)
+        pieces = [prefill.prefill(model, eager.layers, b, pos + first, x[first:first + 32], capture)
+                  for first in range(0, n, 32)]
+        assert torch.equal(out.logits, torch.cat([piece.logits for piece in pieces]))
+        for layer in capture:
+            assert torch.equal(out.captured[layer], torch.cat([piece.captured[layer] for piece in pieces]))
+        assert torch.equal(a.gdn.conv, b.gdn.conv) and torch.equal(a.gdn.recurrent, b.gdn.recurrent)
+        for layer, cache in a.kv.items():
+            assert torch.equal(cache.key[:, :pos + n], b.kv[layer].key[:, :pos + n])
+            assert torch.equal(cache.value[:, :pos + n], b.kv[layer].value[:, :pos + n])
+        assert step.prefill_graphs.failures == {}, step.prefill_graphs.failures
+        assert isinstance(step.prefill_graphs.sets[capture][2][0], torch.cuda.CUDAGraph)
 
 
 def reference_chunk_rule(q, k, v, *, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
@@ -286,6 +324,7 @@ def test_the_gpu_prefill_path_matches_the_reference_with_the_reference_recurrenc
     with fla's chunked rule swapped for the reference's own recurrence: on the CPU (the kernels under Triton's
     interpreter) it agrees with the reference model, logits or hidden rows, captures and state, over two calls."""
     from shardd.fast import prefill
+    from shardd.fast.graph import PrefillGraphs
 
     begin, end = layers or (0, None)
     reference = shard(CHECKPOINT, preset="small", begin=begin, end=end)
@@ -313,6 +352,54 @@ def test_the_gpu_prefill_path_matches_the_reference_with_the_reference_recurrenc
     for layer in reference.gdn_layers:
         assert relative(b_state.gdn[layer].recurrent, a_state.gdn[layer].recurrent) < 1e-5
     assert relative(b_state.gdn.conv, a_state.gdn.conv) < 1e-5
+
+
+@pytest.mark.parametrize("layers", [None, (0, 2)], ids=["whole", "first-two"])  # 0:2 ends on GDN: hidden out
+def test_the_prefill_in_pieces_replays_its_stages_with_the_eager_path_s_bits(layers, monkeypatch):
+    """A FastShard's GPU prefill in pieces of `prefill_rows`, each whole piece through PrefillGraphs (here its
+    stages replayed by running their ops, the reference recurrence for fla's: everything but the capture, which
+    the GPU test and the first-call check cover): bit-identical to the eager prefill of the same pieces, from
+    the first call (the check) and after it (the replay through the staged GDN state), on two sequences whose
+    slots differ; captures too; and within rounding of the reference model, which prefills in one call."""
+    from shardd.fast import prefill
+    from shardd.fast.graph import PrefillGraphs
+
+    monkeypatch.setattr(prefill, "fla_rule", lambda direct=True: reference_chunk_rule)
+    begin, end = layers or (0, None)
+    reference = shard(CHECKPOINT, begin=begin, end=end)
+    step = fast(CHECKPOINT, begin=begin, end=end)
+    step.prefill_kernels, step.prefill_rows = True, 8
+    step.prefill_graphs = PrefillGraphs(step.model, step.layers, step.pools, 8, use_graphs=False)
+    eager = FastShard(step.model, max_sequences=2, max_context=CONTEXT, layers=step.layers)
+    capture = (1,)
+    generator = torch.Generator().manual_seed(5)
+    relative = lambda x, ref: ((x.float() - ref.float()).norm() / ref.float().norm()).item()  # noqa: E731
+    for prompt in range(2):
+        n = 21 if prompt == 0 else 16  # pieces 8 + 8 + 5, then 8 + 8
+        states = [step.new_state(CONTEXT), eager.new_state(CONTEXT), reference.new_state(CONTEXT)]
+        if reference.owns_embedding:
+            tokens = ids(n, reference.config.vocab_size, 10 + prompt)
+            inputs = dict(tokens=tokens)
+            x = torch.nn.functional.embedding(torch.tensor(tokens, device=DEVICE), step.model.embed_tokens)
+        else:
+            x = torch.randn(n, reference.config.hidden_size, generator=generator).to(DEVICE)
+            inputs = dict(hidden=x)
+        out = step.forward(states[0], 0, capture_layers=capture, **inputs)
+        pieces = [prefill.prefill(step.model, step.layers, states[1], first, x[first:first + 8], capture,
+                                  chunk_rule=reference_chunk_rule) for first in range(0, n, 8)]
+        a = reference.forward(states[2], 0, capture_layers=capture, **inputs)
+        key = "logits" if reference.owns_head else "hidden"
+        assert torch.equal(getattr(out, key), torch.cat([getattr(piece, key) for piece in pieces]))
+        assert torch.equal(out.captured[1], torch.cat([piece.captured[1] for piece in pieces]))
+        assert relative(getattr(out, key), getattr(a, key)) < 1e-5
+        assert torch.equal(states[0].gdn.conv, states[1].gdn.conv)
+        assert torch.equal(states[0].gdn.recurrent, states[1].gdn.recurrent)
+        for layer, cache in states[0].kv.items():
+            assert torch.equal(cache.key[:, :n], states[1].kv[layer].key[:, :n])
+        assert states[0].length == n
+        assert step.prefill_graphs.failures == {} and step.prefill_graphs.sets[capture] is not None
+        for state, owner in zip(states, (step, eager, reference)):
+            owner.release_state(state)
 
 
 def test_daemons_serve_the_fast_engine(tmp_path):

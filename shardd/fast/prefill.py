@@ -64,7 +64,7 @@ def fla_rule(direct: bool = True):
 
 def prefill(model: ShardModel, layers: list[FusedLayer], state: SequenceState, pos: int, x: torch.Tensor,
             capture_layers, chunk_rule=None) -> ShardOutput:
-    """x [n, hidden] (embedded tokens or the previous shard's hidden) at positions pos .. pos + n - 1.
+    """x [n, hidden] (embedded tokens or the previous shard's hidden) at positions pos .. pos + n - 1, eagerly.
 
     The residual stream is kept as the step keeps it: each branch's output is added by the next norm's kernel
     (shardd/kernels/elementwise.py, the reference's rounding points) and the SwiGLU product is one kernel: a
@@ -72,35 +72,113 @@ def prefill(model: ShardModel, layers: list[FusedLayer], state: SequenceState, p
     at 256 tokens, bench/results/h200/prefill_profile_538a901.json), and the reference's norms took ~8 launches
     each. `chunk_rule`: the gated delta rule, called as fla's `chunk_gated_delta_rule` (default:
     `fla_rule()`; the CPU test passes the reference's recurrence, so the rest of this path is tested without a
-    GPU)."""
-    if chunk_rule is None:
-        chunk_rule = fla_rule()
-    c = model.config
-    eps = c.rms_norm_eps
-    wanted = set(capture_layers)
-    out = ShardOutput()
-    hidden = x.clone()  # updated in place below: never the caller's tensor
-    normed = torch.empty_like(hidden)
-    act = torch.empty((hidden.shape[0], c.intermediate_size), dtype=hidden.dtype, device=hidden.device)
-    delta = None  # the last branch's output, added to the residual stream by the next norm
-    for layer in layers:
-        elementwise.residual_rms_norm(hidden, delta, layer.input_layernorm, eps, normed)
-        if isinstance(layer.mixer, FusedAttention):
-            delta = _attention(model, layer, normed, state.kv[layer.index], pos)
+    GPU). shardd.fast.graph.PrefillGraphs replays the same stages from CUDA graphs."""
+    capture = captured_layers(layers, capture_layers)
+    run = PrefillPass(model, x.shape[0], x.dtype, x.device, capture)
+    run.hidden.copy_(x)  # updated in place: never the caller's tensor
+    run.gdn, run.kv, run.pos = state.gdn, state.kv, pos
+    run_stages(model, prefill_stages(model, layers, capture, chunk_rule or fla_rule()), run)
+    return pass_output(model, run, copy=False)
+
+
+def run_stages(model: ShardModel, stages: list, run: "PrefillPass") -> None:
+    """Every stage of `prefill_stages` in order, eagerly."""
+    for stage in stages:
+        if isinstance(stage, FusedLayer):
+            attention_core(model, stage, run)
         else:
-            delta = _gdn(model, layer, normed, state.gdn[layer.index], chunk_rule)
-        elementwise.residual_rms_norm(hidden, delta, layer.post_attention_layernorm, eps, normed)
-        delta = F.linear(elementwise.silu_mul(F.linear(normed, layer.gate_up), act), layer.down)
+            for op in stage:
+                op(run)
+
+
+def captured_layers(layers: list[FusedLayer], capture_layers) -> tuple[int, ...]:
+    """The layers of `capture_layers` this shard holds, in order (a prefill captures only its own)."""
+    wanted = set(capture_layers)
+    return tuple(layer.index for layer in layers if layer.index in wanted)
+
+
+class PrefillPass:
+    """The residual stream of one prefill of n rows: the buffers its stages read and write (static for a graph),
+    and the state they update (`gdn`, `kv`, set per call)."""
+
+    def __init__(self, model: ShardModel, n: int, dtype, device, capture: tuple[int, ...]):
+        c = model.config
+        self.hidden = torch.empty((n, c.hidden_size), dtype=dtype, device=device)
+        self.normed = torch.empty_like(self.hidden)
+        self.act = torch.empty((n, c.intermediate_size), dtype=dtype, device=device)
+        self.attention_out = torch.empty_like(self.hidden)  # an attention core's output, where the next stage reads it
+        self.captured = {layer: torch.empty_like(self.hidden) for layer in capture}
+        self.delta = None  # the last branch's output, added to the residual stream by the next norm
+        self.gdn = self.kv = None
+        self.pos = 0
+
+
+def prefill_stages(model: ShardModel, layers: list[FusedLayer], capture: tuple[int, ...], rule) -> list:
+    """The prefill as stages in order: lists of ops (each op(run) reads and writes the PrefillPass `run`, nothing that
+    depends on the position), and between them the attention layers whose core (RoPE, the KV cache at `pos`,
+    the causal attention over the cache) runs eagerly. Every list ends with the branch's output consumed, so
+    nothing but the PrefillPass's buffers crosses from one stage to the next."""
+    eps = model.config.rms_norm_eps
+    wanted = set(capture)
+
+    def norm(weight):
+        def op(run):
+            elementwise.residual_rms_norm(run.hidden, run.delta, weight, eps, run.normed)
+            run.delta = None
+        return op
+
+    def gdn(layer):
+        def op(run):
+            run.delta = _gdn(model, layer, run.normed, run.gdn[layer.index], rule)
+        return op
+
+    def mlp(layer):
+        def op(run):
+            run.delta = F.linear(elementwise.silu_mul(F.linear(run.normed, layer.gate_up), run.act), layer.down)
+        return op
+
+    def keep(layer):
+        def op(run):
+            torch.add(run.hidden, run.delta, out=run.captured[layer.index])
+        return op
+
+    def end(run):
+        if model.owns_head:
+            elementwise.residual_rms_norm(run.hidden, run.delta, model.norm, eps, run.normed)
+        elif run.delta is not None:
+            run.hidden += run.delta
+        run.delta = None
+
+    stages, ops = [], []
+    for layer in layers:
+        ops.append(norm(layer.input_layernorm))
+        if isinstance(layer.mixer, FusedAttention):
+            stages += [ops, layer]
+            ops = []
+        else:
+            ops.append(gdn(layer))
+        ops += [norm(layer.post_attention_layernorm), mlp(layer)]
         if layer.index in wanted:
-            out.captured[layer.index] = hidden + delta
+            ops.append(keep(layer))
+    ops.append(end)
+    stages.append(ops)
+    return stages
+
+
+def attention_core(model: ShardModel, layer: FusedLayer, run: PrefillPass) -> None:
+    run.attention_out.copy_(_attention(model, layer, run.normed, run.kv[layer.index], run.pos))
+    run.delta = run.attention_out
+
+
+def pass_output(model: ShardModel, run: PrefillPass, *, copy: bool) -> ShardOutput:
+    """The call's output from `run`'s buffers (copied out of static ones: the next call reuses them)."""
+    out = ShardOutput()
     if model.owns_head:
-        elementwise.residual_rms_norm(hidden, delta, model.norm, eps, normed)
-        out.logits = F.linear(normed, model.lm_head)
+        out.logits = F.linear(run.normed, model.lm_head)
         out.ids = out.logits.argmax(dim=-1)
     else:
-        if delta is not None:
-            hidden += delta
-        out.hidden = hidden
+        out.hidden = run.hidden.clone() if copy else run.hidden
+    out.captured = {layer: t.clone() if copy else t for layer, t in run.captured.items()}
     return out
 
 

@@ -17,8 +17,9 @@ import torch.nn.functional as F
 
 from protocol.layout import CHECKPOINT, REPLAY_SSM
 from protocol.timing import DAEMON as PHASES
+from shardd.engine import PREFILL_ROWS
 from shardd.fast import prefill
-from shardd.fast.graph import StepRunner
+from shardd.fast.graph import PrefillGraphs, StepRunner
 from shardd.fast.pools import StatePools
 from shardd.fast.step import StepBuffers
 from shardd.fast.weights import fuse_layers
@@ -33,14 +34,25 @@ from shardd.model.state import PendingStep, SequenceState
 DEFAULT_ROWS = 16  # T of a shard without rollback storage
 
 
+def _joined(outs: list[ShardOutput]) -> ShardOutput:
+    """The pieces' outputs of one prefill, as one output over all its rows."""
+    out = ShardOutput()
+    cat = lambda key: None if getattr(outs[0], key) is None else torch.cat([getattr(o, key) for o in outs])  # noqa: E731
+    out.logits, out.ids, out.hidden = cat("logits"), cat("ids"), cat("hidden")
+    out.captured = {layer: torch.cat([o.captured[layer] for o in outs]) for layer in outs[0].captured}
+    return out
+
+
 class FastShard:
     engine = "fast"
     def __init__(self, model: ShardModel, *, max_sequences: int, max_context: int, use_graphs: bool | None = None,
-                 storage: rb.RollbackStorage | None = None, layers=None, step_rows: int | None = None):
+                 storage: rb.RollbackStorage | None = None, layers=None, step_rows: int | None = None,
+                 prefill_rows: int = PREFILL_ROWS):
         """`step_rows` (R): the rows of one step, shared by the sequences of a batch (default: one sequence's
-        most, `max_verify_tokens`); it must hold one sequence's most. `storage` and `layers` let a second
-        FastShard share a model and its fused weights with another rollback mode (benchmarks compare modes on
-        one copy of the weights)."""
+        most, `max_verify_tokens`); it must hold one sequence's most. `prefill_rows` (P): on the GPU prefill
+        path an input goes in pieces of P rows, each piece of exactly P rows replayed from CUDA graphs (0: one
+        eager call, as before). `storage` and `layers` let a second FastShard share a model and its fused
+        weights with another rollback mode (benchmarks compare modes on one copy of the weights)."""
         self.model = model
         if model.device.type == "cuda" and model.device.index is not None:  # graphs, streams and Triton launch
             torch.cuda.set_device(model.device)                              # on the current device
@@ -65,6 +77,11 @@ class FastShard:
             use_graphs = model.device.type == "cuda"
         self.runner = StepRunner(model, self.layers, self.pools, self.buffers, use_graphs=use_graphs)
         self.prefill_kernels = prefill.available(model.device)
+        if prefill_rows < 0:
+            raise ValueError(f"prefill_rows must be >= 0, got {prefill_rows}")
+        self.prefill_rows = prefill_rows if self.prefill_kernels and prefill_rows <= max_context else 0
+        self.prefill_graphs = PrefillGraphs(model, self.layers, self.pools, self.prefill_rows,
+                                                    use_graphs=use_graphs) if self.prefill_rows else None
         pin = model.device.type == "cuda"
         self._control = torch.zeros(segments.size(self.max_segments, self.batch_rows), dtype=torch.int32, pin_memory=pin)
         self._tokens = torch.zeros(self.batch_rows, dtype=torch.long, pin_memory=pin)
@@ -77,7 +94,8 @@ class FastShard:
         return FastShard(self.model, max_sequences=max_sequences or self.pools.scratch_slot,
                          max_context=max_context or self.pools.max_context, use_graphs=self.runner.use_graphs,
                          storage=storage, layers=self.layers,
-                         step_rows=self.batch_rows if self.batch_rows != self.rows else None)
+                         step_rows=self.batch_rows if self.batch_rows != self.rows else None,
+                         prefill_rows=self.prefill_rows)
 
     @property
     def step_rows(self) -> int:
@@ -236,12 +254,25 @@ class FastShard:
         PHASES.lap("copy")
 
     def _prefill(self, state, pos, n, tokens, hidden, capture_layers) -> ShardOutput:
+        """In pieces of `prefill_rows` from `pos` (a rule of the shard, graphs or not, so the same input always
+        rounds the same way); a piece of exactly that many rows replays the prefill graphs."""
         model = self.model
         if model.owns_embedding:
             x = F.embedding(torch.tensor(tokens, dtype=torch.long, device=model.device), model.embed_tokens)
         else:
             x = hidden.to(device=model.device, dtype=model.dtype)
         state.pending = None
-        out = prefill.prefill(model, self.layers, state, pos, x, capture_layers)
+        size = self.prefill_rows or n
+        outs = []
+        for first in range(0, n, size):
+            piece, at = x[first:first + size], pos + first
+
+            def eager(piece=piece, at=at):
+                return prefill.prefill(model, self.layers, state, at, piece, capture_layers)
+
+            if piece.shape[0] == self.prefill_rows:
+                outs.append(self.prefill_graphs.run(state, at, piece, capture_layers, eager))
+            else:
+                outs.append(eager())
         state.length = pos + n
-        return out
+        return outs[0] if len(outs) == 1 else _joined(outs)
