@@ -211,6 +211,10 @@ class Pipeline:
         self.max_batch_items = min(s.hello["limits"]["max_sequences"] for s in self.shards)
         rows = [s.hello.get("step_rows") for s in self.shards if s.hello.get("step_rows")]
         self.step_rows = min(rows) if rows else None
+        # The prefill piece P every layer shard graphs (None: they disagree, or none does): prompt chunks in
+        # multiples of P run as whole pieces everywhere.
+        pieces = {s.hello.get("prefill_rows") for s in self.shards if s.owns_layers}
+        self.prefill_rows = pieces.pop() if len(pieces) == 1 and None not in pieces and 0 not in pieces else None
         # ROLLBACKs sent and not yet read, per sequence: (keep, [(client, request)], send failures)
         self._rollbacks: dict[int, tuple[int, list[tuple[ShardClient, Request]], list[Exception]]] = {}
 

@@ -73,6 +73,16 @@ DEFAULT_STEP_ROWS = 1024
 QUEUED, PREFILL, DECODE, DONE = "queued", "prefill", "decode", "done"
 
 
+def default_prefill_chunk(step_rows: int, prefill_rows: Optional[int]) -> int:
+    """Half a step (a chunk fits beside half a step of streams); with shards that run their prefill in graphed
+    pieces of `prefill_rows` (HELLO), the largest multiple of a piece within that, at least one piece: a chunk
+    that is not whole pieces runs its remainder eagerly."""
+    chunk = max(1, step_rows // 2)
+    if prefill_rows and prefill_rows <= step_rows:
+        chunk = max(prefill_rows, chunk // prefill_rows * prefill_rows)
+    return chunk
+
+
 class Request:
     """One generation: a prompt, its budget and sampling, and, when speculating, its drafter.
 
@@ -267,7 +277,7 @@ class Scheduler:
         self.max_sequences = max_sequences
         # A step of more rows than the shards' fixed step runs there as several (shardd.batch); a row's bits stay.
         self.step_rows = step_rows or max(getattr(target, "step_rows", None) or 0, DEFAULT_STEP_ROWS)
-        self.prefill_chunk = prefill_chunk or max(1, self.step_rows // 2)  # a chunk fits beside half a step of streams
+        self.prefill_chunk = prefill_chunk or default_prefill_chunk(self.step_rows, getattr(target, "prefill_rows", None))
         if not 1 <= self.prefill_chunk <= self.step_rows:
             raise ValueError(f"prefill_chunk must be in [1, step_rows={self.step_rows}], got {self.prefill_chunk}")
         self.recovery_timeout_s = recovery_timeout_s

@@ -309,6 +309,8 @@ class ShardDaemon:
             "step_rows": shard.step_rows if shard is not None else None,
             # R, the rows of every batched step (--step-rows; issue 20): the most rows of several sequences one step runs
             "batch_rows": getattr(shard, "batch_rows", None) if shard is not None else None,
+            # P, the GPU prefill's piece (--prefill-rows): a piece of exactly P rows replays its CUDA graphs
+            "prefill_rows": getattr(shard, "prefill_rows", None) if shard is not None else None,
             "rollback": {
                 "mode": storage.mode if storage.enabled else None,
                 "max_verify_tokens": storage.max_verify_tokens,

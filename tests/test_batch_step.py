@@ -273,8 +273,9 @@ def test_step_rows_must_hold_one_sequence():
     (["--engine", "reference", "--step-rows", "8"], "--step-rows sizes the fast engine's step; the reference engine has none"),
     (["--engine", "fast", "--max-verify-tokens", "8", "--step-rows", "4"],
      "--step-rows 4 must hold one sequence's step of 8 rows"),
+    (["--prefill-rows", "-1"], "Invalid value for '--prefill-rows'"),
 ])
-def test_serve_refuses_a_step_rows_it_cannot_use(args, message):
+def test_serve_refuses_step_or_prefill_rows_it_cannot_use(args, message):
     from click.testing import CliRunner
 
     from shardd.cli import main

@@ -420,7 +420,10 @@ def test_daemons_serve_the_fast_engine(tmp_path):
     try:
         assert {d.hello["engine"] for d in daemons.values()} == {"fast"}
         assert {d.hello["step_rows"] for d in daemons.values()} == {ROWS}
+        # no graphed prefill pieces: --prefill-rows 512 (the default) exceeds --max-context 64, and off a GPU none
+        assert {d.hello["prefill_rows"] for d in daemons.values()} == {0}
         with Pipeline.connect([bind for bind, _ in specs.values()], timeout_s=600) as pipeline:
+            assert pipeline.prefill_rows is None
             prompt = ids(6, preset_config("tiny").vocab_size, 3)
             greedy = greedy_decode(pipeline, 1, prompt, 6).tokens
             drafter = OracleDrafter.with_mean_commit(greedy, len(prompt), block_size=ROWS, mean_commit=2)

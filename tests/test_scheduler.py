@@ -102,6 +102,28 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_streams_keep_flowing():
     assert stream.outcome().tokens == alone(PROMPTS[0], 20)
 
 
+def test_prompt_chunks_are_whole_prefill_pieces_of_the_shards():
+    """Shards that graph their prefill in pieces of P rows (HELLO `prefill_rows`) get prompt chunks of a multiple
+    of P (at least one piece), so no chunk but a prompt's last runs a piece eagerly; without P, half a step."""
+    from coordinator.scheduler import default_prefill_chunk
+
+    assert default_prefill_chunk(1024, None) == 512 and default_prefill_chunk(1024, 0) == 512
+    assert default_prefill_chunk(1024, 512) == 512 and default_prefill_chunk(1024, 192) == 384
+    assert default_prefill_chunk(1024, 1024) == 1024  # one piece, though it leaves no room beside it
+    assert default_prefill_chunk(1024, 2048) == 512  # a piece larger than a step never runs whole: half a step
+    target = BatchTarget()
+    target.prefill_rows = 3
+    scheduler = Scheduler(target, max_sequences=2, step_rows=16)
+    assert scheduler.prefill_chunk == 6
+    long_prompt = [(5 * i) % VOCAB for i in range(1, 15)]  # 14 tokens: 6 + 6 + 2
+    request = scheduler.submit(Request(long_prompt, 2))
+    while not request.done.is_set():
+        scheduler.step()
+    chunks = [(pos, rows) for step in target.steps for seq, pos, rows in step if seq == request.seq]
+    assert chunks[:3] == [(0, 6), (6, 6), (12, 2)]
+    assert request.outcome().tokens == alone(long_prompt, 2)
+
+
 def test_a_prompt_that_finds_no_room_goes_first_next_step():
     target = BatchTarget()
     scheduler = Scheduler(target, max_sequences=4, step_rows=8, prefill_chunk=8)
