@@ -168,6 +168,32 @@ def test_replay_ssm_rollbacks_of_one_batch_back_to_back():
     assert_same_state(state_bits(batched, b), state_bits(batched, d))
 
 
+def test_replay_ssm_re_runs_ride_in_the_next_batched_step():
+    """replay-ssm rollbacks leave their re-runs to the sequence's next step (each segment's kept tokens, ahead of
+    each GDN layer): `a` and `b` verify a block and keep one and three tokens, `c` and `d` forward only those; in
+    the next batched step, which holds all four (a re-run in the first and third segments, none in the others),
+    `a`'s rows equal `c`'s and `b`'s equal `d`'s, and so do their states after it; nothing is pending after."""
+    device = "cuda" if CUDA else "cpu"
+    batched, _ = pair(REPLAY_SSM, preset="duo", rows=4, step_rows=12, sequences=4, context=8,
+                      dtype=torch.float32, device=device)
+    a, b, c, d = (batched.new_state(8) for _ in range(4))
+    block = ids(4, batched.config.vocab_size, 9)
+    forward_batch(batched, [BatchItem(a, 0, tokens=block, checkpoint=True),
+                            BatchItem(b, 0, tokens=block, checkpoint=True),
+                            BatchItem(c, 0, tokens=block[:1]), BatchItem(d, 0, tokens=block[:3])])
+    rb.rollback(a, 1)
+    rb.rollback(b, 3)
+    assert batched.pools.replay[a.slot] == 1 and batched.pools.replay[b.slot] == 3
+    out = forward_batch(batched, [BatchItem(a, 1, tokens=[5, 6], checkpoint=True), BatchItem(c, 1, tokens=[5, 6]),
+                                  BatchItem(b, 3, tokens=[7]), BatchItem(d, 3, tokens=[7])])
+    outputs_equal(out[0], out[1])
+    outputs_equal(out[2], out[3])
+    assert not any(batched.pools.replay)
+    rb.rollback(a, 2)  # keeps all of its step: nothing to re-run
+    assert_same_state(state_bits(batched, a), state_bits(batched, c))
+    assert_same_state(state_bits(batched, b), state_bits(batched, d))
+
+
 def test_the_scheduler_over_a_batched_step_speculates_each_stream_as_greedy():
     """The scheduler over one FastShard with a shared step (replay-ssm): three streams with the oracle drafter (each
     drafting its own greedy continuation, with misses so that every stream rolls back) give each stream's greedy

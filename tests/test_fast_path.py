@@ -111,8 +111,8 @@ def _rollback_against_the_copy(mode: str, *, preset: str, rows: int, dtype) -> N
     """Steps of `rows` checkpointed tokens, each rolled back to keep 0 .. rows in turn. Shard `copied` rolls back
     by copying the kept token's checkpoint slot (the rollback as it was: settled at once); shard `served` as the
     daemon does: in checkpoint mode the next step reads the kept slot in place (and overwrites it with its own
-    checkpoints), in replay-ssm mode the re-run is queued without a host wait. Every step's logits and the state
-    after it are bit-identical."""
+    checkpoints), in replay-ssm mode the next step re-runs the kept tokens ahead of each GDN layer (on a side
+    stream on the GPU). Every step's logits and the state after it are bit-identical."""
     context = 2 * rows + rows * (rows + 1) // 2 + 8  # every step's kept tokens stay
     copied = FastShard(shard(CHECKPOINT, preset=preset, rows=rows, dtype=dtype), max_sequences=1, max_context=context)
     served = copied.sharing_weights(rb.RollbackStorage(mode, rows))
@@ -138,10 +138,11 @@ def _rollback_against_the_copy(mode: str, *, preset: str, rows: int, dtype) -> N
     assert torch.equal(a.gdn.recurrent, b.gdn.recurrent) and torch.equal(a.gdn.conv, b.gdn.conv)
 
 
-def test_rollback_off_the_critical_path_is_bit_identical_to_the_copy():
-    # replay-ssm's re-run is the same kernel as before, only queued: test_checkpoint_and_replay_ssm_states_... on
-    # the CPU, both modes on the GPU
-    _rollback_against_the_copy(CHECKPOINT, preset="micro", rows=ROWS, dtype=torch.float32)
+@pytest.mark.parametrize("mode", [CHECKPOINT, REPLAY_SSM])
+def test_rollback_off_the_critical_path_is_bit_identical_to_the_copy(mode):
+    # checkpoint: the next step reads the kept slot; replay-ssm: the next step re-runs the kept tokens ahead of
+    # each GDN layer (the same kernel and launch shape as the re-run at once)
+    _rollback_against_the_copy(mode, preset="micro", rows=ROWS, dtype=torch.float32)
 
 
 @gpu_only

@@ -48,7 +48,8 @@ class StepRunner:
         """Warm up (compiles the kernels, creates cuBLAS handles) and capture, both on the scratch slot, so no
         sequence's state is touched; the real control is put back afterwards."""
         b = self.buffers
-        control = b.control.clone()
+        control, replays = b.control.clone(), b.replay_control.clone()
+        b.replay_control.zero_()  # no re-run of a real sequence's rollback while warming up
         scratch = self.pools.scratch_slot
         rows = b.tokens.shape[0]
         b.control.copy_(torch.tensor(
@@ -63,6 +64,7 @@ class StepRunner:
         with torch.cuda.graph(graph, pool=self.memory_pool):
             run_step(self.model, self.layers, self.pools, self.buffers, captured)
         b.control.copy_(control)
+        b.replay_control.copy_(replays)
         return graph
 
 

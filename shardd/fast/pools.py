@@ -42,22 +42,17 @@ class SlotCheckpoint(rb.CheckpointBuffers):
 
 class SlotRecurrenceLog:
     """replay-ssm mode, one slot: the state before the step, its conv inputs, and the recurrence inputs the
-    step left in the pool. A rollback re-runs the step's own recurrence kernel over the kept tokens."""
+    step left in the pool. A rollback re-runs the step's own recurrence kernel over the kept tokens: inside the
+    slot's next step, on a side stream ahead of each GDN layer (`StatePools.replay`, shardd/fast/step.py), or at
+    once for a reader outside the step (`settle`)."""
 
     def __init__(self, pools: "StatePools", slot: int):
         self.pools, self.slot = pools, slot
 
     def restore(self, states: GDNStates, keep: int) -> None:
         pools, slot = self.pools, self.slot
-        if keep:  # the recurrence kernel reads the saved state and leaves the state after `keep` tokens, queued
-            # on the stream with no host work but the launch: its control is this (slot, keep)'s row of a table
-            # written once on the device (a control copied per rollback cost a pinned buffer and a copy each:
-            # ~0.5 ms of host time ahead of the next FORWARD on a GPU host)
-            gdn_kernels.gdn_recurrence(
-                pools.recurrence_inputs, pools.recurrent, pools.recurrent0, pools.replay_out,
-                pools.replay_controls[slot, keep], layer0=0, layers=len(pools.gdn_layers), rows=pools.rows,
-                num_k_heads=pools.config.linear_num_key_heads, initial=pools.recurrent0,
-            )
+        if keep:  # the re-run waits for the slot's next step (or a settle): no device work here but the window
+            pools.replay[slot] = keep
         else:
             states.recurrent.copy_(pools.recurrent0[slot, :, 0])
         # the conv window after `keep` tokens: the last `width` rows of (the window before the step, its kept inputs)
@@ -67,6 +62,20 @@ class SlotRecurrenceLog:
         else:
             states.conv[:, : width - keep].copy_(pools.conv0[slot, :, keep:])
             states.conv[:, width - keep :].copy_(pools.conv_inputs[slot, :, :keep])
+
+    def settle(self, states: GDNStates) -> None:
+        """The re-run a rollback left for the next step, now: the recurrence kernel reads the saved state and
+        leaves the state after `keep` tokens, its control this (slot, keep)'s row of a table written once on the
+        device (a control copied per rollback cost a pinned buffer and a copy each)."""
+        pools, slot = self.pools, self.slot
+        keep = pools.replay[slot]
+        if keep:
+            gdn_kernels.gdn_recurrence(
+                pools.recurrence_inputs, pools.recurrent, pools.recurrent0, pools.replay_out,
+                pools.replay_controls[slot, keep], layer0=0, layers=len(pools.gdn_layers), rows=pools.rows,
+                num_k_heads=pools.config.linear_num_key_heads, initial=pools.recurrent0,
+            )
+            pools.replay[slot] = 0
 
     def nbytes(self) -> int:
         p, s = self.pools, self.slot
@@ -125,6 +134,8 @@ class StatePools:
         self.mode = mode
         # per slot, the checkpoint slot its next step starts from after a checkpoint rollback (-1: its own state)
         self.start = [-1] * slots
+        # per slot, the tokens a replay-ssm rollback kept, whose recurrence its next step re-runs first (0: none)
+        self.replay = [0] * slots
 
     # ---- slots -------------------------------------------------------------------------------------
 
@@ -146,6 +157,7 @@ class StatePools:
         gdn.conv.zero_()
         gdn.recurrent.zero_()
         self.start[slot] = -1
+        self.replay[slot] = 0
         storage = None
         if self.gdn_layers and self.mode == CHECKPOINT:
             storage = SlotCheckpoint.of(self, slot)

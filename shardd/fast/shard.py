@@ -87,6 +87,7 @@ class FastShard:
         self._tokens = torch.zeros(self.batch_rows, dtype=torch.long, pin_memory=pin)
         self._hidden = torch.zeros((self.batch_rows, model.config.hidden_size), dtype=model.dtype, pin_memory=pin)
         self._ids = torch.zeros(self.batch_rows, dtype=torch.long, pin_memory=pin)
+        self._replay_control = torch.zeros(segments.size(self.max_segments, 0), dtype=torch.int32, pin_memory=pin)
 
     def sharing_weights(self, storage: rb.RollbackStorage, *, max_sequences: int | None = None,
                         max_context: int | None = None) -> "FastShard":
@@ -208,6 +209,14 @@ class FastShard:
         self._control.copy_(torch.tensor(segments.table(table, self.max_segments, pools.scratch_slot, self.batch_rows),
                                          dtype=torch.int32))
         b.control.copy_(self._control, non_blocking=True)
+        if pools.mode == REPLAY_SSM:  # each segment's pending re-run (a rollback's kept tokens) runs in this step
+            replays = [segments.segment(item.state.slot, pools.replay[item.state.slot], 0, first=index * self.rows)
+                       for index, (_, item, _) in enumerate(step)]
+            self._replay_control.copy_(torch.tensor(segments.padded(replays, self.max_segments, pools.scratch_slot),
+                                                    dtype=torch.int32))
+            b.replay_control.copy_(self._replay_control, non_blocking=True)
+            for _, item, _ in step:
+                pools.replay[item.state.slot] = 0
         if self.model.owns_embedding:
             b.tokens.copy_(self._tokens, non_blocking=True)
         else:  # only the real rows cross (pinned, queued); the padding rows are zeroed on the device

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from protocol.layout import REPLAY_SSM
 from shardd.fast.pools import StatePools
 from shardd.fast.weights import FusedAttention, FusedLayer
 from shardd.kernels import attention as attention_kernels
@@ -31,6 +32,12 @@ class StepBuffers:
         self.segments = segments
         self.segment_rows = rows if segment_rows is None else segment_rows
         self.control = torch.zeros(seg.size(segments, rows), dtype=torch.int32, device=device)  # the segment table
+        # replay-ssm: per segment, the re-run of the tokens its sequence's last rollback kept (n = keep; 0: none),
+        # each writing its (unread) outputs at rows segment * segment_rows; the side stream it runs on
+        self.replay_control = torch.zeros(seg.size(segments, 0), dtype=torch.int32, device=device)
+        self.replay_out = torch.zeros((1, segments * self.segment_rows, c.linear_num_value_heads,
+                                       c.linear_value_head_dim), dtype=torch.float32, device=device)
+        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
         self.hidden_in = torch.zeros((rows, c.hidden_size), dtype=dtype, device=device)
         self.hidden = torch.zeros((rows, c.hidden_size), dtype=dtype, device=device)  # the residual stream
@@ -67,11 +74,14 @@ def run_step(model: ShardModel, layers: list[FusedLayer], pools: StatePools, buf
         b.hidden.copy_(b.hidden_in)
     delta = None  # the last branch's output, added to the residual stream by the next norm
     gdn_row = {layer: row for row, layer in enumerate(pools.gdn_layers)}
+    replayed = _replays(model, pools, b) if pools.mode == REPLAY_SSM else None
     for layer in layers:
         elementwise.residual_rms_norm(b.hidden, delta, layer.input_layernorm, eps, b.normed)
         if isinstance(layer.mixer, FusedAttention):
             delta = _attention(model, layer, pools, b, rows)
         else:
+            if replayed is not None:  # this layer's state is the re-run's before the step reads or logs it
+                replayed(gdn_row[layer.index])
             delta = _gdn(model, layer, gdn_row[layer.index], pools, b, rows)
         elementwise.residual_rms_norm(b.hidden, delta, layer.post_attention_layernorm, eps, b.normed)
         delta = F.linear(elementwise.silu_mul(F.linear(b.normed, layer.gate_up), b.act), layer.down)
@@ -83,6 +93,44 @@ def run_step(model: ShardModel, layers: list[FusedLayer], pools: StatePools, buf
         torch.argmax(b.logits, dim=-1, out=b.ids)
     else:
         b.hidden.add_(delta)
+    if replayed is not None:
+        replayed(None)
+
+
+def _replays(model, pools: StatePools, b: StepBuffers):
+    """replay-ssm: the re-run of each segment's kept tokens (`b.replay_control`, n = 0 where none is pending),
+    one launch per GDN layer: the same kernel and launch shape as the step's recurrence and as `settle`'s
+    re-run, so the same bits. On a GPU they go on a side stream, each layer's ahead of the step's GDN work on
+    that layer (it only waits for the re-run of its own layer, ~10 us behind the layer's weights streaming in);
+    returns `wait(row)`, which orders the step after row's re-run (`wait(None)` joins the side stream at the
+    end). Without a GPU each layer's re-run runs when the step reaches it."""
+    c = model.config
+
+    def rerun(row: int) -> None:
+        gdn_kernels.gdn_recurrence(
+            pools.recurrence_inputs, pools.recurrent, pools.recurrent0, b.replay_out, b.replay_control,
+            layer0=row, layers=1, rows=pools.rows, num_k_heads=c.linear_num_key_heads, initial=pools.recurrent0,
+            segments=b.segments,
+        )
+
+    if b.side_stream is None:
+        return lambda row: None if row is None else rerun(row)
+    main, side = torch.cuda.current_stream(), b.side_stream
+    side.wait_stream(main)  # the control and the previous step's logs are in
+    done = []
+    with torch.cuda.stream(side):
+        for row in range(len(pools.gdn_layers)):
+            rerun(row)
+            done.append(torch.cuda.Event())
+            done[-1].record(side)
+
+    def wait(row) -> None:
+        if row is None:
+            main.wait_stream(side)
+        else:
+            main.wait_event(done[row])
+
+    return wait
 
 
 def _gdn(model, layer: FusedLayer, row: int, pools: StatePools, b: StepBuffers, rows: int) -> torch.Tensor:

@@ -28,16 +28,22 @@ def segment(slot: int, n: int, pos: int, *, save: int = 0, n_save: int = 0, star
 def table(segments: list[list[int]], size: int, scratch_slot: int, rows: int) -> list[int]:
     """`segments` padded to `size` with empty ones on the scratch slot, flattened as the kernels read it, then
     the segment of each of the step's `rows` rows."""
-    if len(segments) > size:
-        raise ValueError(f"{len(segments)} segments in a step of at most {size}")
-    empty = segment(scratch_slot, 0, 0)
-    flat = [field for s in [*segments, *[empty] * (size - len(segments))] for field in s]
+    flat = padded(segments, size, scratch_slot)
     row_segment = [-1] * rows
     for index, s in enumerate(segments):
         row_segment[s[FIRST] : s[FIRST] + s[ROWS]] = [index] * s[ROWS]
     if len(row_segment) != rows:
         raise ValueError(f"segments reach past the step's {rows} rows")
     return flat + row_segment
+
+
+def padded(segments: list[list[int]], size: int, scratch_slot: int) -> list[int]:
+    """`segments` padded to `size` with empty ones on the scratch slot, flattened: a table without its rows'
+    map (the replay-ssm re-runs a step carries, read by a kernel over sequences only)."""
+    if len(segments) > size:
+        raise ValueError(f"{len(segments)} segments in a step of at most {size}")
+    empty = segment(scratch_slot, 0, 0)
+    return [field for s in [*segments, *[empty] * (size - len(segments))] for field in s]
 
 
 def size(segments: int, rows: int) -> int:
