@@ -113,12 +113,14 @@ class ShardClient:
         timeout_s: float = 120.0,
         curve: Optional[CurveKeys] = None,
         liveness_timeout_s: float = LIVENESS_TIMEOUT_S,
-        busy_poll_s: float = 0.0,
+        busy_poll_s: Optional[float] = 0.0,
     ) -> None:
         self.endpoint = endpoint
         # a reply awaited for up to this long is polled for without sleeping (a core kept busy, no wake-up on its way
-        # in; the daemons' --busy-poll-ms is the same on their side)
-        self.busy_poll_s = busy_poll_s
+        # in; the daemons' --busy-poll-ms is the same on their side). None: as the daemon does, from its HELLO
+        # (shardd.engine.follow_busy_poll; 0 until then)
+        self.follow_busy_poll = busy_poll_s is None
+        self.busy_poll_s = busy_poll_s or 0.0
         self.timeout_s = timeout_s  # compute timeout of a request without tokens; more per token
         self.liveness_timeout_s = liveness_timeout_s
         self._ids = itertools.count(1)
@@ -304,7 +306,12 @@ class ShardClient:
     # ---- one method per message type -----------------------------------------------------
 
     def hello(self, timeout_s: Optional[float] = None) -> dict:
-        return self.request(Hello(id=0), timeout_s).result
+        result = self.request(Hello(id=0), timeout_s).result
+        if self.follow_busy_poll:
+            from shardd.engine import follow_busy_poll
+
+            self.busy_poll_s = follow_busy_poll(result.get("busy_poll_ms"))
+        return result
 
     def open(self, seq: int) -> dict:
         return self.request(Open(id=0, seq=seq)).result

@@ -83,11 +83,12 @@ def main():
 @click.option("--curve-allow", "curve_allow_dir", type=click.Path(exists=True, file_okay=False), help="Directory of allowed client public keys.")
 @click.option("--sequence-idle-timeout", type=click.FloatRange(0), default=300.0, show_default=True,
               help="Seconds a sequence may go without a request before it is closed and its memory returned (0: never).")
-@click.option("--busy-poll-ms", default="0", show_default=True,
+@click.option("--busy-poll-ms", default="auto", show_default=True,
               help="After each request, poll for the next one without sleeping for this long (a core kept busy, "
                    "no wake-up on the next request's way in; 0: sleep at once). auto: "
                    f"{AUTO_BUSY_POLL_MS:g} on a GPU with at least {AUTO_BUSY_POLL_CPUS} usable CPUs (a dedicated GPU "
-                   "host), else 0. It pays with the coordinator polling too (Pipeline.connect busy_poll_s).")
+                   "host), else 0; HELLO reports it. It pays with the coordinator polling too: shardctl's --busy-poll-ms "
+                   "auto follows the daemons (Pipeline.connect busy_poll_s=None).")
 @click.option("--threads", type=int, default=None,
               help="CPU threads for torch (default: 1 on a GPU, whose host work is small copies; torch's choice on the CPU).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,

@@ -326,6 +326,8 @@ class ShardDaemon:
             "memory": self.options.memory,
             "quantization": self.options.quantization,
             "pid": os.getpid(),
+            # --busy-poll-ms as resolved (auto: 20 on a GPU host with 8+ CPUs): a coordinator's auto follows it
+            "busy_poll_ms": round(self.options.busy_poll_s * 1000, 3),
         }
 
     def weight_bytes(self) -> int:

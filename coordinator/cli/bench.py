@@ -63,7 +63,7 @@ def run_generate_subprocess(args: Sequence[str]) -> dict:
 @click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
 @click.option("--concurrency", type=click.IntRange(1), default=1, show_default=True,
               help="Streams per run, batched by the scheduler: the table adds their aggregate tok/s.")
-@busy_poll_option
+@busy_poll_option("auto")
 @click.option("--prompt", help="Prompt text.")
 @click.option("--prompt-ids", help="Prompt token ids (default: a fixed 32-token prompt).")
 @click.option("--json", "json_file", is_flag=False, flag_value="-", default=None, metavar="[FILE]",
@@ -92,7 +92,7 @@ def bench(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
         str(i) for i in benchmark_prompt())]
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
                      daemon_args_from(dtype=dtype, max_sequences=concurrency if concurrency > 8 else None,
-                                      busy_poll_ms=busy_poll_ms or None),
+                                      busy_poll_ms="auto" if busy_poll_ms is None else busy_poll_ms),
                      curve=curve_server_key or curve_client_key, quantize=quantize)
     curve = load_curve(curve_server_key, curve_client_key)
     if not plan.launches:
@@ -105,7 +105,7 @@ def bench(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
     generate_args = [
         *prompt_args, "--max-new-tokens", str(max_new_tokens), "--drafter", drafter, "--block-size", str(block_size),
         "--mean-commit", str(mean_commit), "--ignore-eos", "--timeout", str(timeout), "--concurrency", str(concurrency),
-        "--busy-poll-ms", str(busy_poll_ms),
+        "--busy-poll-ms", "auto" if busy_poll_ms is None else str(busy_poll_ms),
         *curve_args(curve_server_key, curve_client_key),
         *(["--tokenizer", plan.model_dir] if plan.model_dir else []),
     ]

@@ -20,11 +20,12 @@ from coordinator.cli.options import (
     check_mean_commit,
     daemon_args_from,
     launched_capacity_options,
+    liveness_timeout_option,
     load_curve,
     parse_ids,
-    liveness_timeout_option,
     quantize_option,
     recovery_timeout_option,
+    seconds,
     shard_source_options,
 )
 from coordinator.cli.output import emit_json, fmt, fmt_percent, progress
@@ -258,7 +259,7 @@ def describe_generation(record: dict) -> str:
               help="Sampling seed: the same seed gives the same output (default: a random one).")
 @recovery_timeout_option
 @liveness_timeout_option
-@busy_poll_option
+@busy_poll_option("auto")
 @click.option("--concurrency", type=click.IntRange(1), default=1, show_default=True,
               help="Run this many copies of the request at once, batched by the scheduler (a throughput "
                    "benchmark: the output is the first copy's; --json adds aggregate_tok_s and streams_identical).")
@@ -285,7 +286,7 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
     speculating = drafter != GREEDY
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
                      daemon_args_from(dtype=dtype, max_sequences=max_sequences, max_context=max_context,
-                                      busy_poll_ms=busy_poll_ms or None),
+                                      busy_poll_ms="auto" if busy_poll_ms is None else busy_poll_ms),
                      curve=curve_server_key or curve_client_key, quantize=quantize)
     if shards and (max_sequences or max_context):
         raise click.UsageError("--max-sequences and --max-context size the shards generate launches; "
@@ -302,7 +303,7 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
         if draft_endpoint is not None:
             draft_client = stack.enter_context(ShardClient(draft_endpoint, timeout_s=timeout, curve=curve,
                                                            liveness_timeout_s=liveness_timeout,
-                                                           busy_poll_s=busy_poll_ms / 1000))
+                                                           busy_poll_s=seconds(busy_poll_ms)))
         with connect_pipeline(endpoints, timeout, curve, liveness_timeout, busy_poll_ms) as pipeline:
             if speculating:
                 try:

@@ -37,12 +37,32 @@ liveness_timeout_option = click.option(
     help="Seconds without a heartbeat (or a connection) after which a shard counts as down, apart from compute time.")
 
 
-busy_poll_option = click.option(
-    "--busy-poll-ms", type=click.FloatRange(0, 1000), default=0.0, show_default=True,
-    help="Poll for each shard's reply without sleeping for this long (a core kept busy, no wake-up on the reply's "
-         "way in), and launched shards the same for their next request (shardd serve --busy-poll-ms). For a "
-         "dedicated GPU host: on an H200 host it cut the relay of a two-daemon verify step 3.7 -> 2.6 ms; on a "
-         "small one it takes the cores the daemons need.")
+def _busy_poll_ms(ctx, param, value) -> Optional[float]:
+    """--busy-poll-ms as milliseconds, or None for auto (follow the daemons: shardd.engine.follow_busy_poll)."""
+    if str(value).strip().lower() == "auto":
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        raise click.BadParameter(f"a number of milliseconds in [0, 1000] or auto, got {value!r}") from None
+    if not 0 <= ms <= 1000:  # also refuses nan
+        raise click.BadParameter(f"must be within [0, 1000], got {value!r}")
+    return ms
+
+
+def seconds(busy_poll_ms: Optional[float]) -> Optional[float]:
+    """--busy-poll-ms's value in seconds, None (auto) kept."""
+    return None if busy_poll_ms is None else busy_poll_ms / 1000
+
+
+def busy_poll_option(default: str):
+    return click.option(
+        "--busy-poll-ms", default=default, show_default=True, callback=_busy_poll_ms, metavar="MS|auto",
+        help="Poll for each shard's reply without sleeping for this long (a core kept busy, no wake-up on the reply's "
+             "way in), and launched shards the same for their next request (shardd serve --busy-poll-ms). auto: "
+             "as the shards do (they poll on a GPU host with at least 8 usable CPUs), when this host has 8 too. On an "
+             "H200 host both ends polling cut the relay of a two-daemon verify step 3.7 -> 2.6 ms; on a small one it "
+             "takes the cores the daemons need.")
 
 
 def parse_ids(text: str, what: str) -> list[int]:

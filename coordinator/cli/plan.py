@@ -13,7 +13,7 @@ from typing import Iterator, Optional, Sequence
 
 import click
 
-from coordinator.cli.options import parse_list
+from coordinator.cli.options import parse_list, seconds
 from coordinator.cli.output import progress
 from coordinator.client import CurveKeys, ShardClient, ShardTimeout, ShardUnavailable
 from coordinator.liveness import LIVENESS_TIMEOUT_S
@@ -312,12 +312,13 @@ def hello_or_wait(client: ShardClient, timeout: float, *, wait_to_start: bool = 
 
 
 def connect_pipeline(endpoints: Sequence[str], timeout: float, curve: Optional[CurveKeys] = None,
-                     liveness_timeout: float = LIVENESS_TIMEOUT_S, busy_poll_ms: float = 0.0) -> Pipeline:
+                     liveness_timeout: float = LIVENESS_TIMEOUT_S, busy_poll_ms: Optional[float] = 0.0) -> Pipeline:
+    """`busy_poll_ms` None: each client follows its daemon's polling (shardd.engine.follow_busy_poll)."""
     for endpoint in endpoints:
         with ShardClient(endpoint, timeout_s=timeout, curve=curve, liveness_timeout_s=liveness_timeout) as client:
             hello_or_wait(client, timeout, curve=curve)
     try:
         return Pipeline.connect(endpoints, timeout_s=timeout, curve=curve, liveness_timeout_s=liveness_timeout,
-                                busy_poll_s=busy_poll_ms / 1000)
+                                busy_poll_s=seconds(busy_poll_ms))
     except PipelineError as error:
         raise click.UsageError(str(error)) from None

@@ -9,10 +9,11 @@ from coordinator.cli.options import (
     busy_poll_option,
     daemon_args_from,
     launched_capacity_options,
-    load_curve,
     liveness_timeout_option,
+    load_curve,
     quantize_option,
     recovery_timeout_option,
+    seconds,
     shard_source_options,
 )
 from coordinator.cli.output import emit_json, progress
@@ -33,7 +34,7 @@ from protocol.layout import CHECKPOINT, ROLLBACK_MODES
               help="Tokens one request to a launched shard may carry (shardd's default).")
 @recovery_timeout_option
 @liveness_timeout_option
-@busy_poll_option
+@busy_poll_option("0")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the HTTP server listens on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(exists=True, file_okay=False),
@@ -95,7 +96,8 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
     speculating = drafter != "none"
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
                      daemon_args_from(dtype=dtype, max_sequences=max_sequences, max_context=max_context,
-                                      max_tokens_per_request=max_tokens_per_request, busy_poll_ms=busy_poll_ms or None),
+                                      max_tokens_per_request=max_tokens_per_request,
+                                      busy_poll_ms="auto" if busy_poll_ms is None else busy_poll_ms),
                      curve=curve_server_key or curve_client_key, quantize=quantize)
     if shards and (max_sequences or max_context or max_tokens_per_request):
         raise click.UsageError("--max-sequences, --max-context and --max-tokens-per-request size the shards serve "
@@ -131,7 +133,7 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
                             block_size=block_size, timeout=timeout, curve=curve, draft_endpoint=draft_endpoint,
                             eos_ids=eos_ids, chat_template=template, defaults=generation_defaults(source_dir),
                             recovery_timeout_s=recovery_timeout, liveness_timeout_s=liveness_timeout,
-                            step_rows=batch_rows, busy_poll_s=busy_poll_ms / 1000)
+                            step_rows=batch_rows, busy_poll_s=seconds(busy_poll_ms))
         except (PipelineError, ValueError) as error:
             raise click.UsageError(str(error)) from None
         progress(f"tokenizer: {tokenizer.source}; chat template: {template.origin if template else 'none'}; "

@@ -100,10 +100,11 @@ class Engine:
         recovery_timeout_s: float = RECOVERY_TIMEOUT_S,
         liveness_timeout_s: float = LIVENESS_TIMEOUT_S,
         step_rows: Optional[int] = None,
-        busy_poll_s: float = 0.0,
+        busy_poll_s: Optional[float] = 0.0,
     ) -> None:
         """`step_rows`: the scheduler's rows per step (default: the shards' fixed step, see Scheduler);
-        `busy_poll_s`: each shard's reply is polled for without sleeping this long (shardctl --busy-poll-ms)."""
+        `busy_poll_s`: each shard's reply is polled for without sleeping this long (shardctl --busy-poll-ms; None:
+        as its daemon does)."""
         if drafter not in SERVE_DRAFTERS:
             raise ValueError(f"shardctl serve drafts with one of {', '.join(SERVE_DRAFTERS)}, not {drafter!r}")
         if drafter == "dflash" and draft_endpoint is None:
