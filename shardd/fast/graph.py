@@ -208,7 +208,8 @@ class PrefillGraphs:
                 graphs.append(None)
                 continue
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.memory_pool):
+            # thread_local: a metrics scrape reading the device's memory from its own thread does not end the capture
+            with torch.cuda.graph(graph, pool=self.memory_pool, capture_error_mode="thread_local"):
                 for op in stage:
                     op(run)
             graphs.append(graph)
