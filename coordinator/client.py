@@ -208,10 +208,13 @@ class ShardClient:
         """How long a reply to `record` may take while the daemon is alive: the base plus per token."""
         if isinstance(record, Batch):
             return self.timeout_s + record.rows * SECONDS_PER_TOKEN
-        tokens = getattr(record, "tokens", None)
-        hidden = getattr(record, "hidden", None)
-        n = len(tokens) if tokens is not None else (hidden.shape[0] if hidden is not None else 0)
+        n = record.n_tokens if isinstance(record, Forward) else 0
         return self.timeout_s + n * SECONDS_PER_TOKEN
+
+    def forget(self, sent: Request) -> None:
+        """Stop awaiting `sent`: its reply, when it comes, is dropped as stale."""
+        self._in_flight.pop(sent.id, None)
+        self._early.pop(sent.id, None)
 
     def receive(self, sent: Request, timeout_s: Optional[float] = None) -> Reply:
         """The reply to `sent` (as `send` returned it); replies to earlier requests that
@@ -360,12 +363,21 @@ def forward_record(
     checkpoint: bool = False,
     layers: Optional[list[int]] = None,
     sampling: Optional[dict] = None,
+    *,
+    rows_ticket: Optional[int] = None,
+    ticket_rows: Optional[int] = None,
+    send_rows: Optional[int] = None,
 ) -> Forward:
-    """A FORWARD (or, with `layers`, a CAPTURE) request; checkpointed ones carry the pure chain."""
-    n = len(tokens) if tokens is not None else (hidden.shape[0] if hidden is not None else 0)
+    """A FORWARD (or, with `layers`, a CAPTURE) request; checkpointed ones carry the pure chain. `rows_ticket` /
+    `ticket_rows`: its n input rows come from the previous shard's ROWS of that ticket; `send_rows`: its output
+    rows go to the next shard under that ticket (PROTOCOL.md, "Rows from shard to shard")."""
+    n = len(tokens) if tokens is not None else (hidden.shape[0] if hidden is not None else ticket_rows or 0)
     fields = {
         "tokens": None if tokens is None else list(tokens),
         "hidden": hidden,
+        "rows_ticket": rows_ticket,
+        "ticket_rows": ticket_rows,
+        "send_rows": send_rows,
         "checkpoint": checkpoint,
         "parents": pure_chain(n) if checkpoint else None,
         **(sampling or {}),  # head shard only: temperature, top_p, top_k, seed, drafts

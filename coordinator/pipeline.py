@@ -1,5 +1,6 @@
 """The `Target` over shard daemons: token ids in at the first shard, each shard's hidden
-state relayed as-is to the next, argmax ids back from the head shard.
+state relayed as-is to the next (or sent there by the shard itself, where the daemons were started
+with --relay-to: PROTOCOL.md, "Rows from shard to shard"), argmax ids back from the head shard.
 
 Construction says HELLO to every shard and refuses a set that would compute something
 other than the model: layer ranges that leave a gap or overlap, different weights
@@ -13,6 +14,7 @@ sequences apart and serve requests in arrival order.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
@@ -215,6 +217,10 @@ class Pipeline:
         # multiples of P run as whole pieces everywhere.
         pieces = {s.hello.get("prefill_rows") for s in self.shards if s.owns_layers}
         self.prefill_rows = pieces.pop() if len(pieces) == 1 and None not in pieces and 0 not in pieces else None
+        # Rows go from shard to shard (PROTOCOL.md, "Rows from shard to shard") where every shard but the head
+        # sends them to the next one as this coordinator reaches it (HELLO `relay_to`, `shardd serve --relay-to`).
+        self.direct_rows = len(self.shards) > 1 and all(
+            shard.hello.get("relay_to") == following.endpoint for shard, following in zip(self.shards, self.clients[1:]))
         # ROLLBACKs sent and not yet read, per sequence: (keep, [(client, request)], send failures)
         self._rollbacks: dict[int, tuple[int, list[tuple[ShardClient, Request]], list[Exception]]] = {}
 
@@ -644,6 +650,9 @@ class Pipeline:
         owned: list[Optional[list[int]]] = [None] * len(self.shards)
         if capture:
             owned = [[layer for layer in capture if s.begin <= layer < s.end] or None for s in self.shards]
+        if self.direct_rows and len(chunks) == 1 and not (head and head.get("carried_layers") is not None):
+            return self._relay_direct(seq, pos, chunks[0], checkpoint=checkpoint, owned=owned, head=head,
+                                      head_results=head_results)
         parts: dict[int, list[WireTensor]] = {layer: [] for layer in capture or ()}
         for tick in range(len(chunks) + len(self.clients) - 1):
             in_flight = []
@@ -689,13 +698,71 @@ class Pipeline:
                 raise error
         return ids, {layer: join_rows(pieces) for layer, pieces in parts.items()}
 
-    def _check_reply(self, reply: Reply, shard: ShardInfo, seq: int, length: int, n: int) -> Optional[WireTensor]:
-        """The next shard's input; ProtocolError when the reply is not what this step needs."""
+    def _relay_direct(
+        self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool, owned: list, head: Optional[dict],
+        head_results: Optional[list],
+    ) -> tuple[list[int], dict[int, WireTensor]]:
+        """One chunk through every shard, the rows going from shard to shard (PROTOCOL.md, "Rows from shard to
+        shard"): every shard's request goes out at once, the head's first, each next shard waiting for its rows
+        under a fresh ticket, and the replies are read in shard order (only the head's carries more than a
+        length). A shard that refuses (it changed nothing) has the next ones' waits refused with it; after any
+        other failure a later shard may have run: the sequence is inconsistent, re-filled by the caller."""
+        n, last = len(tokens), len(self.shards) - 1
+        tickets = [secrets.randbits(62) for _ in range(last)]
+        sent: list = [None] * len(self.shards)
+        for index in range(last, -1, -1):  # the shards that wait are waiting before the first one computes
+            shard = self.shards[index]
+            inputs = {"tokens": tokens} if index == 0 else {"rows_ticket": tickets[index - 1], "ticket_rows": n}
+            sampling = head if head is not None and shard.owns_head else None
+            record = forward_record(seq, pos, checkpoint=checkpoint, layers=owned[index], sampling=sampling,
+                                    send_rows=tickets[index] if index < last else None, **inputs)
+            try:
+                sent[index] = self.clients[index].send(record)
+            except SHARD_FAILURES:
+                for later in range(index + 1, len(sent)):  # nothing ran: their waits end with their next request
+                    self.clients[later].forget(sent[later])
+                raise
+        # the requests are on their way behind any ROLLBACK of this sequence: now read those
+        self._settle(seq, list(zip(self.clients, sent)))
+        ids, parts = TokenIds(), {}
+        for index, (shard, client) in enumerate(zip(self.shards, self.clients)):
+            try:
+                reply = client.receive(sent[index])
+                self._check_reply(reply, shard, seq, pos + n, n, rows_sent=index < last)
+                parts.update(self._check_captured(reply, shard, owned[index] or (), n))
+            except SHARD_FAILURES as error:
+                refused = isinstance(error, ShardError) and error.code is not ErrorCode.INTERNAL
+                for later in range(index + 1, len(sent)):
+                    if refused:  # told by a refused ROWS: their refusals come at once
+                        try:
+                            self.clients[later].receive(sent[later])
+                        except SHARD_FAILURES:
+                            pass
+                    else:
+                        self.clients[later].forget(sent[later])
+                if index > 0 or not refused:  # the shards before it took the step; after a failure that was not
+                    self._undo(seq, pos, index, checkpoint and refused, error)  # a refusal so may the ones after
+                raise
+            if index == last:
+                ids.extend(reply.result["ids"])
+                ids.logprobs = reply.result.get("logprobs")
+                if head_results is not None:
+                    head_results.append(reply.result)
+        return ids, {layer: join_rows([output]) for layer, output in parts.items()}
+
+    def _check_reply(self, reply: Reply, shard: ShardInfo, seq: int, length: int, n: int, *,
+                     rows_sent: bool = False) -> Optional[WireTensor]:
+        """The next shard's input (None where the shard sent it on itself: `rows_sent`, or the head's ids);
+        ProtocolError when the reply is not what this step needs."""
         result = reply.result
         if result.get("length") != length:
             raise ProtocolError(
                 ErrorCode.INTERNAL, f"{shard} reports length {result.get('length')} for sequence {seq}, expected {length}"
             )
+        if rows_sent:
+            if result.get("rows_sent") is not True:
+                raise ProtocolError(ErrorCode.INTERNAL, f"{shard} did not send its rows on to the next shard")
+            return None
         if shard.owns_head:
             ids = result.get("ids")
             if not isinstance(ids, list) or len(ids) != n:

@@ -34,6 +34,7 @@ from .messages import (
     Propose,
     Request,
     Rollback,
+    Rows,
     TensorSpec,
     Batch,
 )
@@ -428,8 +429,10 @@ def _check_request(record: Request, limits: Limits) -> None:
     """Rules that span fields: token source, sizes, checkpoint geometry, capture layers."""
     if isinstance(record, Forward):
         kind = record.type  # its .value only in a refusal's message
-        if (record.tokens is None) == (record.hidden is None):
-            raise _bad(f"{kind.value} needs exactly one of field 'tokens' or tensor 'hidden'")
+        if (record.tokens is not None) + (record.hidden is not None) + (record.rows_ticket is not None) != 1:
+            raise _bad(f"{kind.value} needs exactly one of field 'tokens', tensor 'hidden' or field 'rows_ticket'")
+        if (record.rows_ticket is None) != (record.ticket_rows is None):
+            raise _bad(f"fields 'rows_ticket' and 'ticket_rows' of {kind.value} go together")
         n = record.n_tokens
         if n < 1:
             raise _bad(f"{kind.value} needs at least one token")
@@ -476,6 +479,11 @@ def _check_request(record: Request, limits: Limits) -> None:
                 raise _bad("field 'propose' of CAPTURE is greedy only (temperature absent or 0)")
             if record.drafts is None or len(record.drafts) != record.n_tokens - 1:
                 raise _bad("field 'propose' of CAPTURE needs the block's drafts: field 'drafts' of n - 1 tokens")
+    if isinstance(record, Rows):
+        if record.refused == (record.hidden is not None):
+            raise _bad("ROWS carries tensor 'hidden' or field 'refused', exactly one")
+        if record.hidden is not None and record.hidden.shape[0] > limits.max_tokens_per_request:
+            raise _too_large(f"{record.hidden.shape[0]} rows, limit {limits.max_tokens_per_request}")
     if isinstance(record, Propose):
         if record.block_size > limits.max_tokens_per_request:
             raise _too_large(f"block_size {record.block_size}, limit {limits.max_tokens_per_request}")

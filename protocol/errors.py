@@ -24,6 +24,8 @@ class ErrorCode(str, enum.Enum):
     NO_DRAFTER = "NO_DRAFTER"                    # PROPOSE on a shard that hosts no drafter
     NO_SNAPSHOT = "NO_SNAPSHOT"                  # RESTORE of a sequence that has no snapshot
     FORBIDDEN = "FORBIDDEN"                      # SHUTDOWN from a peer the daemon cannot trust (plain TCP, abstract ipc)
+    ROWS_MISSING = "ROWS_MISSING"                # a FORWARD's rows_ticket got no rows: the previous shard refused, a later
+                                                 # request of the connection came first, or the wait timed out
 
     def __str__(self) -> str:
         return self.value

@@ -32,6 +32,7 @@ class MessageType(str, enum.Enum):
     PROPOSE = "PROPOSE"
     STATS = "STATS"
     SHUTDOWN = "SHUTDOWN"
+    ROWS = "ROWS"
 
     def __str__(self) -> str:
         return self.value
@@ -138,6 +139,15 @@ class Forward(_SequenceRequest):
     tokens: Optional[list[int]] = _header("int_list", "token ids; exactly one of tokens / tensor hidden",
                                           minimum=0, limit=TOKEN_LIMIT, default=None)
     hidden: Optional[WireTensor] = _tensor(2, "[n, H] activations from the previous shard")
+    # Rows straight from shard to shard (PROTOCOL.md, "Rows from shard to shard"): one sequence, not in a batch.
+    send_rows: Optional[int] = _header(
+        "int", "send the output rows to this daemon's --relay-to shard as ROWS under this ticket; the reply then "
+        "carries no tensor hidden", minimum=0, limit=ID_LIMIT, default=None)
+    rows_ticket: Optional[int] = _header(
+        "int", "take the input rows from the ROWS of this ticket (the previous shard's) instead of tensor hidden; "
+        "with ticket_rows", minimum=0, limit=ID_LIMIT, default=None)
+    ticket_rows: Optional[int] = _header("int", "how many rows the ROWS of rows_ticket brings (n)", minimum=1,
+                                         limit=ID_LIMIT, default=None)
     checkpoint: bool = _header("bool", "make the step pending so one ROLLBACK may follow", default=False)
     parents: Optional[list[int]] = _header(
         "int_list", "verify geometry, one entry per token; required with checkpoint, rejected without", default=None)
@@ -174,7 +184,9 @@ class Forward(_SequenceRequest):
     def n_tokens(self) -> int:
         if self.tokens is not None:
             return len(self.tokens)
-        return self.hidden.shape[0] if self.hidden is not None else 0
+        if self.hidden is not None:
+            return self.hidden.shape[0]
+        return self.ticket_rows or 0
 
 
 @dataclass(frozen=True)
@@ -214,7 +226,20 @@ class Propose(_SequenceRequest):
     features: Optional[WireTensor] = _tensor(2, "[n, F] drafter context features of positions pos-n .. pos-1")
 
 
-Request = Union[Hello, Open, Close, Forward, Capture, Rollback, Snapshot, Restore, Propose, Stats, Shutdown]
+@dataclass(frozen=True)
+class Rows(_SequenceRequest):
+    """One FORWARD's output rows, sent by its shard straight to the next one (its --relay-to) under the
+    coordinator's ticket, for the next shard's FORWARD of the same ticket (field rows_ticket); or, `refused`,
+    word that the FORWARD was refused or failed, so the waiting one is refused too and changes nothing."""
+
+    type: ClassVar[MessageType] = MessageType.ROWS
+    pos: int = _header("int", "the FORWARD's pos", minimum=0, limit=ID_LIMIT)
+    ticket: int = _header("int", "the FORWARD's send_rows: the next shard's rows_ticket", minimum=0, limit=ID_LIMIT)
+    refused: bool = _header("bool", "the FORWARD was refused or failed: no rows", default=False)
+    hidden: Optional[WireTensor] = _tensor(2, "[n, H] the FORWARD's output rows (absent with refused)")
+
+
+Request = Union[Hello, Open, Close, Forward, Capture, Rollback, Snapshot, Restore, Propose, Stats, Shutdown, Rows]
 
 
 # --- batches: several sequences in one FORWARD, CAPTURE or ROLLBACK (PROTOCOL.md, "Batches") ----------------
@@ -250,8 +275,9 @@ class RollbackBatch(Batch):
 
 BatchRequest = Union[ForwardBatch, CaptureBatch, RollbackBatch]
 BATCH_RECORD_TYPES: dict[MessageType, type] = {record.type: record for record in get_args(BatchRequest)}
-# Fields of a one-sequence request that a batch item may not carry: the proposal rides on one verify alone.
-BATCH_REFUSED_FIELDS = frozenset({"propose", "carried_layers"})
+# Fields of a one-sequence request that a batch item may not carry: the proposal rides on one verify alone, and
+# rows go from shard to shard for one sequence.
+BATCH_REFUSED_FIELDS = frozenset({"propose", "carried_layers", "send_rows", "rows_ticket", "ticket_rows"})
 
 RECORD_TYPES: dict[MessageType, type] = {record.type: record for record in get_args(Request)}
 

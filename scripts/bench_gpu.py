@@ -418,15 +418,17 @@ def wait_for_hello(daemons: list[tuple[str, subprocess.Popen, str, Path]], timeo
 
 def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] | None = None,
                   env: dict | None = None, tag: str = "", tcp_ports: list[int] | None = None, max_sequences: int = 2,
-                  extra: list[str] = ()) -> tuple[list, list[str]]:
+                  extra: list[str] = (), direct_rows: bool = False) -> tuple[list, list[str]]:
     """`shardd serve` per range, one GPU each, on ipc:// endpoints (tcp on loopback with `tcp_ports`); returns
-    (processes, endpoints) once all are ready."""
+    (processes, endpoints) once all are ready. `direct_rows`: each daemon but the last sends its rows straight to
+    the next (--relay-to)."""
     devices = devices or args.e2e_devices.split(",")
-    processes, endpoints = [], []
+    processes = []
+    endpoints = [f"tcp://127.0.0.1:{tcp_ports[index]}" if tcp_ports else f"ipc://{run_dir}/shard{index}-{mode}{tag}.sock"
+                 for index in range(len(ranges))]
     for index, layer_range in enumerate(ranges):
-        endpoint = f"ipc://{run_dir}/shard{index}-{mode}{tag}.sock"
-        if tcp_ports:
-            endpoint = f"tcp://127.0.0.1:{tcp_ports[index]}"
+        endpoint = endpoints[index]
+        relay = ["--relay-to", endpoints[index + 1]] if direct_rows and index + 1 < len(ranges) else []
         log = open(run_dir / f"shard{index}-{mode}{tag}.log", "w")
         # a range of None: a daemon that hosts only the synthetic DFlash drafter
         # The fast step of the one-process reference (a FastShard of BLOCK rows): a token's bits are a function of
@@ -439,12 +441,11 @@ def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] 
             "--rollback-mode", mode, "--max-verify-tokens", str(BLOCK), *same_step]
         command = [sys.executable, "-m", "shardd", "serve", "--synthetic", f"{args.preset}:{args.seed}", *layers,
                    "--device", devices[index], "--dtype", args.e2e_dtype, "--bind", endpoint, "--max-sequences", str(max_sequences),
-                   "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK), *extra]
+                   "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK), *relay, *extra]
         if devices[index] == "cpu":  # a CPU check: one torch thread per daemon, as the tests start them
             command += ["--threads", "1"]
         processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                           env={**os.environ, **(env or {})}))
-        endpoints.append(endpoint)
     wait_for_hello([(endpoint, process, endpoint, run_dir / f"shard{index}-{mode}{tag}.log")
                     for index, (process, endpoint) in enumerate(zip(processes, endpoints))])
     return processes, endpoints
@@ -864,18 +865,23 @@ def run_relay(args) -> dict:
     if args.daemon_profile:  # a short extra run under cProfile: slower, so apart from the timed runs
         Path(args.daemon_profile).mkdir(parents=True, exist_ok=True)
         runs.append(("checkpoint", {"SHARDD_PROFILE": str(Path(args.daemon_profile).resolve())}, "-profiled"))
-    if args.busy_poll_ms:  # the same runs with both ends polling without sleeping: side by side in one JSON
-        runs += [(mode, {}, "-busy") for mode in ("checkpoint", "replay-ssm")]
+    # the same runs, side by side in one JSON: both ends polling without sleeping (-busy), the rows going from
+    # daemon to daemon (-direct: --relay-to), and both (-direct-busy)
+    arms = {"-busy": "relay_busy_poll", "-direct": "relay_direct", "-direct-busy": "relay_direct_busy_poll"}
+    wanted = [tag for tag in arms if ("busy" not in tag or args.busy_poll_ms) and ("direct" not in tag or args.direct_rows)]
+    runs += [(mode, {}, tag) for tag in wanted for mode in ("checkpoint", "replay-ssm")]
     for mode, env, tag in runs:
-        busy = tag == "-busy"
+        busy, direct = "busy" in tag, "direct" in tag
         processes, endpoints = start_daemons(args, ranges, mode, run_dir, devices=devices, env=env, tag=tag,
-                                             extra=["--busy-poll-ms", str(args.busy_poll_ms if busy else 0)])
+                                             extra=["--busy-poll-ms", str(args.busy_poll_ms if busy else 0)],
+                                             direct_rows=direct)
         try:
             with Pipeline.connect(endpoints, timeout_s=600, busy_poll_s=args.busy_poll_ms / 1000 if busy else 0) as pipeline:
+                assert pipeline.direct_rows == direct, "the daemons' --relay-to does not name the next shard"
                 greedy_decode(pipeline, 98, prompt[:32], 4)  # warm-up: capture the graphs
-                if busy:
-                    out.setdefault("relay_busy_poll", {"busy_poll_ms": args.busy_poll_ms}).update(
-                        busy_poll_run(pipeline, prompt, mode, args, hashes))
+                if tag in arms:
+                    settings = {"busy_poll_ms": args.busy_poll_ms if busy else 0.0, "direct_rows": direct}
+                    out.setdefault(arms[tag], settings).update(arm_run(pipeline, prompt, mode, args, hashes, tag))
                     continue
                 if tag:
                     reference = greedy_decode(pipeline, 1, prompt, min(args.tokens, 32)).tokens
@@ -912,16 +918,17 @@ def run_relay(args) -> dict:
     return out
 
 
-def busy_poll_run(pipeline, prompt, mode: str, args, hashes: dict) -> dict:
-    """Greedy and speculative (oracle) through daemons and a coordinator that poll without sleeping: the keys the
-    plain runs report, under `relay_busy_poll` (summarize() sets its relay against the one-process step)."""
+def arm_run(pipeline, prompt, mode: str, args, hashes: dict, tag: str) -> dict:
+    """Greedy and speculative (oracle) through one arm's daemons (polling without sleeping, the rows from daemon
+    to daemon, or both): the keys the plain runs report, under the arm's key (`relay_busy_poll`, `relay_direct`,
+    `relay_direct_busy_poll`; summarize() sets their relay against the one-process step)."""
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafters import OracleDrafter
 
     out = {}
     if mode == "checkpoint":
         greedy = greedy_decode(pipeline, 1, prompt, args.tokens)
-        hashes["relay-busy/greedy"] = token_hash(greedy.tokens)
+        hashes[f"relay{tag}/greedy"] = token_hash(greedy.tokens)
         out["e2e_greedy_ms_per_token"] = round(greedy.decode_seconds / len(greedy.tokens) * 1e3, 3)
         reference = greedy.tokens
     else:
@@ -929,10 +936,11 @@ def busy_poll_run(pipeline, prompt, mode: str, args, hashes: dict) -> dict:
     drafter = OracleDrafter.with_mean_commit(reference, len(prompt), block_size=BLOCK, mean_commit=MEAN_COMMIT)
     result = speculative_decode(pipeline, 2, prompt, drafter, block_size=BLOCK, rollback=mode,
                                 max_new_tokens=args.tokens)
-    hashes[f"relay-busy/{mode}"] = token_hash(result.tokens)
+    hashes[f"relay{tag}/{mode}"] = token_hash(result.tokens)
     step_ms = round(result.decode_seconds / result.steps * 1e3, 3)
-    print(f"relay {mode}, busy polling {args.busy_poll_ms} ms: {step_ms} ms per step", flush=True)
-    return {f"e2e_tok_s_{mode}": round(len(result.tokens) / result.decode_seconds, 2), f"e2e_step_ms_{mode}": step_ms}
+    print(f"relay {mode} ({tag[1:]}): {step_ms} ms per step", flush=True)
+    return {**out, f"e2e_tok_s_{mode}": round(len(result.tokens) / result.decode_seconds, 2),
+            f"e2e_step_ms_{mode}": step_ms}
 
 
 # ---- dflash: the drafter on the same path, three daemons ---------------------------------------------------
@@ -1255,6 +1263,9 @@ def main() -> int:
     parser.add_argument("--busy-poll-ms", type=float, default=0.0,
                         help="relay: also the runs with daemons (--busy-poll-ms) and coordinator polling without "
                              "sleeping for this long (relay_busy_poll, side by side with the plain runs).")
+    parser.add_argument("--direct-rows", action="store_true",
+                        help="relay: also the runs with the rows going from daemon to daemon (--relay-to; "
+                             "relay_direct, and relay_direct_busy_poll with --busy-poll-ms).")
     parser.add_argument("--daemon-profile", default=None, help="relay: also a short run with the daemons under cProfile, "
                         "dumps in this directory, their top functions in the JSON.")
     parser.add_argument("--fp8", choices=("fp8-block", "fp8-channel"), default=None,
@@ -1298,7 +1309,7 @@ def main() -> int:
                    "--prompt-len", str(args.prompt_len), "--tokens", str(args.tokens), "--repeats", str(args.repeats),
                    "--long-context", str(args.long_context), "--e2e-devices", args.e2e_devices, "--e2e-dtype", args.e2e_dtype,
                    "--e2e-engine", args.e2e_engine, *(["--daemon-profile", args.daemon_profile] if args.daemon_profile else []),
-                   "--busy-poll-ms", str(args.busy_poll_ms),
+                   "--busy-poll-ms", str(args.busy_poll_ms), *(["--direct-rows"] if args.direct_rows else []),
                    *(["--fp8", args.fp8] if args.fp8 else []), *(["--fp8-pdl"] if args.fp8_pdl else []),
                    "--draft", args.draft, "--commits", args.commits, "--placements", args.placements,
                    "--dflash-device", args.dflash_device, "--dflash-engine", args.dflash_engine,
@@ -1353,15 +1364,17 @@ def summarize(merged: dict) -> None:
         merged["e2e_vs_local"] = {m: round(merged["e2e_tok_s"][m] / merged["tok_s"][m], 3) for m in merged["e2e_tok_s"] if m in merged["tok_s"]}
     if "e2e_greedy_ms_per_token" in merged and "greedy_ms_per_token" in merged:  # target: <= 1.05
         merged["e2e_greedy_vs_local"] = round(merged["e2e_greedy_ms_per_token"] / merged["greedy_ms_per_token"], 3)
-    busy = merged.get("relay_busy_poll")
-    if busy and "tok_s" in merged:  # the same ratios for the runs that poll without sleeping
+    for key in ("relay_busy_poll", "relay_direct", "relay_direct_busy_poll"):  # the same ratios for each arm
+        arm = merged.get(key)
+        if not arm or "tok_s" not in merged:
+            continue
         for m in ("checkpoint", "replay-ssm"):
-            if f"e2e_step_ms_{m}" in busy and m in merged["tok_s"]:
+            if f"e2e_step_ms_{m}" in arm and m in merged["tok_s"]:
                 local_step = 1e3 * merged["mean_commit"][m] / merged["tok_s"][m]
-                busy[f"relay_ms_per_step_{m}"] = round(busy[f"e2e_step_ms_{m}"] - local_step, 3)
-                busy[f"e2e_vs_local_{m}"] = round(busy[f"e2e_tok_s_{m}"] / merged["tok_s"][m], 3)
-        if "e2e_greedy_ms_per_token" in busy and "greedy_ms_per_token" in merged:
-            busy["e2e_greedy_vs_local"] = round(busy["e2e_greedy_ms_per_token"] / merged["greedy_ms_per_token"], 3)
+                arm[f"relay_ms_per_step_{m}"] = round(arm[f"e2e_step_ms_{m}"] - local_step, 3)
+                arm[f"e2e_vs_local_{m}"] = round(arm[f"e2e_tok_s_{m}"] / merged["tok_s"][m], 3)
+        if "e2e_greedy_ms_per_token" in arm and "greedy_ms_per_token" in merged:
+            arm["e2e_greedy_vs_local"] = round(arm["e2e_greedy_ms_per_token"] / merged["greedy_ms_per_token"], 3)
     summarize_batch(merged)
     # The batch parts hash no single output: their streams are checked by batch_identical.
     merged["outputs_identical"] = len(set(merged["hashes"].values())) <= 1 and merged.get("batch_identical", True)

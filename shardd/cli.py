@@ -18,6 +18,7 @@ from shardd.engine import (AUTO_BUSY_POLL_CPUS, AUTO_BUSY_POLL_MS, DEFAULT_STEP_
                            busy_poll_seconds, step_rows_for)
 from shardd.hub import ModelNotFound, resolve_model
 from shardd.listen import endpoint_problem
+from shardd.rows import WAIT_S, check_relay_to
 
 MiB = 1 << 20
 
@@ -89,6 +90,13 @@ def main():
                    f"{AUTO_BUSY_POLL_MS:g} on a GPU with at least {AUTO_BUSY_POLL_CPUS} usable CPUs (a dedicated GPU "
                    "host), else 0; HELLO reports it. It pays with the coordinator polling too: shardctl's --busy-poll-ms "
                    "auto follows the daemons (Pipeline.connect busy_poll_s=None).")
+@click.option("--relay-to", default=None, metavar="ENDPOINT",
+              help="The next shard's endpoint (ipc:// or loopback tcp://: a daemon of this host): a FORWARD that asks "
+                   "(send_rows) sends its output rows straight there instead of back through the coordinator "
+                   "(PROTOCOL.md, \"Rows from shard to shard\"). HELLO reports it; not with --curve-secret-key.")
+@click.option("--rows-wait", type=click.FloatRange(0.1, 3600), default=WAIT_S, show_default=True,
+              help="Seconds a FORWARD waits at most for its rows from the previous shard (rows_ticket) before it is "
+                   "refused ROWS_MISSING, changing nothing.")
 @click.option("--threads", type=int, default=None,
               help="CPU threads for torch (default: 1 on a GPU, whose host work is small copies; torch's choice on the CPU).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
@@ -99,7 +107,7 @@ def main():
               help="text lines, or one JSON object per line.")
 def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_file, max_verify_tokens, rollback_mode, engine,
           step_rows, prefill_rows, max_sequences, max_context, max_tokens_per_request, max_gpu_memory, quantize, curve_secret_key, curve_allow_dir,
-          sequence_idle_timeout, busy_poll_ms,
+          sequence_idle_timeout, busy_poll_ms, relay_to, rows_wait,
           threads, metrics_port,
           metrics_host, log_level, log_format):
     """Load a layer range (and/or a drafter) and serve it until SIGTERM, SIGINT or SHUTDOWN.
@@ -181,13 +189,15 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
             # a fraction is of the GPU; of the host's memory for a CPU shard (the accounting is the same)
             cap = parse_memory(max_gpu_memory, device_memory(torch.device(device))["total_bytes"])
         busy_poll_s = busy_poll_seconds(busy_poll_ms, device)
+        if relay_to is not None:
+            check_relay_to(relay_to, curve=curve_secret_key is not None)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     storage = RollbackStorage(rollback_mode if max_verify_tokens else None, max_verify_tokens)
     options = ServeOptions(bind=bind, max_sequences=max_sequences, max_context=max_context,
                            max_tokens_per_request=max_tokens_per_request, curve_secret_key=curve_secret_key,
                            curve_allow_dir=curve_allow_dir, sequence_idle_timeout=sequence_idle_timeout,
-                           busy_poll_s=busy_poll_s)
+                           busy_poll_s=busy_poll_s, relay_to=relay_to, rows_wait_s=rows_wait)
     try:
         plan = daemon_memory_plan(source, config, None if draft_only else (begin, end), draft, dtype=dtype,
                                   keep_fp8=keep_fp8, engine=engine, storage=storage, options=options, cap=cap,

@@ -16,6 +16,7 @@ import signal
 import time
 import traceback
 from collections import Counter
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,7 @@ import zmq
 
 from protocol import (
     PROTOCOL_VERSION,
+    Rows,
     Batch,
     ErrorCode,
     Limits,
@@ -62,6 +64,7 @@ from shardd.batch import forward_batch as run_batch
 from shardd.head import HeadRequest, answer_batch, answer_rows
 from shardd.penalties import Penalties
 from shardd.receive import receive_request, release_memory
+from shardd.rows import WAIT_S, RowsInbox, RowsLink, Waiting
 from shardd.sampling import SamplingParams
 
 log = logging.getLogger("shardd")
@@ -77,6 +80,11 @@ MODEL_ERROR_CODES: dict[type[ModelError], ErrorCode] = {
 }
 
 
+class _WaitsForRows(Exception):
+    """A FORWARD's rows (`rows_ticket`) have not come yet: it waits, unanswered (PROTOCOL.md, "Rows from shard to
+    shard")."""
+
+
 @dataclass
 class ServeOptions:
     bind: str = "tcp://127.0.0.1:7700"
@@ -90,6 +98,8 @@ class ServeOptions:
     quantization: dict | None = None  # the FP8 scheme of the weights (shardd.quant.Fp8Scheme.describe), HELLO
     sequence_idle_timeout: float = 300.0  # seconds without a request before a sequence is closed; 0: never
     busy_poll_s: float = 0.0  # after a request, poll for the next without sleeping this long (--busy-poll-ms)
+    relay_to: str | None = None  # the next shard, which a FORWARD's `send_rows` sends its rows to (--relay-to)
+    rows_wait_s: float = WAIT_S  # the longest a FORWARD with `rows_ticket` waits for its rows (--rows-wait)
 
 
 @dataclass
@@ -134,6 +144,10 @@ class Counters:
     batches: int = 0  # FORWARD/CAPTURE/ROLLBACK requests naming several sequences (`items`)
     batch_items: int = 0  # the sequences they named, refused ones included
     batch_rows: int = 0  # the token rows of their FORWARD/CAPTURE items
+    rows_sent: int = 0  # ROWS sent to the next shard (`send_rows`), refusals included
+    rows_received: int = 0  # ROWS taken from the previous shard
+    rows_waits: int = 0  # FORWARDs that waited for their rows (`rows_ticket` before its ROWS)
+    rows_missing: int = 0  # FORWARDs refused ROWS_MISSING: refused upstream, cancelled, or no rows in time
 
 
 class ShardDaemon:
@@ -181,7 +195,14 @@ class ShardDaemon:
             MessageType.PROPOSE: self.propose,
             MessageType.STATS: self.stats,
             MessageType.SHUTDOWN: self.shutdown,
+            MessageType.ROWS: self.take_rows,
         }
+        # rows from shard to shard (shardd/rows.py): the link to the next shard (made by serve() with --relay-to),
+        # the rows and waiting FORWARDs from the previous one, and the replies a request's handling completed
+        self.relay: RowsLink | None = None
+        self.inbox = RowsInbox(capacity=2 * options.max_sequences + 8)
+        self._waits: Waiting | None = None  # set by a FORWARD that waits for its rows: the loop parks it
+        self._completed: list[list] = []  # envelope + reply of each waiting FORWARD a ROWS let run
         # The same types naming several sequences (`items`; PROTOCOL.md, "Batches").
         self.batch_handlers = {
             MessageType.FORWARD: self.forward_batch,
@@ -191,8 +212,9 @@ class ShardDaemon:
 
     # ---- one request -----------------------------------------------------------------------------
 
-    def handle(self, frames, owner: bytes = b"", trusted: bool = True) -> list:
-        """Frames of one request from the peer `owner` -> frames of its reply. Never raises."""
+    def handle(self, frames, owner: bytes = b"", trusted: bool = True) -> list | None:
+        """Frames of one request from the peer `owner` -> frames of its reply (None: a FORWARD waiting for its
+        rows, see `dispatch`). Never raises."""
         self.owner, self.trusted = owner, trusted
         self.phase_type = None  # the type the serving loop books this request's phases under
         try:
@@ -202,6 +224,12 @@ class ShardDaemon:
         except Exception as exc:  # a decoder bug must not take the daemon down
             return self._error(peek_id(frames), None, ErrorCode.BAD_REQUEST, f"undecodable request: {exc}", seq=None)
         PHASES.lap("decode")
+        return self.dispatch(request, owner)
+
+    def dispatch(self, request, owner: bytes) -> list | None:
+        """A decoded request of `owner` -> frames of its reply, or None for a FORWARD that waits for its rows
+        (`self._waits`; the serving loop answers it later). A FORWARD with `send_rows` that fails tells the next
+        shard (a refused ROWS), so the FORWARD waiting there is refused too."""
         self.phase_type = request.type
         self.counters.requests[request.type.value] += 1
         seq = getattr(request, "seq", None)
@@ -209,11 +237,17 @@ class ShardDaemon:
         handler = self.batch_handlers[request.type] if isinstance(request, Batch) else self.handlers[request.type]
         try:
             result, tensors = handler(request)
+        except _WaitsForRows:
+            self._waits = Waiting([], request, owner, self.trusted, time.monotonic() + self.options.rows_wait_s)
+            return None
         except ProtocolError as exc:
+            self._refuse_downstream(request)
             return self._error(request.id, request.type, exc.code, exc.message, seq=seq)
         except ModelError as exc:
+            self._refuse_downstream(request)
             return self._error(request.id, request.type, MODEL_ERROR_CODES[type(exc)], str(exc), seq=seq)
         except Exception as exc:
+            self._refuse_downstream(request)
             message = f"{type(exc).__name__}: {exc}"
             log.error("internal error seq=%s type=%s: %s\n%s", seq, request.type.value, message, traceback.format_exc())
             # a batch's items each may have moved on before the error: none of their states can be trusted
@@ -328,6 +362,8 @@ class ShardDaemon:
             "pid": os.getpid(),
             # --busy-poll-ms as resolved (auto: 20 on a GPU host with 8+ CPUs): a coordinator's auto follows it
             "busy_poll_ms": round(self.options.busy_poll_s * 1000, 3),
+            # the next shard this daemon sends a FORWARD's rows to when asked (`send_rows`; --relay-to), or None
+            "relay_to": self.options.relay_to,
         }
 
     def weight_bytes(self) -> int:
@@ -382,6 +418,14 @@ class ShardDaemon:
 
     def forward(self, request):
         shard = self._layers(request)
+        if request.send_rows is not None:
+            if self.relay is None:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "field 'send_rows': this daemon was started without "
+                                                           "--relay-to, so it has no next shard to send rows to")
+            if shard.owns_head:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "field 'send_rows': the head shard's output is ids, not rows")
+        if request.rows_ticket is not None:
+            request = self._with_rows(request, shard)  # or _WaitsForRows: the rows are not here yet
         entry, head, layers = self._check_forward(request, shard)
         proposing = request.type == MessageType.CAPTURE and request.propose is not None
         if proposing:
@@ -397,7 +441,70 @@ class ShardDaemon:
         result, tensors = self._forward_result(request, entry, out, answer)
         if proposing:
             result["proposal"] = self._propose_after_verify(request, entry, result["ids"], out.captured)
+        if request.send_rows is not None:  # the rows go on to the next shard first: they are what it waits for
+            self.relay.send(Rows(id=0, seq=request.seq, pos=request.pos, ticket=request.send_rows,
+                                 hidden=WireTensor.from_torch(tensors.pop("hidden"))))
+            self.counters.rows_sent += 1
+            result["rows_sent"] = True
         return result, {name: WireTensor.from_torch(tensor) for name, tensor in tensors.items()}
+
+    def _with_rows(self, request, shard):
+        """A FORWARD with `rows_ticket` as if its rows had come in tensor `hidden`; _WaitsForRows while they have
+        not come (checked first as far as it can be without them: a FORWARD that cannot run is refused now)."""
+        rows = self.inbox.take(request.rows_ticket)
+        if rows is None:
+            entry, _, _ = self._check_forward(request, shard)
+            placeholder = torch.empty((request.ticket_rows, shard.config.hidden_size), dtype=shard.dtype, device="meta")
+            shard.check_forward(entry.state, request.pos, hidden=placeholder, checkpoint=request.checkpoint)
+            raise _WaitsForRows
+        self.counters.rows_received += 1
+        if rows.refused:
+            self.counters.rows_missing += 1
+            raise ProtocolError(ErrorCode.ROWS_MISSING, f"the previous shard refused or failed this step (ticket "
+                                                        f"{request.rows_ticket}): nothing changed here")
+        rows_n = rows.hidden.shape[0]
+        if (rows.seq, rows.pos, rows_n) != (request.seq, request.pos, request.ticket_rows):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"the ROWS of ticket {request.rows_ticket} are for sequence "
+                                                       f"{rows.seq} at {rows.pos}, {rows_n} rows; this FORWARD is for "
+                                                       f"{request.seq} at {request.pos}, {request.ticket_rows} rows")
+        return dataclasses.replace(request, hidden=rows.hidden, rows_ticket=None, ticket_rows=None)
+
+    def take_rows(self, request):
+        """ROWS from the previous shard: kept for its FORWARD; one already waiting runs now (its reply goes out
+        after this one's acknowledgement)."""
+        waiting = self.inbox.put(request)
+        if waiting is not None:
+            self._completed.append(waiting.envelope + self._resume(waiting))
+        return {"ticket": request.ticket, "waited": waiting is not None}, {}
+
+    def _resume(self, waiting: Waiting) -> list:
+        """The reply of a FORWARD that waited, handled as its own peer (its rows are in the inbox now)."""
+        sender = self.owner, self.trusted, self.phase_type
+        self.owner, self.trusted = waiting.owner, waiting.trusted
+        try:
+            frames = self.dispatch(waiting.request, waiting.owner)
+            if frames is None:  # cannot be: its rows are in the inbox; never leave it unanswered
+                self._waits = None
+                frames = self.rows_missing(waiting, "its rows were lost on the way in")
+            return frames
+        finally:
+            self.owner, self.trusted, self.phase_type = sender
+
+    def rows_missing(self, waiting: Waiting, why: str) -> list:
+        """The reply of a FORWARD whose rows did not come (`why`); it changed nothing, and a next shard waiting
+        for its rows is told."""
+        request = waiting.request
+        self.counters.rows_missing += 1
+        self._refuse_downstream(request)
+        return self._error(request.id, request.type, ErrorCode.ROWS_MISSING,
+                           f"no rows for ticket {request.rows_ticket}: {why}; nothing changed", seq=request.seq)
+
+    def _refuse_downstream(self, request) -> None:
+        """A FORWARD with `send_rows` that did not run: the next shard's FORWARD of that ticket must not wait."""
+        ticket = getattr(request, "send_rows", None)
+        if ticket is not None and self.relay is not None:
+            self.relay.send(Rows(id=0, seq=request.seq, pos=request.pos, ticket=ticket, refused=True))
+            self.counters.rows_sent += 1
 
     def _check_forward(self, request, shard: ShardModel):
         """What a FORWARD/CAPTURE (one sequence, alone or an item of a batch) needs before it runs: its sequence,
@@ -694,6 +801,8 @@ class ShardDaemon:
             "weight_bytes": self.weight_bytes(),
             "compute_seconds": dict(c.compute_seconds),
             "batches": {"requests": c.batches, "items": c.batch_items, "rows": c.batch_rows},
+            "rows": {"sent": c.rows_sent, "received": c.rows_received, "waits": c.rows_waits,
+                     "missing": c.rows_missing, "waiting": len(self.inbox.waiting)},
             # where requests' time went, per type and phase (protocol/timing.py): seconds since the start
             "phases": PHASES.totals(),
         }
@@ -742,6 +851,8 @@ class ShardDaemon:
         curve = options.curve_secret_key is not None
         trusted_transport = curve or is_file_ipc(options.bind)
         next_sweep = busy_until = time.monotonic()
+        if options.relay_to:
+            self.relay = RowsLink(options.relay_to)
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
 
@@ -774,6 +885,9 @@ class ShardDaemon:
                 if time.monotonic() >= next_sweep:
                     self.expire_idle()
                     next_sweep = time.monotonic() + 1.0
+                for waiting in self.inbox.expired(time.monotonic()):
+                    socket.send_multipart(waiting.envelope + self.rows_missing(
+                        waiting, f"none came within {options.rows_wait_s:g} s"), copy=False)
                 if not self._next_request(poller, socket, watchdog.poll_ms(100), busy_until):
                     continue
                 PHASES.start()
@@ -787,12 +901,15 @@ class ShardDaemon:
                 if curve:  # the authenticated key outlives a reconnect; the routing id does not
                     owner = b"curve:" + body[0].get("User-Id").encode()
                 if received.refusal is not None:
-                    reply = self._error(peek_id(body), peek_type(body), received.refusal_code(self.limits.max_frames),
-                                        received.refusal, seq=None)
+                    def reply():
+                        return self._error(peek_id(body), peek_type(body), received.refusal_code(self.limits.max_frames),
+                                           received.refusal, seq=None)
                     release_memory()
                 else:
-                    reply = self.handle(body, owner, trusted_transport)
-                socket.send_multipart(envelope + reply, copy=False)
+                    def reply():
+                        return self.handle(body, owner, trusted_transport)
+                for frames in self.answer(envelope, owner, reply):
+                    socket.send_multipart(frames, copy=False)
                 PHASES.lap("send")
                 PHASES.finish(self.phase_type)
                 busy_until = time.monotonic() + options.busy_poll_s
@@ -801,9 +918,32 @@ class ShardDaemon:
                 profiler.disable()
                 profiler.dump_stats(os.path.join(profile_dir, f"shardd-{os.getpid()}.prof"))
             systemd.notify("STOPPING=1")
+            if self.relay is not None:
+                self.relay.close()
             listener.close()
             log.info("stopped: %d sequences were open", len(self.sequences))
 
+
+    def answer(self, envelope: list, owner: bytes, reply) -> list[list]:
+        """Every message one request of `owner` sends, in order: first the refusal of a FORWARD of its connection
+        still waiting for its rows (its connection has moved on: PROTOCOL.md, "Rows from shard to shard"), then
+        its own reply (`reply()`; none while it waits for its rows), then the replies of the FORWARDs its rows
+        let run."""
+        out = []
+        waiting = self.inbox.cancel(owner)
+        if waiting is not None:
+            out.append(waiting.envelope + self.rows_missing(waiting, "a later request of its connection came first"))
+        frames = reply()
+        if frames is None:
+            waiting, self._waits = self._waits, None
+            waiting.envelope = envelope
+            self.inbox.wait(waiting)
+            self.counters.rows_waits += 1
+        else:
+            out.append(envelope + frames)
+        out += self._completed
+        self._completed = []
+        return out
 
     def _next_request(self, poller, socket, timeout_ms: int, busy_until: float) -> bool:
         """Whether a request is waiting: polled without sleeping until `busy_until` (--busy-poll-ms after the last

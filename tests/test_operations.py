@@ -186,7 +186,11 @@ def test_a_wildcard_port_is_reported(workdir):
     (["--device", "tpu"], 2, "--device must be cpu or cuda:N"),
     (["--busy-poll-ms", "soon"], 2, "--busy-poll-ms must be a number of milliseconds or auto, got 'soon'"),
     (["--busy-poll-ms", "2000"], 2, "--busy-poll-ms must be within [0, 1000]"),
-], ids=["reversed", "outside", "log-level", "device", "busy-poll-word", "busy-poll-range"])
+    (["--relay-to", "tcp://192.0.2.7:7701"], 2, "only ipc:// or a loopback tcp:// endpoint (a daemon of this host)"),
+    (["--relay-to", "127.0.0.1:7701"], 2, "has no transport"),
+    (["--relay-to", "tcp://127.0.0.1:*"], 2, "name the next shard's port"),
+], ids=["reversed", "outside", "log-level", "device", "busy-poll-word", "busy-poll-range", "relay-remote",
+        "relay-no-scheme", "relay-any-port"])
 def test_usage_errors_are_one_clear_line(args, code, message):
     result, _ = run_serve("--synthetic", "tiny", "--bind", free_tcp_endpoint(), *args)
     assert result.returncode == code and message in result.stderr, result.stderr

@@ -27,6 +27,7 @@ from protocol import (
     MessageType,
     Open,
     Propose,
+    Rows,
     ProtocolError,
     RemoteError,
     Restore,
@@ -100,6 +101,11 @@ ROUND_TRIP_RECORDS = [
     Propose(15, seq=9, pos=3, last_token=42, block_size=4),
     Propose(16, seq=9, pos=3, last_token=42, block_size=4, features=wire(torch.ones(2, 5, dtype=torch.float16))),
     Propose(17, seq=9, pos=0, last_token=0, block_size=1, features=wire(torch.empty(0, 5))),
+    Forward(18, seq=9, pos=4, tokens=[1, 2], send_rows=(1 << 62) + 5),
+    Capture(19, seq=9, pos=4, rows_ticket=7, ticket_rows=2, send_rows=8, checkpoint=True, parents=[-1, 0],
+            layers=[3]),
+    Rows(20, seq=9, pos=4, ticket=7, hidden=wire(HIDDEN_BF16)),
+    Rows(21, seq=9, pos=4, ticket=8, refused=True),
 ]
 
 
@@ -382,8 +388,15 @@ def test_encode_refuses_bad_geometry_unless_asked_not_to_validate():
     Forward(1, seq=0, pos=0, hidden=wire(torch.zeros(6))),
     Capture(1, seq=0, pos=0, tokens=[1], layers=[2, 2]),
     Propose(1, seq=0, pos=0, last_token=1, block_size=0),
+    Forward(1, seq=0, pos=0, tokens=[1], rows_ticket=5, ticket_rows=1),
+    Forward(1, seq=0, pos=0, rows_ticket=5),
+    Forward(1, seq=0, pos=0, tokens=[1], ticket_rows=1),
+    Forward(1, seq=0, pos=0, rows_ticket=5, ticket_rows=0),
+    Rows(1, seq=0, pos=0, ticket=5),
+    Rows(1, seq=0, pos=0, ticket=5, refused=True, hidden=wire(torch.zeros(2, 3))),
 ], ids=["seq-negative", "id-too-big", "token-bool", "no-tokens", "parents-without-checkpoint", "hidden-int",
-        "hidden-1d", "layers-repeated", "block-size-zero"])
+        "hidden-1d", "layers-repeated", "block-size-zero", "tokens-and-ticket", "ticket-without-rows",
+        "rows-without-ticket", "ticket-zero-rows", "rows-empty", "rows-refused-with-rows"])
 def test_encode_refuses_what_the_receiver_refuses(record):
     """The client-side check of encode_request gives the receiver's verdict without decoding the frames."""
     with pytest.raises(ProtocolError) as info:

@@ -3,17 +3,22 @@ both ends, STATS `phases`), over real `shardd serve` daemons on real sockets."""
 
 from __future__ import annotations
 
-import pytest
+import time
 
+import pytest
+import torch
+
+from coordinator.client import ShardError
 from coordinator.decoding import greedy_decode, speculative_decode
 from coordinator.drafters import make_drafter
 from coordinator.launch import ShardSet, launched_sets
 from coordinator.pipeline import Pipeline
 from coordinator.target import RollbackFailed
-from protocol import RECORD_TYPES, ErrorCode, MessageType, encode_request, pure_chain
+from protocol import (RECORD_TYPES, ErrorCode, Forward, ForwardBatch, MessageType, WireTensor, encode_request,
+                      pure_chain)
 from protocol.layout import even_split
 from protocol.timing import per_request_ms
-from tests.daemons import Client, Daemon, free_tcp_endpoint, kill_and_replace, stop_all
+from tests.daemons import Client, Daemon, free_tcp_endpoint, kill_and_replace, start_daemons, stop_all
 
 TINY = ("--synthetic", "tiny")
 BLOCK = 8
@@ -132,3 +137,160 @@ def test_a_daemon_killed_with_requests_in_flight_is_refilled(tmp_path):
         assert result.rollbacks_fallback + result.recoveries >= 1
     finally:
         stop_all(daemons)
+
+
+# ---- rows from shard to shard (PROTOCOL.md, "Rows from shard to shard") --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def direct(tmp_path_factory):
+    """Three daemons of the tiny model on one host, each but the head sending its rows straight to the next
+    (--relay-to); tcp and ipc between them."""
+    workdir = tmp_path_factory.mktemp("direct")
+    binds = [f"ipc://{workdir}/first.sock", free_tcp_endpoint(), f"ipc://{workdir}/head.sock"]
+    layers = ["0:2", "2:4", "4:6"]
+    specs = {f"shard{k}": (bind, ["--layers", layers[k], "--rollback-mode", "checkpoint", "--max-verify-tokens",
+                                  str(BLOCK), "--rows-wait", "5", *(["--relay-to", binds[k + 1]] if k < 2 else [])])
+             for k, bind in enumerate(binds)}
+    daemons = start_daemons(specs, workdir)
+    try:
+        yield binds, list(daemons.values()), workdir
+    finally:
+        stop_all(daemons.values())
+
+
+def test_rows_from_shard_to_shard_give_the_coordinator_relay_s_tokens(direct, endpoints):
+    """Greedy and speculative decoding (checkpoint rollbacks) through daemons that send their rows on themselves
+    give the tokens of the coordinator relaying them; each step's rows went daemon to daemon (STATS `rows`), none
+    went missing, and HELLO names each daemon's next shard."""
+    binds, _, _ = direct
+    with Pipeline.connect(endpoints) as relayed:
+        assert not relayed.direct_rows
+        reference = greedy_decode(relayed, 1, PROMPT, 12).tokens
+    with Pipeline.connect(binds) as pipeline:
+        assert pipeline.direct_rows
+        assert [shard.hello["relay_to"] for shard in pipeline.shards] == [binds[1], binds[2], None]
+        before = [client.stats()["rows"] for client in pipeline.clients]
+        assert greedy_decode(pipeline, 1, PROMPT, 12).tokens == reference
+        drafter = make_drafter("oracle", prompt_len=len(PROMPT), reference=reference, block_size=BLOCK,
+                               mean_commit=3.0, seed=1)
+        result = speculative_decode(pipeline, 2, PROMPT, drafter, block_size=BLOCK, max_new_tokens=12)
+        assert result.tokens == reference and result.rollbacks_fast > 0 and result.recoveries == 0
+        after = [client.stats()["rows"] for client in pipeline.clients]
+    steps = 2 + len(reference) - 1 + result.steps  # two prefills, the greedy steps, the verify steps
+    assert [a["sent"] - b["sent"] for a, b in zip(after, before)] == [steps, steps, 0]
+    assert [a["received"] - b["received"] for a, b in zip(after, before)] == [0, steps, steps]
+    assert all(a["missing"] == b["missing"] and a["waiting"] == 0 for a, b in zip(after, before))
+
+
+def _clients(binds):
+    return [Client(bind) for bind in binds]
+
+
+def test_a_shard_that_refuses_has_the_next_one_s_wait_refused_and_nothing_changes(direct):
+    """The first shard refuses a FORWARD with send_rows (its pos is wrong): it tells the second with a refused
+    ROWS, whose waiting FORWARD is refused ROWS_MISSING at once and changes nothing, and the head after it too. A
+    step whose rows came before their FORWARD runs at once, from the kept rows. A middle shard that refuses (its
+    sequence is not open) tells the head the same way. A wait ends, refused, when its connection sends anything
+    else: the refusal first, then that request's own reply."""
+    binds, _, _ = direct
+    first, middle, head = clients = _clients(binds)
+    try:
+        seq = 71
+        for client in clients:
+            assert client.request("OPEN", seq=seq).ok
+        waits = [_send(middle, "FORWARD", seq=seq, pos=0, rows_ticket=11, ticket_rows=3, send_rows=12),
+                 _send(head, "FORWARD", seq=seq, pos=0, rows_ticket=12, ticket_rows=3)]
+        refused = first.request("FORWARD", seq=seq, pos=5, tokens=[1, 2, 3], send_rows=11)
+        assert refused.error_code is ErrorCode.POSITION_MISMATCH
+        for client, request_id in zip((middle, head), waits):
+            reply = client.receive(10)
+            assert reply.id == request_id and reply.error_code is ErrorCode.ROWS_MISSING, reply
+            assert "nothing changed" in reply.error_message
+        # the rows come first, the FORWARD later: it runs at once on the kept rows
+        assert first.request("FORWARD", seq=seq, pos=0, tokens=[1, 2, 3], send_rows=13).result["rows_sent"]
+        _send(head, "FORWARD", seq=seq, pos=0, rows_ticket=14, ticket_rows=3)
+        assert middle.request("FORWARD", seq=seq, pos=0, rows_ticket=13, ticket_rows=3, send_rows=14).ok
+        assert head.receive(10).result["length"] == 3
+        # a middle shard without the sequence refuses at once, and so does the head after it
+        assert middle.request("CLOSE", seq=seq).ok
+        _send(head, "FORWARD", seq=seq, pos=3, rows_ticket=16, ticket_rows=1)
+        assert middle.request("FORWARD", seq=seq, pos=3, rows_ticket=15, ticket_rows=1,
+                              send_rows=16).error_code is ErrorCode.NO_SUCH_SEQUENCE
+        assert head.receive(10).error_code is ErrorCode.ROWS_MISSING
+        # rows that never come: the connection's next request ends the wait (refused first, then answered)
+        waiting = _send(head, "FORWARD", seq=seq, pos=3, rows_ticket=17, ticket_rows=1)
+        assert head.receive(0.3) is None
+        hello = _send(head, "HELLO")
+        cancelled, answered = head.receive(10), head.receive(10)
+        assert (cancelled.id, cancelled.error_code) == (waiting, ErrorCode.ROWS_MISSING)
+        assert "a later request of its connection came first" in cancelled.error_message
+        assert answered.id == hello and answered.ok
+        # none of the refused or ended waits moved the head: a wait at the wrong pos is refused before it waits
+        mismatch = head.request("FORWARD", seq=seq, pos=4, rows_ticket=18, ticket_rows=1)
+        assert mismatch.error_code is ErrorCode.POSITION_MISMATCH and "committed length is 3" in mismatch.error_message
+        # asked of a daemon without --relay-to, or in a batch: refused by name
+        nowhere = head.request("FORWARD", seq=seq, pos=3, rows_ticket=19, ticket_rows=1, send_rows=20)
+        assert nowhere.error_code is ErrorCode.BAD_REQUEST and "without --relay-to" in nowhere.error_message
+        items = (Forward(0, seq=seq, pos=3, tokens=[1], send_rows=21), Forward(0, seq=seq + 1, pos=0, tokens=[1]))
+        batch = first.exchange(encode_request(ForwardBatch(id=first.next_id(), items=items), validate=False))
+        assert "field 'send_rows' of FORWARD is not available in a batch" in batch.result["items"][0]["error"]["message"]
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_a_wait_whose_rows_never_come_ends_at_its_deadline(direct):
+    """--rows-wait 5: a FORWARD waiting for rows that never come is refused ROWS_MISSING after 5 s, and changes
+    nothing: the sequence then takes its step from the first shard's rows."""
+    binds, _, _ = direct
+    first, middle = _clients(binds[:2])
+    try:
+        seq = 72
+        assert first.request("OPEN", seq=seq).ok and middle.request("OPEN", seq=seq).ok
+        started = time.monotonic()
+        waiting = _send(middle, "FORWARD", seq=seq, pos=0, rows_ticket=21, ticket_rows=2)
+        reply = middle.receive(20)
+        assert reply.id == waiting and reply.error_code is ErrorCode.ROWS_MISSING
+        assert 4.5 < time.monotonic() - started < 15 and "within 5 s" in reply.error_message
+        assert first.request("FORWARD", seq=seq, pos=0, tokens=[4, 5], send_rows=22).ok
+        assert middle.request("FORWARD", seq=seq, pos=0, rows_ticket=22, ticket_rows=2).result["length"] == 2
+    finally:
+        first.close()
+        middle.close()
+
+
+def test_a_first_shard_that_stops_mid_step_leaves_the_sequence_inconsistent_and_the_next_shard_serving(tmp_path):
+    """The first shard stops (SIGSTOP, then SIGKILL) with a step's FORWARD in its queue while the head waits for
+    that step's rows: the coordinator gives up on the first shard after its liveness timeout and calls the
+    sequence inconsistent (a later shard's fate is unknown after a failure that is not a refusal: the caller
+    re-fills it); the head changed nothing and answers the coordinator's next request at once, its wait ended."""
+    import signal
+
+    from coordinator.pipeline import SequenceInconsistent
+
+    binds = [f"ipc://{tmp_path}/first.sock", f"ipc://{tmp_path}/head.sock"]
+    daemons = start_daemons({
+        "first": (binds[0], ["--layers", "0:3", "--relay-to", binds[1]]),
+        "head": (binds[1], ["--layers", "3:6", "--rows-wait", "60"]),
+    }, tmp_path)
+    try:
+        with Pipeline.connect(binds, timeout_s=30, liveness_timeout_s=2) as pipeline:
+            assert pipeline.direct_rows
+            pipeline.open(1)
+            ids = pipeline.forward(1, 0, PROMPT[:5])
+            daemons["first"].signal(signal.SIGSTOP)
+            started = time.monotonic()
+            with pytest.raises(SequenceInconsistent):
+                pipeline.forward(1, 5, [ids[-1]])
+            assert time.monotonic() - started < 20
+            daemons["first"].signal(signal.SIGKILL)
+            head = pipeline.clients[1]
+            started = time.monotonic()
+            rows = head.stats()["rows"]  # the head's wait ends with this request, refused, its reply dropped
+            assert time.monotonic() - started < 5 and rows["waiting"] == 0 and rows["missing"] >= 1
+            with pytest.raises(ShardError) as refused:  # the head is still at 5: it took nothing of the step
+                head.forward(1, 6, hidden=WireTensor.from_torch(torch.zeros(1, pipeline.hidden_size)))
+            assert refused.value.code is ErrorCode.POSITION_MISMATCH and "committed length is 5" in str(refused.value)
+    finally:
+        stop_all(daemons.values())
