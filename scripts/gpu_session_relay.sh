@@ -5,7 +5,8 @@
 # process: the reference the e2e ratios divide by), delay (relay_vs_delay through scripts/delay_proxy.py) and
 # dflash (three daemons, e2e_dflash_step_ms). Both daemons share cuda:0 when one GPU is there. Results land in
 # $OUT and bench/results/h200/ (gpu_bench_relay.json); a short table is printed last.
-# Usage: scripts/gpu_session_relay.sh [bench_gpu.py arguments]
+# Usage: scripts/gpu_session_relay.sh [bench_gpu.py arguments], e.g. --busy-poll-ms 20 --direct-rows (the arms side
+# by side with the plain runs: relay_busy_poll, relay_direct, relay_direct_busy_poll)
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT" bench/results/h200
@@ -31,7 +32,8 @@ from bench_gpu import phase_table
 r = json.load(open(sys.argv[1]))
 for key in ("outputs_identical", "failed_parts", "tok_s", "e2e_tok_s", "e2e_vs_local", "relay_ms_per_step", "step_ms",
             "e2e_step_ms", "greedy_ms_per_token", "e2e_greedy_ms_per_token", "e2e_greedy_vs_local", "rollback_ms",
-            "rollback_share_of_step", "e2e_dflash_step_ms", "relay_round_trip_ms", "relay_busy_poll"):
+            "rollback_share_of_step", "e2e_dflash_step_ms", "relay_round_trip_ms", "relay_busy_poll", "relay_direct",
+            "relay_direct_busy_poll"):
     print(f"{key}: {r.get(key)}")
 delay = r.get("relay_vs_delay")
 if delay:
