@@ -146,20 +146,27 @@ def test_rollback_after_a_batched_step_equals_a_fresh_recompute(mode):
     assert_same_state(state_bits(batched, a), state_bits(batched, b))
 
 
+def _two_verified_two_forwarded(*, block: int, seed: int, forwarded: tuple[int, int]):
+    """A replay-ssm shard of four sequences after one batched step: `a` and `b` verified a block of `block`
+    tokens (pending), `c` and `d` forwarded only its first `forwarded` tokens."""
+    device = "cuda" if CUDA else "cpu"
+    batched, _ = pair(REPLAY_SSM, preset="duo", rows=4, step_rows=12, sequences=4, context=8,
+                      dtype=torch.float32, device=device)
+    a, b, c, d = (batched.new_state(8) for _ in range(4))
+    tokens = ids(block, batched.config.vocab_size, seed)
+    forward_batch(batched, [BatchItem(a, 0, tokens=tokens, checkpoint=True),
+                            BatchItem(b, 0, tokens=tokens, checkpoint=True),
+                            BatchItem(c, 0, tokens=tokens[:forwarded[0]]), BatchItem(d, 0, tokens=tokens[:forwarded[1]])])
+    return batched, (a, b, c, d)
+
+
 def test_replay_ssm_rollbacks_of_one_batch_back_to_back():
     """One batched replay-ssm step: `a` and `b` verify the same block, `c` and `d` forward only its first one and
     two tokens. `a` and `b` are then rolled back to one and two tokens one after the other, nothing read in between
     (as `rollback_batch` does): their states equal `c`'s and `d`'s. On the GPU the rollbacks queue behind a busy
     stream, so a rollback whose control another one rewrites before its queued copy ran is caught (each used to
     go through one shared pinned buffer: `a` was never rolled back)."""
-    device = "cuda" if CUDA else "cpu"
-    batched, _ = pair(REPLAY_SSM, preset="duo", rows=4, step_rows=12, sequences=4, context=8,
-                      dtype=torch.float32, device=device)
-    a, b, c, d = (batched.new_state(8) for _ in range(4))
-    block = ids(3, batched.config.vocab_size, 7)
-    forward_batch(batched, [BatchItem(a, 0, tokens=block, checkpoint=True),
-                            BatchItem(b, 0, tokens=block, checkpoint=True),
-                            BatchItem(c, 0, tokens=block[:1]), BatchItem(d, 0, tokens=block[:2])])
+    batched, (a, b, c, d) = _two_verified_two_forwarded(block=3, seed=7, forwarded=(1, 2))
     if CUDA:
         torch.cuda._sleep(200_000_000)  # the stream busy (~0.1 s): both rollbacks below are queued, neither has run
     rb.rollback(a, 1)
@@ -173,14 +180,7 @@ def test_replay_ssm_re_runs_ride_in_the_next_batched_step():
     each GDN layer): `a` and `b` verify a block and keep one and three tokens, `c` and `d` forward only those; in
     the next batched step, which holds all four (a re-run in the first and third segments, none in the others),
     `a`'s rows equal `c`'s and `b`'s equal `d`'s, and so do their states after it; nothing is pending after."""
-    device = "cuda" if CUDA else "cpu"
-    batched, _ = pair(REPLAY_SSM, preset="duo", rows=4, step_rows=12, sequences=4, context=8,
-                      dtype=torch.float32, device=device)
-    a, b, c, d = (batched.new_state(8) for _ in range(4))
-    block = ids(4, batched.config.vocab_size, 9)
-    forward_batch(batched, [BatchItem(a, 0, tokens=block, checkpoint=True),
-                            BatchItem(b, 0, tokens=block, checkpoint=True),
-                            BatchItem(c, 0, tokens=block[:1]), BatchItem(d, 0, tokens=block[:3])])
+    batched, (a, b, c, d) = _two_verified_two_forwarded(block=4, seed=9, forwarded=(1, 3))
     rb.rollback(a, 1)
     rb.rollback(b, 3)
     assert batched.pools.replay[a.slot] == 1 and batched.pools.replay[b.slot] == 3
