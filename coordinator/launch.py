@@ -79,6 +79,9 @@ class ShardSet:
     extra_args: tuple[str, ...] = ()
     devices: Optional[tuple[str, ...]] = None
     shard_args: Optional[tuple[tuple[str, ...], ...]] = None
+    # each shard sends its rows straight to the one whose layers follow (shardd serve --relay-to-file: PROTOCOL.md,
+    # "Rows from shard to shard"); the daemons of a set run on this host and listen on loopback
+    direct_rows: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "source_args", tuple(self.source_args))
@@ -109,8 +112,11 @@ def start_shards(shard_set: ShardSet, run_dir: Path, threads_hint: Optional[int]
     """Spawn the set's daemons (not yet bound, not yet ready). Logs and ipc sockets live in `run_dir`."""
     run_dir.mkdir(parents=True, exist_ok=True)
     shards: list[ShardProcess] = []
+    following = {split[0]: index for index, split in enumerate(shard_set.splits) if split is not None}
     try:
         for index, (split, device) in enumerate(zip(shard_set.splits, shard_set.devices)):
+            after = following.get(split[1]) if split is not None and shard_set.direct_rows else None
+            relay = [] if after is None else ["--relay-to-file", str(run_dir / f"shard{after}.endpoint")]
             if shard_set.transport == "tcp":
                 endpoint = "tcp://127.0.0.1:*"
             else:
@@ -120,7 +126,7 @@ def start_shards(shard_set: ShardSet, run_dir: Path, threads_hint: Optional[int]
             command = [
                 sys.executable, "-m", "shardd", "serve", *shard_set.source_args,
                 "--layers", layers, "--bind", endpoint, "--endpoint-file", str(endpoint_file), "--device", device,
-                *shard_set.extra_args, *shard_set.shard_args[index],
+                *relay, *shard_set.extra_args, *shard_set.shard_args[index],
             ]
             log_path = run_dir / f"shard{index}-{layers.replace(':', '-')}.log"
             with open(log_path, "wb") as log:

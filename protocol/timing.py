@@ -35,14 +35,21 @@ class PhaseClock:
             self._laps.append((phase, now - self._last))
             self._last = now
 
-    def finish(self, request_type) -> None:
-        """Book the laps since start() under `request_type` (None: an undecodable request)."""
+    def finish(self, request_type, *, count: bool = True) -> None:
+        """Book the laps since start() under `request_type` (None: an undecodable request); `count` False: a part
+        of the request only (a FORWARD that waits for its rows is counted when it is answered)."""
+        self.book(request_type, count=count)
+        self.active = False
+
+    def book(self, request_type, *, count: bool = True) -> None:
+        """Book the laps so far under `request_type` and go on timing (another request handled inside this one:
+        the FORWARD a ROWS lets run)."""
         key = getattr(request_type, "value", request_type) or "UNDECODABLE"
         for phase, ns in self._laps:
             self.ns[(key, phase)] += ns
-        self.requests[key] += 1
+        if count:
+            self.requests[key] += 1
         self._laps.clear()
-        self.active = False
 
     def add(self, request_type, phase: str, ns: int) -> None:
         """Book `ns` directly (an end with several requests in flight times each apart)."""

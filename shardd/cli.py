@@ -94,6 +94,9 @@ def main():
               help="The next shard's endpoint (ipc:// or loopback tcp://: a daemon of this host): a FORWARD that asks "
                    "(send_rows) sends its output rows straight there instead of back through the coordinator "
                    "(PROTOCOL.md, \"Rows from shard to shard\"). HELLO reports it; not with --curve-secret-key.")
+@click.option("--relay-to-file", default=None, metavar="PATH",
+              help="As --relay-to, the endpoint read from the file the next shard writes (its --endpoint-file) once "
+                   "it is there: for launchers whose daemons bind a free port (tcp://HOST:*).")
 @click.option("--rows-wait", type=click.FloatRange(0.1, 3600), default=WAIT_S, show_default=True,
               help="Seconds a FORWARD waits at most for its rows from the previous shard (rows_ticket) before it is "
                    "refused ROWS_MISSING, changing nothing.")
@@ -107,7 +110,7 @@ def main():
               help="text lines, or one JSON object per line.")
 def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_file, max_verify_tokens, rollback_mode, engine,
           step_rows, prefill_rows, max_sequences, max_context, max_tokens_per_request, max_gpu_memory, quantize, curve_secret_key, curve_allow_dir,
-          sequence_idle_timeout, busy_poll_ms, relay_to, rows_wait,
+          sequence_idle_timeout, busy_poll_ms, relay_to, relay_to_file, rows_wait,
           threads, metrics_port,
           metrics_host, log_level, log_format):
     """Load a layer range (and/or a drafter) and serve it until SIGTERM, SIGINT or SHUTDOWN.
@@ -191,13 +194,17 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
         busy_poll_s = busy_poll_seconds(busy_poll_ms, device)
         if relay_to is not None:
             check_relay_to(relay_to, curve=curve_secret_key is not None)
+        if relay_to_file is not None and (relay_to is not None or curve_secret_key is not None):
+            raise ValueError("--relay-to-file names the next shard as --relay-to does: give one of them, and "
+                             "neither with --curve-secret-key")
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     storage = RollbackStorage(rollback_mode if max_verify_tokens else None, max_verify_tokens)
     options = ServeOptions(bind=bind, max_sequences=max_sequences, max_context=max_context,
                            max_tokens_per_request=max_tokens_per_request, curve_secret_key=curve_secret_key,
                            curve_allow_dir=curve_allow_dir, sequence_idle_timeout=sequence_idle_timeout,
-                           busy_poll_s=busy_poll_s, relay_to=relay_to, rows_wait_s=rows_wait)
+                           busy_poll_s=busy_poll_s, relay_to=relay_to, relay_to_file=relay_to_file,
+                           rows_wait_s=rows_wait)
     try:
         plan = daemon_memory_plan(source, config, None if draft_only else (begin, end), draft, dtype=dtype,
                                   keep_fp8=keep_fp8, engine=engine, storage=storage, options=options, cap=cap,

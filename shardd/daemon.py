@@ -15,6 +15,7 @@ import os
 import signal
 import time
 import traceback
+from pathlib import Path
 from collections import Counter
 import dataclasses
 from dataclasses import dataclass, field
@@ -64,7 +65,7 @@ from shardd.batch import forward_batch as run_batch
 from shardd.head import HeadRequest, answer_batch, answer_rows
 from shardd.penalties import Penalties
 from shardd.receive import receive_request, release_memory
-from shardd.rows import WAIT_S, RowsInbox, RowsLink, Waiting
+from shardd.rows import WAIT_S, RowsInbox, RowsLink, Waiting, check_relay_to
 from shardd.sampling import SamplingParams
 
 log = logging.getLogger("shardd")
@@ -99,6 +100,7 @@ class ServeOptions:
     sequence_idle_timeout: float = 300.0  # seconds without a request before a sequence is closed; 0: never
     busy_poll_s: float = 0.0  # after a request, poll for the next without sleeping this long (--busy-poll-ms)
     relay_to: str | None = None  # the next shard, which a FORWARD's `send_rows` sends its rows to (--relay-to)
+    relay_to_file: str | None = None  # or the file the next shard writes its endpoint to (--relay-to-file)
     rows_wait_s: float = WAIT_S  # the longest a FORWARD with `rows_ticket` waits for its rows (--rows-wait)
 
 
@@ -203,6 +205,7 @@ class ShardDaemon:
         self.inbox = RowsInbox(capacity=2 * options.max_sequences + 8)
         self._waits: Waiting | None = None  # set by a FORWARD that waits for its rows: the loop parks it
         self._completed: list[list] = []  # envelope + reply of each waiting FORWARD a ROWS let run
+        self.parked = False  # whether the request `answer` just handled waits for its rows
         # The same types naming several sequences (`items`; PROTOCOL.md, "Batches").
         self.batch_handlers = {
             MessageType.FORWARD: self.forward_batch,
@@ -363,7 +366,7 @@ class ShardDaemon:
             # --busy-poll-ms as resolved (auto: 20 on a GPU host with 8+ CPUs): a coordinator's auto follows it
             "busy_poll_ms": round(self.options.busy_poll_s * 1000, 3),
             # the next shard this daemon sends a FORWARD's rows to when asked (`send_rows`; --relay-to), or None
-            "relay_to": self.options.relay_to,
+            "relay_to": self.relay_target(),
         }
 
     def weight_bytes(self) -> int:
@@ -416,12 +419,31 @@ class ShardDaemon:
             log.info("expired seq=%s length=%s: idle for more than %g s", key[1], length, timeout)
         return len(idle)
 
+    def relay_target(self) -> str | None:
+        """The next shard's endpoint (--relay-to, or read from --relay-to-file once the next shard has written
+        it), or None; the link to it is made on first use."""
+        options = self.options
+        if options.relay_to is None and options.relay_to_file is not None:
+            try:
+                endpoint = Path(options.relay_to_file).read_text().strip()
+                check_relay_to(endpoint, curve=options.curve_secret_key is not None)
+            except OSError:
+                return None  # not written yet: the next shard has not bound its socket
+            except ValueError as error:
+                log.error("--relay-to-file %s: %s", options.relay_to_file, error)
+                return None
+            options.relay_to = endpoint
+        if options.relay_to is not None and self.relay is None:
+            self.relay = RowsLink(options.relay_to)
+        return options.relay_to
+
     def forward(self, request):
         shard = self._layers(request)
         if request.send_rows is not None:
-            if self.relay is None:
+            if self.relay_target() is None:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "field 'send_rows': this daemon was started without "
-                                                           "--relay-to, so it has no next shard to send rows to")
+                                                           "--relay-to (or its --relay-to-file is not written), so it "
+                                                           "has no next shard to send rows to")
             if shard.owns_head:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "field 'send_rows': the head shard's output is ids, not rows")
         if request.rows_ticket is not None:
@@ -478,9 +500,11 @@ class ShardDaemon:
         return {"ticket": request.ticket, "waited": waiting is not None}, {}
 
     def _resume(self, waiting: Waiting) -> list:
-        """The reply of a FORWARD that waited, handled as its own peer (its rows are in the inbox now)."""
+        """The reply of a FORWARD that waited, handled as its own peer (its rows are in the inbox now); its phases
+        booked under its type (counted now: its wait was not), the ROWS's so far under theirs."""
         sender = self.owner, self.trusted, self.phase_type
         self.owner, self.trusted = waiting.owner, waiting.trusted
+        PHASES.book(sender[2], count=False)
         try:
             frames = self.dispatch(waiting.request, waiting.owner)
             if frames is None:  # cannot be: its rows are in the inbox; never leave it unanswered
@@ -488,6 +512,7 @@ class ShardDaemon:
                 frames = self.rows_missing(waiting, "its rows were lost on the way in")
             return frames
         finally:
+            PHASES.book(waiting.request.type)
             self.owner, self.trusted, self.phase_type = sender
 
     def rows_missing(self, waiting: Waiting, why: str) -> list:
@@ -851,8 +876,7 @@ class ShardDaemon:
         curve = options.curve_secret_key is not None
         trusted_transport = curve or is_file_ipc(options.bind)
         next_sweep = busy_until = time.monotonic()
-        if options.relay_to:
-            self.relay = RowsLink(options.relay_to)
+        self.relay_target()  # the link to the next shard, where it is known already
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
 
@@ -911,7 +935,8 @@ class ShardDaemon:
                 for frames in self.answer(envelope, owner, reply):
                     socket.send_multipart(frames, copy=False)
                 PHASES.lap("send")
-                PHASES.finish(self.phase_type)
+                # a FORWARD that now waits for its rows is counted when it is answered (`_resume`)
+                PHASES.finish(self.phase_type, count=not self.parked)
                 busy_until = time.monotonic() + options.busy_poll_s
         finally:
             if profiler is not None:
@@ -930,6 +955,7 @@ class ShardDaemon:
         its own reply (`reply()`; none while it waits for its rows), then the replies of the FORWARDs its rows
         let run."""
         out = []
+        self.parked = False
         waiting = self.inbox.cancel(owner)
         if waiting is not None:
             out.append(waiting.envelope + self.rows_missing(waiting, "a later request of its connection came first"))
@@ -939,6 +965,7 @@ class ShardDaemon:
             waiting.envelope = envelope
             self.inbox.wait(waiting)
             self.counters.rows_waits += 1
+            self.parked = True
         else:
             out.append(envelope + frames)
         out += self._completed

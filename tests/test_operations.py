@@ -189,8 +189,10 @@ def test_a_wildcard_port_is_reported(workdir):
     (["--relay-to", "tcp://192.0.2.7:7701"], 2, "only ipc:// or a loopback tcp:// endpoint (a daemon of this host)"),
     (["--relay-to", "127.0.0.1:7701"], 2, "has no transport"),
     (["--relay-to", "tcp://127.0.0.1:*"], 2, "name the next shard's port"),
+    (["--relay-to", "ipc:///tmp/next.sock", "--relay-to-file", "/tmp/next.endpoint"], 2,
+     "--relay-to-file names the next shard as --relay-to does: give one of them"),
 ], ids=["reversed", "outside", "log-level", "device", "busy-poll-word", "busy-poll-range", "relay-remote",
-        "relay-no-scheme", "relay-any-port"])
+        "relay-no-scheme", "relay-any-port", "relay-twice"])
 def test_usage_errors_are_one_clear_line(args, code, message):
     result, _ = run_serve("--synthetic", "tiny", "--bind", free_tcp_endpoint(), *args)
     assert result.returncode == code and message in result.stderr, result.stderr

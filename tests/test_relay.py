@@ -36,6 +36,7 @@ def endpoints():
 
 def test_every_request_is_timed_by_phase_at_both_ends(endpoints):
     with Pipeline.connect(endpoints) as pipeline:
+        assert pipeline.direct_rows  # launched shards send their rows on to the next (--relay-to-file)
         before = [client.stats()["phases"] for client in pipeline.clients]
         reference = greedy_decode(pipeline, 1, PROMPT, 12).tokens
         drafter = make_drafter("oracle", prompt_len=len(PROMPT), reference=reference, block_size=BLOCK, mean_commit=3.0, seed=1)
@@ -159,13 +160,14 @@ def direct(tmp_path_factory):
         stop_all(daemons.values())
 
 
-def test_rows_from_shard_to_shard_give_the_coordinator_relay_s_tokens(direct, endpoints):
+def test_rows_from_shard_to_shard_give_the_coordinator_relay_s_tokens(direct):
     """Greedy and speculative decoding (checkpoint rollbacks) through daemons that send their rows on themselves
-    give the tokens of the coordinator relaying them; each step's rows went daemon to daemon (STATS `rows`), none
-    went missing, and HELLO names each daemon's next shard."""
+    give the tokens of the coordinator relaying them (the same daemons, the coordinator told not to use it);
+    each step's rows went daemon to daemon (STATS `rows`), none went missing, and HELLO names each daemon's next
+    shard."""
     binds, _, _ = direct
-    with Pipeline.connect(endpoints) as relayed:
-        assert not relayed.direct_rows
+    with Pipeline.connect(binds) as relayed:
+        relayed.direct_rows = False
         reference = greedy_decode(relayed, 1, PROMPT, 12).tokens
     with Pipeline.connect(binds) as pipeline:
         assert pipeline.direct_rows
