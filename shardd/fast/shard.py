@@ -215,6 +215,7 @@ class FastShard:
             self._replay_control.copy_(torch.tensor(segments.padded(replays, self.max_segments, pools.scratch_slot),
                                                     dtype=torch.int32))
             b.replay_control.copy_(self._replay_control, non_blocking=True)
+            b.replays_pending = any(pools.replay[item.state.slot] for _, item, _ in step)
             for _, item, _ in step:
                 pools.replay[item.state.slot] = 0
         if self.model.owns_embedding:

@@ -38,6 +38,7 @@ class StepBuffers:
         self.replay_out = torch.zeros((1, segments * self.segment_rows, c.linear_num_value_heads,
                                        c.linear_value_head_dim), dtype=torch.float32, device=device)
         self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.replays_pending = True  # whether replay_control names a re-run (read only off the GPU)
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
         self.hidden_in = torch.zeros((rows, c.hidden_size), dtype=dtype, device=device)
         self.hidden = torch.zeros((rows, c.hidden_size), dtype=dtype, device=device)  # the residual stream
@@ -113,8 +114,8 @@ def _replays(model, pools: StatePools, b: StepBuffers):
             segments=b.segments,
         )
 
-    if b.side_stream is None:
-        return lambda row: None if row is None else rerun(row)
+    if b.side_stream is None:  # no GPU: no graph either, so a step without a pending re-run launches none
+        return lambda row: None if row is None or not b.replays_pending else rerun(row)
     main, side = torch.cuda.current_stream(), b.side_stream
     side.wait_stream(main)  # the control and the previous step's logs are in
     done = []
