@@ -43,6 +43,10 @@ from .tensors import DTYPE_SIZES, WireTensor, as_byte_view, concat_rows, expecte
 Frames = list  # of bytes | bytearray | memoryview | zmq.Frame
 
 _COMMON_KEYS = frozenset(f.name for f in COMMON_FIELDS)
+# per batchable type, the fields a batch item may carry, and their names
+_BATCH_FIELDS = {mtype: (specs, frozenset(spec.name for spec in specs)) for mtype, specs in (
+    (mtype, tuple(spec for spec in REQUEST_FIELDS[mtype] if spec.name not in BATCH_REFUSED_FIELDS))
+    for mtype in BATCH_RECORD_TYPES)}
 _REPLY_KEYS = frozenset({"v", "id", "type", "ok", "result", "tensors", "error"})
 _DESCRIPTOR_KEYS = frozenset({"name", "dtype", "shape"})
 _INT_TYPE = frozenset({int})
@@ -179,11 +183,13 @@ def _present_value(value: Any, spec: FieldSpec, mtype: MessageType) -> Any:
                 spec.limit is None or value < spec.limit):
             return value
         return _check_int(value, f"field '{spec.name}' of {mtype.value}", spec.minimum, spec.limit)
+    if kind == "bool" and type(value) is bool:
+        return value
+    if kind == "int_list" and type(value) is list and _ints_within(value, spec.minimum, spec.limit):
+        return value
     what = f"field '{spec.name}' of {mtype.value}"
     if kind == "bool":
-        if type(value) is not bool:
-            raise _bad(f"{what} must be a bool, got {_describe(value)}")
-        return value
+        raise _bad(f"{what} must be a bool, got {_describe(value)}")
     if kind == "float":
         if type(value) not in (int, float) or not math.isfinite(value):
             raise _bad(f"{what} must be a finite number, got {_describe(value)}")
@@ -344,8 +350,7 @@ def _decode_batch(header: dict, views: list[memoryview], mtype: MessageType, lim
     if total > limits.max_tokens_per_request:
         raise _too_large(f"{total} rows in one batch, limit {limits.max_tokens_per_request}")
     record_type = RECORD_TYPES[mtype]
-    specs = tuple(spec for spec in REQUEST_FIELDS[mtype] if spec.name not in BATCH_REFUSED_FIELDS)
-    names = {spec.name for spec in specs}
+    specs, names = _BATCH_FIELDS[mtype]
     decoded: list = []
     start = 0
     for item, n in zip(items, rows):
