@@ -61,6 +61,12 @@ class DaemonMetrics:
                       "by message type and phase", ["type", "phase"],
                       [((t, phase), ns / 1e9) for (t, phase), ns in list(PHASES.ns.items())])
         yield counter("shardd_proposals", "PROPOSEs served by the hosted drafter", items=[((), c.proposals)])
+        yield counter("shardd_rows", "Rows from shard to shard (PROTOCOL.md): ROWS sent to the next shard, taken from "
+                      "the previous one, FORWARDs that waited for theirs, and FORWARDs refused ROWS_MISSING", ["event"],
+                      [(("sent",), c.rows_sent), (("received",), c.rows_received), (("waited",), c.rows_waits),
+                       (("missing",), c.rows_missing)])
+        yield gauge("shardd_rows_waiting", "FORWARDs waiting for their rows from the previous shard now",
+                    len(daemon.inbox.waiting))
         entries = list(daemon.sequences.values())
         states = [entry.state for entry in entries if entry.state is not None]
         yield gauge("shardd_open_sequences", "Sequences open now", len(entries))
