@@ -8,6 +8,7 @@ replies INTERNAL and marks only that sequence failed; the daemon keeps serving t
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import operator
@@ -15,22 +16,21 @@ import os
 import signal
 import time
 import traceback
-from pathlib import Path
 from collections import Counter
-import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import zmq
 
 from protocol import (
     PROTOCOL_VERSION,
-    Rows,
     Batch,
     ErrorCode,
     Limits,
     MessageType,
     ProtocolError,
+    Rows,
     WireTensor,
     decode_request,
     encode_error,
@@ -199,7 +199,7 @@ class ShardDaemon:
             MessageType.SHUTDOWN: self.shutdown,
             MessageType.ROWS: self.take_rows,
         }
-        # rows from shard to shard (shardd/rows.py): the link to the next shard (made by serve() with --relay-to),
+        # rows from shard to shard (shardd/rows.py): the link to the next shard (made on first use, `relay_target`),
         # the rows and waiting FORWARDs from the previous one, and the replies a request's handling completed
         self.relay: RowsLink | None = None
         self.inbox = RowsInbox(capacity=2 * options.max_sequences + 8)
