@@ -920,27 +920,35 @@ def run_relay(args) -> dict:
 
 def arm_run(pipeline, prompt, mode: str, args, hashes: dict, tag: str) -> dict:
     """Greedy and speculative (oracle) through one arm's daemons (polling without sleeping, the rows from daemon
-    to daemon, or both): the keys the plain runs report, under the arm's key (`relay_busy_poll`, `relay_direct`,
-    `relay_direct_busy_poll`; summarize() sets their relay against the one-process step)."""
+    to daemon, or both): the keys the plain runs report, their phases too (`relay_by_phase_<mode>`: greedy with
+    checkpoint), under the arm's key (`relay_busy_poll`, `relay_direct`, `relay_direct_busy_poll`; summarize()
+    sets their relay against the one-process step)."""
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafters import OracleDrafter
 
-    out = {}
+    out, readings, by_phase = {}, [], {}
+
+    def after_prefill(tokens):  # the first commit is the prefill's: read the clocks once, there
+        if not readings:
+            readings.append(phase_readings(pipeline))
+
     if mode == "checkpoint":
-        greedy = greedy_decode(pipeline, 1, prompt, args.tokens)
+        greedy = greedy_decode(pipeline, 1, prompt, args.tokens, on_commit=after_prefill)
         hashes[f"relay{tag}/greedy"] = token_hash(greedy.tokens)
         out["e2e_greedy_ms_per_token"] = round(greedy.decode_seconds / len(greedy.tokens) * 1e3, 3)
+        by_phase["greedy"] = relay_breakdown(greedy, readings.pop(), phase_readings(pipeline))
         reference = greedy.tokens
     else:
         reference = greedy_decode(pipeline, 1, prompt, args.tokens).tokens
     drafter = OracleDrafter.with_mean_commit(reference, len(prompt), block_size=BLOCK, mean_commit=MEAN_COMMIT)
     result = speculative_decode(pipeline, 2, prompt, drafter, block_size=BLOCK, rollback=mode,
-                                max_new_tokens=args.tokens)
+                                max_new_tokens=args.tokens, on_commit=after_prefill)
     hashes[f"relay{tag}/{mode}"] = token_hash(result.tokens)
+    by_phase[mode] = relay_breakdown(result, readings.pop(), phase_readings(pipeline))
     step_ms = round(result.decode_seconds / result.steps * 1e3, 3)
     print(f"relay {mode} ({tag[1:]}): {step_ms} ms per step", flush=True)
     return {**out, f"e2e_tok_s_{mode}": round(len(result.tokens) / result.decode_seconds, 2),
-            f"e2e_step_ms_{mode}": step_ms}
+            f"e2e_step_ms_{mode}": step_ms, f"relay_by_phase_{mode}": by_phase}
 
 
 # ---- dflash: the drafter on the same path, three daemons ---------------------------------------------------
