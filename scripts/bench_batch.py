@@ -219,8 +219,11 @@ def run_batch_daemons(args) -> dict:
     processes, endpoints = start_daemons(args, ranges, "replay-ssm", run_dir, devices=devices,
                                          max_sequences=max(CONCURRENCY) + 1, extra=extra)
     try:
-        with Pipeline.connect(endpoints, timeout_s=600) as pipeline:
+        # the coordinator polls as `shardctl generate` does by default (`--busy-poll-ms auto`: as its daemons,
+        # where the host has the CPUs; both ends on a dedicated GPU host)
+        with Pipeline.connect(endpoints, timeout_s=600, busy_poll_s=None) as pipeline:
             out["batch_step_rows_daemons"] = pipeline.step_rows
+            out["batch_coordinator_busy_poll_ms"] = [client.busy_poll_s * 1e3 for client in pipeline.clients]
             result = sweep(pipeline, prompts, args, "daemons")
             greedy = result.pop("greedy")
             out["batch_tok_s_daemons"] = result["tok_s"]
@@ -229,6 +232,8 @@ def run_batch_daemons(args) -> dict:
             out["batch_checks_daemons"] = result["checks"]
             out["batch_greedy_digest_daemons"] = digest(greedy)
             streams = 8
+            for client in pipeline.clients:  # as `shardctl serve`'s engine waits for replies (--busy-poll-ms 0)
+                client.busy_poll_s = 0.0
             # as `shardctl serve` runs them (it chunks prompts by its own default)
             _, direct, _ = run_streams(pipeline, prompts[:streams], argparse.Namespace(**{**vars(args),
                                                                                         "prefill_chunk": None}))
