@@ -890,25 +890,13 @@ def run_relay(args) -> dict:
                                        max_new_tokens=len(reference))
                     continue
                 out.setdefault("relay_round_trip_ms", [round_trip_ms(client) for client in pipeline.clients])
-                readings: list = []
-
-                def after_prefill(tokens):  # the first commit is the prefill's: read the clocks once, there
-                    if not readings:
-                        readings.append(phase_readings(pipeline))
-
-                greedy = greedy_decode(pipeline, 1, prompt, args.tokens, on_commit=after_prefill)
-                hashes.setdefault("relay/greedy", token_hash(greedy.tokens))
-                out.setdefault("e2e_greedy_ms_per_token", round(greedy.decode_seconds / len(greedy.tokens) * 1e3, 3))
-                by_phase.setdefault("greedy", relay_breakdown(greedy, readings.pop(), phase_readings(pipeline)))
-                drafter = OracleDrafter.with_mean_commit(greedy.tokens, len(prompt), block_size=BLOCK, mean_commit=MEAN_COMMIT)
-                result = speculative_decode(pipeline, 2, prompt, drafter, block_size=BLOCK, rollback=mode,
-                                            max_new_tokens=args.tokens, on_commit=after_prefill)
-                hashes[f"relay/{mode}"] = token_hash(result.tokens)
+                run = arm_run(pipeline, prompt, mode, args, hashes, tag)
                 # the e2e part's keys too (summarize() turns them into relay_ms_per_step and e2e_vs_local)
-                out.setdefault("e2e_tok_s", {})[mode] = round(len(result.tokens) / result.decode_seconds, 2)
-                out.setdefault("e2e_step_ms", {})[mode] = round(result.decode_seconds / result.steps * 1e3, 3)
-                by_phase[mode] = relay_breakdown(result, readings.pop(), phase_readings(pipeline))
-                print(f"relay {mode}: {by_phase[mode]['step_ms']} ms per step", flush=True)
+                out.setdefault("e2e_tok_s", {})[mode] = run[f"e2e_tok_s_{mode}"]
+                out.setdefault("e2e_step_ms", {})[mode] = run[f"e2e_step_ms_{mode}"]
+                if "e2e_greedy_ms_per_token" in run:
+                    out["e2e_greedy_ms_per_token"] = run["e2e_greedy_ms_per_token"]
+                by_phase.update(run[f"relay_by_phase_{mode}"])
         finally:
             stop_processes(processes)
     out["relay_by_phase"] = by_phase
@@ -919,10 +907,10 @@ def run_relay(args) -> dict:
 
 
 def arm_run(pipeline, prompt, mode: str, args, hashes: dict, tag: str) -> dict:
-    """Greedy and speculative (oracle) through one arm's daemons (polling without sleeping, the rows from daemon
-    to daemon, or both): the keys the plain runs report, their phases too (`relay_by_phase_<mode>`: greedy with
-    checkpoint), under the arm's key (`relay_busy_poll`, `relay_direct`, `relay_direct_busy_poll`; summarize()
-    sets their relay against the one-process step)."""
+    """Greedy and speculative (oracle) through one run's daemons: the plain runs (tag ""; run_relay files the
+    figures under the e2e keys) and the arms (polling without sleeping, the rows from daemon to daemon, or both:
+    under the arm's key, `relay_busy_poll`, `relay_direct`, `relay_direct_busy_poll`; summarize() sets their relay
+    against the one-process step). The greedy figures and phases (`relay_by_phase_<mode>`) with checkpoint."""
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafters import OracleDrafter
 
@@ -946,7 +934,7 @@ def arm_run(pipeline, prompt, mode: str, args, hashes: dict, tag: str) -> dict:
     hashes[f"relay{tag}/{mode}"] = token_hash(result.tokens)
     by_phase[mode] = relay_breakdown(result, readings.pop(), phase_readings(pipeline))
     step_ms = round(result.decode_seconds / result.steps * 1e3, 3)
-    print(f"relay {mode} ({tag[1:]}): {step_ms} ms per step", flush=True)
+    print(f"relay {mode}{f' ({tag[1:]})' if tag else ''}: {step_ms} ms per step", flush=True)
     return {**out, f"e2e_tok_s_{mode}": round(len(result.tokens) / result.decode_seconds, 2),
             f"e2e_step_ms_{mode}": step_ms, f"relay_by_phase_{mode}": by_phase}
 
