@@ -527,7 +527,7 @@ class ShardDaemon:
     def _refuse_downstream(self, request) -> None:
         """A FORWARD with `send_rows` that did not run: the next shard's FORWARD of that ticket must not wait."""
         ticket = getattr(request, "send_rows", None)
-        if ticket is not None and self.relay is not None:
+        if ticket is not None and self.relay_target() is not None:
             self.relay.send(Rows(id=0, seq=request.seq, pos=request.pos, ticket=ticket, refused=True))
             self.counters.rows_sent += 1
 
@@ -947,7 +947,6 @@ class ShardDaemon:
                 self.relay.close()
             listener.close()
             log.info("stopped: %d sequences were open", len(self.sequences))
-
 
     def answer(self, envelope: list, owner: bytes, reply) -> list[list]:
         """Every message one request of `owner` sends, in order: first the refusal of a FORWARD of its connection

@@ -113,16 +113,18 @@ def plan_memory(
         items["step_buffers_and_graphs"] = buffers + GRAPH_POOL_BYTES
     # the largest transient of a prefill request: its chunk's MLP activations (and logits on the head shard)
     tokens = min(max_tokens_per_request, max_context)
-    chunk = min(tokens, prefill_rows or 1024)
-    activations = chunk * (c.intermediate_size * 3 + c.hidden_size * 4) * dtype_bytes
-    items["prefill_activations"] = activations + (tokens * c.vocab_size * 4 if head else 0)
+    def activations(rows: int) -> int:  # a prefill call's MLP activations and residual-stream transients
+        return rows * (c.intermediate_size * 3 + c.hidden_size * 4) * dtype_bytes
+
+    items["prefill_activations"] = activations(min(tokens, prefill_rows or 1024)) + (
+        tokens * c.vocab_size * 4 if head else 0)
     if engine == "fast" and prefill_rows and prefill_rows <= max_context:
         # shardd.fast.prefill.PrefillGraphs, once a piece of prefill_rows has run: a staging copy of one sequence's
         # GDN state, the static buffers (the residual stream, its norm, the SwiGLU product, an attention core's
         # output) and the graphs' pool, the transients of one piece kept
         static = prefill_rows * (c.hidden_size * 3 + c.intermediate_size) * dtype_bytes
         items["prefill_graphs"] = (c.recurrent_state_bytes() + c.conv_state_bytes()) * len(gdn) + static + (
-            prefill_rows * (c.intermediate_size * 3 + c.hidden_size * 4) * dtype_bytes + GRAPH_POOL_BYTES)
+            activations(prefill_rows) + GRAPH_POOL_BYTES)
     if drafter_bytes:
         items["drafter"] = drafter_bytes
     return MemoryPlan(items, cap)

@@ -175,8 +175,7 @@ class PrefillGraphs:
     def _stay_eager(self, capture, reason: str, eager) -> ShardOutput:
         self.sets[capture] = None
         self.failures[capture] = reason
-        log.warning("prefill graphs of %d rows (captured layers %s) stay off: %s", self.rows,
-                                            list(capture), reason)
+        log.warning("prefill graphs of %d rows (captured layers %s) stay off: %s", self.rows, list(capture), reason)
         return eager()
 
     def _capture(self, capture: tuple[int, ...]):

@@ -81,7 +81,7 @@ class FastShard:
             raise ValueError(f"prefill_rows must be >= 0, got {prefill_rows}")
         self.prefill_rows = prefill_rows if self.prefill_kernels and prefill_rows <= max_context else 0
         self.prefill_graphs = PrefillGraphs(model, self.layers, self.pools, self.prefill_rows,
-                                                    use_graphs=use_graphs) if self.prefill_rows else None
+                                            use_graphs=use_graphs) if self.prefill_rows else None
         pin = model.device.type == "cuda"
         self._control = torch.zeros(segments.size(self.max_segments, self.batch_rows), dtype=torch.int32, pin_memory=pin)
         self._tokens = torch.zeros(self.batch_rows, dtype=torch.long, pin_memory=pin)
@@ -215,7 +215,7 @@ class FastShard:
             self._replay_control.copy_(torch.tensor(segments.padded(replays, self.max_segments, pools.scratch_slot),
                                                     dtype=torch.int32))
             b.replay_control.copy_(self._replay_control, non_blocking=True)
-            b.replays_pending = any(pools.replay[item.state.slot] for _, item, _ in step)
+            b.replays_pending = any(replay[segments.ROWS] for replay in replays)
             for _, item, _ in step:
                 pools.replay[item.state.slot] = 0
         if self.model.owns_embedding:
