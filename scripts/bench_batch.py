@@ -231,6 +231,7 @@ def run_batch_daemons(args) -> dict:
             out["batch_decode_tok_s_daemons"] = result["decode_tok_s"]
             out["batch_checks_daemons"] = result["checks"]
             out["batch_greedy_digest_daemons"] = digest(greedy)
+            out["batch_relay_by_phase"] = batch_phases(pipeline, args)
             streams = 8
             for client in pipeline.clients:  # as `shardctl serve`'s engine waits for replies (--busy-poll-ms 0)
                 client.busy_poll_s = 0.0
@@ -246,6 +247,33 @@ def run_batch_daemons(args) -> dict:
         out["batch_http"]["direct_tok_s"] = direct
     finally:
         stop_processes(processes)
+    return out
+
+
+def batch_phases(pipeline, args, concurrency=(1, 8, 32)) -> dict:
+    """Where a batched two-daemon decode step's time goes (the two-daemon over one-process miss): greedy streams
+    with prompts of one block (so the steps are decode steps), the daemons' STATS phases and the coordinator's
+    client phases per step (bench_gpu's relay_breakdown, a step = one FORWARD to the first shard)."""
+    from bench_gpu import phase_readings, relay_breakdown
+
+    class Steps:  # what relay_breakdown reads of a decode result
+        def __init__(self, steps, seconds):
+            self.steps, self.decode_seconds, self.draft_seconds = steps, seconds, 0.0
+
+    short = argparse.Namespace(**{**vars(args), "prompt_len": BLOCK})
+    prompts = stream_prompts(short, max(concurrency))
+    out = {}
+    for c in concurrency:
+        run_streams(pipeline, prompts[:c], short)  # warm: this batch shape's graphs and prompt positions
+        before = phase_readings(pipeline)
+        started = time.perf_counter()
+        run_streams(pipeline, prompts[:c], short)
+        seconds = time.perf_counter() - started
+        after = phase_readings(pipeline)
+        first = after[1][0].get("FORWARD", {}).get("requests", 0) - before[1][0].get("FORWARD", {}).get("requests", 0)
+        out[f"x{c}"] = relay_breakdown(Steps(max(first, 1), seconds), before, after)
+        print(f"daemons greedy x{c}, {BLOCK}-token prompts: {out[f'x{c}']['step_ms']} ms a step over "
+              f"{out[f'x{c}']['steps']} steps", flush=True)
     return out
 
 

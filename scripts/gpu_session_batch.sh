@@ -5,7 +5,8 @@
 #   --max-sequences 33): aggregate tok/s at 1/4/8/16/32 streams, greedy and the oracle drafter (mean commit ~7),
 #   512-token prompts, 64 new tokens; shardctl serve over HTTP at 8 streams against the same 8 without HTTP;
 #   batch_identical (each stream equal to the same request alone, greedy, oracle, seeded sampling, checkpoint
-#   and replay-ssm); 3. the short table, last.
+#   and replay-ssm); the two-daemon decode steps by phase at 1/8/32 streams (batch_relay_by_phase); 3. the short
+#   table, last.
 # JSON and logs land in $OUT and bench/results/h200/. Wheels in .whl/ are installed by scripts/gpu_env.sh.
 # Usage: scripts/gpu_session_batch.sh [bench_gpu.py arguments, e.g. --daemon-step-rows 128 --batch-rows 256]
 set -uo pipefail
@@ -22,8 +23,12 @@ python3 - "$OUT/gpu_bench_batch.json" <<'PY'
 import json, sys
 sys.path.insert(0, "scripts")
 from bench_batch import batch_table
+from bench_gpu import phase_table
 try:
-    print(batch_table(json.load(open(sys.argv[1]))))
+    r = json.load(open(sys.argv[1]))
+    print(batch_table(r))
+    if r.get("batch_relay_by_phase"):
+        print("== two daemons, greedy decode steps by phase (ms per step)\n" + phase_table(r["batch_relay_by_phase"]))
 except (OSError, ValueError, KeyError) as exc:
     print(f"no benchmark JSON: {exc}")
 PY
