@@ -253,7 +253,7 @@ def test_the_prefill_calls_fla_s_forward_with_the_public_function_s_bits():
     step = fast(CHECKPOINT, preset="small")
     states = [step.new_state(CONTEXT), step.new_state(CONTEXT)]
     vocab = step.model.config.vocab_size
-    for pos, n in ((0, 70), (70, 33)):
+    for pos, n in ((0, 70), (70, 26)):  # within CONTEXT (96)
         block = ids(n, vocab, pos)
         x = torch.nn.functional.embedding(torch.tensor(block, device=DEVICE), step.model.embed_tokens)
         outs = []
