@@ -120,6 +120,12 @@ class WireTensor:
         import torch
 
         _check_little_endian()
+        if self.origin is not None and device is None and self.data.nbytes:  # a row slice: a view of its base's
+            base, first = self.origin                                       # tensor, made once per frame
+            return base.to_torch()[first:first + self.shape[0]]
+        cached = self.__dict__.get("_torch")
+        if cached is not None and device is None:
+            return cached
         torch_dtype = getattr(torch, self.dtype)
         if self.data.nbytes == 0:
             tensor = torch.empty(self.shape, dtype=torch_dtype)
@@ -127,7 +133,10 @@ class WireTensor:
             _quiet_read_only_warning()
             tensor = torch.frombuffer(self.data, dtype=torch_dtype).view(self.shape)
         if device is not None:
-            tensor = tensor.to(device)
+            return tensor.to(device)
+        # kept for the row slices of this tensor (a batch's items, the relay's parts), each a view of it: one
+        # frombuffer per frame instead of one per item. Not part of the value (the fields are).
+        object.__setattr__(self, "_torch", tensor)
         return tensor
 
 
@@ -179,5 +188,9 @@ def row_slice(tensor: WireTensor, start: int, rows: int) -> WireTensor:
     """Rows start .. start+rows-1 of a [n, ...] tensor, a view of its bytes (no copy)."""
     row_bytes = tensor.nbytes // tensor.shape[0] if tensor.shape[0] else 0
     base, first = tensor.origin if tensor.origin is not None else (tensor, 0)
-    data = tensor.data[start * row_bytes:(start + rows) * row_bytes]
-    return WireTensor(tensor.dtype, (rows, *tensor.shape[1:]), data, origin=(base, first + start))
+    # valid by construction (the bytes of `rows` whole rows of a checked tensor): built without __post_init__'s
+    # checks, which cost more than the rest of decoding a batch item's rows
+    part = object.__new__(WireTensor)
+    part.__dict__.update(dtype=tensor.dtype, shape=(rows, *tensor.shape[1:]),
+                         data=tensor.data[start * row_bytes:(start + rows) * row_bytes], origin=(base, first + start))
+    return part

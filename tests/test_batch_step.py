@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton", reason="the fast path's kernels need triton")
 
@@ -399,3 +401,50 @@ def test_the_default_step_rows_are_what_a_daemon_can_fill():
     assert step_rows_for("fast", None, 16, max_sequences=8, fp8=True) == 16
     assert step_rows_for("fast", 64, 16, max_sequences=1, fp8=True) == 64
     assert step_rows_for("reference", None, 16, max_sequences=1, fp8=True) is None
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(1, 5), st.sampled_from(["next", "skip", "other", "strided"])), min_size=1,
+                max_size=8))
+def test_the_step_s_row_copies_join_only_rows_that_lie_end_to_end(parts):
+    """FastShard's RowSpans (one copy for consecutive items whose rows are consecutive rows of one tensor, a
+    batch's hidden frame) puts in the step's buffer exactly what one copy per item puts there: rows of the same
+    frame that skip rows, rows of another tensor, a non-contiguous view and a different dtype break a span."""
+    from shardd.fast.shard import RowSpans
+    from protocol.tensors import WireTensor, row_slice
+
+    width = 6
+    frame = WireTensor.from_torch(torch.randn(64, width))
+    frame = WireTensor(frame.dtype, frame.shape, bytes(frame.data))  # a received frame: read-only bytes
+    other = torch.randn(32, width, dtype=torch.float64)
+    joined, expected = RowSpans(torch.zeros(48, width, dtype=torch.bfloat16)), []
+    at = row = 0
+    for n, how in parts:
+        if how == "skip":
+            row += 1
+        if how == "other":
+            rows = other[row:row + n]
+        elif how == "strided":
+            rows = torch.randn(width, n).t()
+        else:
+            rows = row_slice(frame, row, n).to_torch()
+            row += n
+        joined.add(at, rows)
+        expected.append(rows)
+        at += n
+    joined.flush()
+    reference = torch.zeros(48, width, dtype=torch.bfloat16)
+    reference[:at] = torch.cat([rows.to(torch.bfloat16) for rows in expected])
+    assert torch.equal(joined.dest, reference)
+
+
+def test_row_slices_view_their_frame_s_one_tensor():
+    """A row slice's tensor is a view of its frame's (made once), equal to the same bytes made alone."""
+    from protocol.tensors import WireTensor, row_slice
+
+    frame = WireTensor.from_torch(torch.arange(24, dtype=torch.float32).view(6, 4))
+    part = row_slice(row_slice(frame, 1, 4), 2, 2)
+    assert part == WireTensor("float32", (2, 4), torch.arange(12, 20, dtype=torch.float32).numpy().tobytes())
+    assert torch.equal(part.to_torch(), torch.arange(12, 20, dtype=torch.float32).view(2, 4))
+    assert part.to_torch()._base is frame.to_torch()._base
+    assert torch.equal(part.to_torch("cpu"), part.to_torch())

@@ -188,6 +188,7 @@ class FastShard:
         views.clear()
         b, pools = self.buffers, self.pools
         table, tokens, first = [], [], 0
+        rows_in = RowSpans(self._hidden) if not self.model.owns_embedding else None
         for _, item, n in step:
             save, n_save = gdn_kernels.SAVE_NOTHING, 0
             if item.checkpoint and pools.mode == CHECKPOINT:
@@ -201,8 +202,10 @@ class FastShard:
             if self.model.owns_embedding:
                 tokens.extend(item.tokens)
             else:
-                self._hidden[first : first + n].copy_(item.hidden)
+                rows_in.add(first, item.hidden)
             first += n
+        if rows_in is not None:
+            rows_in.flush()
         used = first
         if self.model.owns_embedding:  # the padding rows embed token 0
             self._tokens.copy_(torch.tensor(tokens + [0] * (self.batch_rows - used), dtype=torch.long))
@@ -286,3 +289,35 @@ class FastShard:
                 outs.append(eager())
         state.length = pos + n
         return outs[0] if len(outs) == 1 else _joined(outs)
+
+
+class RowSpans:
+    """The items' input rows into the step's host buffer, in order: consecutive items whose rows lie end to end in
+    one tensor (a batch's hidden frame, each item a view of its rows; the rows of a previous shard's step) go as
+    one copy instead of one per item."""
+
+    def __init__(self, dest: torch.Tensor) -> None:
+        self.dest = dest
+        self.run: tuple | None = None  # (first row in dest, root tensor, its elements flat, element offset, rows)
+
+    def add(self, first: int, rows: torch.Tensor) -> None:
+        root = rows._base
+        if root is None or root.dtype != rows.dtype or not rows.is_contiguous() or not root.is_contiguous():
+            self.flush()
+            self.dest[first:first + rows.shape[0]].copy_(rows)
+            return
+        offset = (rows.data_ptr() - root.data_ptr()) // rows.element_size()
+        if self.run is not None:
+            run_first, run_root, flat, run_offset, n = self.run
+            if run_root is root and first == run_first + n and offset == run_offset + n * self.dest.shape[1]:
+                self.run = (run_first, root, flat, run_offset, n + rows.shape[0])
+                return
+            self.flush()
+        self.run = (first, root, root.view(-1), offset, rows.shape[0])
+
+    def flush(self) -> None:
+        if self.run is not None:
+            first, _, flat, offset, n = self.run
+            width = self.dest.shape[1]
+            self.dest[first:first + n].copy_(flat[offset:offset + n * width].view(n, width))
+            self.run = None
