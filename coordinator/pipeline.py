@@ -473,6 +473,9 @@ class Pipeline:
         if len(group) == 1:
             results[group[0]] = self._forward_alone(items[group[0]])
             return
+        if self.direct_rows:
+            self._relay_batch_direct(items, group, results)
+            return
         live = list(group)
         hidden: dict[int, WireTensor] = {}  # item index -> its rows for the next shard
         refused_rollback: dict[int, Exception] = {}  # item index -> why its pending ROLLBACK failed
@@ -523,6 +526,93 @@ class Pipeline:
             live = survivors
             if not live:
                 return
+
+    def _relay_batch_direct(self, items: list, group: list[int], results: list) -> None:
+        """`_relay_batch` with the rows going from shard to shard (PROTOCOL.md, "Rows from shard to shard"): every
+        shard's batched FORWARD goes out at once, the head's first, each next shard waiting for the batch's rows
+        under a fresh ticket; the replies are read in shard order. An item a shard refuses (it changed nothing
+        there) is refused by the shards after it too (ROWS_MISSING: no rows of it came) and undone before it; an
+        item that failed otherwise may have run on the shards after it: it is inconsistent (re-filled by the
+        caller). A shard whose whole reply is lost: every item still in the step fails with it."""
+        last = len(self.shards) - 1
+        tickets = [secrets.randbits(62) for _ in range(last)]
+        sent: list = [None] * len(self.shards)
+        for k in range(last, -1, -1):  # the shards that wait are waiting before the first one computes
+            shard, records = self.shards[k], []
+            for index in group:
+                item = items[index]
+                n = len(item.tokens)
+                inputs = {"tokens": list(item.tokens)} if k == 0 else {"rows_ticket": tickets[k - 1], "ticket_rows": n}
+                head = _head_fields(item.sampling, item.drafts) if shard.owns_head else None
+                records.append(forward_record(item.seq, item.pos, checkpoint=item.checkpoint, sampling=head, **inputs))
+            batch = ForwardBatch(id=0, items=tuple(records), send_rows=tickets[k] if k < last else None,
+                                 rows_ticket=tickets[k - 1] if k > 0 else None)
+            try:
+                # not checked here: the daemon refuses a bad item alone (a local check would fail the whole batch)
+                sent[k] = self.clients[k].send(batch, validate=False)
+            except SHARD_FAILURES as error:
+                for later in range(k + 1, len(sent)):  # nothing ran: their waits end with their next request
+                    self.clients[later].forget(sent[later])
+                for index in group:
+                    results[index] = as_sequence_lost(error, items[index].seq)
+                return
+        refused_rollback: dict[int, Exception] = {}  # item index -> why its pending ROLLBACK failed
+        for index in group:  # the batches are on their way behind any ROLLBACK of their sequences: now read those
+            try:
+                self._settle(items[index].seq)
+            except (RollbackFailed, SequenceLost) as error:
+                refused_rollback[index] = error
+        live = list(group)  # the items every shard so far has run
+        for k, (shard, client) in enumerate(zip(self.shards, self.clients)):
+            try:
+                answers = client.receive_items(sent[k])
+            except SHARD_FAILURES as error:  # the whole batch: refused (nothing ran, a refused ROWS went on) or lost
+                refused = isinstance(error, ShardError) and error.code is not ErrorCode.INTERNAL
+                for later in range(k + 1, len(sent)):
+                    if refused:  # told by the refused ROWS: their refusals come at once
+                        try:
+                            self.clients[later].receive(sent[later])
+                        except SHARD_FAILURES:
+                            pass
+                    else:  # they may have run (rows sent before the reply was lost)
+                        self.clients[later].forget(sent[later])
+                for index in live:
+                    results[index] = refused_rollback.get(index) or self._failed_in_direct(items[index], k, error,
+                                                                                           refused)
+                return
+            answered = dict(zip(group, answers))
+            survivors = []
+            for index in live:
+                item, answer = items[index], answered[index]
+                n = len(item.tokens)
+                try:
+                    if isinstance(answer, Exception):
+                        raise answer
+                    self._check_reply(answer, shard, item.seq, item.pos + n, n, rows_sent=k < last)
+                except SHARD_FAILURES as error:
+                    refused = isinstance(error, ShardError) and error.code is not ErrorCode.INTERNAL
+                    results[index] = refused_rollback.get(index) or self._failed_in_direct(item, k, error, refused)
+                    continue
+                if index in refused_rollback:  # the sequence is re-filled: what the shards did is moot
+                    results[index] = refused_rollback[index]
+                elif k == last:
+                    ids = TokenIds(answer.result["ids"])
+                    ids.logprobs = answer.result.get("logprobs")
+                    results[index] = ids
+                else:
+                    survivors.append(index)
+            live = survivors
+
+    def _failed_in_direct(self, item: BatchForward, failed: int, error: Exception, refused: bool) -> Exception:
+        """What an item of `_relay_batch_direct` that failed at shard `failed` raises: a refusal (it changed nothing
+        there, nor after: no rows of it went on) undone on the shards before; any other failure may have left the
+        shards after it stepped too: inconsistent (as `_relay_direct` has it)."""
+        if failed > 0 or not refused:
+            try:
+                self._undo(item.seq, item.pos, failed, item.checkpoint and refused, error)
+            except SequenceInconsistent as inconsistent:
+                return inconsistent
+        return as_sequence_lost(error, item.seq)
 
     def _batch_failure(self, item: BatchForward, failed: int, error: Exception) -> Exception:
         """What `forward` raises for one sequence that failed at shard `failed`: the shards before it are put back

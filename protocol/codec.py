@@ -51,6 +51,8 @@ _REPLY_KEYS = frozenset({"v", "id", "type", "ok", "result", "tensors", "error"})
 _DESCRIPTOR_KEYS = frozenset({"name", "dtype", "shape"})
 _INT_TYPE = frozenset({int})
 _ROWS = frozenset({"rows"})  # a batch item's count of its rows of tensor 'hidden'; not a record field
+# per batchable type, the batch-level fields beside `items`: a FORWARD batch's rows from shard to shard
+_BATCH_TICKETS = {MessageType.FORWARD: frozenset({"send_rows", "rows_ticket"})}
 _TYPE_NAMES = frozenset(t.value for t in MessageType)
 # Per record type, its fields in order (what the encoders walk) and, per message type, its tensor frames' names.
 _FIELD_NAMES = {record: tuple(f.name for f in dataclasses.fields(record))
@@ -318,7 +320,7 @@ def _decode_batch(header: dict, views: list[memoryview], mtype: MessageType, lim
     """A batched FORWARD/CAPTURE/ROLLBACK. The envelope (the item list, each item's `seq` and `rows`, the one
     `hidden` frame, the batch's size) is refused whole; a bad field of one item refuses that item alone: its place
     in `items` holds the ProtocolError."""
-    allowed = _COMMON_KEYS | {"items"}
+    allowed = _COMMON_KEYS | {"items"} | _BATCH_TICKETS.get(mtype, frozenset())
     unknown = sorted(str(key) for key in header if key not in allowed)
     if unknown:
         raise _bad(f"unknown field(s) {unknown} in a batched {mtype.value} request (every per-sequence field goes in "
@@ -331,9 +333,15 @@ def _decode_batch(header: dict, views: list[memoryview], mtype: MessageType, lim
         raise _bad(f"field 'items' of {mtype.value} must be a non-empty list of maps, got {_describe(items)}")
     if len(items) > limits.max_batch_items:
         raise _too_large(f"{len(items)} items in one {mtype.value}, limit {limits.max_batch_items}")
+    tickets = {name: _check_int(header[name], f"field '{name}' of a batched {mtype.value}", 0, ID_LIMIT)
+               for name in ("send_rows", "rows_ticket") if name in header}
     found = _tensors(header.get("tensors", []), views[1:])
     hidden_specs = tuple(spec for spec in REQUEST_TENSORS[mtype] if spec.name == "hidden")
     hidden = _request_tensors(found, hidden_specs, mtype).get("hidden")
+    rows_ticket = tickets.get("rows_ticket")
+    if rows_ticket is not None and hidden is not None:
+        raise _bad(f"a batched {mtype.value} with field 'rows_ticket' takes its rows from the previous shard's ROWS, "
+                   "not from tensor 'hidden'")
     seqs: set[int] = set()
     for index, item in enumerate(items):
         if not isinstance(item, dict):
@@ -344,7 +352,7 @@ def _decode_batch(header: dict, views: list[memoryview], mtype: MessageType, lim
         if seq in seqs:
             raise _bad(f"sequence {seq} appears twice in one batch (items name distinct sequences)")
         seqs.add(seq)
-    rows = _batch_rows(items, hidden, mtype)
+    rows = _batch_rows(items, hidden, mtype, ticketed=rows_ticket is not None)
     total = sum(rows) if hidden is not None else sum(len(item["tokens"]) for item in items
                                                       if type(item.get("tokens")) is list)
     if total > limits.max_tokens_per_request:
@@ -353,18 +361,24 @@ def _decode_batch(header: dict, views: list[memoryview], mtype: MessageType, lim
     specs, names = _BATCH_FIELDS[mtype]
     decoded: list = []
     start = 0
+    ticket = {"rows_ticket": rows_ticket} if rows_ticket is not None else None
     for item, n in zip(items, rows):
         part = row_slice(hidden, start, n) if hidden is not None else None
         start += n
         try:
-            decoded.append(_decode_item(item, part, record_type, specs, names, mtype, limits))
+            decoded.append(_decode_item(item, part, record_type, specs, names, mtype, limits,
+                                        ticket and {**ticket, "ticket_rows": n}))
         except ProtocolError as error:
             decoded.append(ItemRefused(error.code, error.message, item["seq"]))
-    return BATCH_RECORD_TYPES[mtype](id=request_id, items=tuple(decoded))
+    return BATCH_RECORD_TYPES[mtype](id=request_id, items=tuple(decoded), **tickets)
 
 
-def _batch_rows(items: list, hidden: Optional[WireTensor], mtype: MessageType) -> list[int]:
-    """Each item's rows of tensor `hidden` (all 0 without it); they must add up to its rows."""
+def _batch_rows(items: list, hidden: Optional[WireTensor], mtype: MessageType, ticketed: bool = False) -> list[int]:
+    """Each item's rows of tensor `hidden` (all 0 without it); they must add up to its rows. `ticketed` (a batch
+    with rows_ticket): each item's rows of the ROWS it waits for."""
+    if ticketed:
+        return [_check_int(item.get("rows"), f"field 'rows' of items[{index}] (its rows of the ROWS of "
+                                             f"rows_ticket)", 1, ID_LIMIT) for index, item in enumerate(items)]
     if hidden is None:
         with_rows = [index for index, item in enumerate(items) if "rows" in item]
         if with_rows:
@@ -395,7 +409,7 @@ def _record(record_type: type, values: dict) -> Request:
 
 
 def _decode_item(item: dict, hidden: Optional[WireTensor], record_type: type, specs: tuple, names: set,
-                 mtype: MessageType, limits: Limits):
+                 mtype: MessageType, limits: Limits, ticket: Optional[dict] = None):
     keys = item.keys() - _ROWS
     if keys & BATCH_REFUSED_FIELDS:
         refused = sorted(keys & BATCH_REFUSED_FIELDS)
@@ -407,6 +421,8 @@ def _decode_item(item: dict, hidden: Optional[WireTensor], record_type: type, sp
     values["id"] = 0
     if hidden is not None:
         values["hidden"] = hidden
+    if ticket is not None:  # the batch's rows_ticket and this item's rows of it, as a one-sequence FORWARD has them
+        values.update(ticket)
     record = _record(record_type, values)
     _check_request(record, limits)
     return record
@@ -539,6 +555,11 @@ def _encode_batch(record: Batch, validate: bool) -> Frames:
         # fields was most of the time of encoding an item)
         entry: dict[str, Any] = {name: value for name, value in item.__dict__.items() if value is not None}
         entry.pop("id", None)
+        ticket = entry.pop("rows_ticket", None)
+        if ticket is not None:  # the batch's, on the wire once; the item says its rows
+            if validate and ticket != getattr(record, "rows_ticket", None):
+                raise _bad(f"an item's rows_ticket {ticket} is not its batch's ({getattr(record, 'rows_ticket', None)})")
+            entry["rows"] = entry.pop("ticket_rows", None)
         rows = entry.pop("hidden", None)
         for name, value in entry.items():
             if type(value) is tuple:
@@ -548,6 +569,9 @@ def _encode_batch(record: Batch, validate: bool) -> Frames:
             hidden.append(rows)
         items.append(entry)
     header = {"v": PROTOCOL_VERSION, "type": record.type.value, "id": record.id, "items": items}
+    for name in ("send_rows", "rows_ticket"):
+        if getattr(record, name, None) is not None:
+            header[name] = getattr(record, name)
     if hidden and validate and len(hidden) != len(items):
         raise _bad("a batch carries hidden rows for every item or for none")
     try:
@@ -704,7 +728,10 @@ def split_batch_reply(reply: Reply, sent: Batch) -> list[Reply]:
         tensors = {}
         if not isinstance(item, Rollback):
             names = [f"layer.{layer}" for layer in result.get("captured_layers", ())]
-            names.append("logits" if "ids" in result else "hidden")
+            if "ids" in result:
+                names.append("logits")
+            elif result.get("rows_sent") is not True:  # rows sent on to the next shard come back without them
+                names.append("hidden")
             for name in names:
                 if name == "logits" and not item.return_logits:
                     continue

@@ -261,6 +261,12 @@ class Batch(_Request):
 @dataclass(frozen=True)
 class ForwardBatch(Batch):
     type: ClassVar[MessageType] = MessageType.FORWARD
+    # Rows from shard to shard for the whole batch (PROTOCOL.md, "Rows from shard to shard"): `send_rows` sends
+    # the rows of every item that ran to the next shard as one batched ROWS under this ticket; `rows_ticket` takes
+    # each item's rows from the ROWS of this ticket (on the wire each item says its `rows`; decoded, each item
+    # carries the ticket and its ticket_rows as the one-sequence FORWARD would).
+    send_rows: Optional[int] = None
+    rows_ticket: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -273,7 +279,21 @@ class RollbackBatch(Batch):
     type: ClassVar[MessageType] = MessageType.ROLLBACK
 
 
-BatchRequest = Union[ForwardBatch, CaptureBatch, RollbackBatch]
+@dataclass(frozen=True)
+class RowsBatch(Batch):
+    """The rows of a batched FORWARD's items that ran, under one ticket (every item's); an item that did not run
+    has no entry (the next shard refuses it alone). A batch none of whose items ran sends one refused `Rows`."""
+
+    type: ClassVar[MessageType] = MessageType.ROWS
+
+    @property
+    def ticket(self) -> int:
+        return self.items[0].ticket
+
+    refused = False
+
+
+BatchRequest = Union[ForwardBatch, CaptureBatch, RollbackBatch, RowsBatch]
 BATCH_RECORD_TYPES: dict[MessageType, type] = {record.type: record for record in get_args(BatchRequest)}
 # Fields of a one-sequence request that a batch item may not carry: the proposal rides on one verify alone, and
 # rows go from shard to shard for one sequence.

@@ -6,7 +6,8 @@
   ngram drafter), the same prompts equal whatever the concurrency, and the oracle at 8 streams on a
   checkpoint-storage shard sharing the weights.
 - `batch-daemons`: two `shardd serve` daemons (layers 0:L/2, L/2:L; both on cuda:0 when there is one GPU),
-  `--max-sequences 33`: the same sweep over the Pipeline; then `shardctl serve` over them, 8 streams over HTTP
+  `--max-sequences 33`, the first sending each batch's rows to the second (`--relay-to`, as shardctl chains
+  them): the same sweep over the Pipeline; then `shardctl serve` over them, 8 streams over HTTP
   against the same 8 streams without HTTP.
 
 Throughput is new tokens of all streams over the wall time from submitting them to the last one's end (prefill
@@ -216,13 +217,15 @@ def run_batch_daemons(args) -> dict:
     out: dict = {"batch_daemon_devices": devices}
     run_dir = Path(tempfile.mkdtemp(prefix="bench-batch-"))
     extra = ["--step-rows", str(args.daemon_step_rows)] if args.daemon_step_rows else []
+    # chained as shardctl launches them (--relay-to: each batch's rows from shard to shard, one ROWS a step)
     processes, endpoints = start_daemons(args, ranges, "replay-ssm", run_dir, devices=devices,
-                                         max_sequences=max(CONCURRENCY) + 1, extra=extra)
+                                         max_sequences=max(CONCURRENCY) + 1, extra=extra, direct_rows=True)
     try:
         # the coordinator polls as `shardctl generate` does by default (`--busy-poll-ms auto`: as its daemons,
         # where the host has the CPUs; both ends on a dedicated GPU host)
         with Pipeline.connect(endpoints, timeout_s=600, busy_poll_s=None) as pipeline:
             out["batch_step_rows_daemons"] = pipeline.step_rows
+            out["batch_daemons_direct_rows"] = pipeline.direct_rows
             out["batch_coordinator_busy_poll_ms"] = [client.busy_poll_s * 1e3 for client in pipeline.clients]
             result = sweep(pipeline, prompts, args, "daemons")
             greedy = result.pop("greedy")

@@ -27,10 +27,13 @@ from protocol import (
     PROTOCOL_VERSION,
     Batch,
     ErrorCode,
+    ForwardBatch,
+    ItemRefused,
     Limits,
     MessageType,
     ProtocolError,
     Rows,
+    RowsBatch,
     WireTensor,
     decode_request,
     encode_error,
@@ -211,6 +214,7 @@ class ShardDaemon:
             MessageType.FORWARD: self.forward_batch,
             MessageType.CAPTURE: self.forward_batch,
             MessageType.ROLLBACK: self.rollback_batch,
+            MessageType.ROWS: self.take_rows,
         }
 
     # ---- one request -----------------------------------------------------------------------------
@@ -437,8 +441,8 @@ class ShardDaemon:
             self.relay = RowsLink(options.relay_to)
         return options.relay_to
 
-    def forward(self, request):
-        shard = self._layers(request)
+    def _check_send_rows(self, request, shard) -> None:
+        """A FORWARD (or batch) with `send_rows` needs a next shard to send to, and rows to send."""
         if request.send_rows is not None:
             if self.relay_target() is None:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "field 'send_rows': this daemon was started without "
@@ -446,6 +450,10 @@ class ShardDaemon:
                                                            "has no next shard to send rows to")
             if shard.owns_head:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "field 'send_rows': the head shard's output is ids, not rows")
+
+    def forward(self, request):
+        shard = self._layers(request)
+        self._check_send_rows(request, shard)
         if request.rows_ticket is not None:
             request = self._with_rows(request, shard)  # or _WaitsForRows: the rows are not here yet
         entry, head, layers = self._check_forward(request, shard)
@@ -484,6 +492,11 @@ class ShardDaemon:
             self.counters.rows_missing += 1
             raise ProtocolError(ErrorCode.ROWS_MISSING, f"the previous shard refused or failed this step (ticket "
                                                         f"{request.rows_ticket}): nothing changed here")
+        if isinstance(rows, RowsBatch):  # a batch's ROWS: one sequence's FORWARD takes it only if it is that one's
+            if len(rows.items) != 1:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"the ROWS of ticket {request.rows_ticket} are a batch of "
+                                                           f"{len(rows.items)} sequences; this FORWARD is for one")
+            rows = rows.items[0]
         rows_n = rows.hidden.shape[0]
         if (rows.seq, rows.pos, rows_n) != (request.seq, request.pos, request.ticket_rows):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"the ROWS of ticket {request.rows_ticket} are for sequence "
@@ -491,9 +504,57 @@ class ShardDaemon:
                                                        f"{request.seq} at {request.pos}, {request.ticket_rows} rows")
         return dataclasses.replace(request, hidden=rows.hidden, rows_ticket=None, ticket_rows=None)
 
+    def _batch_with_rows(self, request):
+        """A batched FORWARD with `rows_ticket`, each item as if its rows had come in tensor `hidden`; an item the
+        ROWS has no rows for (the previous shard refused or failed it) is refused alone with ROWS_MISSING, one whose
+        rows do not match with BAD_REQUEST, each changing nothing. _WaitsForRows while the ROWS has not come."""
+        rows = self.inbox.take(request.rows_ticket)
+        if rows is None:
+            raise _WaitsForRows
+        self.counters.rows_received += 1
+        ticket = request.rows_ticket
+        sent = {} if rows.refused else {part.seq: part for part in (rows.items if isinstance(rows, RowsBatch) else (rows,))}
+        items = []
+        for item in request.items:
+            if isinstance(item, ProtocolError):
+                items.append(item)
+                continue
+            part = sent.get(item.seq)
+            if part is None:
+                self.counters.rows_missing += 1
+                items.append(ItemRefused(ErrorCode.ROWS_MISSING, f"the previous shard refused or failed this step of "
+                                                                 f"sequence {item.seq} (ticket {ticket}): nothing "
+                                                                 "changed here", item.seq))
+            elif (part.pos, part.hidden.shape[0]) != (item.pos, item.ticket_rows):
+                items.append(ItemRefused(ErrorCode.BAD_REQUEST, f"the ROWS of ticket {ticket} has sequence {item.seq} "
+                                                                f"at {part.pos}, {part.hidden.shape[0]} rows; this item "
+                                                                f"is at {item.pos}, {item.ticket_rows} rows", item.seq))
+            else:
+                items.append(_replaced(item, hidden=part.hidden, rows_ticket=None, ticket_rows=None))
+        return dataclasses.replace(request, items=tuple(items), rows_ticket=None)
+
+    def _send_batch_rows(self, request, answers: list) -> None:
+        """A batched FORWARD's `send_rows`: the rows of its items that ran go to the next shard as one ROWS (each
+        item's reply then carries `rows_sent` and no rows); none ran: a refused ROWS."""
+        parts = []
+        for item, answer in zip(request.items, answers):
+            if isinstance(answer, Exception):
+                continue
+            result, tensors = answer
+            parts.append(Rows(id=0, seq=item.seq, pos=item.pos, ticket=request.send_rows,
+                              hidden=WireTensor.from_torch(tensors.pop("hidden"))))
+            result["rows_sent"] = True
+        if parts:
+            self.relay.send(RowsBatch(id=0, items=tuple(parts)))
+        else:
+            self.relay.send(Rows(id=0, seq=request.items[0].seq, pos=0, ticket=request.send_rows, refused=True))
+        self.counters.rows_sent += 1
+
     def take_rows(self, request):
         """ROWS from the previous shard: kept for its FORWARD; one already waiting runs now (its reply goes out
         after this one's acknowledgement)."""
+        if isinstance(request, RowsBatch) and len({item.ticket for item in request.items}) != 1:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "the items of a batched ROWS share one ticket")
         waiting = self.inbox.put(request)
         if waiting is not None:
             self._completed.append(waiting.envelope + self._resume(waiting))
@@ -522,13 +583,16 @@ class ShardDaemon:
         self.counters.rows_missing += 1
         self._refuse_downstream(request)
         return self._error(request.id, request.type, ErrorCode.ROWS_MISSING,
-                           f"no rows for ticket {request.rows_ticket}: {why}; nothing changed", seq=request.seq)
+                           f"no rows for ticket {request.rows_ticket}: {why}; nothing changed",
+                           seq=getattr(request, "seq", None))  # a batch's wait is refused whole
 
     def _refuse_downstream(self, request) -> None:
-        """A FORWARD with `send_rows` that did not run: the next shard's FORWARD of that ticket must not wait."""
+        """A FORWARD (or batch) with `send_rows` that did not run: the next shard's FORWARD of that ticket must not
+        wait."""
         ticket = getattr(request, "send_rows", None)
         if ticket is not None and self.relay_target() is not None:
-            self.relay.send(Rows(id=0, seq=request.seq, pos=request.pos, ticket=ticket, refused=True))
+            seq, pos = (request.items[0].seq, 0) if isinstance(request, Batch) else (request.seq, request.pos)
+            self.relay.send(Rows(id=0, seq=seq, pos=pos, ticket=ticket, refused=True))
             self.counters.rows_sent += 1
 
     def _check_forward(self, request, shard: ShardModel):
@@ -588,6 +652,10 @@ class ShardDaemon:
         the items that pass run together (shardd.batch.forward_batch), and each gets its result or its own error;
         a refused item changes nothing. An exception during the step fails the sequences that were in it."""
         shard = self._layers(request)
+        if isinstance(request, ForwardBatch):
+            self._check_send_rows(request, shard)
+            if request.rows_ticket is not None:
+                request = self._batch_with_rows(request)  # or _WaitsForRows: the rows are not here yet
         items = request.items
         counters = self.counters
         counters.batches += 1
@@ -623,6 +691,8 @@ class ShardDaemon:
                 answers[index] = out
                 continue
             answers[index] = self._forward_result(item, entry, outputs[i], head_answers.get(i))
+        if getattr(request, "send_rows", None) is not None:  # the rows go on first: they are what the next shard waits for
+            self._send_batch_rows(request, answers)
         return self._batch_reply(request, answers, ("hidden", "logits"))
 
     def _run_items(self, runs: list, compute) -> list:
@@ -982,6 +1052,15 @@ class ShardDaemon:
 
 
 MIN_FRAME_BYTES = 16 << 20  # small models still answer a modestly oversized frame with TOO_LARGE
+
+
+def _replaced(record, **changes):
+    """`dataclasses.replace(record, **changes)` for a decoded record whose new values are checked: built without the
+    frozen dataclass's __init__ (a FORWARD's ~25 fields one object.__setattr__ each), as the codec builds them."""
+    copy = object.__new__(type(record))
+    copy.__dict__.update(record.__dict__)
+    copy.__dict__.update(changes)
+    return copy
 
 
 def _hidden(request):

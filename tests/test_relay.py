@@ -296,3 +296,132 @@ def test_a_first_shard_that_stops_mid_step_leaves_the_sequence_inconsistent_and_
             assert refused.value.code is ErrorCode.POSITION_MISMATCH and "committed length is 5" in str(refused.value)
     finally:
         stop_all(daemons.values())
+
+
+# ---- a batch's rows from shard to shard ---------------------------------------------------------------------
+
+
+def test_batches_of_rows_from_shard_to_shard_give_the_coordinator_relay_s_tokens(direct):
+    """Several streams through the scheduler (batched FORWARDs, greedy and oracle speculative with checkpoint
+    rollbacks) over daemons that send each batch's rows on as one ROWS: the tokens of the coordinator relaying
+    them, and no rows went missing."""
+    from coordinator.drafters import OracleDrafter
+    from coordinator.scheduler import Request, decode_all
+
+    binds, _, _ = direct
+    prompts = [PROMPT[i:i + 9 + i] for i in range(5)]
+
+    def run(pipeline, references=None):
+        drafters = [None] * len(prompts) if references is None else [
+            OracleDrafter.with_mean_commit(ref, len(p), block_size=BLOCK, mean_commit=3.0)
+            for ref, p in zip(references, prompts)]
+        requests = [Request(p, 10, block_size=BLOCK, drafter=d) for p, d in zip(prompts, drafters)]
+        return [r.tokens for r in decode_all(pipeline, requests, max_sequences=len(prompts), rollback="checkpoint")]
+
+    with Pipeline.connect(binds) as relayed:
+        relayed.direct_rows = False
+        reference = run(relayed)
+    with Pipeline.connect(binds) as pipeline:
+        assert pipeline.direct_rows
+        before = [client.stats()["rows"] for client in pipeline.clients]
+        assert run(pipeline) == reference
+        assert run(pipeline, reference) == reference
+        after = [client.stats()["rows"] for client in pipeline.clients]
+    sent = [a["sent"] - b["sent"] for a, b in zip(after, before)]
+    assert sent[0] == sent[1] > 0 and sent[2] == 0
+    assert [a["received"] - b["received"] for a, b in zip(after, before)] == [0, sent[0], sent[1]]
+    assert all(a["missing"] == b["missing"] and a["waiting"] == 0 for a, b in zip(after, before))
+
+
+def test_a_batch_item_a_shard_refuses_is_refused_after_it_alone(direct):
+    """Pipeline.forward_batch through shard-to-shard rows: an item the first shard refuses (wrong pos) and one
+    the middle shard refuses (its sequence is not open there) fail alone with their own errors; the first is
+    unchanged everywhere, the second rolled back on the first shard (a checkpointed step); the others ran, with
+    the ids each gives alone."""
+    from coordinator.pipeline import BatchForward
+
+    binds, _, _ = direct
+    with Pipeline.connect(binds) as pipeline:
+        seqs = [81, 82, 83, 84]
+        for seq in seqs:
+            pipeline.open(seq)
+        for seq in seqs:
+            pipeline.forward(seq, 0, PROMPT[:4])
+        pipeline.clients[1].close(83)  # the middle shard no longer has sequence 83
+        block = PROMPT[4:8]
+        results = pipeline.forward_batch([
+            BatchForward(81, 4, block, checkpoint=True), BatchForward(82, 7, block, checkpoint=True),
+            BatchForward(83, 4, block, checkpoint=True), BatchForward(84, 4, block[:1])])
+        assert isinstance(results[1], ShardError) and results[1].code is ErrorCode.POSITION_MISMATCH
+        assert isinstance(results[2], Exception) and "NO_SUCH_SEQUENCE" in str(results[2])
+        assert len(results[3]) == 1
+        # the refused items changed nothing: 82 steps from 4 through every shard, 83 from 4 on the first shard
+        assert len(pipeline.forward(82, 4, block)) == len(block)
+        assert pipeline.clients[0].forward(83, 4, tokens=[1]).result["length"] == 5
+        pipeline.rollback(81, 0)  # the same step alone gives the batch's ids
+        assert list(pipeline.forward(81, 4, block, checkpoint=True)) == list(results[0])
+        for seq in (81, 82, 84):
+            pipeline.close(seq)
+
+
+def test_a_batched_forward_waits_for_its_batch_s_rows_and_an_item_without_rows_is_refused_alone(direct):
+    """On the wire: a batched FORWARD with rows_ticket (each item's `rows`) waits for one ROWS of that ticket; the
+    first shard's batch with send_rows sends the rows of the items that ran, so an item it refused is refused
+    ROWS_MISSING after it, alone and changing nothing; a batch none of whose items ran sends a refused ROWS, and
+    every item after it is refused. Refused whole, by name: rows_ticket with tensor hidden, send_rows on a
+    CAPTURE batch, a batched ROWS whose items name different tickets."""
+    import msgpack
+
+    from protocol import Rows, RowsBatch
+    from protocol.tensors import row_slice
+
+    binds, _, _ = direct
+    first, middle = clients = _clients(binds[:2])
+    try:
+        seqs = (91, 92)
+        for client in clients:
+            for seq in seqs:
+                assert client.request("OPEN", seq=seq).ok
+
+        def waiting_batch(ticket, pos=0):
+            items = tuple(Forward(0, seq=seq, pos=pos, rows_ticket=ticket, ticket_rows=2) for seq in seqs)
+            request_id = middle.next_id()
+            middle.send_frames(encode_request(ForwardBatch(id=request_id, items=items, rows_ticket=ticket)))
+            return request_id
+
+        waits = waiting_batch(31)
+        bad_pos = (Forward(0, seq=91, pos=0, tokens=[1, 2]), Forward(0, seq=92, pos=5, tokens=[1, 2]))
+        sent = first.exchange(encode_request(ForwardBatch(id=first.next_id(), items=bad_pos, send_rows=31)))
+        assert sent.result["items"][0]["rows_sent"] and "hidden" not in sent.tensors
+        assert sent.result["items"][1]["error"]["code"] == "POSITION_MISMATCH"
+        reply = middle.receive(10)
+        assert reply.id == waits and reply.result["items"][0]["length"] == 2
+        assert reply.result["items"][1]["error"]["code"] == "ROWS_MISSING"
+        assert "nothing changed" in reply.result["items"][1]["error"]["message"]
+        # nothing ran: a refused ROWS, every item refused after it
+        waits = waiting_batch(32, pos=2)
+        both_bad = tuple(Forward(0, seq=seq, pos=9, tokens=[1, 2]) for seq in seqs)
+        first.exchange(encode_request(ForwardBatch(id=first.next_id(), items=both_bad, send_rows=32)))
+        reply = middle.receive(10)
+        assert reply.id == waits and [item["error"]["code"] for item in reply.result["items"]] == ["ROWS_MISSING"] * 2
+        # 92 still steps from 0 on both shards: the refusals changed nothing
+        assert first.request("FORWARD", seq=92, pos=0, tokens=[1, 2], send_rows=33).result["rows_sent"]
+        assert middle.request("FORWARD", seq=92, pos=0, rows_ticket=33, ticket_rows=2).result["length"] == 2
+        # refused whole
+        hidden = WireTensor.from_torch(torch.zeros(2, 64))
+        header = {"v": 1, "type": "FORWARD", "id": 1, "rows_ticket": 5, "items": [{"seq": 91, "pos": 2, "rows": 2}],
+                  "tensors": [hidden.descriptor("hidden")]}
+        refused = middle.exchange([msgpack.packb(header), hidden.data])
+        assert refused.error_code is ErrorCode.BAD_REQUEST and "not from tensor 'hidden'" in refused.error_message
+        header = {"v": 1, "type": "CAPTURE", "id": 2, "send_rows": 5,
+                  "items": [{"seq": 91, "pos": 2, "tokens": [1], "layers": [0]}]}
+        refused = first.exchange([msgpack.packb(header)])
+        assert refused.error_code is ErrorCode.BAD_REQUEST and "'send_rows'" in refused.error_message
+        rows = WireTensor.from_torch(torch.zeros(2, 64))
+        mixed = RowsBatch(id=3, items=(Rows(0, seq=91, pos=2, ticket=7, hidden=row_slice(rows, 0, 1)),
+                                       Rows(0, seq=92, pos=2, ticket=8, hidden=row_slice(rows, 1, 1))))
+        refused = middle.exchange(encode_request(mixed))
+        assert refused.error_code is ErrorCode.BAD_REQUEST and "share one ticket" in refused.error_message
+    finally:
+        for client in clients:
+            client.close()
