@@ -529,7 +529,8 @@ class Pipeline:
 
     def _relay_batch_direct(self, items: list, group: list[int], results: list) -> None:
         """`_relay_batch` with the rows going from shard to shard (PROTOCOL.md, "Rows from shard to shard"): every
-        shard's batched FORWARD goes out at once, the head's first, each next shard waiting for the batch's rows
+        shard's batched FORWARD goes out at once, in shard order (the first shard computes while the next ones'
+        batches are built and sent; rows that come first are kept), each next shard waiting for the batch's rows
         under a fresh ticket; the replies are read in shard order. An item a shard refuses (it changed nothing
         there) is refused by the shards after it too (ROWS_MISSING: no rows of it came) and undone before it; an
         item that failed otherwise may have run on the shards after it: it is inconsistent (re-filled by the
@@ -537,7 +538,7 @@ class Pipeline:
         last = len(self.shards) - 1
         tickets = [secrets.randbits(62) for _ in range(last)]
         sent: list = [None] * len(self.shards)
-        for k in range(last, -1, -1):  # the shards that wait are waiting before the first one computes
+        for k in range(len(self.shards)):
             shard, records = self.shards[k], []
             for index in group:
                 item = items[index]
@@ -551,10 +552,11 @@ class Pipeline:
                 # not checked here: the daemon refuses a bad item alone (a local check would fail the whole batch)
                 sent[k] = self.clients[k].send(batch, validate=False)
             except SHARD_FAILURES as error:
-                for later in range(k + 1, len(sent)):  # nothing ran: their waits end with their next request
-                    self.clients[later].forget(sent[later])
+                for before in range(k):  # they take the step (or wait for rows that will not all come)
+                    self.clients[before].forget(sent[before])
                 for index in group:
-                    results[index] = as_sequence_lost(error, items[index].seq)
+                    results[index] = (as_sequence_lost(error, items[index].seq) if k == 0 else
+                                      self._failed_in_direct(items[index], k, error, refused=False))
                 return
         refused_rollback: dict[int, Exception] = {}  # item index -> why its pending ROLLBACK failed
         for index in group:  # the batches are on their way behind any ROLLBACK of their sequences: now read those
