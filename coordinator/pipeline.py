@@ -570,14 +570,7 @@ class Pipeline:
                 answers = client.receive_items(sent[k])
             except SHARD_FAILURES as error:  # the whole batch: refused (nothing ran, a refused ROWS went on) or lost
                 refused = isinstance(error, ShardError) and error.code is not ErrorCode.INTERNAL
-                for later in range(k + 1, len(sent)):
-                    if refused:  # told by the refused ROWS: their refusals come at once
-                        try:
-                            self.clients[later].receive(sent[later])
-                        except SHARD_FAILURES:
-                            pass
-                    else:  # they may have run (rows sent before the reply was lost)
-                        self.clients[later].forget(sent[later])
+                self._end_later(sent, k, refused)
                 for index in live:
                     results[index] = refused_rollback.get(index) or self._failed_in_direct(items[index], k, error,
                                                                                            refused)
@@ -824,14 +817,7 @@ class Pipeline:
                 parts.update(self._check_captured(reply, shard, owned[index] or (), n))
             except SHARD_FAILURES as error:
                 refused = isinstance(error, ShardError) and error.code is not ErrorCode.INTERNAL
-                for later in range(index + 1, len(sent)):
-                    if refused:  # told by a refused ROWS: their refusals come at once
-                        try:
-                            self.clients[later].receive(sent[later])
-                        except SHARD_FAILURES:
-                            pass
-                    else:
-                        self.clients[later].forget(sent[later])
+                self._end_later(sent, index, refused)
                 if index > 0 or not refused:  # the shards before it took the step; after a failure that was not
                     self._undo(seq, pos, index, checkpoint and refused, error)  # a refusal so may the ones after
                 raise
@@ -841,6 +827,19 @@ class Pipeline:
                 if head_results is not None:
                     head_results.append(reply.result)
         return ids, {layer: join_rows([output]) for layer, output in parts.items()}
+
+    def _end_later(self, sent: list, failed: int, refused: bool) -> None:
+        """After shard `failed` failed a step relayed shard to shard: the later shards' requests are read when it
+        refused (told by its refused ROWS, their refusals come at once), else forgotten (they may have run: rows
+        sent before its reply was lost; a wait ends with its connection's next request)."""
+        for later in range(failed + 1, len(sent)):
+            if refused:
+                try:
+                    self.clients[later].receive(sent[later])
+                except SHARD_FAILURES:
+                    pass
+            else:
+                self.clients[later].forget(sent[later])
 
     def _check_reply(self, reply: Reply, shard: ShardInfo, seq: int, length: int, n: int, *,
                      rows_sent: bool = False) -> Optional[WireTensor]:

@@ -262,14 +262,17 @@ def test_a_wait_whose_rows_never_come_ends_at_its_deadline(direct):
         middle.close()
 
 
-def test_a_first_shard_that_stops_mid_step_leaves_the_sequence_inconsistent_and_the_next_shard_serving(tmp_path):
-    """The first shard stops (SIGSTOP, then SIGKILL) with a step's FORWARD in its queue while the head waits for
-    that step's rows: the coordinator gives up on the first shard after its liveness timeout and calls the
-    sequence inconsistent (a later shard's fate is unknown after a failure that is not a refusal: the caller
-    re-fills it); the head changed nothing and answers the coordinator's next request at once, its wait ended."""
+@pytest.mark.parametrize("batched", [False, True], ids=["one-sequence", "batch"])
+def test_a_first_shard_that_stops_mid_step_leaves_the_sequence_inconsistent_and_the_next_shard_serving(tmp_path,
+                                                                                                       batched):
+    """The first shard stops (SIGSTOP, then SIGKILL) with a step's FORWARD (one sequence's, or a batch's) in its
+    queue while the head waits for that step's rows: the coordinator gives up on the first shard after its
+    liveness timeout and calls the sequence (every item of the batch) inconsistent (a later shard's fate is
+    unknown after a failure that is not a refusal: the caller re-fills it); the head changed nothing and answers
+    the coordinator's next request at once, its wait ended."""
     import signal
 
-    from coordinator.pipeline import SequenceInconsistent
+    from coordinator.pipeline import BatchForward, SequenceInconsistent
 
     binds = [f"ipc://{tmp_path}/first.sock", f"ipc://{tmp_path}/head.sock"]
     daemons = start_daemons({
@@ -279,12 +282,17 @@ def test_a_first_shard_that_stops_mid_step_leaves_the_sequence_inconsistent_and_
     try:
         with Pipeline.connect(binds, timeout_s=30, liveness_timeout_s=2) as pipeline:
             assert pipeline.direct_rows
-            pipeline.open(1)
-            ids = pipeline.forward(1, 0, PROMPT[:5])
+            for seq in (1, 2):
+                pipeline.open(seq)
+                pipeline.forward(seq, 0, PROMPT[:5])
             daemons["first"].signal(signal.SIGSTOP)
             started = time.monotonic()
-            with pytest.raises(SequenceInconsistent):
-                pipeline.forward(1, 5, [ids[-1]])
+            if batched:
+                results = pipeline.forward_batch([BatchForward(1, 5, [3]), BatchForward(2, 5, [4])])
+                assert all(isinstance(result, SequenceInconsistent) for result in results), results
+            else:
+                with pytest.raises(SequenceInconsistent):
+                    pipeline.forward(1, 5, [3])
             assert time.monotonic() - started < 20
             daemons["first"].signal(signal.SIGKILL)
             head = pipeline.clients[1]
@@ -426,37 +434,3 @@ def test_a_batched_forward_waits_for_its_batch_s_rows_and_an_item_without_rows_i
         for client in clients:
             client.close()
 
-
-def test_a_first_shard_that_stops_mid_batch_leaves_its_items_inconsistent_and_the_next_shard_serving(tmp_path):
-    """The batched form of the test above: the first shard stops with a batch's FORWARD in its queue while the
-    head waits for the batch's rows; every item of the batch fails (inconsistent: re-filled by the caller) after
-    the liveness timeout, and the head, which took nothing, answers at once."""
-    import signal
-
-    from coordinator.pipeline import BatchForward, SequenceInconsistent
-
-    binds = [f"ipc://{tmp_path}/first.sock", f"ipc://{tmp_path}/head.sock"]
-    daemons = start_daemons({
-        "first": (binds[0], ["--layers", "0:3", "--relay-to", binds[1]]),
-        "head": (binds[1], ["--layers", "3:6", "--rows-wait", "60"]),
-    }, tmp_path)
-    try:
-        with Pipeline.connect(binds, timeout_s=30, liveness_timeout_s=2) as pipeline:
-            assert pipeline.direct_rows
-            for seq in (1, 2):
-                pipeline.open(seq)
-                pipeline.forward(seq, 0, PROMPT[:5])
-            daemons["first"].signal(signal.SIGSTOP)
-            started = time.monotonic()
-            results = pipeline.forward_batch([BatchForward(1, 5, [3]), BatchForward(2, 5, [4])])
-            assert all(isinstance(result, SequenceInconsistent) for result in results), results
-            assert time.monotonic() - started < 20
-            daemons["first"].signal(signal.SIGKILL)
-            head = pipeline.clients[1]
-            rows = head.stats()["rows"]  # the head's wait ends with this request, refused, its reply dropped
-            assert rows["waiting"] == 0 and rows["missing"] >= 1
-            with pytest.raises(ShardError) as refused:  # the head is still at 5: it took nothing of the step
-                head.forward(1, 6, hidden=WireTensor.from_torch(torch.zeros(1, pipeline.hidden_size)))
-            assert refused.value.code is ErrorCode.POSITION_MISMATCH and "committed length is 5" in str(refused.value)
-    finally:
-        stop_all(daemons.values())
