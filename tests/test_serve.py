@@ -282,3 +282,104 @@ def test_quantized_checkpoints_are_refused(model, tmp_path):
         (quantized / "config.json").write_text(json.dumps(raw))
         with pytest.raises(ConfigError, match=f"quant_method '{method}'"):
             load_config(quantized)
+
+
+# ---- the text of the commits: decoded incrementally, the same as decoding the whole history -------------------
+
+
+class WholeHistoryText:
+    """The reference TextTracker: every commit decodes all the visible tokens again (what the incremental one
+    must send, delta for delta)."""
+
+    def __init__(self, tokenizer, stop, eos_ids, skip_special_tokens=True):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.stop, self.eos = [s for s in stop if s], frozenset(eos_ids)
+        self.tokens, self.sent, self.stopped = [], "", False
+
+    def _text(self):
+        visible = self.tokens[:-1] if self.tokens and self.tokens[-1] in self.eos else self.tokens
+        return self.tokenizer.decode(visible, skip_special_tokens=self.skip)
+
+    def add(self, committed):
+        if self.stopped:
+            return "", True
+        self.tokens.extend(committed)
+        text = self._text()
+        hits = [i for i in (text.find(s, max(0, len(self.sent) - len(s))) for s in self.stop) if i >= 0]
+        if hits:
+            self.stopped = True
+            return self._advance(text[:min(hits)]), True
+        stable = text.rstrip("\ufffd")
+        hold = max((len(s) - 1 for s in self.stop), default=0)
+        return self._advance(stable[:len(stable) - hold] if hold else stable), False
+
+    def _advance(self, text):
+        if not text.startswith(self.sent) or len(text) <= len(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+    def finish(self):
+        if self.stopped:
+            return ""
+        text = self._text()
+        if text.startswith(self.sent):
+            delta, self.sent = text[len(self.sent):], text
+            return delta
+        return ""
+
+
+def _sentencepiece_style():
+    """A Llama-style tokenizer (metaspace words, byte fallback, the first space stripped when decoding): a window
+    decoded without the tokens before it would lose a word's space."""
+    from tokenizers import Tokenizer, decoders, models
+
+    from coordinator.tokenizer import HFTokenizer
+
+    vocab = {"<unk>": 0, **{f"<0x{i:02X}>": 1 + i for i in range(256)}}
+    for word in ["a", "b", "é", "ab", "ba", "€"]:
+        vocab[word], vocab["\u2581" + word] = len(vocab), len(vocab) + 1
+    tokenizer = HFTokenizer.__new__(HFTokenizer)
+    tokenizer._tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tokenizer._tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                                      decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tokenizer.vocab_size = len(vocab)
+    return tokenizer
+
+
+def _tokenizers():
+    from coordinator.tokenizer import ByteTokenizer, HFTokenizer
+
+    return {"synthetic": HFTokenizer.synthetic_for(1024), "bytes": ByteTokenizer(300),
+            "sentencepiece": _sentencepiece_style()}
+
+
+_TEXT_TOKENIZERS = {}
+
+
+@pytest.mark.parametrize("which", ["synthetic", "bytes", "sentencepiece"])
+def test_the_text_of_commits_decoded_incrementally_is_the_whole_history_s(which):
+    """TextTracker (incremental: the last window and what follows) sends, commit by commit, exactly the deltas
+    and stops of decoding the whole history every time: multi-byte characters split over commits (byte ids
+    0..255, including invalid sequences), special tokens skipped, an EOS at the end, stop strings."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from coordinator.serve.engine import TextTracker
+
+    tokenizer = _TEXT_TOKENIZERS.setdefault(which, _tokenizers()[which])
+    utf8 = list("é€😀".encode())
+    ids = st.one_of(st.sampled_from(utf8), st.integers(0, 127), st.integers(128, 255),
+                    st.integers(256, tokenizer.vocab_size - 1))
+
+    @settings(max_examples=150, deadline=None, derandomize=True)
+    @given(st.lists(st.lists(ids, min_size=1, max_size=5), min_size=1, max_size=14),
+           st.lists(st.sampled_from(["a", "ba", "\u20ac", "ZZ"]), max_size=2), st.booleans(), st.booleans())
+    def check(commits, stop, skip, eos_last):
+        eos = (commits[-1][-1],) if eos_last else ()
+        fast, reference = TextTracker(tokenizer, stop, eos, skip), WholeHistoryText(tokenizer, stop, eos, skip)
+        for committed in commits:
+            assert fast.add(committed) == reference.add(committed)
+        assert fast.finish() == reference.finish()
+
+    check()
