@@ -287,46 +287,16 @@ def test_quantized_checkpoints_are_refused(model, tmp_path):
 # ---- the text of the commits: decoded incrementally, the same as decoding the whole history -------------------
 
 
-class WholeHistoryText:
+def _whole_history_text(*args):
     """The reference TextTracker: every commit decodes all the visible tokens again (what the incremental one
-    must send, delta for delta)."""
+    must send, delta for delta); its stop strings and hold-back are the tracker's own."""
+    from coordinator.serve.engine import TextTracker
 
-    def __init__(self, tokenizer, stop, eos_ids, skip_special_tokens=True):
-        self.tokenizer, self.skip = tokenizer, skip_special_tokens
-        self.stop, self.eos = [s for s in stop if s], frozenset(eos_ids)
-        self.tokens, self.sent, self.stopped = [], "", False
+    class WholeHistoryText(TextTracker):
+        def _text(self):
+            return self.tokenizer.decode(self._visible(), skip_special_tokens=self.skip_special_tokens)
 
-    def _text(self):
-        visible = self.tokens[:-1] if self.tokens and self.tokens[-1] in self.eos else self.tokens
-        return self.tokenizer.decode(visible, skip_special_tokens=self.skip)
-
-    def add(self, committed):
-        if self.stopped:
-            return "", True
-        self.tokens.extend(committed)
-        text = self._text()
-        hits = [i for i in (text.find(s, max(0, len(self.sent) - len(s))) for s in self.stop) if i >= 0]
-        if hits:
-            self.stopped = True
-            return self._advance(text[:min(hits)]), True
-        stable = text.rstrip("\ufffd")
-        hold = max((len(s) - 1 for s in self.stop), default=0)
-        return self._advance(stable[:len(stable) - hold] if hold else stable), False
-
-    def _advance(self, text):
-        if not text.startswith(self.sent) or len(text) <= len(self.sent):
-            return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
-
-    def finish(self):
-        if self.stopped:
-            return ""
-        text = self._text()
-        if text.startswith(self.sent):
-            delta, self.sent = text[len(self.sent):], text
-            return delta
-        return ""
+    return WholeHistoryText(*args)
 
 
 def _sentencepiece_style():
@@ -377,7 +347,7 @@ def test_the_text_of_commits_decoded_incrementally_is_the_whole_history_s(which)
            st.lists(st.sampled_from(["a", "ba", "\u20ac", "ZZ"]), max_size=2), st.booleans(), st.booleans())
     def check(commits, stop, skip, eos_last):
         eos = (commits[-1][-1],) if eos_last else ()
-        fast, reference = TextTracker(tokenizer, stop, eos, skip), WholeHistoryText(tokenizer, stop, eos, skip)
+        fast, reference = TextTracker(tokenizer, stop, eos, skip), _whole_history_text(tokenizer, stop, eos, skip)
         for committed in commits:
             assert fast.add(committed) == reference.add(committed)
         assert fast.finish() == reference.finish()
