@@ -126,3 +126,48 @@ def test_make_drafter_by_name():
     assert isinstance(oracle, OracleDrafter)
     with pytest.raises(ValueError, match="unknown drafter"):
         make_drafter("eagle")
+
+
+def _scan_propose(history, n, max_ngram=4, min_ngram=1):
+    """The reference prompt lookup: scan the whole history for the most recent earlier occurrence of the
+    longest suffix n-gram (what NgramDrafter's index must find)."""
+    length, source = len(history), None
+    for size in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = history[length - size:]
+        source = next((start + size for start in range(length - size - 1, -1, -1)
+                       if history[start:start + size] == suffix), None)
+        if source is not None:
+            break
+    if source is None:
+        return [history[-1]] * n
+    extended = list(history)
+    for index in range(source, source + n):
+        extended.append(extended[index])
+    return extended[len(history):]
+
+
+def test_the_ngram_index_proposes_what_a_scan_of_the_history_finds():
+    """NgramDrafter's n-gram index, extended as one history grows (and built again for another list, one
+    shortened or one changed in place), proposes exactly what scanning the whole history proposes."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=200, deadline=None, derandomize=True)
+    @given(st.lists(st.tuples(st.lists(st.integers(0, 5), min_size=1, max_size=6),
+                              st.sampled_from(["grow", "grow", "grow", "new list", "shorten", "change"])),
+                    min_size=1, max_size=20),
+           st.integers(1, 4), st.integers(1, 4), st.integers(0, 16))
+    def check(steps, a, b, n):
+        low, high = min(a, b), max(a, b)
+        drafter, history = NgramDrafter(max_ngram=high, min_ngram=low), []
+        for tokens, how in steps:
+            if how == "new list":
+                history = list(history)
+            elif how == "shorten" and len(history) > 2:
+                del history[len(history) // 2:]
+            elif how == "change" and history:
+                history[len(history) // 2] = (history[len(history) // 2] + 1) % 6
+            history.extend(tokens)
+            assert drafter.propose(history, n) == _scan_propose(history, n, high, low)
+
+    check()
