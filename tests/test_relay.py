@@ -434,3 +434,51 @@ def test_a_batched_forward_waits_for_its_batch_s_rows_and_an_item_without_rows_i
         for client in clients:
             client.close()
 
+
+
+def test_batches_with_refused_items_end_alike_relayed_and_shard_to_shard(direct):
+    """Seeded batches of items, some refused by the first shard (a wrong pos), some by the middle one (their
+    sequence closed there), through the coordinator's relay and through shard-to-shard rows: every item ends
+    the same way (the same ids, or an error of the same kind), and afterwards every sequence still consistent
+    steps on from where its outcome left it, identically in both."""
+    import random
+
+    from coordinator.pipeline import BatchForward
+
+    binds, _, _ = direct
+
+    def scenario(pipeline, base, rng):
+        seqs = [base + i for i in range(5)]
+        for seq in seqs:
+            pipeline.open(seq)
+            pipeline.forward(seq, 0, PROMPT[:3])
+        closed_middle = {seq for seq in seqs if rng.random() < 0.2}
+        for seq in closed_middle:
+            pipeline.clients[1].close(seq)
+        items = [BatchForward(seq, 3 if rng.random() < 0.7 else 9, PROMPT[3:3 + rng.randint(1, 4)],
+                              checkpoint=rng.random() < 0.5) for seq in seqs]
+        outcomes = [list(result) if not isinstance(result, Exception) else type(result).__name__
+                    for result in pipeline.forward_batch(items)]
+        after = []  # the sequences the batch left consistent step on, from their length
+        for item, outcome in zip(items, outcomes):
+            if item.seq in closed_middle or outcome == "SequenceInconsistent":
+                continue
+            length = item.pos + len(item.tokens) if isinstance(outcome, list) else 3
+            after.append(list(pipeline.forward(item.seq, length, [7])))
+        for seq in seqs:
+            try:
+                pipeline.close(seq)
+            except Exception:  # noqa: BLE001 - closed on the middle shard already
+                pass
+        return outcomes, after
+
+    kinds = set()
+    for round_ in range(6):
+        with Pipeline.connect(binds) as relayed:
+            relayed.direct_rows = False
+            expected = scenario(relayed, 1000 + 10 * round_, random.Random(round_))
+        with Pipeline.connect(binds) as pipeline:
+            assert pipeline.direct_rows
+            assert scenario(pipeline, 2000 + 10 * round_, random.Random(round_)) == expected, round_
+        kinds |= {outcome if isinstance(outcome, str) else "ids" for outcome in expected[0]}
+    assert kinds == {"ids", "ShardError", "SequenceInconsistent"}  # the rounds met every ending
