@@ -44,6 +44,7 @@ from protocol import (
     pure_chain,
     split_batch_reply,
 )
+from protocol.codec import new_record
 from protocol.timing import PhaseClock
 
 
@@ -383,5 +384,5 @@ def forward_record(
         **(sampling or {}),  # head shard only: temperature, top_p, top_k, seed, drafts
     }
     if layers is not None:
-        return Capture(id=0, seq=seq, pos=pos, **fields, layers=list(layers))
-    return Forward(id=0, seq=seq, pos=pos, **fields)
+        return new_record(Capture, {"id": 0, "seq": seq, "pos": pos, **fields, "layers": list(layers)})
+    return new_record(Forward, {"id": 0, "seq": seq, "pos": pos, **fields})

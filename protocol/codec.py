@@ -57,6 +57,7 @@ _TYPE_NAMES = frozenset(t.value for t in MessageType)
 # Per record type, its fields in order (what the encoders walk) and, per message type, its tensor frames' names.
 _FIELD_NAMES = {record: tuple(f.name for f in dataclasses.fields(record))
                 for record in (*RECORD_TYPES.values(), *BATCH_RECORD_TYPES.values())}
+_FIELD_SETS = {record: frozenset(names) for record, names in _FIELD_NAMES.items()}
 _TENSOR_NAMES = {mtype: frozenset(spec.name for spec in specs) for mtype, specs in REQUEST_TENSORS.items()}
 # Per record type, the default of each field that has one: a decoded record is filled in from these (_record).
 _DEFAULTS = {record: {f.name: f.default for f in dataclasses.fields(record) if f.default is not dataclasses.MISSING}
@@ -406,6 +407,16 @@ def _record(record_type: type, values: dict) -> Request:
     record.__dict__.update(_DEFAULTS[record_type])
     record.__dict__.update(values)
     return record
+
+
+def new_record(record_type: type, values: Mapping[str, Any]) -> Request:
+    """`record_type(**values)`, built as the decoder builds its records (no __init__: a FORWARD's ~25 fields one
+    object.__setattr__ each were most of the time of a coordinator's per-item record); a name that is not a
+    field is a TypeError, as __init__ would raise."""
+    unknown = values.keys() - _FIELD_SETS[record_type]
+    if unknown:
+        raise TypeError(f"{record_type.__name__} has no field(s) {sorted(unknown)}")
+    return _record(record_type, values)
 
 
 def _decode_item(item: dict, hidden: Optional[WireTensor], record_type: type, specs: tuple, names: set,
