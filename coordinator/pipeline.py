@@ -494,11 +494,7 @@ class Pipeline:
                     results[index] = self._batch_failure(items[index], k, error)
                 return
             if k == 0:  # the batch is on its way behind any ROLLBACK of its sequences: now read those
-                for index in live:
-                    try:
-                        self._settle(items[index].seq)
-                    except (RollbackFailed, SequenceLost) as error:
-                        refused_rollback[index] = error
+                refused_rollback = self._settle_items(items, live)
             try:
                 answers = client.receive_items(sent)
             except SHARD_FAILURES as error:
@@ -520,9 +516,7 @@ class Pipeline:
                     hidden[index] = rows
                     survivors.append(index)
                 else:
-                    ids = TokenIds(answer.result["ids"])
-                    ids.logprobs = answer.result.get("logprobs")
-                    results[index] = ids
+                    results[index] = _head_ids(answer.result)
             live = survivors
             if not live:
                 return
@@ -554,26 +548,20 @@ class Pipeline:
             except SHARD_FAILURES as error:
                 for before in range(k):  # they take the step (or wait for rows that will not all come)
                     self.clients[before].forget(sent[before])
-                for index in group:
-                    results[index] = (as_sequence_lost(error, items[index].seq) if k == 0 else
-                                      self._failed_in_direct(items[index], k, error, refused=False))
+                for index in group:  # nothing reached shard k: the shards before it took the step
+                    results[index] = self._batch_failure(items[index], k, error)
                 return
-        refused_rollback: dict[int, Exception] = {}  # item index -> why its pending ROLLBACK failed
-        for index in group:  # the batches are on their way behind any ROLLBACK of their sequences: now read those
-            try:
-                self._settle(items[index].seq)
-            except (RollbackFailed, SequenceLost) as error:
-                refused_rollback[index] = error
+        # the batches are on their way behind any ROLLBACK of their sequences: now read those
+        refused_rollback = self._settle_items(items, group)
         live = list(group)  # the items every shard so far has run
         for k, (shard, client) in enumerate(zip(self.shards, self.clients)):
             try:
                 answers = client.receive_items(sent[k])
             except SHARD_FAILURES as error:  # the whole batch: refused (nothing ran, a refused ROWS went on) or lost
-                refused = isinstance(error, ShardError) and error.code is not ErrorCode.INTERNAL
-                self._end_later(sent, k, refused)
+                self._end_later(sent, k, _refused(error))
                 for index in live:
-                    results[index] = refused_rollback.get(index) or self._failed_in_direct(items[index], k, error,
-                                                                                           refused)
+                    results[index] = refused_rollback.get(index) or self._batch_failure(items[index], k, error,
+                                                                                        shard_to_shard=True)
                 return
             answered = dict(zip(group, answers))
             survivors = []
@@ -585,39 +573,39 @@ class Pipeline:
                         raise answer
                     self._check_reply(answer, shard, item.seq, item.pos + n, n, rows_sent=k < last)
                 except SHARD_FAILURES as error:
-                    refused = isinstance(error, ShardError) and error.code is not ErrorCode.INTERNAL
-                    results[index] = refused_rollback.get(index) or self._failed_in_direct(item, k, error, refused)
+                    results[index] = refused_rollback.get(index) or self._batch_failure(item, k, error,
+                                                                                        shard_to_shard=True)
                     continue
                 if index in refused_rollback:  # the sequence is re-filled: what the shards did is moot
                     results[index] = refused_rollback[index]
                 elif k == last:
-                    ids = TokenIds(answer.result["ids"])
-                    ids.logprobs = answer.result.get("logprobs")
-                    results[index] = ids
+                    results[index] = _head_ids(answer.result)
                 else:
                     survivors.append(index)
             live = survivors
 
-    def _failed_in_direct(self, item: BatchForward, failed: int, error: Exception, refused: bool) -> Exception:
-        """What an item of `_relay_batch_direct` that failed at shard `failed` raises: a refusal (it changed nothing
-        there, nor after: no rows of it went on) undone on the shards before; any other failure may have left the
-        shards after it stepped too: inconsistent (as `_relay_direct` has it)."""
-        if failed > 0 or not refused:
-            try:
-                self._undo(item.seq, item.pos, failed, item.checkpoint and refused, error)
-            except SequenceInconsistent as inconsistent:
-                return inconsistent
-        return as_sequence_lost(error, item.seq)
-
-    def _batch_failure(self, item: BatchForward, failed: int, error: Exception) -> Exception:
+    def _batch_failure(self, item: BatchForward, failed: int, error: Exception, *,
+                       shard_to_shard: bool = False) -> Exception:
         """What `forward` raises for one sequence that failed at shard `failed`: the shards before it are put back
-        where it can be (`_undo`), else SequenceInconsistent; a lost sequence is SequenceLost."""
-        if failed > 0:
+        where it can be (`_undo`), else SequenceInconsistent; a lost sequence is SequenceLost. `shard_to_shard`:
+        the rows went on from shard to shard, so after a failure that is not a refusal the shards after `failed`
+        may have stepped too: inconsistent even when the first shard failed (as `_relay_direct` has it)."""
+        if failed > 0 or (shard_to_shard and not _refused(error)):
             try:
                 self._undo(item.seq, item.pos, failed, item.checkpoint, error)
             except SequenceInconsistent as inconsistent:
                 return inconsistent
         return as_sequence_lost(error, item.seq)
+
+    def _settle_items(self, items: list, indices: list[int]) -> dict[int, Exception]:
+        """`_settle` for each item of a batch just sent: item index -> why its pending ROLLBACK failed."""
+        refused: dict[int, Exception] = {}
+        for index in indices:
+            try:
+                self._settle(items[index].seq)
+            except (RollbackFailed, SequenceLost) as error:
+                refused[index] = error
+        return refused
 
     def rollback_batch(self, items: Sequence[tuple[int, int]]) -> None:
         """`rollback(seq, keep)` for each (seq, keep), one batched ROLLBACK per shard, sent and not waited for;
@@ -816,10 +804,10 @@ class Pipeline:
                 self._check_reply(reply, shard, seq, pos + n, n, rows_sent=index < last)
                 parts.update(self._check_captured(reply, shard, owned[index] or (), n))
             except SHARD_FAILURES as error:
-                refused = isinstance(error, ShardError) and error.code is not ErrorCode.INTERNAL
+                refused = _refused(error)
                 self._end_later(sent, index, refused)
                 if index > 0 or not refused:  # the shards before it took the step; after a failure that was not
-                    self._undo(seq, pos, index, checkpoint and refused, error)  # a refusal so may the ones after
+                    self._undo(seq, pos, index, checkpoint, error)  # a refusal so may the ones after
                 raise
             if index == last:
                 ids.extend(reply.result["ids"])
@@ -881,7 +869,7 @@ class Pipeline:
         the failed shard itself changed nothing: an error reply other than INTERNAL. After a
         timeout, an INTERNAL error, a malformed reply or a chunk of a longer input the
         sequence is inconsistent."""
-        if undoable and isinstance(error, ShardError) and error.code is not ErrorCode.INTERNAL:
+        if undoable and _refused(error):
             try:
                 for client in self.clients[:failed]:
                     client.rollback(seq, 0)
@@ -916,6 +904,18 @@ class _Answer:
         if isinstance(outcome, Exception):
             raise outcome
         return outcome.result
+
+
+def _refused(error: Exception) -> bool:
+    """Whether a shard refused (an error reply but INTERNAL): it changed nothing, and told the next shard so."""
+    return isinstance(error, ShardError) and error.code is not ErrorCode.INTERNAL
+
+
+def _head_ids(result: dict) -> TokenIds:
+    """The head shard's ids of one sequence's step, with their logprobs when asked for."""
+    ids = TokenIds(result["ids"])
+    ids.logprobs = result.get("logprobs")
+    return ids
 
 
 def _head_fields(sampling, drafts) -> Optional[dict]:

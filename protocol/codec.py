@@ -52,7 +52,8 @@ _DESCRIPTOR_KEYS = frozenset({"name", "dtype", "shape"})
 _INT_TYPE = frozenset({int})
 _ROWS = frozenset({"rows"})  # a batch item's count of its rows of tensor 'hidden'; not a record field
 # per batchable type, the batch-level fields beside `items`: a FORWARD batch's rows from shard to shard
-_BATCH_TICKETS = {MessageType.FORWARD: frozenset({"send_rows", "rows_ticket"})}
+_TICKET_FIELDS = ("send_rows", "rows_ticket")
+_BATCH_TICKETS = {MessageType.FORWARD: frozenset(_TICKET_FIELDS)}
 _TYPE_NAMES = frozenset(t.value for t in MessageType)
 # Per record type, its fields in order (what the encoders walk) and, per message type, its tensor frames' names.
 _FIELD_NAMES = {record: tuple(f.name for f in dataclasses.fields(record))
@@ -335,7 +336,7 @@ def _decode_batch(header: dict, views: list[memoryview], mtype: MessageType, lim
     if len(items) > limits.max_batch_items:
         raise _too_large(f"{len(items)} items in one {mtype.value}, limit {limits.max_batch_items}")
     tickets = {name: _check_int(header[name], f"field '{name}' of a batched {mtype.value}", 0, ID_LIMIT)
-               for name in ("send_rows", "rows_ticket") if name in header}
+               for name in _TICKET_FIELDS if name in header}
     found = _tensors(header.get("tensors", []), views[1:])
     hidden_specs = tuple(spec for spec in REQUEST_TENSORS[mtype] if spec.name == "hidden")
     hidden = _request_tensors(found, hidden_specs, mtype).get("hidden")
@@ -580,7 +581,7 @@ def _encode_batch(record: Batch, validate: bool) -> Frames:
             hidden.append(rows)
         items.append(entry)
     header = {"v": PROTOCOL_VERSION, "type": record.type.value, "id": record.id, "items": items}
-    for name in ("send_rows", "rows_ticket"):
+    for name in _TICKET_FIELDS:
         if getattr(record, name, None) is not None:
             header[name] = getattr(record, name)
     if hidden and validate and len(hidden) != len(items):

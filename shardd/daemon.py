@@ -41,7 +41,7 @@ from protocol import (
     peek_id,
     peek_type,
 )
-from protocol.codec import clip_message
+from protocol.codec import clip_message, new_record
 from protocol.layout import CHECKPOINT
 from protocol.timing import DAEMON as PHASES
 from shardd import __version__, systemd
@@ -530,7 +530,9 @@ class ShardDaemon:
                                                                 f"at {part.pos}, {part.hidden.shape[0]} rows; this item "
                                                                 f"is at {item.pos}, {item.ticket_rows} rows", item.seq))
             else:
-                items.append(_replaced(item, hidden=part.hidden, rows_ticket=None, ticket_rows=None))
+                # built as the decoder builds records (no dataclass __init__ per item)
+                items.append(new_record(type(item), {**item.__dict__, "hidden": part.hidden, "rows_ticket": None,
+                                                     "ticket_rows": None}))
         return dataclasses.replace(request, items=tuple(items), rows_ticket=None)
 
     def _send_batch_rows(self, request, answers: list) -> None:
@@ -544,10 +546,10 @@ class ShardDaemon:
             parts.append(Rows(id=0, seq=item.seq, pos=item.pos, ticket=request.send_rows,
                               hidden=WireTensor.from_torch(tensors.pop("hidden"))))
             result["rows_sent"] = True
-        if parts:
-            self.relay.send(RowsBatch(id=0, items=tuple(parts)))
-        else:
-            self.relay.send(Rows(id=0, seq=request.items[0].seq, pos=0, ticket=request.send_rows, refused=True))
+        if not parts:
+            self._refuse_downstream(request)
+            return
+        self.relay.send(RowsBatch(id=0, items=tuple(parts)))
         self.counters.rows_sent += 1
 
     def take_rows(self, request):
@@ -1052,15 +1054,6 @@ class ShardDaemon:
 
 
 MIN_FRAME_BYTES = 16 << 20  # small models still answer a modestly oversized frame with TOO_LARGE
-
-
-def _replaced(record, **changes):
-    """`dataclasses.replace(record, **changes)` for a decoded record whose new values are checked: built without the
-    frozen dataclass's __init__ (a FORWARD's ~25 fields one object.__setattr__ each), as the codec builds them."""
-    copy = object.__new__(type(record))
-    copy.__dict__.update(record.__dict__)
-    copy.__dict__.update(changes)
-    return copy
 
 
 def _hidden(request):

@@ -298,7 +298,7 @@ class RowSpans:
 
     def __init__(self, dest: torch.Tensor) -> None:
         self.dest = dest
-        self.run: tuple | None = None  # (first row in dest, root tensor, its elements flat, element offset, rows)
+        self.run: tuple | None = None  # (first row in dest, root tensor, element offset in it, rows)
 
     def add(self, first: int, rows: torch.Tensor) -> None:
         root = rows._base
@@ -308,16 +308,16 @@ class RowSpans:
             return
         offset = (rows.data_ptr() - root.data_ptr()) // rows.element_size()
         if self.run is not None:
-            run_first, run_root, flat, run_offset, n = self.run
+            run_first, run_root, run_offset, n = self.run
             if run_root is root and first == run_first + n and offset == run_offset + n * self.dest.shape[1]:
-                self.run = (run_first, root, flat, run_offset, n + rows.shape[0])
+                self.run = (run_first, root, run_offset, n + rows.shape[0])
                 return
             self.flush()
-        self.run = (first, root, root.view(-1), offset, rows.shape[0])
+        self.run = (first, root, offset, rows.shape[0])
 
     def flush(self) -> None:
         if self.run is not None:
-            first, _, flat, offset, n = self.run
+            first, root, offset, n = self.run
             width = self.dest.shape[1]
-            self.dest[first:first + n].copy_(flat[offset:offset + n * width].view(n, width))
+            self.dest[first:first + n].copy_(root.view(-1)[offset:offset + n * width].view(n, width))
             self.run = None
