@@ -63,12 +63,14 @@ from coordinator.pipeline import BatchForward
 from coordinator.target import ReplayTarget, RollbackFailed, SequenceLost
 from protocol.layout import CHECKPOINT, REPLAY, ROLLBACK_MODES
 
-# Rows per step at least: 32 streams' blocks of 16, or a 512-token prompt chunk beside 512 decode rows. The chunk
-# (half of it) is what a prefill call costs least per token below ~1,000 tokens on a GPU: on the H200 host a
-# 27B-shape prefill call is launch-bound there (128 / 256 / 512 tokens: 129 / 110 / 114 ms of wall time for 29 / 38
-# / 63 ms of kernels; bench/results/h200/prefill_profile_538a901.json), so 128-token chunks (the default of 256
-# rows) took a 512-token prompt 4.5x as long as one 512-token chunk. vLLM and SGLang chunk prompts at 2,048-8,192.
-DEFAULT_STEP_ROWS = 1024
+# Rows per step at least, as vLLM's `max_num_batched_tokens` on a GPU of 70 GB or more (8,192 for its OpenAI
+# server; SGLang's `chunked_prefill_size` is of the same order): the prompts that arrive together are prefilled in
+# one step instead of one or two a step. With 1,024 rows, 8 streams' 512-token prompts took 7 steps to get in, each
+# admitted stream decoding beside the prefills, so the last one started 6 decode steps after the first and the
+# batch ran 6 steps longer at its tail (~110 ms of the 1.7 s that 8 streams of 64 new tokens take on an H200;
+# bench/results/h200/gpu_bench_batch.json). A prompt takes at most half a step (`default_prefill_chunk`): 4,096
+# rows, a 27B-shape prefill of ~0.45 s on an H200, the running streams' longest wait for a token.
+DEFAULT_STEP_ROWS = 8192
 
 QUEUED, PREFILL, DECODE, DONE = "queued", "prefill", "decode", "done"
 

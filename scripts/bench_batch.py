@@ -216,7 +216,13 @@ def run_batch_daemons(args) -> dict:
     prompts = stream_prompts(args, max(CONCURRENCY))
     out: dict = {"batch_daemon_devices": devices}
     run_dir = Path(tempfile.mkdtemp(prefix="bench-batch-"))
-    extra = ["--step-rows", str(args.daemon_step_rows)] if args.daemon_step_rows else []
+    # the one process's R, always named: bench_gpu.start_daemons otherwise gives the daemons BLOCK rows (the relay
+    # benchmark's one-process reference), and a token's bits follow the step's rows (cuBLAS picks its kernel by
+    # them), so daemons_equal_one_process compared two different steps
+    from shardd.fast.shard import FastShard
+
+    rows = fixed_step(args, FastShard).get("step_rows")
+    extra = ["--step-rows", str(rows)] if rows and args.e2e_engine == "fast" else []
     # chained as shardctl launches them (--relay-to: each batch's rows from shard to shard, one ROWS a step)
     processes, endpoints = start_daemons(args, ranges, "replay-ssm", run_dir, devices=devices,
                                          max_sequences=max(CONCURRENCY) + 1, extra=extra, direct_rows=True)

@@ -12,9 +12,13 @@ import os
 
 ENGINES = ("auto", "reference", "fast")
 # R of the fast engine's batched step (`shardd serve --step-rows`): rows shared by the sequences of a batch. On an
-# H200 every 27B-shape weight GEMM at 64 rows costs 1.18x the weight-read floor (1.12x at 16): four verify blocks
-# of 16, or 64 decoding sequences, for about the price of one (issue 20; scripts/bench_gpu.py --parts batch-step).
-DEFAULT_STEP_ROWS = 64
+# H200 every 27B-shape weight GEMM costs 1.12x / 1.18x / 1.34x the weight-read floor at 16 / 64 / 128 rows (issue
+# 20; scripts/bench_gpu.py --parts batch-step). 128 rows hold the verify blocks of 16 of `--max-sequences`' default
+# 8 streams in one step: measured side by side (bench/results/h200/gpu_bench_batch_r64.json against
+# gpu_bench_batch.json), 8 speculative streams decode at 2,525 tok/s with R = 128 against 1,608 with 64 (two steps
+# a verify), for 4-8% of greedy at 1 to 32 streams (56.1 -> 51.7 tok/s at one). `shardctl serve` speculates by
+# default (the n-gram drafter, blocks of 16), so R = 128; a daemon of fewer sequences steps fewer (step_rows_for).
+DEFAULT_STEP_ROWS = 128
 # P of the fast engine's GPU prefill (`shardd serve --prefill-rows`): prompts go in pieces of P rows, each whole
 # piece replayed from CUDA graphs. The coordinator's prompt chunk (coordinator/scheduler.py: half its default 1,024
 # rows a step), where an eager 27B-shape prefill call on an H200 host took ~114 ms of launches for ~63 ms of

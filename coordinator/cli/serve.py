@@ -51,7 +51,8 @@ from protocol.layout import CHECKPOINT, ROLLBACK_MODES
               show_default=True, help="replay (by the coordinator, any shards), checkpoint or replay-ssm (by the shards).")
 @click.option("--batch-rows", type=click.IntRange(1), default=None, metavar="ROWS",
               help="Rows (tokens) the scheduler puts in one step, shared by decode, verify and prompt-chunk rows "
-                   "(default: the shards' fixed step, at least 1024); prompts go in chunks of half that.")
+                   "(default: the shards' fixed step, at least 8192, as vLLM's max_num_batched_tokens); prompts go in "
+                   "chunks of half that.")
 @click.option("--log-level", type=click.Choice(("critical", "error", "warning", "info", "debug")), default="info",
               show_default=True)
 @click.option("--max-body-bytes", type=click.IntRange(1024), metavar="BYTES",

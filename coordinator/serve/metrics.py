@@ -32,7 +32,7 @@ class ServeMetrics:
         self.batch_size = Histogram("shardctl_batch_size", "Sequences with rows in one step",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry)
         self.step_rows = Histogram("shardctl_step_rows", "Rows (tokens) forwarded in one step: decode, verify and "
-                                   "prompt rows", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+                                   "prompt rows", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
                                    registry=registry)
         self.prefill_rows = Counter("shardctl_prefill_rows", "Prompt rows forwarded in steps shared with running "
                                     "streams (chunked prefill)", registry=registry)
