@@ -202,6 +202,7 @@ def run_batch_local(args) -> dict:
     out["batch_tok_s_local"] = result["tok_s"]
     out["batch_mean_commit_local"] = result["mean_commit"]
     out["batch_decode_tok_s_local"] = result["decode_tok_s"]
+    out["batch_prefill_ms_local"] = prefill_seconds(target, args)
     out["batch_checks_local"] = checks
     out["batch_greedy_digest_local"] = digest(greedy)
     return out
@@ -241,6 +242,8 @@ def run_batch_daemons(args) -> dict:
             out["batch_checks_daemons"] = result["checks"]
             out["batch_greedy_digest_daemons"] = digest(greedy)
             out["batch_relay_by_phase"] = batch_phases(pipeline, args)
+            out["batch_prefill_ms_daemons"] = prefill_seconds(pipeline, args)
+            out["batch_prefill_by_phase"] = prefill_phases(pipeline, args)
             streams = 8
             for client in pipeline.clients:  # as `shardctl serve`'s engine waits for replies (--busy-poll-ms 0)
                 client.busy_poll_s = 0.0
@@ -283,6 +286,46 @@ def batch_phases(pipeline, args, concurrency=(1, 8, 32)) -> dict:
         out[f"x{c}"] = relay_breakdown(Steps(max(first, 1), seconds), before, after)
         print(f"daemons greedy x{c}, {BLOCK}-token prompts: {out[f'x{c}']['step_ms']} ms a step over "
               f"{out[f'x{c}']['steps']} steps", flush=True)
+    return out
+
+
+def prefill_seconds(target, args, concurrency=(1, 8)) -> dict:
+    """{streams: ms} for that many --prompt-len prompts and one new token each (the prefill steps alone), after a
+    warm-up of the same shape: against one process, what the daemons add to a prompt (the aggregate's other part)."""
+    single = argparse.Namespace(**{**vars(args), "tokens": 1})
+    prompts = stream_prompts(args, max(concurrency))
+    out = {}
+    for c in concurrency:
+        run_streams(target, prompts[:c], single)
+        started = time.perf_counter()
+        run_streams(target, prompts[:c], single)
+        out[str(c)] = round((time.perf_counter() - started) * 1e3, 2)
+    return out
+
+
+def prefill_phases(pipeline, args, concurrency=(1, 8)) -> dict:
+    """The daemons' and the coordinator's phases of the prefill steps of `concurrency` --prompt-len prompts (one
+    new token each), ms per step: where the time a prompt takes over two daemons beyond one process goes."""
+    from bench_gpu import phase_readings, relay_breakdown
+
+    class Steps:
+        def __init__(self, steps, seconds):
+            self.steps, self.decode_seconds, self.draft_seconds = steps, seconds, 0.0
+
+    single = argparse.Namespace(**{**vars(args), "tokens": 1})
+    prompts = stream_prompts(args, max(concurrency))
+    out = {}
+    for c in concurrency:
+        run_streams(pipeline, prompts[:c], single)
+        before = phase_readings(pipeline)
+        started = time.perf_counter()
+        run_streams(pipeline, prompts[:c], single)
+        seconds = time.perf_counter() - started
+        after = phase_readings(pipeline)
+        first = after[1][0].get("FORWARD", {}).get("requests", 0) - before[1][0].get("FORWARD", {}).get("requests", 0)
+        out[f"x{c}"] = {"ms": round(seconds * 1e3, 2), **relay_breakdown(Steps(max(first, 1), seconds), before, after)}
+        print(f"daemons prefill x{c} of {args.prompt_len} tokens: {out[f'x{c}']['ms']} ms in {out[f'x{c}']['steps']} "
+              "steps", flush=True)
     return out
 
 

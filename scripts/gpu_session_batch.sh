@@ -29,6 +29,9 @@ try:
     print(batch_table(r))
     if r.get("batch_relay_by_phase"):
         print("== two daemons, greedy decode steps by phase (ms per step)\n" + phase_table(r["batch_relay_by_phase"]))
+    if r.get("batch_prefill_by_phase"):
+        print("== prefill ms, one process", r.get("batch_prefill_ms_local"), "two daemons", r.get("batch_prefill_ms_daemons"))
+        print("== two daemons, prefill steps by phase (ms per step)\n" + phase_table(r["batch_prefill_by_phase"]))
 except (OSError, ValueError, KeyError) as exc:
     print(f"no benchmark JSON: {exc}")
 PY
