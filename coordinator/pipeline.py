@@ -25,8 +25,10 @@ from coordinator.target import RollbackFailed, SequenceLost
 from protocol import (
     PROTOCOL_VERSION,
     Batch,
+    Close,
     ErrorCode,
     ForwardBatch,
+    Open,
     ProtocolError,
     Reply,
     Request,
@@ -316,35 +318,63 @@ class Pipeline:
                 )
 
     def open(self, seq: int) -> None:
+        """OPEN on every shard at once; when one fails, the shards it opened on are closed again."""
         self._settle(seq, quiet=True)
-        opened = []
         try:
             self.check_same_shards()
-            for client in self.clients:
-                client.open(seq)
-                opened.append(client)
-        except BaseException as error:
-            for client in opened:
-                _close_quietly(client, seq)
-            if isinstance(error, ShardTimeout):  # a shard still restarting: the loop may try again
-                raise as_sequence_lost(error, seq) from error
-            raise
+            answers = self._on_every_shard(Open(id=0, seq=seq))
+            failures = [answer for answer in answers if isinstance(answer, Exception)]
+            if failures:
+                for client, answer in zip(self.clients, answers):
+                    if not isinstance(answer, Exception):
+                        _close_quietly(client, seq)
+                raise failures[0]
+        except ShardTimeout as error:  # a shard still restarting: the loop may try again
+            raise as_sequence_lost(error, seq) from error
 
     def close(self, seq: int) -> None:
-        """Close on every shard, whatever state each is in; a shard that does not know the
+        """Close on every shard (at once), whatever state each is in; a shard that does not know the
         sequence is fine. Other failures are raised after every shard was tried."""
         self._settle(seq, quiet=True)  # a last ROLLBACK's failure does not matter to a closed sequence
-        failures = []
-        for client in self.clients:
-            try:
-                client.close(seq)
-            except ShardError as error:
-                if error.code is not ErrorCode.NO_SUCH_SEQUENCE:
-                    failures.append(error)
-            except (ShardTimeout, ProtocolError) as error:
-                failures.append(error)
+        failures, unexpected = [], []
+        for answer in self._on_every_shard(Close(id=0, seq=seq)):
+            if isinstance(answer, ShardError):
+                if answer.code is not ErrorCode.NO_SUCH_SEQUENCE:
+                    failures.append(answer)
+            elif isinstance(answer, (ShardTimeout, ProtocolError)):
+                failures.append(answer)
+            elif isinstance(answer, Exception):
+                unexpected.append(answer)
+        if unexpected:
+            raise unexpected[0]
         if failures:
             raise PipelineError(f"closing sequence {seq} failed: " + "; ".join(map(str, failures)))
+
+    def _on_every_shard(self, record: Request) -> list:
+        """`record` sent to every shard before any reply is awaited (a batch's OPENs and CLOSEs: the shards
+        answer together instead of in turn); per shard its reply's result, or the exception its send or reply
+        raised. A reply not awaited (Ctrl-C on the way) is forgotten, not left for a later receive."""
+        sent: list = []
+        for client in self.clients:
+            try:
+                sent.append(client.send(record))
+            except Exception as error:  # noqa: BLE001 - that shard's answer; the others were sent theirs
+                sent.append(error)
+        answers: list = []
+        try:
+            for client, record_sent in zip(self.clients, sent):
+                if isinstance(record_sent, Exception):
+                    answers.append(record_sent)
+                    continue
+                try:
+                    answers.append(client.receive(record_sent).result)
+                except Exception as error:  # noqa: BLE001 - as above
+                    answers.append(error)
+        finally:
+            for client, record_sent in list(zip(self.clients, sent))[len(answers):]:
+                if not isinstance(record_sent, Exception):
+                    client.forget(record_sent)
+        return answers
 
     def forward(
         self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False, sampling=None, drafts=None
