@@ -155,6 +155,33 @@ def test_large_m_dequantizes_in_chunks(monkeypatch):
         assert_matches_reference(y, x, fp8.dequantize_fp8(weight, scale, block))
 
 
+@pytest.mark.parametrize("blockwise", [True, False])
+def test_the_prefill_s_dequantization_kernel_gives_the_pytorch_expression_s_bits(blockwise):
+    """The large-M path's one-pass dequantization equals `dequantize_fp8(...).to(dtype)` bit for bit: every FP8
+    byte but the two NaNs (subnormals, both zeros, the largest), partial scale blocks at both edges, a row slice
+    of a weight (a chunk), bf16 and float32 out."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel on a GPU, else in the interpreter
+    n, k = 200, 300  # 128x128 blocks: a partial last block in both directions
+    codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
+    pick = torch.randint(0, codes.numel(), (n, k), generator=torch.Generator().manual_seed(11))
+    weight = codes[pick].view(torch.float8_e4m3fn).to(device)
+    rng = torch.Generator().manual_seed(12)
+    if blockwise:
+        block = (128, 128)
+        scale = torch.rand(math.ceil(n / 128), math.ceil(k / 128), generator=rng) * 0.01 + 1e-4
+    else:
+        block = None
+        scale = (torch.rand(n, generator=rng) * 0.01 + 1e-4).reshape(n, 1)
+    scale = scale.to(device)
+    for dtype in (torch.bfloat16, torch.float32):
+        got = fp8.dequantized(weight, scale, block, dtype)
+        assert torch.equal(got, fp8.dequantize_fp8(weight, scale, block).to(dtype))
+    part = weight[128:200]  # a chunk of the large-M path: whole row blocks from a block boundary
+    part_scale = scale[1:2] if blockwise else scale[128:200]
+    assert torch.equal(fp8.dequantized(part, part_scale, block, torch.bfloat16),
+                       fp8.dequantize_fp8(part, part_scale, block).to(torch.bfloat16))
+
+
 def test_bad_operands_are_refused_by_name():
     weight, scale, block = quantized(*SMALL, True, seed=7)
     x = torch.randn(2, SMALL[1])
