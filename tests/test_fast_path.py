@@ -452,3 +452,30 @@ def test_engine_choice_is_checked_before_loading():
         finally:
             if interpreted is not None:
                 os.environ["TRITON_INTERPRET"] = interpreted
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 37])
+def test_the_prefill_s_conv_kernel_is_the_window_concatenation_conv1d_and_silu_it_replaces(n):
+    """shardd.kernels.gdn.prefill_conv and the window's advance: the prefill's old PyTorch expression (the window
+    and the rows concatenated, a depthwise conv1d, its silu; the window's last rows kept), for prompts shorter
+    than the window and longer, rows that are a strided view (the conv part of the in_proj output); float32
+    to the last few ulps (the taps' sum order), bf16 within its rounding (the interpreter truncates where the
+    GPU rounds to nearest)."""
+    from shardd.fast.prefill import advance_window
+    from shardd.kernels.gdn import prefill_conv
+
+    rng = torch.Generator().manual_seed(n)
+    C, W = 200, 3
+    for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
+        proj = torch.randn(n, C + 40, generator=rng).to(DEVICE, dtype)
+        rows = proj[:, 7:7 + C]
+        window = torch.randn(W, C, generator=rng).to(dtype).float().to(DEVICE)
+        weight = torch.randn(C, W + 1, generator=rng).to(DEVICE, dtype)
+        joined = torch.cat([window.to(dtype), rows])
+        expected = torch.nn.functional.silu(torch.nn.functional.conv1d(joined.t()[None], weight[:, None, :],
+                                                                       groups=C)[0].t())
+        got = prefill_conv(rows, window, weight)
+        assert got.dtype == dtype and got.shape == (n, C)
+        assert torch.allclose(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+        advance_window(window, rows)
+        assert torch.equal(window, joined[n:].float())

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from shardd.fast.weights import FusedAttention, FusedLayer
 from shardd.kernels import elementwise
+from shardd.kernels import gdn as gdn_kernels
 from shardd.model.rope import apply_rotary
 from shardd.model.shard import ShardModel, ShardOutput
 from shardd.model.state import GDNState, KVCache, SequenceState
@@ -195,9 +196,8 @@ def _gdn(model: ShardModel, layer: FusedLayer, x: torch.Tensor, state: GDNState,
     mixed, z, b, a = proj.split(
         [c.linear_conv_dim, c.linear_value_dim, c.linear_num_value_heads, c.linear_num_value_heads], dim=-1
     )
-    window = torch.cat([state.conv.to(mixed.dtype), mixed], dim=0)  # [kernel - 1 + n, conv_dim]
-    state.conv.copy_(window[n:])
-    conv = F.silu(F.conv1d(window.t()[None], mixer.conv_weight[:, None, :], groups=window.shape[1])[0].t())
+    conv = gdn_kernels.prefill_conv(mixed, state.conv, mixer.conv_weight)  # reads the window before the rows
+    advance_window(state.conv, mixed)
     query, key, value = conv.split([c.linear_key_dim, c.linear_key_dim, c.linear_value_dim], dim=-1)
     g = mixer.neg_decay * F.softplus(a.float() + mixer.dt_bias)
     core, final = chunk_rule(
@@ -213,6 +213,15 @@ def _gdn(model: ShardModel, layer: FusedLayer, x: torch.Tensor, state: GDNState,
     out = torch.empty((n, c.linear_value_dim), dtype=x.dtype, device=x.device)
     elementwise.gated_rms_norm(core[0].contiguous(), z, mixer.norm, c.rms_norm_eps, out)
     return F.linear(out, mixer.out_proj)
+
+
+def advance_window(window: torch.Tensor, rows: torch.Tensor) -> None:
+    """The conv window after `rows`: the last W rows of [window (as rows' dtype), rows], in place."""
+    n, width = rows.shape[0], window.shape[0]
+    if n >= width:
+        window.copy_(rows[n - width:])
+    else:
+        window.copy_(torch.cat([window[n:].to(rows.dtype), rows]))
 
 
 def _attention(model: ShardModel, layer: FusedLayer, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:

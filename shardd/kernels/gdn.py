@@ -262,3 +262,50 @@ def gdn_recurrence(rin, state, saved, out, control, *, layer0, layers, rows, num
         layer0, layers_total, k_dim, v_dim, num_k_heads, num_v_heads,
         T=rows, KP=triton.next_power_of_2(k_dim), BV=block_v, num_warps=RECURRENCE_WARPS,
     )
+
+
+@triton.jit
+def _prefill_conv_kernel(x_ptr, x_stride, state_ptr, w_ptr, out_ptr, n, C,
+                         W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out[t] = silu(sum_j w[j] * ext[t + j]) for the rows of one tile, ext = the W window rows (float32, the
+    values of x's dtype) then x's n rows; the sum in float32 over the taps in order, rounded to x's dtype, the
+    silu of that rounded again: the step's conv (`_gdn_prepare_segment`) over a prompt's rows."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    mask2 = (rows < n)[:, None] & cmask[None, :]
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(W + 1):
+        tap = rows[:, None] + j
+        from_state = tl.load(state_ptr + tap * C + cols[None, :], mask=mask2 & (tap < W), other=0.0)
+        from_x = tl.load(x_ptr + (tap - W) * x_stride + cols[None, :], mask=mask2 & (tap >= W), other=0.0)
+        ext = tl.where(tap < W, from_state.to(dtype).to(tl.float32), from_x.to(tl.float32))
+        w = tl.load(w_ptr + cols * (W + 1) + j, mask=cmask, other=0.0).to(tl.float32)
+        acc += ext * w[None, :]
+    conv = acc.to(dtype).to(tl.float32)
+    conv = conv / (1.0 + tl.exp(-conv))
+    tl.store(out_ptr + rows[:, None] * C + cols[None, :], conv.to(dtype), mask=mask2)
+
+
+def prefill_conv(x, state, weight):
+    """A prompt's causal conv and its silu in one launch: x [n, C] (rows may be strided: the conv part of the
+    in_proj output), state [W, C] the window before it (float32 holding x's dtype's values; read, not
+    changed), weight [C, W + 1] -> [n, C] in x's dtype. Replaces the prefill's window concatenation,
+    PyTorch's generic depthwise conv1d (63 us a 512-row layer on an H200, 3.0 of a piece's 55 ms) and its silu."""
+    import torch
+
+    n, C = x.shape
+    W = state.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if state.shape != (W, C) or weight.shape != (C, W + 1):
+        raise ValueError(f"prefill_conv: state [W, {C}] and weight [{C}, W + 1]; got {tuple(state.shape)} and "
+                         f"{tuple(weight.shape)}")
+    state, weight = state.contiguous(), weight.contiguous()
+    out = torch.empty((n, C), dtype=x.dtype, device=x.device)
+    if n:
+        BLOCK_T, BLOCK_C = 16, 128
+        _prefill_conv_kernel[(triton.cdiv(n, BLOCK_T), triton.cdiv(C, BLOCK_C))](
+            x, x.stride(0), state, weight, out, n, C, W=W, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4)
+    return out
