@@ -262,28 +262,34 @@ def run_batch_daemons(args) -> dict:
     return out
 
 
-def batch_phases(pipeline, args, concurrency=(1, 8, 32)) -> dict:
-    """Where a batched two-daemon decode step's time goes (the two-daemon over one-process miss): greedy streams
-    with prompts of one block (so the steps are decode steps), the daemons' STATS phases and the coordinator's
-    client phases per step (bench_gpu's relay_breakdown, a step = one FORWARD to the first shard)."""
+def _phases_of(pipeline, prompts, args) -> dict:
+    """The prompts together once to warm this shape (graphs, prompt positions), then again between two phase
+    readings: bench_gpu's relay_breakdown of that run (a step = one FORWARD to the first shard), with its wall ms."""
     from bench_gpu import phase_readings, relay_breakdown
 
     class Steps:  # what relay_breakdown reads of a decode result
         def __init__(self, steps, seconds):
             self.steps, self.decode_seconds, self.draft_seconds = steps, seconds, 0.0
 
+    run_streams(pipeline, prompts, args)
+    before = phase_readings(pipeline)
+    started = time.perf_counter()
+    run_streams(pipeline, prompts, args)
+    seconds = time.perf_counter() - started
+    after = phase_readings(pipeline)
+    first = after[1][0].get("FORWARD", {}).get("requests", 0) - before[1][0].get("FORWARD", {}).get("requests", 0)
+    return {"ms": round(seconds * 1e3, 2), **relay_breakdown(Steps(max(first, 1), seconds), before, after)}
+
+
+def batch_phases(pipeline, args, concurrency=(1, 8, 32)) -> dict:
+    """Where a batched two-daemon decode step's time goes (the two-daemon over one-process miss): greedy streams
+    with prompts of one block (so the steps are decode steps), the daemons' STATS phases and the coordinator's
+    client phases per step."""
     short = argparse.Namespace(**{**vars(args), "prompt_len": BLOCK})
     prompts = stream_prompts(short, max(concurrency))
     out = {}
     for c in concurrency:
-        run_streams(pipeline, prompts[:c], short)  # warm: this batch shape's graphs and prompt positions
-        before = phase_readings(pipeline)
-        started = time.perf_counter()
-        run_streams(pipeline, prompts[:c], short)
-        seconds = time.perf_counter() - started
-        after = phase_readings(pipeline)
-        first = after[1][0].get("FORWARD", {}).get("requests", 0) - before[1][0].get("FORWARD", {}).get("requests", 0)
-        out[f"x{c}"] = relay_breakdown(Steps(max(first, 1), seconds), before, after)
+        out[f"x{c}"] = _phases_of(pipeline, prompts[:c], short)
         print(f"daemons greedy x{c}, {BLOCK}-token prompts: {out[f'x{c}']['step_ms']} ms a step over "
               f"{out[f'x{c}']['steps']} steps", flush=True)
     return out
@@ -306,24 +312,11 @@ def prefill_seconds(target, args, concurrency=(1, 8)) -> dict:
 def prefill_phases(pipeline, args, concurrency=(1, 8)) -> dict:
     """The daemons' and the coordinator's phases of the prefill steps of `concurrency` --prompt-len prompts (one
     new token each), ms per step: where the time a prompt takes over two daemons beyond one process goes."""
-    from bench_gpu import phase_readings, relay_breakdown
-
-    class Steps:
-        def __init__(self, steps, seconds):
-            self.steps, self.decode_seconds, self.draft_seconds = steps, seconds, 0.0
-
     single = argparse.Namespace(**{**vars(args), "tokens": 1})
     prompts = stream_prompts(args, max(concurrency))
     out = {}
     for c in concurrency:
-        run_streams(pipeline, prompts[:c], single)
-        before = phase_readings(pipeline)
-        started = time.perf_counter()
-        run_streams(pipeline, prompts[:c], single)
-        seconds = time.perf_counter() - started
-        after = phase_readings(pipeline)
-        first = after[1][0].get("FORWARD", {}).get("requests", 0) - before[1][0].get("FORWARD", {}).get("requests", 0)
-        out[f"x{c}"] = {"ms": round(seconds * 1e3, 2), **relay_breakdown(Steps(max(first, 1), seconds), before, after)}
+        out[f"x{c}"] = _phases_of(pipeline, prompts[:c], single)
         print(f"daemons prefill x{c} of {args.prompt_len} tokens: {out[f'x{c}']['ms']} ms in {out[f'x{c}']['steps']} "
               "steps", flush=True)
     return out
