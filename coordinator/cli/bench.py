@@ -91,7 +91,8 @@ def bench(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
     prompt_args = ["--prompt", prompt] if prompt is not None else ["--prompt-ids", prompt_ids or ",".join(
         str(i) for i in benchmark_prompt())]
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
-                     daemon_args_from(dtype=dtype, max_sequences=concurrency if concurrency > 8 else None,
+                     # as many sequences as streams: the fast step holds their rows (one stream: one sequence's)
+                     daemon_args_from(dtype=dtype, max_sequences=concurrency,
                                       busy_poll_ms="auto" if busy_poll_ms is None else busy_poll_ms),
                      curve=curve_server_key or curve_client_key, quantize=quantize)
     curve = load_curve(curve_server_key, curve_client_key)

@@ -129,7 +129,9 @@ def shard_source_options(func):
 
 
 capacity_options = [
-    click.option("--max-sequences", type=click.IntRange(1), default=None, help="Open sequences per shard (shardd's default: 8)."),
+    click.option("--max-sequences", type=click.IntRange(1), default=None,
+                 help="Open sequences per launched shard (default: shardd's 8; generate: 1, its one sequence, so "
+                      "the fast step is one sequence's rows)."),
     click.option("--max-context", type=click.IntRange(1), default=None, help="Tokens per sequence (shardd's default: 4096)."),
 ]
 
