@@ -476,8 +476,7 @@ class ShardDaemon:
                                  hidden=WireTensor.from_torch(on_host([tensors.pop("hidden")])[0])))
             self.counters.rows_sent += 1
             result["rows_sent"] = True
-        names = list(tensors)
-        return result, {name: WireTensor.from_torch(t) for name, t in zip(names, on_host([tensors[n] for n in names]))}
+        return result, {name: WireTensor.from_torch(t) for name, t in zip(tensors, on_host(list(tensors.values())))}
 
     def _with_rows(self, request, shard):
         """A FORWARD with `rows_ticket` as if its rows had come in tensor `hidden`; _WaitsForRows while they have
@@ -1091,8 +1090,9 @@ def joined_on_host(chunks: list):
     out = torch.empty((sum(c.shape[0] for c in chunks), *first.shape[1:]), dtype=first.dtype, pin_memory=True)
     devices, row = set(), 0
     for chunk in chunks:
-        out[row:row + chunk.shape[0]].copy_(chunk, non_blocking=chunk.device.type != "cpu")
-        if chunk.device.type != "cpu":
+        on_device = chunk.device.type != "cpu"
+        out[row:row + chunk.shape[0]].copy_(chunk, non_blocking=on_device)
+        if on_device:
             devices.add(chunk.device)
         row += chunk.shape[0]
     _wait_for(devices)
