@@ -513,10 +513,13 @@ def _check_request(record: Request, limits: Limits) -> None:
             if record.drafts is None or len(record.drafts) != record.n_tokens - 1:
                 raise _bad("field 'propose' of CAPTURE needs the block's drafts: field 'drafts' of n - 1 tokens")
     if isinstance(record, Rows):
-        if record.refused == (record.hidden is not None):
-            raise _bad("ROWS carries tensor 'hidden' or field 'refused', exactly one")
-        if record.hidden is not None and record.hidden.shape[0] > limits.max_tokens_per_request:
-            raise _too_large(f"{record.hidden.shape[0]} rows, limit {limits.max_tokens_per_request}")
+        if record.refused + (record.hidden is not None) + (record.slot is not None) != 1:
+            raise _bad("ROWS carries tensor 'hidden', field 'refused' or field 'slot', exactly one")
+        if (record.slot is None) != (record.slot_rows is None):
+            raise _bad("fields 'slot' and 'slot_rows' of ROWS go together")
+        n = record.hidden.shape[0] if record.hidden is not None else record.slot_rows or 0
+        if n > limits.max_tokens_per_request:
+            raise _too_large(f"{n} rows, limit {limits.max_tokens_per_request}")
     if isinstance(record, Propose):
         if record.block_size > limits.max_tokens_per_request:
             raise _too_large(f"block_size {record.block_size}, limit {limits.max_tokens_per_request}")

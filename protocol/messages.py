@@ -18,6 +18,7 @@ PROTOCOL_VERSION = 1
 
 ID_LIMIT = 1 << 63      # ids and sequence numbers: 0 <= x < 2**63
 TOKEN_LIMIT = 1 << 31   # token ids: 0 <= t < 2**31
+RING_SLOTS_LIMIT = 16   # slots of a device ring a ROWS may name (shardd.ring.SLOTS uses 2)
 
 
 class MessageType(str, enum.Enum):
@@ -33,6 +34,7 @@ class MessageType(str, enum.Enum):
     STATS = "STATS"
     SHUTDOWN = "SHUTDOWN"
     ROWS = "ROWS"
+    RING = "RING"
 
     def __str__(self) -> str:
         return self.value
@@ -236,10 +238,27 @@ class Rows(_SequenceRequest):
     pos: int = _header("int", "the FORWARD's pos", minimum=0, limit=ID_LIMIT)
     ticket: int = _header("int", "the FORWARD's send_rows: the next shard's rows_ticket", minimum=0, limit=ID_LIMIT)
     refused: bool = _header("bool", "the FORWARD was refused or failed: no rows", default=False)
-    hidden: Optional[WireTensor] = _tensor(2, "[n, H] the FORWARD's output rows (absent with refused)")
+    hidden: Optional[WireTensor] = _tensor(2, "[n, H] the FORWARD's output rows (absent with refused or slot)")
+    slot: Optional[int] = _header("int", "the rows are in this slot of the receiving shard's device ring (RING) "
+                                  "instead of tensor hidden; a batch's items end to end in one slot", minimum=0,
+                                  limit=RING_SLOTS_LIMIT, default=None)
+    slot_rows: Optional[int] = _header("int", "with slot: this sequence's rows in the slot", minimum=1,
+                                       limit=ID_LIMIT, default=None)
 
 
-Request = Union[Hello, Open, Close, Forward, Capture, Rollback, Snapshot, Restore, Propose, Stats, Shutdown, Rows]
+@dataclass(frozen=True)
+class Ring(_Request):
+    """A shard asks its next shard (its --relay-to) for the device ring that its ROWS may name slots of
+    (PROTOCOL.md, "Rows on the device"); the reply carries the ring's CUDA IPC handles."""
+
+    type: ClassVar[MessageType] = MessageType.RING
+    rows: int = _header("int", "rows one slot must hold", minimum=1, limit=ID_LIMIT)
+    pid: int = _header("int", "the asking daemon's process id: the ring's reader stops waiting for rows in flight "
+                       "once that process is gone", minimum=0, limit=1 << 31, default=0)
+
+
+Request = Union[Hello, Open, Close, Forward, Capture, Rollback, Snapshot, Restore, Propose, Stats, Shutdown, Rows,
+                Ring]
 
 
 # --- batches: several sequences in one FORWARD, CAPTURE or ROLLBACK (PROTOCOL.md, "Batches") ----------------

@@ -849,6 +849,16 @@ def daemon_profile_top(path: Path, top: int = 25) -> list[str]:
     return [line for line in lines[start:] if line.strip()]
 
 
+# the relay's arms beside its plain runs: tag -> (JSON key, extra `shardd serve` arguments)
+RELAY_ARMS = {
+    "-busy": ("relay_busy_poll", []),
+    "-direct": ("relay_direct", []),
+    "-direct-busy": ("relay_direct_busy_poll", []),
+    "-direct-busy-host": ("relay_direct_busy_poll_host_rows", ["--device-rows", "0"]),
+    "-direct-busy-device": ("relay_direct_busy_poll_device_wait", ["--ring-wait", "device"]),
+}
+
+
 def run_relay(args) -> dict:
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafters import OracleDrafter
@@ -867,20 +877,32 @@ def run_relay(args) -> dict:
         runs.append(("checkpoint", {"SHARDD_PROFILE": str(Path(args.daemon_profile).resolve())}, "-profiled"))
     # the same runs, side by side in one JSON: both ends polling without sleeping (-busy), the rows going from
     # daemon to daemon (-direct: --relay-to), and both (-direct-busy)
-    arms = {"-busy": "relay_busy_poll", "-direct": "relay_direct", "-direct-busy": "relay_direct_busy_poll"}
-    wanted = [tag for tag in arms if ("busy" not in tag or args.busy_poll_ms) and ("direct" not in tag or args.direct_rows)]
+    # daemon to daemon on a GPU, the rows go through the next shard's device ring (--device-rows, the default;
+    # shardd/ring.py): -direct-busy-host is that arm with them through the host, -direct-busy-device with the
+    # ring's reader waiting on its stream (--ring-wait device)
+    if args.relay_arms:
+        wanted = [f"-{name}" for name in args.relay_arms.split(",") if name]
+        unknown = [tag for tag in wanted if tag not in RELAY_ARMS]
+        if unknown:
+            raise SystemExit(f"--relay-arms: unknown {unknown}; known: {[tag[1:] for tag in RELAY_ARMS]}")
+    else:
+        wanted = [tag for tag in ("-busy", "-direct", "-direct-busy")
+                  if ("busy" not in tag or args.busy_poll_ms) and ("direct" not in tag or args.direct_rows)]
+    arms = {tag: RELAY_ARMS[tag][0] for tag in wanted}
     runs += [(mode, {}, tag) for tag in wanted for mode in ("checkpoint", "replay-ssm")]
     for mode, env, tag in runs:
         busy, direct = "busy" in tag, "direct" in tag
         processes, endpoints = start_daemons(args, ranges, mode, run_dir, devices=devices, env=env, tag=tag,
-                                             extra=["--busy-poll-ms", str(args.busy_poll_ms if busy else 0)],
+                                             extra=["--busy-poll-ms", str(args.busy_poll_ms if busy else 0),
+                                                    *RELAY_ARMS.get(tag, ("", []))[1]],
                                              direct_rows=direct)
         try:
             with Pipeline.connect(endpoints, timeout_s=600, busy_poll_s=args.busy_poll_ms / 1000 if busy else 0) as pipeline:
                 assert pipeline.direct_rows == direct, "the daemons' --relay-to does not name the next shard"
                 greedy_decode(pipeline, 98, prompt[:32], 4)  # warm-up: capture the graphs
                 if tag in arms:
-                    settings = {"busy_poll_ms": args.busy_poll_ms if busy else 0.0, "direct_rows": direct}
+                    settings = {"busy_poll_ms": args.busy_poll_ms if busy else 0.0, "direct_rows": direct,
+                                "daemon_args": RELAY_ARMS[tag][1]}
                     out.setdefault(arms[tag], settings).update(arm_run(pipeline, prompt, mode, args, hashes, tag))
                     continue
                 if tag:
@@ -1262,6 +1284,9 @@ def main() -> int:
     parser.add_argument("--direct-rows", action="store_true",
                         help="relay: also the runs with the rows going from daemon to daemon (--relay-to; "
                              "relay_direct, and relay_direct_busy_poll with --busy-poll-ms).")
+    parser.add_argument("--relay-arms", default="",
+                        help="relay: the arms to run beside the plain runs, by name (busy, direct, direct-busy, "
+                             "direct-busy-host, direct-busy-device); default: as --busy-poll-ms and --direct-rows say.")
     parser.add_argument("--daemon-profile", default=None, help="relay: also a short run with the daemons under cProfile, "
                         "dumps in this directory, their top functions in the JSON.")
     parser.add_argument("--fp8", choices=("fp8-block", "fp8-channel"), default=None,
@@ -1306,6 +1331,7 @@ def main() -> int:
                    "--long-context", str(args.long_context), "--e2e-devices", args.e2e_devices, "--e2e-dtype", args.e2e_dtype,
                    "--e2e-engine", args.e2e_engine, *(["--daemon-profile", args.daemon_profile] if args.daemon_profile else []),
                    "--busy-poll-ms", str(args.busy_poll_ms), *(["--direct-rows"] if args.direct_rows else []),
+                   *(["--relay-arms", args.relay_arms] if args.relay_arms else []),
                    *(["--fp8", args.fp8] if args.fp8 else []), *(["--fp8-pdl"] if args.fp8_pdl else []),
                    "--draft", args.draft, "--commits", args.commits, "--placements", args.placements,
                    "--dflash-device", args.dflash_device, "--dflash-engine", args.dflash_engine,
@@ -1360,7 +1386,7 @@ def summarize(merged: dict) -> None:
         merged["e2e_vs_local"] = {m: round(merged["e2e_tok_s"][m] / merged["tok_s"][m], 3) for m in merged["e2e_tok_s"] if m in merged["tok_s"]}
     if "e2e_greedy_ms_per_token" in merged and "greedy_ms_per_token" in merged:  # target: <= 1.05
         merged["e2e_greedy_vs_local"] = round(merged["e2e_greedy_ms_per_token"] / merged["greedy_ms_per_token"], 3)
-    for key in ("relay_busy_poll", "relay_direct", "relay_direct_busy_poll"):  # the same ratios for each arm
+    for key, _ in RELAY_ARMS.values():  # the same ratios for each arm
         arm = merged.get(key)
         if not arm or "tok_s" not in merged:
             continue

@@ -68,6 +68,7 @@ from shardd.batch import forward_batch as run_batch
 from shardd.head import HeadRequest, answer_batch, answer_rows
 from shardd.penalties import Penalties
 from shardd.receive import receive_request, release_memory
+from shardd.ring import DEFAULT_ROWS as RING_ROWS
 from shardd.rows import WAIT_S, RowsInbox, RowsLink, Waiting, check_relay_to
 from shardd.sampling import SamplingParams
 
@@ -105,6 +106,8 @@ class ServeOptions:
     relay_to: str | None = None  # the next shard, which a FORWARD's `send_rows` sends its rows to (--relay-to)
     relay_to_file: str | None = None  # or the file the next shard writes its endpoint to (--relay-to-file)
     rows_wait_s: float = WAIT_S  # the longest a FORWARD with `rows_ticket` waits for its rows (--rows-wait)
+    device_rows: int = RING_ROWS  # rows a slot of the device ring holds, asked for and granted (--device-rows; 0: off)
+    ring_wait: str = "host"  # how the ring's reader waits for the writer's rows: "host" (bounded) or "device"
 
 
 @dataclass
@@ -153,6 +156,7 @@ class Counters:
     rows_received: int = 0  # ROWS taken from the previous shard
     rows_waits: int = 0  # FORWARDs that waited for their rows (`rows_ticket` before its ROWS)
     rows_missing: int = 0  # FORWARDs refused ROWS_MISSING: refused upstream, cancelled, or no rows in time
+    rows_on_device: int = 0  # ROWS taken through this shard's device ring (RING)
 
 
 class ShardDaemon:
@@ -201,10 +205,12 @@ class ShardDaemon:
             MessageType.STATS: self.stats,
             MessageType.SHUTDOWN: self.shutdown,
             MessageType.ROWS: self.take_rows,
+            MessageType.RING: self.ring_for_writer,
         }
         # rows from shard to shard (shardd/rows.py): the link to the next shard (made on first use, `relay_target`),
         # the rows and waiting FORWARDs from the previous one, and the replies a request's handling completed
         self.relay: RowsLink | None = None
+        self.ring = None  # shardd.ring.DeviceRing this shard reads the previous one's rows from (RING), once asked
         self.inbox = RowsInbox(capacity=2 * options.max_sequences + 8)
         self._waits: Waiting | None = None  # set by a FORWARD that waits for its rows: the loop parks it
         self._completed: list[list] = []  # envelope + reply of each waiting FORWARD a ROWS let run
@@ -438,7 +444,8 @@ class ShardDaemon:
                 return None
             options.relay_to = endpoint
         if options.relay_to is not None and self.relay is None:
-            self.relay = RowsLink(options.relay_to)
+            on_gpu = self.shard is not None and self.shard.device.type == "cuda"
+            self.relay = RowsLink(options.relay_to, device_rows=options.device_rows if on_gpu else 0)
         return options.relay_to
 
     def _check_send_rows(self, request, shard) -> None:
@@ -472,8 +479,12 @@ class ShardDaemon:
         if proposing:
             result["proposal"] = self._propose_after_verify(request, entry, result["ids"], out.captured)
         if request.send_rows is not None:  # the rows go on to the next shard first: they are what it waits for
-            self.relay.send(Rows(id=0, seq=request.seq, pos=request.pos, ticket=request.send_rows,
-                                 hidden=WireTensor.from_torch(on_host([tensors.pop("hidden")])[0])))
+            hidden = tensors.pop("hidden")
+            seq, pos, ticket = request.seq, request.pos, request.send_rows
+            if not self.relay.send_on_device([hidden], lambda slot: Rows(id=0, seq=seq, pos=pos, ticket=ticket,
+                                                                          slot=slot, slot_rows=hidden.shape[0])):
+                self.relay.send(Rows(id=0, seq=seq, pos=pos, ticket=ticket,
+                                     hidden=WireTensor.from_torch(on_host([hidden])[0])))
             self.counters.rows_sent += 1
             result["rows_sent"] = True
         return result, {name: WireTensor.from_torch(t) for name, t in zip(tensors, on_host(list(tensors.values())))}
@@ -540,15 +551,19 @@ class ShardDaemon:
         item's reply then carries `rows_sent` and no rows); none ran: a refused ROWS."""
         ran = [(item, answer[0], answer[1].pop("hidden")) for item, answer in zip(request.items, answers)
                if not isinstance(answer, Exception)]
-        parts = []
-        for (item, result, _), hidden in zip(ran, on_host([hidden for _, _, hidden in ran])):
-            parts.append(Rows(id=0, seq=item.seq, pos=item.pos, ticket=request.send_rows,
-                              hidden=WireTensor.from_torch(hidden)))
-            result["rows_sent"] = True
-        if not parts:
+        if not ran:
             self._refuse_downstream(request)
             return
-        self.relay.send(RowsBatch(id=0, items=tuple(parts)))
+        for _, result, _ in ran:
+            result["rows_sent"] = True
+        ticket = request.send_rows
+        in_slot = lambda slot: RowsBatch(id=0, items=tuple(  # noqa: E731 (the rows of the slot, item by item)
+            Rows(id=0, seq=item.seq, pos=item.pos, ticket=ticket, slot=slot, slot_rows=hidden.shape[0])
+            for item, _, hidden in ran))
+        if not self.relay.send_on_device([hidden for _, _, hidden in ran], in_slot):
+            self.relay.send(RowsBatch(id=0, items=tuple(
+                Rows(id=0, seq=item.seq, pos=item.pos, ticket=ticket, hidden=WireTensor.from_torch(hidden))
+                for (item, _, _), hidden in zip(ran, on_host([hidden for _, _, hidden in ran])))))
         self.counters.rows_sent += 1
 
     def take_rows(self, request):
@@ -556,10 +571,80 @@ class ShardDaemon:
         after this one's acknowledgement)."""
         if isinstance(request, RowsBatch) and len({item.ticket for item in request.items}) != 1:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the items of a batched ROWS share one ticket")
+        parts = request.items if isinstance(request, RowsBatch) else (request,)
+        if any(part.slot is not None for part in parts):
+            try:
+                request = self._rows_from_ring(request, parts)
+            except ProtocolError:  # the FORWARD waiting for these rows is refused too, now, changing nothing
+                first = parts[0]
+                waiting = self.inbox.put(Rows(id=0, seq=first.seq, pos=first.pos, ticket=first.ticket, refused=True))
+                if waiting is not None:
+                    self._completed.append(waiting.envelope + self._resume(waiting))
+                raise
         waiting = self.inbox.put(request)
         if waiting is not None:
             self._completed.append(waiting.envelope + self._resume(waiting))
         return {"ticket": request.ticket, "waited": waiting is not None}, {}
+
+    def _rows_from_ring(self, request, parts):
+        """A ROWS naming a slot of this shard's device ring, its rows copied out of the slot (on the device) as if
+        they had come in tensor hidden; ProtocolError when they cannot be had."""
+        from shardd.ring import RingUnavailable
+
+        slots = {part.slot for part in parts}
+        total = sum(part.slot_rows or 0 for part in parts)
+        problem = None
+        if len(slots) != 1 or any(part.slot is None for part in parts):
+            problem = "the items of a batched ROWS name one slot, all of them"
+        elif self.ring is None:
+            problem = "this shard has no device ring (no RING was answered since it started)"
+        elif slots.pop() >= len(self.ring.written) or total > self.ring.rows:
+            problem = (f"slot {parts[0].slot} and {total} rows do not fit this shard's ring of "
+                       f"{len(self.ring.written)} slots of {self.ring.rows} rows")
+        if problem is None:
+            try:
+                rows = self.ring.take(parts[0].slot, total, self.options.ring_wait, self.options.rows_wait_s)
+            except RingUnavailable as error:
+                problem = str(error)
+        if problem is not None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"ROWS of ticket {parts[0].ticket}: {problem}")
+        self.counters.rows_on_device += 1
+        done, start = [], 0
+        for part in parts:
+            done.append(dataclasses.replace(part, hidden=DeviceRows(rows[start:start + part.slot_rows]), slot=None,
+                                            slot_rows=None))
+            start += part.slot_rows
+        return dataclasses.replace(request, items=tuple(done)) if isinstance(request, RowsBatch) else done[0]
+
+    def ring_for_writer(self, request):
+        """RING: the device ring the previous shard's ROWS may name slots of (allocated on the first, kept while
+        its size is asked for), and its handles."""
+        from shardd.ring import RingUnavailable, DeviceRing
+
+        shard = self._layers(request)
+        if not self.options.device_rows:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "RING: this daemon was started with --device-rows 0: rows "
+                                                       "come through the host")
+        if (self.options.memory or {}).get("cap_bytes"):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "RING: this daemon runs under --max-gpu-memory, whose plan sets "
+                                                       "no memory aside for a ring: rows come through the host")
+        if request.rows > self.limits.max_tokens_per_request:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"RING: {request.rows} rows a slot, more than this daemon's "
+                                                     f"{self.limits.max_tokens_per_request} rows a request")
+        if self.ring is None or self.ring.rows != request.rows:
+            self.ring = None
+            try:
+                self.ring = DeviceRing(request.rows, shard.config.hidden_size, shard.dtype, shard.device)
+            except RingUnavailable as error:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"RING: rows cannot pass on this shard's device: "
+                                                           f"{error}") from None
+            except torch.OutOfMemoryError:
+                raise ProtocolError(ErrorCode.TOO_LARGE, f"RING: no device memory for {request.rows} rows a "
+                                                         "slot") from None
+            log.info("device ring for the previous shard: %d x %d rows (%.1f MiB)", len(self.ring.written),
+                     self.ring.rows, self.ring.nbytes / 2**20)
+        self.ring.writer_pid = request.pid or None
+        return self.ring.share(), {}
 
     def _resume(self, waiting: Waiting) -> list:
         """The reply of a FORWARD that waited, handled as its own peer (its rows are in the inbox now); its phases
@@ -897,7 +982,11 @@ class ShardDaemon:
             "compute_seconds": dict(c.compute_seconds),
             "batches": {"requests": c.batches, "items": c.batch_items, "rows": c.batch_rows},
             "rows": {"sent": c.rows_sent, "received": c.rows_received, "waits": c.rows_waits,
-                     "missing": c.rows_missing, "waiting": len(self.inbox.waiting)},
+                     "missing": c.rows_missing, "waiting": len(self.inbox.waiting), "on_device": c.rows_on_device,
+                     "sent_on_device": self.relay.on_device if self.relay is not None else 0,
+                     "ring_bytes": self.ring.nbytes if self.ring is not None else 0,
+                     "ring_to_next": "on" if self.relay is not None and self.relay.ring is not None else
+                     (self.relay.ring_problem if self.relay is not None else None)},
             # where requests' time went, per type and phase (protocol/timing.py): seconds since the start
             "phases": PHASES.totals(),
         }
@@ -1052,6 +1141,17 @@ class ShardDaemon:
 
 
 MIN_FRAME_BYTES = 16 << 20  # small models still answer a modestly oversized frame with TOO_LARGE
+
+
+class DeviceRows:
+    """Rows already on this shard's device (copied out of its ring) where a FORWARD's tensor hidden stands."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self.shape = tuple(tensor.shape)
+
+    def to_torch(self, device=None):
+        return self.tensor if device is None else self.tensor.to(device)
 
 
 def _hidden(request):

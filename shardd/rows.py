@@ -12,14 +12,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import zmq
 
-from protocol import ProtocolError, Rows, decode_reply, encode_request
+from protocol import MessageType, ProtocolError, Ring, Rows, decode_reply, encode_request
 from shardd.listen import endpoint_problem
 from shardd.security import is_loopback
 
@@ -45,26 +46,105 @@ def check_relay_to(endpoint: str, curve: bool) -> None:
 
 class RowsLink:
     """The ROWS this daemon sends to its next shard: one DEALER, never waited on. The next shard acknowledges
-    each ROWS; the acknowledgements (and refusals, logged) are read and dropped before each send."""
+    each ROWS; the acknowledgements (and refusals, logged) are read and dropped before each send.
 
-    def __init__(self, endpoint: str):
+    With `device_rows` (a GPU shard), the first rows on a GPU ask the next shard for its device ring (RING,
+    shardd/ring.py) and, when it has one, every step's rows that fit go through a slot of it: a ROWS naming the
+    slot, sent without waiting for the device. A slot is written again only once the ROWS that last used it is
+    acknowledged (the reader has copied it out by then, or is about to on its stream)."""
+
+    RING_REPLY_S = 5.0  # how long the first rows wait for the next shard's RING reply before going by host
+    ACK_WAIT_S = 1.0  # how long rows wait for the acknowledgement that frees their slot, else they go by host
+
+    def __init__(self, endpoint: str, device_rows: int = 0):
         self.endpoint = endpoint
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(endpoint)
         self._ids = itertools.count(1)
         self.sent = self.refused = self.dropped = 0
+        self.device_rows = device_rows
+        self.ring = None  # shardd.ring.RingWriter once the next shard gave its ring
+        self.ring_problem: Optional[str] = None if device_rows else "off (--device-rows 0)"
+        self.on_device = 0  # ROWS whose rows went through the ring
+        self._slot_ids: dict[int, int] = {}  # slot -> id of the ROWS that used it, until acknowledged
+        self._replies: dict[int, object] = {}  # id -> reply, for the one request whose reply is awaited (RING)
 
-    def send(self, rows: Rows) -> None:
+    def send(self, rows) -> int:
+        """Send `rows` (Rows or RowsBatch); its id."""
         self.drain()
+        request_id = next(self._ids)
         try:
-            frames = encode_request(dataclasses.replace(rows, id=next(self._ids)), validate=False)
+            frames = encode_request(dataclasses.replace(rows, id=request_id), validate=False)
             self.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             self.sent += 1
         except zmq.Again:  # the next shard is gone and its queue full: its FORWARD ends waiting, by itself
             self.dropped += 1
-            log.warning("ROWS of sequence %s (ticket %s) dropped: %s takes nothing", rows.seq, rows.ticket,
-                        self.endpoint)
+            log.warning("ROWS of ticket %s dropped: %s takes nothing", getattr(rows, "ticket", "?"), self.endpoint)
+        return request_id
+
+    def send_on_device(self, parts: list, make_rows: Callable[[int], object]) -> bool:
+        """Put `parts` (GPU tensors, rows end to end) in the next shard's ring and send `make_rows(slot)`, the
+        ROWS naming the slot: True; False when they must go through the host (no ring, they do not fit, or the
+        slot is not free in time), nothing sent then."""
+        if self.ring is None:
+            if self.ring_problem is not None or not parts or parts[0].device.type != "cuda":
+                return False
+            self._open_ring()
+            if self.ring is None:
+                return False
+        if not self.ring.fits(parts):
+            return False
+        slot = self.ring.next
+        if not self._acknowledged(slot):
+            log.warning("ring slot %d of %s not acknowledged in %g s: these rows go through the host", slot,
+                        self.endpoint, self.ACK_WAIT_S)
+            return False
+        if self.ring.put(parts, self.ACK_WAIT_S) is None:
+            return False
+        self._slot_ids[slot] = self.send(make_rows(slot))
+        self.on_device += 1
+        return True
+
+    def _open_ring(self) -> None:
+        from shardd.ring import RingUnavailable, RingWriter
+
+        request_id = next(self._ids)
+        try:
+            self.socket.send_multipart(encode_request(Ring(id=request_id, rows=self.device_rows, pid=os.getpid())),
+                                       flags=zmq.NOBLOCK)
+            reply = self._await(request_id, self.RING_REPLY_S)
+            if reply is None:
+                raise RingUnavailable(f"no RING reply in {self.RING_REPLY_S:g} s")
+            if not reply.ok:
+                raise RingUnavailable(f"{reply.error_code}: {reply.error_message}")
+            self.ring = RingWriter(reply.result)
+            log.info("rows to %s go through its device ring (%d slots of %d rows)", self.endpoint, self.ring.slots,
+                     self.ring.rows)
+        except (RingUnavailable, zmq.Again) as error:
+            self.ring_problem = str(error) or type(error).__name__
+            log.info("rows to %s go through the host: %s", self.endpoint, self.ring_problem)
+
+    def _await(self, request_id: int, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        while request_id not in self._replies:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.socket.poll(int(left * 1000) + 1):
+                break
+            self.drain()
+        return self._replies.pop(request_id, None)
+
+    def _acknowledged(self, slot: int) -> bool:
+        deadline = time.monotonic() + self.ACK_WAIT_S
+        while slot in self._slot_ids:
+            self.drain()
+            left = deadline - time.monotonic()
+            if slot not in self._slot_ids:
+                break
+            if left <= 0:
+                return False
+            self.socket.poll(max(1, int(left * 1000)))
+        return True
 
     def drain(self) -> None:
         while self.socket.poll(0):
@@ -74,9 +154,17 @@ class RowsLink:
             except ProtocolError as error:
                 log.warning("%s answered a ROWS with a malformed reply: %s", self.endpoint, error)
                 continue
+            if reply.type == MessageType.RING:
+                self._replies[reply.id] = reply
+                continue
+            freed = [slot for slot, sent in self._slot_ids.items() if sent == reply.id]
+            for slot in freed:
+                del self._slot_ids[slot]
             if not reply.ok:
                 self.refused += 1
                 log.warning("%s refused a ROWS: %s %s", self.endpoint, reply.error_code, reply.error_message)
+                if freed:  # the next shard has no ring now (restarted?): ask again on the next rows
+                    self.ring = None
 
     def close(self) -> None:
         self.socket.close(linger=0)

@@ -18,6 +18,7 @@ import zmq
 
 from protocol import (
     PROTOCOL_VERSION,
+    Ring,
     Capture,
     Close,
     ErrorCode,
@@ -106,6 +107,8 @@ ROUND_TRIP_RECORDS = [
             layers=[3]),
     Rows(20, seq=9, pos=4, ticket=7, hidden=wire(HIDDEN_BF16)),
     Rows(21, seq=9, pos=4, ticket=8, refused=True),
+    Rows(22, seq=9, pos=4, ticket=8, slot=1, slot_rows=16),
+    Ring(23, rows=4096, pid=4321),
 ]
 
 
@@ -394,9 +397,15 @@ def test_encode_refuses_bad_geometry_unless_asked_not_to_validate():
     Forward(1, seq=0, pos=0, rows_ticket=5, ticket_rows=0),
     Rows(1, seq=0, pos=0, ticket=5),
     Rows(1, seq=0, pos=0, ticket=5, refused=True, hidden=wire(torch.zeros(2, 3))),
+    Rows(1, seq=0, pos=0, ticket=5, slot=0),
+    Rows(1, seq=0, pos=0, ticket=5, slot_rows=4, hidden=wire(torch.zeros(4, 3))),
+    Rows(1, seq=0, pos=0, ticket=5, slot=0, slot_rows=4, hidden=wire(torch.zeros(4, 3))),
+    Rows(1, seq=0, pos=0, ticket=5, slot=16, slot_rows=4),
+    Ring(1, rows=0),
 ], ids=["seq-negative", "id-too-big", "token-bool", "no-tokens", "parents-without-checkpoint", "hidden-int",
         "hidden-1d", "layers-repeated", "block-size-zero", "tokens-and-ticket", "ticket-without-rows",
-        "rows-without-ticket", "ticket-zero-rows", "rows-empty", "rows-refused-with-rows"])
+        "rows-without-ticket", "ticket-zero-rows", "rows-empty", "rows-refused-with-rows",
+        "slot-without-rows", "slot-rows-without-slot", "slot-and-hidden", "slot-out-of-range", "ring-zero-rows"])
 def test_encode_refuses_what_the_receiver_refuses(record):
     """The client-side check of encode_request gives the receiver's verdict without decoding the frames."""
     with pytest.raises(ProtocolError) as info:

@@ -14,7 +14,7 @@ from coordinator.drafters import make_drafter
 from coordinator.launch import ShardSet, launched_sets
 from coordinator.pipeline import Pipeline
 from coordinator.target import RollbackFailed
-from protocol import (RECORD_TYPES, ErrorCode, Forward, ForwardBatch, MessageType, WireTensor, encode_request,
+from protocol import (RECORD_TYPES, ErrorCode, Forward, ForwardBatch, MessageType, Rows, WireTensor, encode_request,
                       pure_chain)
 from protocol.layout import even_split
 from protocol.timing import per_request_ms
@@ -262,6 +262,41 @@ def test_a_wait_whose_rows_never_come_ends_at_its_deadline(direct):
         middle.close()
 
 
+def test_rows_on_the_device_are_refused_by_a_cpu_shard_and_a_slot_rows_refuses_its_waiting_forward(direct):
+    """The device ring (PROTOCOL.md, "Rows on the device") is a GPU shard's: a CPU shard answers RING with
+    BAD_REQUEST (so its previous shard's rows go through the host, as they did above), and a ROWS naming a slot
+    it has no ring for is refused, its ticket refused with it: the FORWARD waiting for those rows is refused
+    ROWS_MISSING at once (not at --rows-wait) and changes nothing. The sender side on a CPU never asks."""
+    from shardd.rows import RowsLink
+
+    binds, _, _ = direct
+    first, middle = clients = _clients(binds[:2])
+    try:
+        ring = middle.request("RING", rows=64, pid=1)
+        assert ring.error_code is ErrorCode.BAD_REQUEST and "not a GPU" in ring.error_message
+        seq = 74
+        assert first.request("OPEN", seq=seq).ok and middle.request("OPEN", seq=seq).ok
+        started = time.monotonic()
+        waiting = _send(middle, "FORWARD", seq=seq, pos=0, rows_ticket=31, ticket_rows=2)
+        link = RowsLink(binds[1], device_rows=64)
+        try:
+            link.send(Rows(id=0, seq=seq, pos=0, ticket=31, slot=0, slot_rows=2))
+            reply = middle.receive(10)
+            assert reply.id == waiting and reply.error_code is ErrorCode.ROWS_MISSING
+            assert time.monotonic() - started < 4  # at once, not at --rows-wait 5
+            link._open_ring()  # what a GPU sender does first: refused, so its rows go through the host
+            assert link.ring is None and "not a GPU" in link.ring_problem
+            assert not link.send_on_device([torch.zeros(2, 8)], lambda slot: None)  # CPU rows: the host, no RING
+        finally:
+            link.close()
+        assert middle.request("STATS").result["rows"]["ring_bytes"] == 0
+        assert first.request("FORWARD", seq=seq, pos=0, tokens=[4, 5], send_rows=32).ok  # nothing changed
+        assert middle.request("FORWARD", seq=seq, pos=0, rows_ticket=32, ticket_rows=2).result["length"] == 2
+    finally:
+        for client in clients:
+            client.close()
+
+
 @pytest.mark.parametrize("batched", [False, True], ids=["one-sequence", "batch"])
 def test_a_first_shard_that_stops_mid_step_leaves_the_sequence_inconsistent_and_the_next_shard_serving(tmp_path,
                                                                                                        batched):
@@ -489,3 +524,52 @@ def test_batches_with_refused_items_end_alike_relayed_and_shard_to_shard(direct)
             assert scenario(pipeline, 2000 + 10 * round_, random.Random(round_)) == expected, round_
         kinds |= {outcome if isinstance(outcome, str) else "ids" for outcome in expected[0]}
     assert kinds == {"ids", "ShardError", "SequenceInconsistent"}  # the rounds met every ending
+
+
+# ---- rows on the device (PROTOCOL.md, "Rows on the device"): GPU only ----------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("ring_wait", ["host", "device"])
+def test_rows_through_the_device_ring_give_the_host_rows_tokens(tmp_path, ring_wait):
+    """Three fast bf16 daemons on the GPU, each sending its rows on through the next one's device ring: greedy,
+    speculative (checkpoint rollbacks) and a batch of streams give the tokens of the same daemons with the rows
+    through the host (--device-rows 0 on a second set), every step's rows in a slot (STATS `rows`)."""
+    from coordinator.scheduler import Request, decode_all
+
+    sets = {}
+    for name, device_rows in (("ring", "64"), ("host", "0")):
+        workdir = tmp_path / name
+        workdir.mkdir()
+        binds = [f"ipc://{workdir}/s{k}.sock" for k in range(3)]
+        layers = ["0:2", "2:4", "4:6"]
+        specs = {f"{name}{k}": (bind, ["--layers", layers[k], "--engine", "fast", "--device", "cuda:0", "--dtype",
+                                       "bfloat16", "--rollback-mode", "checkpoint", "--max-verify-tokens", str(BLOCK),
+                                       "--device-rows", device_rows, "--ring-wait", ring_wait,
+                                       *(["--relay-to", binds[k + 1]] if k < 2 else [])])
+                 for k, bind in enumerate(binds)}
+        sets[name] = (binds, start_daemons(specs, workdir))
+    try:
+        tokens = {}
+        for name, (binds, _) in sets.items():
+            with Pipeline.connect(binds) as pipeline:
+                greedy = greedy_decode(pipeline, 1, PROMPT, 12).tokens
+                drafter = make_drafter("oracle", prompt_len=len(PROMPT), reference=greedy, block_size=BLOCK,
+                                       mean_commit=3.0, seed=1)
+                spec = speculative_decode(pipeline, 2, PROMPT, drafter, block_size=BLOCK, max_new_tokens=12)
+                prompts = [PROMPT[:10 + k] for k in range(4)]
+                batch = [r.tokens for r in decode_all(pipeline, [Request(p, 8) for p in prompts])]
+                tokens[name] = (greedy, spec.tokens, batch)
+                stats = [client.stats()["rows"] for client in pipeline.clients]
+            if name == "ring":
+                assert [s["ring_to_next"] for s in stats[:2]] == ["on", "on"]
+                assert stats[0]["sent_on_device"] == stats[0]["sent"] > 0
+                assert stats[1]["on_device"] == stats[1]["received"] and stats[2]["on_device"] == stats[2]["received"]
+                assert all(s["missing"] == 0 for s in stats)
+            else:
+                assert stats[0]["sent_on_device"] == 0 and "--device-rows 0" in stats[0]["ring_to_next"]
+        assert tokens["ring"] == tokens["host"]
+        assert tokens["ring"][1] == tokens["ring"][0]
+    finally:
+        for _, daemons in sets.values():
+            stop_all(daemons.values())
