@@ -18,7 +18,7 @@ echo "== probe_cuda_ipc"
 timeout ${PROBE_TIMEOUT:-100} python3 scripts/probe_cuda_ipc.py --json "$OUT/cuda_ipc_probe_$TAG.json"
 echo "== GPU tests (ring)"
 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_relay.py -k "device_ring" 2>&1 \
-    | tail -4 | tee "$OUT/gpu_tests_ring_$TAG.txt"
+    | tail -${TESTS_TAIL:-4} | tee "$OUT/gpu_tests_ring_$TAG.txt"
 echo "== bench_gpu --parts relay,local"
 timeout ${BENCH_TIMEOUT:-330} python3 scripts/bench_gpu.py --parts relay,local --tokens 64 --repeats 10 --busy-poll-ms 20 \
     --relay-arms ${ARMS:-direct-busy,direct-busy-host,direct-busy-device} \

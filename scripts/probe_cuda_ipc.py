@@ -115,7 +115,7 @@ def dead_writer(endpoint: str, wait: str) -> dict:
         done = lambda: torch.cuda.current_stream().query()  # noqa: E731
     else:
         done = written.query
-    while not done() and time.monotonic() - started < 15:
+    while not done() and time.monotonic() - started < 8:
         time.sleep(0.01)
     ended = done()
     return {f"dead_writer_{wait}_wait_ended": ended, f"dead_writer_{wait}_wait_s": round(time.monotonic() - started, 3)}
@@ -178,7 +178,7 @@ def main() -> int:
         procs = [subprocess.Popen([sys.executable, __file__, "--role", role, "--endpoint", endpoint],
                                   stdout=subprocess.PIPE, text=True) for role in (f"dead-{wait}", "killed")]
         try:
-            out = procs[0].communicate(timeout=60)[0]
+            out = procs[0].communicate(timeout=25)[0]
             result.update(json.loads(out) if procs[0].returncode == 0 else {f"dead_writer_{wait}": "reader failed"})
         except subprocess.TimeoutExpired:
             result[f"dead_writer_{wait}"] = "the reader hung"

@@ -446,6 +446,8 @@ class ShardDaemon:
         if options.relay_to is not None and self.relay is None:
             on_gpu = self.shard is not None and self.shard.device.type == "cuda"
             self.relay = RowsLink(options.relay_to, device_rows=options.device_rows if on_gpu else 0)
+            if on_gpu and options.device_rows and hasattr(self.shard, "rows_out_on_device"):
+                self.shard.rows_out_on_device = True  # the fast step's rows stay on the device for the ring
         return options.relay_to
 
     def _check_send_rows(self, request, shard) -> None:

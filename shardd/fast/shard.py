@@ -88,6 +88,10 @@ class FastShard:
         self._hidden = torch.zeros((self.batch_rows, model.config.hidden_size), dtype=model.dtype, pin_memory=pin)
         self._ids = torch.zeros(self.batch_rows, dtype=torch.long, pin_memory=pin)
         self._replay_control = torch.zeros(segments.size(self.max_segments, 0), dtype=torch.int32, pin_memory=pin)
+        # a non-head step's output rows stay on the device (copied out of the step's buffer there, not waited
+        # for) instead of landing in host memory: set by a daemon whose rows go on through the next shard's
+        # device ring (shardd/ring.py); whoever reads them on the host waits for the device then
+        self.rows_out_on_device = False
 
     def sharing_weights(self, storage: rb.RollbackStorage, *, max_sequences: int | None = None,
                         max_context: int | None = None) -> "FastShard":
@@ -188,7 +192,11 @@ class FastShard:
         views.clear()
         b, pools = self.buffers, self.pools
         table, tokens, first = [], [], 0
+        # input rows from the host go through the pinned staging buffer; rows already on the device (a previous
+        # shard's, out of this shard's device ring) straight into the step's input buffer
         rows_in = RowSpans(self._hidden) if not self.model.owns_embedding else None
+        rows_on_device = RowSpans(b.hidden_in) if not self.model.owns_embedding and b.hidden_in.is_cuda else None
+        host_spans: list[tuple[int, int]] = []
         for _, item, n in step:
             save, n_save = gdn_kernels.SAVE_NOTHING, 0
             if item.checkpoint and pools.mode == CHECKPOINT:
@@ -201,11 +209,16 @@ class FastShard:
                                           first=first))
             if self.model.owns_embedding:
                 tokens.extend(item.tokens)
+            elif rows_on_device is not None and item.hidden.is_cuda:
+                rows_on_device.add(first, item.hidden)
             else:
                 rows_in.add(first, item.hidden)
+                host_spans.append((first, n))
             first += n
         if rows_in is not None:
             rows_in.flush()
+        if rows_on_device is not None:
+            rows_on_device.flush()
         used = first
         if self.model.owns_embedding:  # the padding rows embed token 0
             self._tokens.copy_(torch.tensor(tokens + [0] * (self.batch_rows - used), dtype=torch.long))
@@ -224,7 +237,11 @@ class FastShard:
         if self.model.owns_embedding:
             b.tokens.copy_(self._tokens, non_blocking=True)
         else:  # only the real rows cross (pinned, queued); the padding rows are zeroed on the device
-            b.hidden_in[:used].copy_(self._hidden[:used], non_blocking=True)
+            if len(host_spans) == len(step):
+                b.hidden_in[:used].copy_(self._hidden[:used], non_blocking=True)
+            else:  # some rows came on the device: the host ones span by span
+                for start, n in host_spans:
+                    b.hidden_in[start:start + n].copy_(self._hidden[start:start + n], non_blocking=True)
             if used < self.batch_rows:
                 b.hidden_in[used:].zero_()
 
@@ -240,16 +257,17 @@ class FastShard:
                 state.pending = PendingStep(start=item.pos, n=n)
         PHASES.lap("launch")
 
+        on_device = self.rows_out_on_device and not self.model.owns_head and b.hidden.is_cuda
         if self.model.owns_head:
             self._ids[:used].copy_(b.ids[:used], non_blocking=True)
-        else:
+        elif not on_device:
             self._hidden[:used].copy_(b.hidden[:used], non_blocking=True)
-        if b.ids.is_cuda:
+        if b.ids.is_cuda and not on_device:
             torch.cuda.current_stream().synchronize()
         PHASES.lap("wait")
         # one copy of the step's outputs; each item views its own rows
         ids = self._ids[:used].clone() if self.model.owns_head else None
-        hidden = None if self.model.owns_head else self._hidden[:used].clone()
+        hidden = None if self.model.owns_head else (b.hidden if on_device else self._hidden)[:used].clone()
         first = 0
         for index, item, n in step:
             rows = slice(first, first + n)
