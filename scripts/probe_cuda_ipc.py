@@ -173,6 +173,7 @@ def main() -> int:
         result["error"] = "timed out"
         for p in procs:
             p.kill()
+    print(json.dumps(result), flush=True)
     for wait in ("host", "device"):  # a writer killed with its rows in flight
         endpoint = f"ipc://{tempfile.mkdtemp()}/dead"
         procs = [subprocess.Popen([sys.executable, __file__, "--role", role, "--endpoint", endpoint],
