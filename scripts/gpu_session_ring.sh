@@ -6,7 +6,8 @@
 #   3. scripts/bench_gpu.py --parts relay,local: the plain runs, and daemon to daemon with polling through the ring
 #      (relay_direct_busy_poll, the shipped defaults), through the host (..._host_rows) and with the stream wait
 #      (..._device_wait), side by side.
-# Results in $OUT and bench/results/h200/ (suffix $TAG, default the commit).
+# Results in $OUT and bench/results/h200/ (suffix $TAG, default the commit). STEPS (default probe,tests,bench)
+# picks the steps: the three take ~60 + ~270 + ~400 s, so two calls (STEPS=probe,tests then STEPS=bench).
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu}
 TAG=${TAG:-$(git rev-parse --short HEAD 2>/dev/null || echo now)}
@@ -14,13 +15,20 @@ mkdir -p "$OUT" bench/results/h200
 GPU_ENV_FILE="$OUT/env_ring.txt"
 GPU_ENV_NPROC=1
 . scripts/gpu_env.sh
+STEPS=${STEPS:-probe,tests,bench}
+step() { case ",$STEPS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+if step probe; then
 echo "== probe_cuda_ipc"
-timeout ${PROBE_TIMEOUT:-100} python3 scripts/probe_cuda_ipc.py --json "$OUT/cuda_ipc_probe_$TAG.json"
+timeout ${PROBE_TIMEOUT:-80} python3 scripts/probe_cuda_ipc.py --json "$OUT/cuda_ipc_probe_$TAG.json"
+fi
+if step tests; then
 echo "== GPU tests (ring)"
-timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_relay.py -k "device_ring" 2>&1 \
+timeout ${TESTS_TIMEOUT:-270} python3 -m pytest -q -p no:cacheprovider tests/test_relay.py -k "device_ring" 2>&1 \
     | tail -${TESTS_TAIL:-4} | tee "$OUT/gpu_tests_ring_$TAG.txt"
+fi
+if step bench; then
 echo "== bench_gpu --parts relay,local"
-timeout ${BENCH_TIMEOUT:-330} python3 scripts/bench_gpu.py --parts relay,local --tokens 64 --repeats 10 --busy-poll-ms 20 \
+timeout ${BENCH_TIMEOUT:-480} python3 scripts/bench_gpu.py --parts relay,local --tokens 64 --repeats 10 --busy-poll-ms 20 \
     --relay-arms ${ARMS:-direct-busy,direct-busy-host,direct-busy-device} \
     --json "$OUT/gpu_bench_relay_$TAG.json" > "$OUT/gpu_bench_relay_$TAG.log" 2>&1
 echo "bench_gpu exit: $?"
@@ -37,5 +45,6 @@ for arm in ("relay_direct_busy_poll", "relay_direct_busy_poll_host_rows", "relay
     a = r.get(arm) or {}
     print(arm, {k: v for k, v in a.items() if k.startswith(("relay_ms_per_step", "e2e_vs_local", "e2e_greedy_vs"))})
 PY
+fi
 cp "$OUT"/*_"$TAG".* "$OUT"/env_ring.txt bench/results/h200/ 2>/dev/null
 true

@@ -297,6 +297,47 @@ def test_rows_on_the_device_are_refused_by_a_cpu_shard_and_a_slot_rows_refuses_i
             client.close()
 
 
+class _StubRing:
+    """A sender's ring stand-in (the CPU has none): every rows fit, slots taken in turn."""
+
+    slots, rows, next = 2, 64, 0
+
+    def fits(self, parts):
+        return True
+
+    def put(self, parts, timeout_s=1.0):
+        slot, self.next = self.next, (self.next + 1) % self.slots
+        return slot
+
+
+def test_a_sender_whose_slot_rows_are_refused_drops_its_ring_and_the_rows_count_as_refused(direct):
+    """A ROWS naming a slot of a ring the receiver does not have (it restarted, say) is refused; the sender frees
+    the slot on that answer and drops its ring (the next rows ask again, or go by host), and the receiver keeps
+    the ticket as refused: a FORWARD that comes later for those rows is refused ROWS_MISSING at once, changing
+    nothing."""
+    from shardd.rows import RowsLink
+
+    binds, _, _ = direct
+    middle = Client(binds[1])
+    link = RowsLink(binds[1], device_rows=64)
+    try:
+        seq = 75
+        assert middle.request("OPEN", seq=seq).ok
+        link.ring = _StubRing()
+        assert link.send_on_device([torch.zeros(2, 8)], lambda slot: Rows(id=0, seq=seq, pos=0, ticket=41, slot=slot,
+                                                                          slot_rows=2))
+        assert link._acknowledged(0)  # the refusal answers the slot's ROWS
+        assert link.ring is None and link.refused == 1 and link.on_device == 1
+        assert not link.send_on_device([torch.zeros(2, 8)], lambda slot: None)  # CPU rows now: by host
+        started = time.monotonic()
+        late = middle.request("FORWARD", seq=seq, pos=0, rows_ticket=41, ticket_rows=2)
+        assert late.error_code is ErrorCode.ROWS_MISSING and time.monotonic() - started < 4
+        assert middle.request("STATS").result["rows"]["on_device"] == 0
+    finally:
+        link.close()
+        middle.close()
+
+
 @pytest.mark.parametrize("batched", [False, True], ids=["one-sequence", "batch"])
 def test_a_first_shard_that_stops_mid_step_leaves_the_sequence_inconsistent_and_the_next_shard_serving(tmp_path,
                                                                                                        batched):
