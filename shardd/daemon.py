@@ -377,6 +377,9 @@ class ShardDaemon:
             "busy_poll_ms": round(self.options.busy_poll_s * 1000, 3),
             # the next shard this daemon sends a FORWARD's rows to when asked (`send_rows`; --relay-to), or None
             "relay_to": self.relay_target(),
+            # rows on the device (PROTOCOL.md): a ring slot's rows asked for / granted (0: off), how a wait for them ends
+            "device_rows": self.options.device_rows,
+            "ring_wait": self.options.ring_wait,
         }
 
     def weight_bytes(self) -> int:
