@@ -62,9 +62,12 @@ class DaemonMetrics:
                       [((t, phase), ns / 1e9) for (t, phase), ns in list(PHASES.ns.items())])
         yield counter("shardd_proposals", "PROPOSEs served by the hosted drafter", items=[((), c.proposals)])
         yield counter("shardd_rows", "Rows from shard to shard (PROTOCOL.md): ROWS sent to the next shard, taken from "
-                      "the previous one, FORWARDs that waited for theirs, and FORWARDs refused ROWS_MISSING", ["event"],
+                      "the previous one, FORWARDs that waited for theirs, FORWARDs refused ROWS_MISSING, and ROWS "
+                      "sent and taken through a device ring", ["event"],
                       [(("sent",), c.rows_sent), (("received",), c.rows_received), (("waited",), c.rows_waits),
-                       (("missing",), c.rows_missing)])
+                       (("missing",), c.rows_missing),
+                       (("sent_on_device",), daemon.relay.on_device if daemon.relay is not None else 0),
+                       (("received_on_device",), c.rows_on_device)])
         yield gauge("shardd_rows_waiting", "FORWARDs waiting for their rows from the previous shard now",
                     len(daemon.inbox.waiting))
         entries = list(daemon.sequences.values())
