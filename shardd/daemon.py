@@ -486,8 +486,8 @@ class ShardDaemon:
         if request.send_rows is not None:  # the rows go on to the next shard first: they are what it waits for
             hidden = tensors.pop("hidden")
             seq, pos, ticket = request.seq, request.pos, request.send_rows
-            if not self.relay.send_on_device([hidden], lambda slot: Rows(id=0, seq=seq, pos=pos, ticket=ticket,
-                                                                          slot=slot, slot_rows=hidden.shape[0])):
+            if not self._on_device([hidden], lambda slot: Rows(id=0, seq=seq, pos=pos, ticket=ticket, slot=slot,
+                                                                slot_rows=hidden.shape[0])):
                 self.relay.send(Rows(id=0, seq=seq, pos=pos, ticket=ticket,
                                      hidden=WireTensor.from_torch(on_host([hidden])[0])))
             self.counters.rows_sent += 1
@@ -565,11 +565,20 @@ class ShardDaemon:
         in_slot = lambda slot: RowsBatch(id=0, items=tuple(  # noqa: E731 (the rows of the slot, item by item)
             Rows(id=0, seq=item.seq, pos=item.pos, ticket=ticket, slot=slot, slot_rows=hidden.shape[0])
             for item, _, hidden in ran))
-        if not self.relay.send_on_device([hidden for _, _, hidden in ran], in_slot):
+        if not self._on_device([hidden for _, _, hidden in ran], in_slot):
             self.relay.send(RowsBatch(id=0, items=tuple(
                 Rows(id=0, seq=item.seq, pos=item.pos, ticket=ticket, hidden=WireTensor.from_torch(hidden))
                 for (item, _, _), hidden in zip(ran, on_host([hidden for _, _, hidden in ran])))))
         self.counters.rows_sent += 1
+
+    def _on_device(self, parts: list, make_rows) -> bool:
+        """Rows to the next shard through its device ring (RowsLink.send_on_device); once the ring is refused for
+        good, the fast step hands its rows to the host again (its own pinned buffer, as without a ring)."""
+        if self.relay.send_on_device(parts, make_rows):
+            return True
+        if self.relay.ring_problem is not None and getattr(self.shard, "rows_out_on_device", False):
+            self.shard.rows_out_on_device = False
+        return False
 
     def take_rows(self, request):
         """ROWS from the previous shard: kept for its FORWARD; one already waiting runs now (its reply goes out

@@ -575,7 +575,8 @@ def test_batches_with_refused_items_end_alike_relayed_and_shard_to_shard(direct)
 def test_rows_through_the_device_ring_give_the_host_rows_tokens(tmp_path, ring_wait):
     """Three fast bf16 daemons on the GPU, each sending its rows on through the next one's device ring: greedy,
     speculative (checkpoint rollbacks) and a batch of streams give the tokens of the same daemons with the rows
-    through the host (--device-rows 0 on a second set), every step's rows in a slot (STATS `rows`)."""
+    through the host (a second set whose later shards lend no ring, --device-rows 0: the first one asks, is
+refused, and goes by host), every step's rows in a slot (STATS `rows`)."""
     from coordinator.scheduler import Request, decode_all
 
     sets = {}
@@ -586,7 +587,8 @@ def test_rows_through_the_device_ring_give_the_host_rows_tokens(tmp_path, ring_w
         layers = ["0:2", "2:4", "4:6"]
         specs = {f"{name}{k}": (bind, ["--layers", layers[k], "--engine", "fast", "--device", "cuda:0", "--dtype",
                                        "bfloat16", "--rollback-mode", "checkpoint", "--max-verify-tokens", str(BLOCK),
-                                       "--device-rows", device_rows, "--ring-wait", ring_wait,
+                                       # the host set's first shard asks for a ring and is refused
+                                       "--device-rows", device_rows if k else "64", "--ring-wait", ring_wait,
                                        *(["--relay-to", binds[k + 1]] if k < 2 else [])])
                  for k, bind in enumerate(binds)}
         sets[name] = (binds, start_daemons(specs, workdir))
