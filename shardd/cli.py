@@ -109,7 +109,8 @@ def main():
 @click.option("--ring-wait", type=click.Choice(RING_WAITS), default="host", show_default=True,
               help="As the next shard, how a step waits for the previous shard's rows in its ring: host (a bounded "
                    "poll: a dead writer ends the wait) or device (its stream waits, the launch overlaps the previous "
-                   "shard's kernels; a writer killed mid-step may leave this daemon's GPU stream waiting for good).")
+                   "shard's kernels; a writer killed mid-step leaves this daemon's GPU stream waiting for good, measured: under "
+                   "systemd its watchdog, WatchdogSec, restarts it).")
 @click.option("--threads", type=int, default=None,
               help="CPU threads for torch (default: 1 on a GPU, whose host work is small copies; torch's choice on the CPU).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
