@@ -92,6 +92,9 @@ class FastShard:
         # for) instead of landing in host memory: set by a daemon whose rows go on through the next shard's
         # device ring (shardd/ring.py); whoever reads them on the host waits for the device then
         self.rows_out_on_device = False
+        # the host writes the next step's control, tokens and rows into the pinned buffers above only once the
+        # device has read the last step's (a step that does not wait for its outputs leaves them in flight)
+        self._staged = torch.cuda.Event() if pin else None
 
     def sharing_weights(self, storage: rb.RollbackStorage, *, max_sequences: int | None = None,
                         max_context: int | None = None) -> "FastShard":
@@ -191,6 +194,8 @@ class FastShard:
             out.logits = out.logits.clone()
         views.clear()
         b, pools = self.buffers, self.pools
+        if self._staged is not None:
+            self._staged.synchronize()  # at once in a step-by-step exchange (the last step's copies are long done)
         table, tokens, first = [], [], 0
         # input rows from the host go through the pinned staging buffer; rows already on the device (a previous
         # shard's, out of this shard's device ring) straight into the step's input buffer
@@ -244,6 +249,8 @@ class FastShard:
                     b.hidden_in[start:start + n].copy_(self._hidden[start:start + n], non_blocking=True)
             if used < self.batch_rows:
                 b.hidden_in[used:].zero_()
+        if self._staged is not None:
+            self._staged.record()
 
         for _, item, _ in step:
             item.state.pending = None  # a new step ends the sequence's previous pending window
