@@ -252,7 +252,7 @@ class Ring(_Request):
     (PROTOCOL.md, "Rows on the device"); the reply carries the ring's CUDA IPC handles."""
 
     type: ClassVar[MessageType] = MessageType.RING
-    rows: int = _header("int", "rows one slot must hold", minimum=1, limit=ID_LIMIT)
+    rows: int = _header("int", "rows one slot should hold (the reply says what it holds)", minimum=1, limit=ID_LIMIT)
     pid: int = _header("int", "the asking daemon's process id: the ring's reader stops waiting for rows in flight "
                        "once that process is gone", minimum=0, limit=1 << 31, default=0)
 

@@ -642,19 +642,18 @@ class ShardDaemon:
         if (self.options.memory or {}).get("cap_bytes"):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "RING: this daemon runs under --max-gpu-memory, whose plan sets "
                                                        "no memory aside for a ring: rows come through the host")
-        if request.rows > self.limits.max_tokens_per_request:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"RING: {request.rows} rows a slot, more than this daemon's "
-                                                     f"{self.limits.max_tokens_per_request} rows a request")
-        if self.ring is None or self.ring.rows != request.rows:
+        # a slot holds what was asked, at most this daemon's own --device-rows and a request's rows (the writer
+        # sends larger steps through the host)
+        rows = min(request.rows, self.options.device_rows, self.limits.max_tokens_per_request)
+        if self.ring is None or self.ring.rows != rows:
             self.ring = None
             try:
-                self.ring = DeviceRing(request.rows, shard.config.hidden_size, shard.dtype, shard.device)
+                self.ring = DeviceRing(rows, shard.config.hidden_size, shard.dtype, shard.device)
             except RingUnavailable as error:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"RING: rows cannot pass on this shard's device: "
                                                            f"{error}") from None
             except torch.OutOfMemoryError:
-                raise ProtocolError(ErrorCode.TOO_LARGE, f"RING: no device memory for {request.rows} rows a "
-                                                         "slot") from None
+                raise ProtocolError(ErrorCode.TOO_LARGE, f"RING: no device memory for {rows} rows a slot") from None
             log.info("device ring for the previous shard: %d x %d rows (%.1f MiB)", len(self.ring.written),
                      self.ring.rows, self.ring.nbytes / 2**20)
         self.ring.writer_pid = request.pid or None
