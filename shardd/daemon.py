@@ -591,14 +591,16 @@ class ShardDaemon:
                 request = self._rows_from_ring(request, parts)
             except ProtocolError:  # the FORWARD waiting for these rows is refused too, now, changing nothing
                 first = parts[0]
-                waiting = self.inbox.put(Rows(id=0, seq=first.seq, pos=first.pos, ticket=first.ticket, refused=True))
-                if waiting is not None:
-                    self._completed.append(waiting.envelope + self._resume(waiting))
+                self._keep_rows(Rows(id=0, seq=first.seq, pos=first.pos, ticket=first.ticket, refused=True))
                 raise
-        waiting = self.inbox.put(request)
+        return {"ticket": request.ticket, "waited": self._keep_rows(request)}, {}
+
+    def _keep_rows(self, rows) -> bool:
+        """`rows` into the inbox for their FORWARD; one already waiting runs now (whether one did)."""
+        waiting = self.inbox.put(rows)
         if waiting is not None:
             self._completed.append(waiting.envelope + self._resume(waiting))
-        return {"ticket": request.ticket, "waited": waiting is not None}, {}
+        return waiting is not None
 
     def _rows_from_ring(self, request, parts):
         """A ROWS naming a slot of this shard's device ring, its rows copied out of the slot (on the device) as if

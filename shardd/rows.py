@@ -126,24 +126,22 @@ class RowsLink:
             log.info("rows to %s go through the host: %s", self.endpoint, self.ring_problem)
 
     def _await(self, request_id: int, timeout_s: float):
-        deadline = time.monotonic() + timeout_s
-        while request_id not in self._replies:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.socket.poll(int(left * 1000) + 1):
-                break
-            self.drain()
+        self._drain_until(lambda: request_id in self._replies, timeout_s)
         return self._replies.pop(request_id, None)
 
     def _acknowledged(self, slot: int) -> bool:
-        deadline = time.monotonic() + self.ACK_WAIT_S
-        while slot in self._slot_ids:
-            self.drain()
+        return self._drain_until(lambda: slot not in self._slot_ids, self.ACK_WAIT_S)
+
+    def _drain_until(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Read the next shard's replies until `done()` (True) or `timeout_s` has passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        self.drain()
+        while not done():
             left = deadline - time.monotonic()
-            if slot not in self._slot_ids:
-                break
             if left <= 0:
                 return False
             self.socket.poll(max(1, int(left * 1000)))
+            self.drain()
         return True
 
     def drain(self) -> None:
