@@ -19,12 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 CONCURRENCY = (1, 4, 8, 16, 32)
@@ -253,6 +256,11 @@ def run_batch_daemons(args) -> dict:
         try:
             out["batch_http"] = http_streams(args, endpoints, prompts[:streams], run_dir)
             out["batch_http"]["http_vs_direct"] = round(out["batch_http"]["tok_s"] / direct, 3)
+            if os.environ.get("BENCH_HTTP_PYSPY"):  # where the serve's time goes: a second run, under py-spy
+                profiled = http_streams(args, endpoints, prompts[:streams], run_dir,
+                                        pyspy=Path(os.environ["BENCH_HTTP_PYSPY"]))
+                out["batch_http"]["profiled_tok_s"] = profiled["tok_s"]
+                out["batch_http"]["profile_top"] = profiled.get("profile_top")
         except Exception as error:  # noqa: BLE001 - e.g. the serve extra (fastapi, uvicorn, httpx) not installed
             out["batch_http"] = {"streams": streams, "tok_s": None, "error": f"{type(error).__name__}: {error}"}
             print(f"HTTP part failed: {out['batch_http']['error']}", flush=True)
@@ -322,8 +330,10 @@ def prefill_phases(pipeline, args, concurrency=(1, 8)) -> dict:
     return out
 
 
-def http_streams(args, endpoints, prompts, run_dir: Path) -> dict:
-    """`shardctl serve --drafter none` over the daemons; the prompts as concurrent greedy completions."""
+def http_streams(args, endpoints, prompts, run_dir: Path, pyspy: Path | None = None) -> dict:
+    """`shardctl serve --drafter none` over the daemons; the prompts as concurrent greedy completions. `pyspy`: the
+    serve runs under `py-spy record` (its collapsed stacks, every thread, written there) and the result carries
+    `profile_top` (the engine thread's busiest frames)."""
     import httpx
 
     from bench_gpu import free_port
@@ -334,6 +344,9 @@ def http_streams(args, endpoints, prompts, run_dir: Path) -> dict:
                "--port", str(port), "--timeout", "600", "--log-level", "warning"]
     if args.batch_rows:
         command += ["--batch-rows", str(args.batch_rows)]
+    if pyspy is not None:  # py-spy as the serve's parent (attaching to a sibling needs ptrace rights it may lack)
+        command = ["py-spy", "record", "--nonblocking", "--threads", "-r", "250", "-f", "raw", "-o", str(pyspy),
+                   "--"] + command
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     url = f"http://127.0.0.1:{port}"
     try:
@@ -349,31 +362,97 @@ def http_streams(args, endpoints, prompts, run_dir: Path) -> dict:
             time.sleep(0.5)
 
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        # one client with a connection per stream, made and connected before the clock starts (as a load generator
+        # keeps its connections): a fresh httpx client per request costs milliseconds of the client's own CPU (its
+        # SSL context among them), which spread the 8 requests' arrival over tens of ms and was counted as the
+        # server's time; the threads wait at a barrier and post together, as the run without HTTP submits together
+        client = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=len(prompts)))
 
-        def complete(prompt, answers, index):
+        def complete(prompt, answers, index, barrier):
             body = {"model": model, "prompt": prompt, "max_tokens": args.tokens, "temperature": 0, "ignore_eos": True}
-            answers[index] = httpx.post(url + "/v1/completions", json=body, timeout=600).json()
+            barrier.wait()
+            answers[index] = client.post(url + "/v1/completions", json=body).json()
 
         def together(batch):
             answers = [None] * len(batch)
-            threads = [threading.Thread(target=complete, args=(p, answers, i)) for i, p in enumerate(batch)]
-            started = time.perf_counter()
+            barrier = threading.Barrier(len(batch) + 1)
+            threads = [threading.Thread(target=complete, args=(p, answers, i, barrier)) for i, p in enumerate(batch)]
             for thread in threads:
                 thread.start()
+            barrier.wait()
+            started = time.perf_counter()
             for thread in threads:
                 thread.join()
             return answers, time.perf_counter() - started
 
-        together(prompts[:1])  # warm-up
-        answers, seconds = together(prompts)
+        try:
+            together(prompts)  # warm-up: every connection opened, the batch's path run once
+            answers, seconds = together(prompts)
+        finally:
+            client.close()
         failed = [answer for answer in answers if "usage" not in answer]
         if failed:
             raise RuntimeError(f"a completion failed: {failed[0]}")
         tokens = sum(a["usage"]["completion_tokens"] for a in answers)
-        return {"streams": len(prompts), "tok_s": round(tokens / seconds, 1), "completion_tokens": tokens}
+        result = {"streams": len(prompts), "tok_s": round(tokens / seconds, 1), "completion_tokens": tokens}
     finally:
+        stop_serve(process, profiled=pyspy is not None)
+    if pyspy is not None:
+        result["profile_top"] = pyspy_top(pyspy)
+    return result
+
+
+def stop_serve(process: subprocess.Popen, profiled: bool) -> None:
+    """SIGTERM to the serve; under py-spy, SIGINT to py-spy first (it writes its stacks), then SIGTERM to the
+    serve it started."""
+    if not profiled:
         process.terminate()
         process.wait(timeout=60)
+        return
+    children = [int(pid) for task in Path(f"/proc/{process.pid}/task").glob("*")
+                for pid in (task / "children").read_text().split()]
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=60)
+    finally:
+        for child in children:
+            try:
+                os.kill(child, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+def pyspy_top(path: Path, top: int = 40) -> dict:
+    """py-spy's collapsed stacks (`-f raw --threads`: "thread (0x..) [name];frame;frame count" per line) -> per
+    thread with samples, its share of them, the `top` frames by the share of that thread's samples they are on
+    (inclusive) and the innermost frames by theirs, the busiest four threads first."""
+    threads: dict[str, Counter] = {}  # inclusive
+    leaves: dict[str, Counter] = {}  # the innermost frame (where the samples land)
+    totals: Counter = Counter()
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as error:
+        return {"error": str(error)}
+    for line in lines:
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        thread, n = frames[0], int(count)
+        totals[thread] += n
+        leaf = re.sub(r":\d+\)$", ")", frames[-1])
+        leaves.setdefault(thread, Counter())[leaf] += n
+        seen = set()
+        for frame in frames[1:]:
+            name = re.sub(r":\d+\)$", ")", frame)  # one entry per function, whatever the line
+            if name not in seen:
+                seen.add(name)
+                threads.setdefault(thread, Counter())[name] += n
+    everything = sum(totals.values()) or 1
+    return {thread: {"share_of_samples": round(n / everything, 3),
+                     "top": [[name, round(c / n, 3)] for name, c in threads.get(thread, Counter()).most_common(top)],
+                     "innermost": [[name, round(c / n, 3)] for name, c in leaves.get(thread, Counter()).most_common(20)]}
+            for thread, n in totals.most_common(4)}
 
 
 def digest(streams: list[list[int]]) -> str:

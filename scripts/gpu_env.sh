@@ -26,6 +26,7 @@ for wheel in .whl/*.whl; do
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$wheel" || exit 1
 done
 export PYTHONPATH=/tmp/site:/tmp/fla-site:$PWD
+export PATH=/tmp/site/bin:$PATH  # the carried wheels' programs (py-spy)
 # shardctl serve's HTTP stack (fastapi, uvicorn, prometheus_client and their dependencies) from .whl/serve/, only
 # where the host lacks it, and last on the path so that nothing the host has is shadowed
 if ls .whl/serve/*.whl > /dev/null 2>&1 && ! python3 -c "import fastapi, uvicorn, prometheus_client" 2> /dev/null; then

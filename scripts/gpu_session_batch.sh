@@ -7,6 +7,7 @@
 #   batch_identical (each stream equal to the same request alone, greedy, oracle, seeded sampling, checkpoint
 #   and replay-ssm); the two-daemon decode steps by phase at 1/8/32 streams (batch_relay_by_phase); 3. the short
 #   table, last.
+# BENCH_HTTP_PYSPY=FILE: the HTTP part runs a second time under py-spy (its stacks in FILE, `profile_top` in the JSON).
 # JSON and logs land in $OUT and bench/results/h200/. Wheels in .whl/ are installed by scripts/gpu_env.sh.
 # Usage: scripts/gpu_session_batch.sh [bench_gpu.py arguments, e.g. --daemon-step-rows 128 --batch-rows 256]
 set -uo pipefail
