@@ -69,6 +69,7 @@ from shardd.head import HeadRequest, answer_batch, answer_rows
 from shardd.penalties import Penalties
 from shardd.receive import receive_request, release_memory
 from shardd.ring import DEFAULT_ROWS as RING_ROWS
+from shardd.ring import DeviceRing, RingUnavailable, RowsNotLanded
 from shardd.rows import WAIT_S, RowsInbox, RowsLink, Waiting, check_relay_to
 from shardd.sampling import SamplingParams
 
@@ -157,6 +158,7 @@ class Counters:
     rows_waits: int = 0  # FORWARDs that waited for their rows (`rows_ticket` before its ROWS)
     rows_missing: int = 0  # FORWARDs refused ROWS_MISSING: refused upstream, cancelled, or no rows in time
     rows_on_device: int = 0  # ROWS taken through this shard's device ring (RING)
+    rows_gated: int = 0  # of those, read by the waiting FORWARD's step at its launch (the host wait's gate)
 
 
 class ShardDaemon:
@@ -466,17 +468,21 @@ class ShardDaemon:
     def forward(self, request):
         shard = self._layers(request)
         self._check_send_rows(request, shard)
-        if request.rows_ticket is not None:
+        ticket = request.rows_ticket
+        if ticket is not None:
             request = self._with_rows(request, shard)  # or _WaitsForRows: the rows are not here yet
         entry, head, layers = self._check_forward(request, shard)
         proposing = request.type == MessageType.CAPTURE and request.propose is not None
         if proposing:
             self._check_proposal(request, shard, entry)
         PHASES.lap("lookup")
-        out = shard.forward(  # validates everything (shard.check_forward) before it changes the state
-            entry.state, request.pos, tokens=request.tokens, hidden=_hidden(request), checkpoint=request.checkpoint,
-            capture_layers=layers,
-        )
+        gate = getattr(request.hidden, "gate", None)  # rows still in this shard's ring (RowsGate)
+        try:
+            out = shard.forward(  # validates everything (shard.check_forward) before it changes the state
+                entry.state, request.pos, tokens=request.tokens, hidden=_hidden(request),
+                checkpoint=request.checkpoint, capture_layers=layers, **({"rows_gate": gate} if gate else {}))
+        except RowsNotLanded as error:
+            raise self._rows_not_landed(ticket, error) from None
         answer = None
         if out.ids is not None and head.needed:  # on out.logits now: the fast path's buffer is valid until the next step
             answer = answer_rows(out.logits, out.ids.tolist(), request.pos, head)
@@ -493,6 +499,11 @@ class ShardDaemon:
             self.counters.rows_sent += 1
             result["rows_sent"] = True
         return result, {name: WireTensor.from_torch(t) for name, t in zip(tensors, on_host(list(tensors.values())))}
+
+    def _rows_not_landed(self, ticket, error) -> ProtocolError:
+        """The refusal of a FORWARD whose rows never landed in this shard's ring (its gate's wait ended first)."""
+        self.counters.rows_missing += 1
+        return ProtocolError(ErrorCode.ROWS_MISSING, f"no rows for ticket {ticket}: {error}; nothing changed")
 
     def _with_rows(self, request, shard):
         """A FORWARD with `rows_ticket` as if its rows had come in tensor `hidden`; _WaitsForRows while they have
@@ -586,14 +597,21 @@ class ShardDaemon:
         if isinstance(request, RowsBatch) and len({item.ticket for item in request.items}) != 1:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the items of a batched ROWS share one ticket")
         parts = request.items if isinstance(request, RowsBatch) else (request,)
+        gate = None
         if any(part.slot is not None for part in parts):
             try:
-                request = self._rows_from_ring(request, parts)
+                request, gate = self._rows_from_ring(request, parts)
             except ProtocolError:  # the FORWARD waiting for these rows is refused too, now, changing nothing
                 first = parts[0]
                 self._keep_rows(Rows(id=0, seq=first.seq, pos=first.pos, ticket=first.ticket, refused=True))
                 raise
-        return {"ticket": request.ticket, "waited": self._keep_rows(request)}, {}
+        try:
+            waited = self._keep_rows(request)
+        finally:  # the slot released (whether the step read it) before this ROWS is acknowledged
+            problem = gate.settle() if gate is not None else None
+        if problem is not None:  # the FORWARD that waited was refused (ROWS_MISSING), changing nothing
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"ROWS of ticket {request.ticket}: {problem}")
+        return {"ticket": request.ticket, "waited": waited}, {}
 
     def _keep_rows(self, rows) -> bool:
         """`rows` into the inbox for their FORWARD; one already waiting runs now (whether one did)."""
@@ -603,10 +621,10 @@ class ShardDaemon:
         return waiting is not None
 
     def _rows_from_ring(self, request, parts):
-        """A ROWS naming a slot of this shard's device ring, its rows copied out of the slot (on the device) as if
-        they had come in tensor hidden; ProtocolError when they cannot be had."""
-        from shardd.ring import RingUnavailable
-
+        """A ROWS naming a slot of this shard's device ring -> (the ROWS as if its rows had come in tensor hidden,
+        the slot's RowsGate or None); ProtocolError when they cannot be had. With the host wait, rows a FORWARD
+        already waits for stay in the slot behind a gate: that FORWARD runs now, and its fast step prepares its
+        launch before it waits for them. Otherwise they are waited for and copied out of the slot now."""
         slots = {part.slot for part in parts}
         total = sum(part.slot_rows or 0 for part in parts)
         problem = None
@@ -617,26 +635,31 @@ class ShardDaemon:
         elif slots.pop() >= len(self.ring.written) or total > self.ring.rows:
             problem = (f"slot {parts[0].slot} and {total} rows do not fit this shard's ring of "
                        f"{len(self.ring.written)} slots of {self.ring.rows} rows")
+        gate = None
         if problem is None:
-            try:
-                rows = self.ring.take(parts[0].slot, total, self.options.ring_wait, self.options.rows_wait_s)
-            except RingUnavailable as error:
-                problem = str(error)
+            if (self.options.ring_wait == "host" and getattr(self.shard, "takes_rows_gates", False)
+                    and self.inbox.awaited(parts[0].ticket)):
+                gate = self.ring.gate(parts[0].slot, total, self.options.rows_wait_s)
+                rows = gate.view
+                self.counters.rows_gated += 1
+            else:
+                try:
+                    rows = self.ring.take(parts[0].slot, total, self.options.ring_wait, self.options.rows_wait_s)
+                except RingUnavailable as error:
+                    problem = str(error)
         if problem is not None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"ROWS of ticket {parts[0].ticket}: {problem}")
         self.counters.rows_on_device += 1
         done, start = [], 0
         for part in parts:
-            done.append(dataclasses.replace(part, hidden=DeviceRows(rows[start:start + part.slot_rows]), slot=None,
-                                            slot_rows=None))
+            done.append(dataclasses.replace(part, hidden=DeviceRows(rows[start:start + part.slot_rows], gate),
+                                            slot=None, slot_rows=None))
             start += part.slot_rows
-        return dataclasses.replace(request, items=tuple(done)) if isinstance(request, RowsBatch) else done[0]
+        return (dataclasses.replace(request, items=tuple(done)) if isinstance(request, RowsBatch) else done[0]), gate
 
     def ring_for_writer(self, request):
         """RING: the device ring the previous shard's ROWS may name slots of (allocated on the first, kept while
         its size is asked for), and its handles."""
-        from shardd.ring import RingUnavailable, DeviceRing
-
         shard = self._layers(request)
         if not self.options.device_rows:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "RING: this daemon was started with --device-rows 0: rows "
@@ -753,6 +776,7 @@ class ShardDaemon:
         the items that pass run together (shardd.batch.forward_batch), and each gets its result or its own error;
         a refused item changes nothing. An exception during the step fails the sequences that were in it."""
         shard = self._layers(request)
+        ticket = getattr(request, "rows_ticket", None)
         if isinstance(request, ForwardBatch):
             self._check_send_rows(request, shard)
             if request.rows_ticket is not None:
@@ -776,9 +800,14 @@ class ShardDaemon:
             runs.append((index, item, entry, head))
             batch.append(BatchItem(entry.state, item.pos, tokens=item.tokens, hidden=_hidden(item),
                                    checkpoint=item.checkpoint, capture_layers=tuple(layers),
-                                   logits=head.needed or bool(item.return_logits)))  # else ids only: no copies
+                                   logits=head.needed or bool(item.return_logits),  # else ids only: no copies
+                                   rows_gate=getattr(item.hidden, "gate", None)))
         PHASES.lap("lookup")
-        outputs = self._run_items(runs, lambda: run_batch(shard, batch))
+        try:
+            outputs = self._run_items(runs, lambda: run_batch(shard, batch))
+        except RowsNotLanded as error:  # raised before any of them changed: each refused, none failed
+            refusal = self._rows_not_landed(ticket, error)
+            outputs = [refusal for _ in runs]
         heads = [(i, out) for i, out in enumerate(outputs)
                  if not isinstance(out, Exception) and out.ids is not None and runs[i][3].needed]
         head_answers = {}
@@ -801,6 +830,8 @@ class ShardDaemon:
         failed (its state may be half-updated), as a one-sequence request's would."""
         try:
             return compute()
+        except RowsNotLanded:  # not a failure of the step: it never started (the caller refuses the items)
+            raise
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
             seqs = [item.seq for _, item, _, _ in runs]
@@ -998,6 +1029,7 @@ class ShardDaemon:
             "batches": {"requests": c.batches, "items": c.batch_items, "rows": c.batch_rows},
             "rows": {"sent": c.rows_sent, "received": c.rows_received, "waits": c.rows_waits,
                      "missing": c.rows_missing, "waiting": len(self.inbox.waiting), "on_device": c.rows_on_device,
+                     "gated": c.rows_gated,
                      "sent_on_device": self.relay.on_device if self.relay is not None else 0,
                      "ring_bytes": self.ring.nbytes if self.ring is not None else 0,
                      "ring_to_next": "on" if self.relay is not None and self.relay.ring is not None else
@@ -1159,11 +1191,13 @@ MIN_FRAME_BYTES = 16 << 20  # small models still answer a modestly oversized fra
 
 
 class DeviceRows:
-    """Rows already on this shard's device (copied out of its ring) where a FORWARD's tensor hidden stands."""
+    """Rows already on this shard's device where a FORWARD's tensor hidden stands: copied out of its ring, or
+    (`gate`, a shardd.ring.RowsGate) a view of the ring's slot that the fast step reads once they have landed."""
 
-    def __init__(self, tensor):
+    def __init__(self, tensor, gate=None):
         self.tensor = tensor
         self.shape = tuple(tensor.shape)
+        self.gate = gate
 
     def to_torch(self, device=None):
         return self.tensor if device is None else self.tensor.to(device)

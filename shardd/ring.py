@@ -133,6 +133,51 @@ class DeviceRing:
         self.consumed[slot].record(stream)
         return rows
 
+    def gate(self, slot: int, n: int, timeout_s: float) -> "RowsGate":
+        """The first n rows of `slot` as a view the step reads once they have landed (`RowsGate`): the host wait
+        for them moves from the ROWS's arrival to the step's launch, after its inputs are prepared."""
+        return RowsGate(self, slot, n, timeout_s)
+
+
+class RowsNotLanded(Exception):
+    """A gated step's rows did not land in the ring (the writer's rows late past --rows-wait, or it died with them
+    in flight): raised before the step changed anything."""
+
+
+class RowsGate:
+    """Rows of one ring slot for the request that reads them (the host wait, `--ring-wait host`): `view` is the
+    slot's rows; the fast step prepares everything else, calls `wait()` (idempotent; RowsNotLanded when they did
+    not land: nothing changed yet) and only then queues its reads of `view`. After the whole request the daemon
+    `settle`s the gate: the slot's `consumed` recorded behind every read (the writer may write the slot again
+    once it happened and the ROWS is acknowledged, which comes after)."""
+
+    def __init__(self, ring: DeviceRing, slot: int, n: int, timeout_s: float):
+        self.ring, self.slot, self.timeout_s = ring, slot, timeout_s
+        self.view = ring.buffer[slot, :n]
+        self.landed: Optional[bool] = None  # None: not waited for yet
+        self.released = False
+
+    def wait(self) -> None:
+        if self.landed is None:
+            ring = self.ring
+            self.landed = wait_for_event(ring.written[self.slot], self.timeout_s, lambda: pid_alive(ring.writer_pid))
+        if not self.landed:
+            raise RowsNotLanded(self.problem())
+
+    def problem(self) -> str:
+        alive = pid_alive(self.ring.writer_pid)
+        return (f"the previous shard's rows did not land in slot {self.slot} within {self.timeout_s:g} s (its "
+                f"process {'still runs' if alive else 'is gone'})")
+
+    def settle(self) -> Optional[str]:
+        """After the request (run or refused): the slot released; the problem when its rows never landed."""
+        if not self.released:
+            import torch
+
+            self.ring.consumed[self.slot].record(torch.cuda.current_stream(self.ring.device))
+            self.released = True
+        return self.problem() if self.landed is False else None
+
 
 class RingWriter:
     """The writer's view of a reader's ring (the RING reply `shared`), opened in this process."""

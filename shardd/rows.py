@@ -200,6 +200,10 @@ class RowsInbox:
                 return self.waiting.pop(owner)
         return None
 
+    def awaited(self, ticket: int) -> bool:
+        """Whether a FORWARD waits for the rows of `ticket` (it runs as soon as they are put)."""
+        return any(waiting.request.rows_ticket == ticket for waiting in self.waiting.values())
+
     def take(self, ticket: int) -> Optional[Rows]:
         kept = self.rows.pop(ticket, None)
         return kept[0] if kept is not None else None

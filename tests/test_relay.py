@@ -608,6 +608,10 @@ refused, and goes by host), every step's rows in a slot (STATS `rows`)."""
                 assert [s["ring_to_next"] for s in stats[:2]] == ["on", "on"]
                 assert stats[0]["sent_on_device"] == stats[0]["sent"] > 0
                 assert stats[1]["on_device"] == stats[1]["received"] and stats[2]["on_device"] == stats[2]["received"]
+                if ring_wait == "host":  # a FORWARD that waits when its rows come reads them at its launch
+                    assert stats[1]["gated"] > 0 and stats[2]["gated"] > 0
+                else:
+                    assert stats[1]["gated"] == stats[2]["gated"] == 0
                 assert all(s["missing"] == 0 for s in stats)
             else:
                 assert stats[0]["sent_on_device"] == 0 and "--device-rows 0" in stats[0]["ring_to_next"]

@@ -92,6 +92,7 @@ class FastShard:
         # for) instead of landing in host memory: set by a daemon whose rows go on through the next shard's
         # device ring (shardd/ring.py); whoever reads them on the host waits for the device then
         self.rows_out_on_device = False
+        self.takes_rows_gates = True  # BatchItem.rows_gate: device rows read at the launch (shardd.ring.RowsGate)
         # the host writes the next step's control, tokens and rows into the pinned buffers above only once the
         # device has read the last step's (a step that does not wait for its outputs leaves them in flight)
         self._staged = torch.cuda.Event() if pin else None
@@ -132,10 +133,10 @@ class FastShard:
 
     @torch.inference_mode()
     def forward(self, state: SequenceState, pos: int, *, tokens=None, hidden=None, checkpoint: bool = False,
-                capture_layers=()) -> ShardOutput:
+                capture_layers=(), rows_gate=None) -> ShardOutput:
         """One sequence: a batch of one (the same code path as `forward_batch`)."""
         item = BatchItem(state, pos, tokens=tokens, hidden=hidden, checkpoint=checkpoint,
-                         capture_layers=tuple(capture_layers))
+                         capture_layers=tuple(capture_layers), rows_gate=rows_gate)
         [out] = self.forward_batch([item])
         if isinstance(out, ModelError):
             raise out
@@ -180,11 +181,14 @@ class FastShard:
     def _forward_long(self, item: BatchItem, n: int) -> ShardOutput:
         """An input longer than a step's segment (a prompt, a re-fill): the prefill path, over the same pooled state."""
         state = item.state
+        hidden = item.hidden
+        if item.rows_gate is not None:  # landed in the ring before anything changes (RowsNotLanded: nothing did)
+            item.rows_gate.wait()
         rb.settle(state)  # the reference and prefill paths read the state itself
         if not self.prefill_kernels:
-            return self.model.forward(state, item.pos, tokens=item.tokens, hidden=item.hidden,
+            return self.model.forward(state, item.pos, tokens=item.tokens, hidden=hidden,
                                       checkpoint=item.checkpoint, capture_layers=item.capture_layers)
-        return self._prefill(state, item.pos, n, item.tokens, item.hidden, item.capture_layers)
+        return self._prefill(state, item.pos, n, item.tokens, hidden, item.capture_layers)
 
     def _run_step(self, step: list[tuple[int, BatchItem, int]], results: list, views: list[ShardOutput]) -> None:
         """One fixed-shape step over the validated items of `step`, their rows packed from row 0."""
@@ -200,8 +204,11 @@ class FastShard:
         # input rows from the host go through the pinned staging buffer; rows already on the device (a previous
         # shard's, out of this shard's device ring) straight into the step's input buffer
         rows_in = RowSpans(self._hidden) if not self.model.owns_embedding else None
-        rows_on_device = RowSpans(b.hidden_in) if not self.model.owns_embedding and b.hidden_in.is_cuda else None
+        rows_on_device = RowSpans(b.hidden_in) if not self.model.owns_embedding else None
         host_spans: list[tuple[int, int]] = []
+        device_rows: list[tuple[int, torch.Tensor]] = []  # (first row, rows) already on the device
+        gates = {}  # the ring slots (RowsGate) the step's device rows view: read once they have landed (the daemon
+        # releases each slot after the whole request, so every read of it is queued before the writer may reuse it)
         for _, item, n in step:
             save, n_save = gdn_kernels.SAVE_NOTHING, 0
             if item.checkpoint and pools.mode == CHECKPOINT:
@@ -214,16 +221,16 @@ class FastShard:
                                           first=first))
             if self.model.owns_embedding:
                 tokens.extend(item.tokens)
-            elif rows_on_device is not None and item.hidden.is_cuda:
-                rows_on_device.add(first, item.hidden)
+            elif item.rows_gate is not None or (item.hidden.is_cuda and b.hidden_in.is_cuda):
+                device_rows.append((first, item.hidden))
+                if item.rows_gate is not None:
+                    gates[id(item.rows_gate)] = item.rows_gate
             else:
                 rows_in.add(first, item.hidden)
                 host_spans.append((first, n))
             first += n
         if rows_in is not None:
             rows_in.flush()
-        if rows_on_device is not None:
-            rows_on_device.flush()
         used = first
         if self.model.owns_embedding:  # the padding rows embed token 0
             self._tokens.copy_(torch.tensor(tokens + [0] * (self.batch_rows - used), dtype=torch.long))
@@ -237,8 +244,6 @@ class FastShard:
                                                     dtype=torch.int32))
             b.replay_control.copy_(self._replay_control, non_blocking=True)
             b.replays_pending = any(replay[segments.ROWS] for replay in replays)
-            for _, item, _ in step:
-                pools.replay[item.state.slot] = 0
         if self.model.owns_embedding:
             b.tokens.copy_(self._tokens, non_blocking=True)
         else:  # only the real rows cross (pinned, queued); the padding rows are zeroed on the device
@@ -249,8 +254,20 @@ class FastShard:
                     b.hidden_in[start:start + n].copy_(self._hidden[start:start + n], non_blocking=True)
             if used < self.batch_rows:
                 b.hidden_in[used:].zero_()
-        if self._staged is not None:
+        if self._staged is not None:  # the copies out of the pinned staging buffers are queued
             self._staged.record()
+        if device_rows:
+            if gates:  # everything else is queued: only the rows' copy and the launch wait for them
+                PHASES.lap("launch")
+                for gate in gates.values():
+                    gate.wait()  # RowsNotLanded: raised before anything of the sequences changed
+                PHASES.lap("wait")
+            for start, rows in device_rows:
+                rows_on_device.add(start, rows)
+            rows_on_device.flush()
+        if pools.mode == REPLAY_SSM:  # their pending re-runs are in this step's control now
+            for _, item, _ in step:
+                pools.replay[item.state.slot] = 0
 
         for _, item, _ in step:
             item.state.pending = None  # a new step ends the sequence's previous pending window
