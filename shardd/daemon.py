@@ -608,7 +608,10 @@ class ShardDaemon:
         try:
             waited = self._keep_rows(request)
         finally:  # the slot released (whether the step read it) before this ROWS is acknowledged
-            problem = gate.settle() if gate is not None else None
+            problem = None
+            if gate is not None:
+                problem = gate.settle()
+                self.inbox.take(request.ticket)  # a view of a released slot is nobody's rows (its FORWARD took them)
         if problem is not None:  # the FORWARD that waited was refused (ROWS_MISSING), changing nothing
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"ROWS of ticket {request.ticket}: {problem}")
         return {"ticket": request.ticket, "waited": waited}, {}
