@@ -6,8 +6,9 @@ so the daemon and the coordinator keep their clocks on in production; `totals()`
 (`phases`), the daemon's Prometheus metrics and `scripts/bench_gpu.py`'s `relay_by_phase` read.
 
 Daemon phases (in order): receive, decode, lookup (sequence and request validation), launch (host inputs
-to the device, the step's launch), wait (for the device; with rows in the device ring, also for them to land), copy (device to host), compute (a handler's
-work outside the fast step), encode, send. Coordinator phases: encode, send, wait, receive, decode.
+to the device, the step's launch), wait (for the device; with rows in the device ring, also for them to
+land), copy (device to host), compute (a handler's work outside the fast step), encode, send. Coordinator
+phases: encode, send, wait, receive, decode.
 """
 
 from __future__ import annotations

@@ -451,7 +451,8 @@ def pyspy_top(path: Path, top: int = 40) -> dict:
     everything = sum(totals.values()) or 1
     return {thread: {"share_of_samples": round(n / everything, 3),
                      "top": [[name, round(c / n, 3)] for name, c in threads.get(thread, Counter()).most_common(top)],
-                     "innermost": [[name, round(c / n, 3)] for name, c in leaves.get(thread, Counter()).most_common(20)]}
+                     "innermost": [[name, round(c / n, 3)]
+                                   for name, c in leaves.get(thread, Counter()).most_common(20)]}
             for thread, n in totals.most_common(4)}
 
 
