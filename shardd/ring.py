@@ -126,12 +126,19 @@ class DeviceRing:
         stream = torch.cuda.current_stream(self.device)
         if wait == "device":
             stream.wait_event(self.written[slot])
-        elif not wait_for_event(self.written[slot], timeout_s, lambda: pid_alive(self.writer_pid)):
-            raise RingUnavailable(f"the previous shard's rows did not land in slot {slot} within {timeout_s:g} s "
-                                  f"(its process {'is gone' if not pid_alive(self.writer_pid) else 'still runs'})")
+        elif not self.landed(slot, timeout_s):
+            raise RingUnavailable(self.not_landed(slot, timeout_s))
         rows = self.buffer[slot, :n].clone()
         self.consumed[slot].record(stream)
         return rows
+
+    def landed(self, slot: int, timeout_s: float) -> bool:
+        """The host wait for the writer's rows in `slot`: bounded by `timeout_s` and by the writer's life."""
+        return wait_for_event(self.written[slot], timeout_s, lambda: pid_alive(self.writer_pid))
+
+    def not_landed(self, slot: int, timeout_s: float) -> str:
+        return (f"the previous shard's rows did not land in slot {slot} within {timeout_s:g} s (its process "
+                f"{'still runs' if pid_alive(self.writer_pid) else 'is gone'})")
 
     def gate(self, slot: int, n: int, timeout_s: float) -> "RowsGate":
         """The first n rows of `slot` as a view the step reads once they have landed (`RowsGate`): the host wait
@@ -159,15 +166,9 @@ class RowsGate:
 
     def wait(self) -> None:
         if self.landed is None:
-            ring = self.ring
-            self.landed = wait_for_event(ring.written[self.slot], self.timeout_s, lambda: pid_alive(ring.writer_pid))
+            self.landed = self.ring.landed(self.slot, self.timeout_s)
         if not self.landed:
-            raise RowsNotLanded(self.problem())
-
-    def problem(self) -> str:
-        alive = pid_alive(self.ring.writer_pid)
-        return (f"the previous shard's rows did not land in slot {self.slot} within {self.timeout_s:g} s (its "
-                f"process {'still runs' if alive else 'is gone'})")
+            raise RowsNotLanded(self.ring.not_landed(self.slot, self.timeout_s))
 
     def settle(self) -> Optional[str]:
         """After the request (run or refused): the slot released; the problem when its rows never landed."""
@@ -176,7 +177,7 @@ class RowsGate:
 
             self.ring.consumed[self.slot].record(torch.cuda.current_stream(self.ring.device))
             self.released = True
-        return self.problem() if self.landed is False else None
+        return self.ring.not_landed(self.slot, self.timeout_s) if self.landed is False else None
 
 
 class RingWriter:

@@ -181,14 +181,13 @@ class FastShard:
     def _forward_long(self, item: BatchItem, n: int) -> ShardOutput:
         """An input longer than a step's segment (a prompt, a re-fill): the prefill path, over the same pooled state."""
         state = item.state
-        hidden = item.hidden
         if item.rows_gate is not None:  # landed in the ring before anything changes (RowsNotLanded: nothing did)
             item.rows_gate.wait()
         rb.settle(state)  # the reference and prefill paths read the state itself
         if not self.prefill_kernels:
-            return self.model.forward(state, item.pos, tokens=item.tokens, hidden=hidden,
+            return self.model.forward(state, item.pos, tokens=item.tokens, hidden=item.hidden,
                                       checkpoint=item.checkpoint, capture_layers=item.capture_layers)
-        return self._prefill(state, item.pos, n, item.tokens, hidden, item.capture_layers)
+        return self._prefill(state, item.pos, n, item.tokens, item.hidden, item.capture_layers)
 
     def _run_step(self, step: list[tuple[int, BatchItem, int]], results: list, views: list[ShardOutput]) -> None:
         """One fixed-shape step over the validated items of `step`, their rows packed from row 0."""
