@@ -20,6 +20,7 @@ It prints the fastest per shape as the line to put in fp8_gemm.TILE_TABLE, and a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -31,6 +32,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from bench_gpu import copy_bandwidth  # noqa: E402
 from shardd.kernels import fp8_gemm as fp8  # noqa: E402
@@ -52,15 +55,17 @@ COPY_BYTES = 1 << 30  # FP8 bytes of distinct copies per shape: 20x the H200's L
 # 3 stages beat 4 and 6 on four shapes of five, 2 warps beat 4 on three: this one tries 2 stages and 1 warp, and
 # spends its budget on the tile axes (the conversion column of the table still measures native).
 AXES = {"block_n": [16, 32, 64, 128], "split_k": [1, 2, 4, 8], "warps": [1, 2, 4, 8], "block_k": [128, 256, 512],
-        "stages": [2, 3, 4], "swap": [False, True], "convert": ["asm"], "pdl": [False, True]}
+        "stages": [2, 3, 4], "swap": [False, True], "convert": ["asm"], "pdl": [False, True], "prefetch": [0, 1, 2, 4]}
 # joint moves tried in each round (fewer warps with wider tiles: fewer x reloads per weight byte;
 # and more programs for them through a split of K)
-JOINT = [{"block_n": 32, "warps": 2}, {"block_n": 64, "warps": 2}, {"block_n": 128, "warps": 4},
+JOINT = [{"pdl": True, "prefetch": 2}, {"pdl": True, "prefetch": 4},
+         {"block_n": 32, "warps": 2}, {"block_n": 64, "warps": 2}, {"block_n": 128, "warps": 4},
          {"block_n": 128, "warps": 8}, {"block_n": 32, "warps": 2, "block_k": 256}, {"block_n": 64, "block_k": 256, "stages": 3},
          {"block_n": 32, "warps": 2, "split_k": 2}, {"block_n": 64, "warps": 2, "split_k": 2}, {"block_n": 32, "split_k": 2},
          {"block_n": 128, "warps": 8, "split_k": 2}, {"warps": 2, "stages": 2}, {"block_k": 256, "stages": 2},
          {"swap": True, "split_k": 8}, {"swap": True, "warps": 2}]
 # What commit bef3bcc measured on an H200 (us per matrix; fp8_ampere, the first asm conversion, its faster path)
+PACKED_MODE = False  # --packed: the weights also as fp8.PackedWeight (timed beside, read-only baselines, the sweep)
 BEFORE = {16: {"gdn_in_proj": 30.19, "out_proj": 17.28, "attn_qkv": 29.63, "gate_up": 62.34, "down": 36.92},
           64: {"gdn_in_proj": 91.66, "out_proj": 41.01, "attn_qkv": 85.6, "gate_up": 188.68, "down": 102.77},
           1: {"gdn_in_proj": 29.95, "out_proj": 16.7, "attn_qkv": 29.44, "gate_up": 61.65, "down": 36.54}}
@@ -95,6 +100,40 @@ def timed(results: dict, key: str, fn, calls: int):
         results.setdefault("errors", {})[key] = f"{type(error).__name__}: {str(error)[:160]}"
 
 
+@triton.jit
+def _read_kernel(w_ptr, out_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
+                 SPLIT_K: tl.constexpr, PACKED: tl.constexpr):
+    """The GEMM's weight reads alone (same grid, same tiles, a sum instead of the conversion and the MMA): what
+    the memory gives this access pattern."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.int32)
+    for i in range(TILES_PER_SPLIT):
+        tile = pid_k * TILES_PER_SPLIT + i
+        if PACKED:
+            ptrs = (w_ptr + pid_n.to(tl.int64) * (TILES_PER_SPLIT * SPLIT_K * BLOCK_N * BLOCK_K) + tile * (BLOCK_N * BLOCK_K)
+                    + tl.arange(0, BLOCK_N)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :])
+        else:
+            ptrs = (w_ptr + (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None] * K + tile * BLOCK_K
+                    + tl.arange(0, BLOCK_K)[None, :])
+        acc += tl.load(ptrs).to(tl.int32)
+    tl.store(out_ptr + pid_n * SPLIT_K + pid_k, tl.sum(acc))
+
+
+def read_only(w, config: fp8.TileConfig, n: int, k: int, packed: bool, sink: torch.Tensor):
+    """One launch of _read_kernel over w (row-major, or a PackedWeight's data) with config's grid (K tiles of
+    block_k; N and K must be multiples of the tile for the row-major case)."""
+    block_k = config.block_k
+    tiles_per_split = triton.cdiv(triton.cdiv(k, block_k), config.split_k)
+    _read_kernel[(triton.cdiv(n, config.block_n), config.split_k)](
+        w.view(torch.uint8), sink, k, BLOCK_N=config.block_n, BLOCK_K=block_k, TILES_PER_SPLIT=tiles_per_split,
+        SPLIT_K=config.split_k, PACKED=packed, num_warps=config.warps, num_stages=config.stages)
+
+
+def packed_copies(weights, config: fp8.TileConfig):
+    return [fp8.pack_weight(w, config, BLOCK) for w in weights]
+
+
 def shape_copies(n: int, k: int):
     count = max(2, math.ceil(COPY_BYTES / (n * k)))
     weights, scales = [], []
@@ -121,6 +160,18 @@ def bench_shape(name, n, k, rows_list, bandwidth):
         x_fp8 = x.to(torch.float8_e4m3fn)
         scale_a = torch.ones(rows, 1, device="cuda")
         scale_b = torch.ones(1, n, device="cuda")
+        if PACKED_MODE:
+            packs = packed_copies(weights, config)
+            timed(results, "fp8_packed", lambda: [fp8.fp8_gemm(x, p, s, BLOCK, config, convert=fp8.HOPPER_CONVERT, out=o)
+                                                  for p, s, o in zip(packs, scales, outs)], copies)
+            # the reads alone, in 128-wide K tiles (the packed layout of a 128-wide tile)
+            read_config = dataclasses.replace(config, block_k=128) if config.block_k != 128 else config
+            read_packs = packed_copies(weights, read_config) if read_config != config else packs
+            sink = torch.empty(1 << 16, dtype=torch.int32, device="cuda")
+            if n % read_config.block_n == 0 and k % 128 == 0:
+                timed(results, "read_row_major", lambda: [read_only(w, read_config, n, k, False, sink) for w in weights], copies)
+            timed(results, "read_packed", lambda: [read_only(p.data, read_config, n, k, True, sink) for p in read_packs], copies)
+            del packs, read_packs
         timed(results, "scaled_mm", lambda: [torch._scaled_mm(x_fp8, w.t(), scale_a, scale_b, out_dtype=torch.bfloat16,
                                                               use_fast_accum=True) for w in weights], copies)
         entry["rows"][rows] = results
@@ -150,8 +201,14 @@ def sweep_shape(name, n, k, deadline: float, rows=16):
         key = (m, *sorted(point.items()))
         if key not in seen:
             config, times = _config(point), {}
-            timed(times, "us", lambda: [fp8.fp8_gemm(x[:m], w, s, BLOCK, config, convert=point["convert"], out=out[:m])
-                                        for w, s in zip(weights, scales)], len(weights))
+            try:
+                mats = packed_copies(weights, config) if PACKED_MODE else weights
+            except Exception as error:
+                mats, times["us"], times["errors"] = None, None, {"us": f"{type(error).__name__}: {str(error)[:160]}"}
+            if mats is not None:
+                timed(times, "us", lambda: [fp8.fp8_gemm(x[:m], w, s, BLOCK, config, convert=point["convert"], out=out[:m])
+                                            for w, s in zip(mats, scales)], len(weights))
+            del mats
             seen[key] = {"config": dict(point), "rows": m, "us": times["us"],
                          **({"error": times["errors"]["us"]} if "errors" in times else {})}
         return seen[key]["us"]
@@ -166,6 +223,8 @@ def sweep_shape(name, n, k, deadline: float, rows=16):
             if time.perf_counter() > deadline:
                 break
             point = {**best, **move}
+            if not point.get("pdl"):  # a prefetch is issued only before the PDL wait
+                point["prefetch"] = 0
             us = measure(point)
             if us is not None and (best_us is None or us < best_us):
                 best, best_us, improved = point, us, True
@@ -185,11 +244,14 @@ def _cell(us, floor) -> str:
 
 def table(out) -> str:
     keys = ("before", "fp8", "fp8_native", "bf16_cublas", "scaled_mm")
+    if any("fp8_packed" in shape["rows"][rows] for shape in out["shapes"] for rows in shape["rows"]):
+        keys += ("fp8_packed", "read_row_major", "read_packed")
     lines = []
     for rows in out["rows"]:
         lines.append(f"-- {rows} rows: us per matrix (x its FP8 floor); before = commit bef3bcc's faster path")
         lines.append(f"{'shape':12} {'N x K':>12} {'floor':>7} {'before':>14} {'fp8 now':>14} {'native conv':>14} "
-                     f"{'bf16 cuBLAS':>14} {'_scaled_mm':>14}")
+                     f"{'bf16 cuBLAS':>14} {'_scaled_mm':>14}"
+                     + ("".join(f" {name:>14}" for name in ("packed", "read rows", "read packed")) if len(keys) > 5 else ""))
         for shape in out["shapes"]:
             r = {**shape["rows"][rows], "before": BEFORE.get(rows, {}).get(shape["name"])}
             lines.append(f"{shape['name']:12} {shape['n']:>6}x{shape['k']:<5} {shape['floor_us']:>7.1f} "
@@ -209,13 +271,14 @@ def table(out) -> str:
             now = shape["rows"].get(16, {}).get("fp8")
             lines.append(f"    ({s['n']}, {s['k']}, True): TileConfig(block_n={c['block_n']}, block_k={c['block_k']}, "
                          f"split_k={c['split_k']}, warps={c['warps']}, stages={c['stages']}, swap={c['swap']}"
-                         f"{', pdl=True' if c.get('pdl') else ''}),  "
+                         f"{', pdl=True' if c.get('pdl') else ''}"
+                         f"{', prefetch=%d' % c['prefetch'] if c.get('prefetch') else ''}),  "
                          f"# {s['name']} {best['us']} us {best['us'] / shape['floor_us']:.2f}x, convert {c['convert']}, "
                          f"{s['tried']} tried")
             lines.append("        64 rows: " + "; ".join(
                 f"{t['config']['block_n']}/{t['config']['block_k']}/s{t['config']['split_k']}/w{t['config']['warps']}/"
                 f"st{t['config']['stages']}/{t['config']['convert']}{'/swap' if t['config']['swap'] else ''}"
-                f"{'/pdl' if t['config'].get('pdl') else ''}: "
+                f"{'/pdl' if t['config'].get('pdl') else ''}{'/pf%d' % t['config']['prefetch'] if t['config'].get('prefetch') else ''}: "
                 f"{t['us16']} -> {t['us64']} us" for t in s["top_at_64"]))
             total["floor"] += shape["count"] * shape["floor_us"] / 1e3
             total["before"] += shape["count"] * BEFORE[16][s["name"]] / 1e3
@@ -233,9 +296,13 @@ def main() -> int:
     parser.add_argument("--json")
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--packed", action="store_true", help="time packed weights too, and sweep their configs")
+    parser.add_argument("--write-tiles", help="write the sweep's best configs here (the form of $SHARDD_FP8_TILES)")
     parser.add_argument("--budget-s", type=float, default=120, help="stop starting new shapes in the timing part after this")
     parser.add_argument("--sweep-s", type=float, default=130, help="seconds for the whole sweep (shared by the shapes)")
     args = parser.parse_args()
+    global PACKED_MODE
+    PACKED_MODE = args.packed
     t0 = time.perf_counter()
     rows_list = [int(r) for r in args.rows.split(",")]
     bandwidth = copy_bandwidth(torch, torch.device("cuda"))
@@ -259,7 +326,7 @@ def main() -> int:
                 "head_bf16": graph_us(lambda: x @ head.t(), 1) / 1e3}
         for s in out["shapes"]:
             s["rows"][rows]["before"] = BEFORE.get(rows, {}).get(s["name"])
-        for key in ("before", "fp8", "fp8_native", "bf16_cublas", "scaled_mm"):
+        for key in ("before", "fp8", "fp8_native", "bf16_cublas", "scaled_mm", "fp8_packed", "read_row_major", "read_packed"):
             values = [s["rows"][rows].get(key) for s in out["shapes"]]
             step[key] = None if None in values else sum(s["count"] * v for s, v in zip(out["shapes"], values)) / 1e3
         out["step_ms"][rows] = {key: None if v is None else round(v, 3) for key, v in step.items()}
@@ -277,6 +344,11 @@ def main() -> int:
             deadline = now + (sweep_end - now) / (len(SHAPES) - index)  # an equal share of what is left
             out["sweep"].append(sweep_shape(name, n, k, deadline))
             print(json.dumps(out["sweep"][-1]), flush=True)
+    if args.write_tiles and out["sweep"] and not PACKED_MODE:
+        tiles = {f"{s['n']}x{s['k']}": {key: value for key, value in s["best"]["config"].items() if key != "convert"}
+                 for s in out["sweep"] if s["best"]["us"] is not None}
+        Path(args.write_tiles).write_text(json.dumps(tiles, indent=1) + "\n")
+        print(f"tiles for {fp8.TILES_ENV}: {args.write_tiles}")
     out["seconds"] = round(time.perf_counter() - t0, 1)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -98,6 +98,31 @@ def test_split_k_and_swapped_tiles(config):
         assert torch.equal(run(x[:m]), full[:m])
 
 
+@pytest.mark.parametrize("blockwise", [True, False], ids=["block", "channel"])
+@pytest.mark.parametrize("config", [
+    fp8.TileConfig(block_n=32, block_k=128),
+    fp8.TileConfig(block_n=32, block_k=64, split_k=2, swap=True),
+    fp8.TileConfig(block_n=16, block_k=256, split_k=2),  # two K tiles a load for a 128-wide scale block
+], ids=["plain", "swap-split2", "unroll-split2"])
+def test_a_packed_weight_gives_the_row_major_weight_s_bits(config, blockwise):
+    """The tiles-contiguous layout (partial tiles at both edges zero-padded, a split's last tiles past K) reads
+    the same bytes into the same arithmetic: every row's bits equal the row-major launch's, for every M; and it
+    unpacks back to the very weight."""
+    n, k = 136, 300
+    weight, scale, block = quantized(n, k, blockwise, seed=21)
+    weight, scale = weight.to(DEVICE), scale.to(DEVICE)
+    packed = fp8.pack_weight(weight, config, block)
+    assert torch.equal(fp8.unpack_weight(packed).view(torch.uint8), weight.view(torch.uint8))
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(22)).to(DEVICE, DTYPE)
+    convert = "asm" if CUDA else "bits"
+    row_major = fp8.fp8_gemm(x, weight, scale, block, config, convert=convert)
+    assert torch.equal(fp8.fp8_gemm(x, packed, scale, block, config, convert=convert), row_major)
+    for m in (1, 5):
+        assert torch.equal(fp8.fp8_gemm(x[:m], packed, scale, block, config, convert=convert), row_major[:m])
+    with pytest.raises(ValueError, match="packed for"):
+        fp8.fp8_gemm(x, packed, scale, block, fp8.TileConfig(block_n=64), convert=convert)
+
+
 def test_other_block_shapes():
     """Scales per (1 row x 128) block (a fused matrix whose parts' rows are not multiples of 128 can carry its
     parts' scales that way) and per 64 x 64 block (K tiles shrink to fit)."""

@@ -64,6 +64,9 @@ class TileConfig:
     # drains and wait for it (griddepcontrol.wait) before their first memory access, hiding the launch gap. The
     # arithmetic is the same; the sweep measures whether it pays (it also needs the launch kept in the CUDA graph).
     pdl: bool = False
+    # With pdl: the first `prefetch` K tiles of each program's weights are prefetched into L2 before the wait (the
+    # weights do not depend on the kernel before; only x does), so the early programs read them during its tail.
+    prefetch: int = 0
 
 
 # Fixed per 27B shape (N, K, blockwise): the configs scripts/bench_fp8_gemm.py's sweep measured fastest at 16 rows on
@@ -98,8 +101,42 @@ def _rule(n: int, k: int, blockwise: bool) -> TileConfig:
     return TileConfig(block_n=block_n, block_k=block_k, split_k=split_k)
 
 
+TILES_ENV = "SHARDD_FP8_TILES"  # a JSON file of tuned configs that replace TILE_TABLE's (one GPU's own sweep)
+
+
+def load_tiles(path: str) -> dict[tuple[int, int, bool], TileConfig]:
+    """A tiles file: {"16480x5120": {"block_n": 32, ...}, ...} (blockwise scales), the form scripts/bench_fp8_gemm.py
+    --write-tiles writes from its sweep. Unknown fields or bad values are refused by name."""
+    import json
+
+    with open(path) as f:
+        data = json.load(f)
+    fields = set(TileConfig.__dataclass_fields__)
+    table = {}
+    for key, entry in data.items():
+        try:
+            n, k = (int(v) for v in key.split("x"))
+        except ValueError:
+            raise ValueError(f"{path}: key {key!r} is not NxK") from None
+        unknown = set(entry) - fields
+        if unknown:
+            raise ValueError(f"{path}: {key}: unknown TileConfig fields {sorted(unknown)}")
+        table[(n, k, True)] = TileConfig(**entry)
+    return table
+
+
+_TUNED: dict | None = None
+
+
 def tile_config(n: int, k: int, blockwise: bool) -> TileConfig:
-    return TILE_TABLE.get((n, k, blockwise)) or _rule(n, k, blockwise)
+    """The launch shape of an [N, K] matrix: $SHARDD_FP8_TILES's entry, else TILE_TABLE's, else the rule."""
+    global _TUNED
+    if _TUNED is None:
+        import os
+
+        path = os.environ.get(TILES_ENV)
+        _TUNED = load_tiles(path) if path else {}
+    return _TUNED.get((n, k, blockwise)) or TILE_TABLE.get((n, k, blockwise)) or _rule(n, k, blockwise)
 
 
 @triton.jit
@@ -174,6 +211,15 @@ def _fp8_bytes_to_bf16_asm_v1(u):
         dtype=tl.bfloat16,
         is_pure=True,
         pack=4,
+    )
+
+
+@triton.jit
+def _prefetch_l2(ptrs, mask):
+    """prefetch.global.L2 of each address whose mask is set (sm_80+; no value comes back)."""
+    return tl.inline_asm_elementwise(
+        asm="{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        constraints="=r,l,r", args=[ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
     )
 
 
@@ -260,10 +306,8 @@ def _fp8_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, SPLIT_K: tl.constexpr,
     TILES_PER_SPLIT: tl.constexpr, ROW_TILES: tl.constexpr, GROUPED: tl.constexpr, BLOCKWISE: tl.constexpr,
     SCALE_BLOCK_K: tl.constexpr, SCALE_UNIFORM: tl.constexpr, CONVERT: tl.constexpr, SWAP: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr, PACKED: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    if PDL:  # launched early (programmatic dependent launch): nothing is read or written before the previous kernel ends
-        gdc_wait()
     # One program per (N tile, K split, group of ROW_TILES row tiles: one group up to LARGE_M rows) computes its
     # 16-row tiles (unrolled: each its own accumulator and its own dot of the same shape) from one load and one
     # conversion of each weight tile. UNROLL K tiles of BLOCK_K (one scale each) are loaded per iteration: more
@@ -277,7 +321,22 @@ def _fp8_gemm_kernel(
     dtype = x_ptr.dtype.element_ty
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    w_rows = w_ptr + offs_n.to(tl.int64) * K
+    if PACKED:  # the weight as contiguous [BLOCK_N, BLOCK_K] tiles, an N tile's K tiles in order, zero-padded
+        w_tiles = w_ptr + pid_n.to(tl.int64) * (TILES_PER_SPLIT * UNROLL * SPLIT_K * BLOCK_N * BLOCK_K)
+        tile_offs = tl.arange(0, BLOCK_N) * BLOCK_K
+    else:
+        w_rows = w_ptr + offs_n.to(tl.int64) * K
+    if PDL:  # launched early (programmatic dependent launch): nothing is read or written before the previous kernel
+        # ends, except prefetches of this program's first weight tiles into L2 (a hint: no value depends on it)
+        if PREFETCH > 0:  # 128-byte lines: in all (packed), or per row (row-major)
+            first = pid_k * TILES_PER_SPLIT * UNROLL
+            if PACKED:
+                offs = first * (BLOCK_N * BLOCK_K) + tl.arange(0, PREFETCH) * 128
+                _prefetch_l2(w_tiles + offs, offs < TILES_PER_SPLIT * UNROLL * SPLIT_K * BLOCK_N * BLOCK_K)
+            else:
+                cols = first * BLOCK_K + tl.arange(0, PREFETCH) * 128
+                _prefetch_l2(w_rows[:, None] + cols[None, :], n_mask[:, None] & (cols[None, :] < K))
+        gdc_wait()
     if SCALE_UNIFORM:  # the N tile lies in one scale block: one scalar per K tile
         scale_row = scale_ptr + (pid_n * BLOCK_N // scale_block_n) * scale_stride_n
     else:
@@ -296,7 +355,13 @@ def _fp8_gemm_kernel(
             tile = (pid_k * TILES_PER_SPLIT + i) * UNROLL + j
             offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
             k_mask = offs_k < K
-            if SWAP:
+            if PACKED:  # one contiguous run of BLOCK_N * BLOCK_K bytes, no mask (the padding is zeros)
+                w_tile = w_tiles + tile * (BLOCK_N * BLOCK_K)
+                if SWAP:
+                    w = tl.load(w_tile + tile_offs[:, None] + tl.arange(0, BLOCK_K)[None, :])
+                else:
+                    w = tl.load(w_tile + tile_offs[None, :] + tl.arange(0, BLOCK_K)[:, None])
+            elif SWAP:
                 w = tl.load(w_rows[:, None] + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             else:
                 w = tl.load(w_rows[None, :] + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
@@ -401,7 +466,7 @@ def _counters(device: torch.device, needed: int) -> torch.Tensor:
 def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block) -> tuple[torch.Tensor, int, int, bool]:
     """Validate the operands; returns the scale as a 2-D float32 view, its row block, its column block and
     whether it is blockwise."""
-    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+    if not isinstance(weight, PackedWeight) and (weight.dtype != torch.float8_e4m3fn or weight.dim() != 2):
         raise ValueError(f"fp8_linear: weight must be a 2-D float8_e4m3fn matrix, got {weight.dtype} {tuple(weight.shape)}")
     if x.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"fp8_linear: x {tuple(x.shape)} does not match weight {tuple(weight.shape)} (x is [M, K], weight [N, K])")
@@ -497,41 +562,113 @@ def _large_m(x, weight, scale2d, block, out):
     return out
 
 
+@dataclass(frozen=True)
+class Geometry:
+    """How one launch cuts K: loads of `block_k` (a K tile never straddles two scale blocks), `unroll` of them an
+    iteration, `tiles_per_split` iterations per split of K (the last split's tiles past K read zeros)."""
+
+    block_k: int
+    unroll: int
+    k_tiles: int
+    tiles_per_split: int
+    split_k: int
+
+    @property
+    def padded_k_tiles(self) -> int:  # what the splits walk over: the packed layout's K tiles
+        return self.tiles_per_split * self.unroll * self.split_k
+
+
+def geometry(config: TileConfig, k: int, scale_block_k: int | None) -> Geometry:
+    """scale_block_k: the block scale's K extent (None for a per-channel scale)."""
+    block_k, unroll = config.block_k, 1
+    if scale_block_k is not None:
+        if scale_block_k % block_k and block_k % scale_block_k:
+            raise ValueError(f"fp8_linear: tile block_k {block_k} must divide the scale block {scale_block_k} or be a multiple of it")
+        if block_k > scale_block_k:  # a K tile per scale block, several loaded per iteration
+            block_k, unroll = scale_block_k, block_k // scale_block_k
+    k_tiles = triton.cdiv(k, block_k)
+    tiles_per_split = triton.cdiv(triton.cdiv(k_tiles, unroll), config.split_k)
+    return Geometry(block_k, unroll, k_tiles, tiles_per_split, config.split_k)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """An FP8 weight [N, K] laid out for one TileConfig: contiguous [block_n, block_k] byte tiles, each N tile's
+    K tiles in order ([n_tiles, padded_k_tiles, block_n, block_k] uint8), zero-padded at the edges, so that a
+    program reads one contiguous run of memory and its loads need no mask. Same values, same arithmetic as the
+    row-major weight (a zero byte is +0.0, and the padding meets zeroed x columns or is never stored)."""
+
+    data: torch.Tensor
+    shape: tuple[int, int]
+    config: TileConfig
+    scale_block_k: int | None
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+def pack_weight(weight: torch.Tensor, config: TileConfig, block) -> PackedWeight:
+    """The row-major float8_e4m3fn weight [N, K] as a PackedWeight for `config` (block: the scale's block, None
+    for per-channel)."""
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        raise ValueError(f"pack_weight: a 2-D float8_e4m3fn weight, got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    scale_block_k = None if block is None else int(block[1])
+    geo = geometry(config, k, scale_block_k)
+    n_tiles = triton.cdiv(n, config.block_n)
+    padded = torch.zeros(n_tiles * config.block_n, geo.padded_k_tiles * geo.block_k, dtype=torch.uint8, device=weight.device)
+    padded[:n, :k] = weight.view(torch.uint8)
+    data = padded.view(n_tiles, config.block_n, geo.padded_k_tiles, geo.block_k).permute(0, 2, 1, 3).contiguous()
+    return PackedWeight(data, (n, k), config, scale_block_k)
+
+
+def unpack_weight(packed: PackedWeight) -> torch.Tensor:
+    """The row-major float8_e4m3fn weight [N, K] back (tests, the large-M path)."""
+    n, k = packed.shape
+    n_tiles, k_tiles, block_n, block_k = packed.data.shape
+    rows = packed.data.permute(0, 2, 1, 3).reshape(n_tiles * block_n, k_tiles * block_k)
+    return rows[:n, :k].contiguous().view(torch.float8_e4m3fn)
+
+
 def fp8_gemm(x, weight, scale, block, config: TileConfig, *, convert: str, out=None) -> torch.Tensor:
     """One launch with a given tile config and conversion ("native", "asm", "bits", "asm_v1"); fp8_linear picks both.
-    Tests and the benchmark's sweep call it directly."""
-    scale2d, scale_block_n, scale_block_k, blockwise = _check(x, weight, scale, block)
+    `weight` is the row-major FP8 matrix or a PackedWeight (packed for this very config). Tests and the benchmark's
+    sweep call it directly."""
+    packed = weight if isinstance(weight, PackedWeight) else None
+    if packed is not None:
+        if packed.config != config:
+            raise ValueError(f"fp8_linear: a weight packed for {packed.config} runs with that config, not {config}")
+        if convert == "native":
+            raise ValueError("fp8_linear: a packed weight runs with the integer conversions (asm, bits), not native")
+    scale2d, scale_block_n, scale_block_k, blockwise = _check(x, packed or weight, scale, block)
     m, k = x.shape
-    n = weight.shape[0]
+    n = (packed or weight).shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"fp8_linear: out must be [{m}, {n}] {x.dtype} with unit column stride")
-    if blockwise and scale_block_k % config.block_k and config.block_k % scale_block_k:
-        raise ValueError(f"fp8_linear: tile block_k {config.block_k} must divide the scale block {scale_block_k} or be a multiple of it")
+    geo = geometry(config, k, scale_block_k if blockwise else None)
+    if packed is not None and packed.scale_block_k != (scale_block_k if blockwise else None):
+        raise ValueError("fp8_linear: the weight was packed for another scale layout")
     if m == 0:
         return out
     if x.device.type != "cuda" and not _interpreted():
         raise ValueError("fp8_linear: the kernel runs on a CUDA device (or under TRITON_INTERPRET=1); a CPU model dequantizes at load")
-    if weight.device != x.device or scale.device != x.device:
-        raise ValueError(f"fp8_linear: x, weight and scale must be on one device, got {x.device}, {weight.device}, {scale.device}")
-    if not weight.is_contiguous():
+    w = packed.data if packed is not None else weight
+    if w.device != x.device or scale.device != x.device:
+        raise ValueError(f"fp8_linear: x, weight and scale must be on one device, got {x.device}, {w.device}, {scale.device}")
+    if not w.is_contiguous():
         raise ValueError("fp8_linear: weight must be contiguous (rows of K bytes)")
-    w = weight if convert == "native" else weight.view(torch.uint8)
-    block_k, unroll = config.block_k, 1
-    if blockwise and block_k > scale_block_k:  # a K tile per scale block, several loaded per iteration
-        if block_k % scale_block_k:
-            raise ValueError(f"fp8_linear: tile block_k {block_k} must be a multiple of the scale block {scale_block_k} (or divide it)")
-        block_k, unroll = scale_block_k, block_k // scale_block_k
+    if convert != "native":
+        w = w.view(torch.uint8)
     pdl = config.pdl and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
     m_tiles = triton.cdiv(m, BLOCK_M)
     row_tiles = min(m_tiles, MAX_ROW_TILES)  # per program; more rows take more programs, each its own weight read
     groups = triton.cdiv(m_tiles, row_tiles)
     n_tiles = triton.cdiv(n, config.block_n)
-    k_tiles = triton.cdiv(k, block_k)
-    tiles_per_split = triton.cdiv(triton.cdiv(k_tiles, unroll), config.split_k)
     if config.split_k > 1:
         partials = torch.empty(config.split_k, groups * row_tiles * BLOCK_M, n, dtype=torch.float32, device=x.device)
         counters = _counters(x.device, groups * n_tiles)
@@ -539,17 +676,27 @@ def fp8_gemm(x, weight, scale, block, config: TileConfig, *, convert: str, out=N
         partials, counters = out, out  # never touched
     _fp8_gemm_kernel[(n_tiles, config.split_k, groups)](
         x, w, scale2d, out, partials, counters,
-        m, n, k, x.stride(0), out.stride(0), scale2d.stride(0), scale2d.stride(1), scale_block_n, k_tiles,
+        m, n, k, x.stride(0), out.stride(0), scale2d.stride(0), scale2d.stride(1), scale_block_n, geo.k_tiles,
         groups * row_tiles * BLOCK_M,
-        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=block_k, UNROLL=unroll, SPLIT_K=config.split_k,
-        TILES_PER_SPLIT=tiles_per_split, ROW_TILES=row_tiles, GROUPED=groups > 1,
+        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=geo.block_k, UNROLL=geo.unroll, SPLIT_K=config.split_k,
+        TILES_PER_SPLIT=geo.tiles_per_split, ROW_TILES=row_tiles, GROUPED=groups > 1,
         BLOCKWISE=blockwise, SCALE_BLOCK_K=scale_block_k if blockwise else 1,
         SCALE_UNIFORM=blockwise and scale_block_n % config.block_n == 0, CONVERT=_CONVERTS[convert],
-        SWAP=config.swap, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl,
-        num_warps=config.warps, num_stages=_stages(config, block_k * unroll, row_tiles, x.element_size()),
+        SWAP=config.swap, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, PACKED=packed is not None,
+        PREFETCH=_prefetch_lines(config, geo, packed is not None) if pdl else 0,
+        num_warps=config.warps, num_stages=_stages(config, geo.block_k * geo.unroll, row_tiles, x.element_size()),
         **({"launch_pdl": True} if pdl else {}),
     )
     return out
+
+
+def _prefetch_lines(config: TileConfig, geo: Geometry, packed: bool) -> int:
+    """The 128-byte lines of config.prefetch K tiles (at most a split's): in all when packed, else per row; a power
+    of two (0: none)."""
+    tiles = min(config.prefetch, geo.tiles_per_split * geo.unroll)
+    if tiles <= 0:
+        return 0
+    return triton.next_power_of_2(triton.cdiv(tiles * geo.block_k * (config.block_n if packed else 1), 128))
 
 
 def _stages(config: TileConfig, block_k: int, row_tiles: int, x_bytes: int) -> int:
