@@ -200,6 +200,12 @@ def _present_value(value: Any, spec: FieldSpec, mtype: MessageType) -> Any:
         if (spec.minimum is not None and value < spec.minimum) or (spec.limit is not None and value > spec.limit):
             raise _bad(f"{what} = {value} is out of range ({spec.minimum} <= x <= {spec.limit})")
         return float(value)
+    if kind == "str":  # limit: the most characters
+        if type(value) is not str:
+            raise _bad(f"{what} must be a string, got {_describe(value)}")
+        if spec.limit is not None and len(value) > spec.limit:
+            raise _bad(f"{what} is {len(value)} characters, more than {spec.limit}")
+        return value
     if kind == "int_list":
         if type(value) is not list:
             raise _bad(f"{what} must be a list of ints, got {_describe(value)}")
@@ -517,6 +523,8 @@ def _check_request(record: Request, limits: Limits) -> None:
             raise _bad("ROWS carries tensor 'hidden', field 'refused' or field 'slot', exactly one")
         if (record.slot is None) != (record.slot_rows is None):
             raise _bad("fields 'slot' and 'slot_rows' of ROWS go together")
+        if record.slot_gen is not None and record.slot is None:
+            raise _bad("field 'slot_gen' of ROWS goes with 'slot'")
         n = record.hidden.shape[0] if record.hidden is not None else record.slot_rows or 0
         if n > limits.max_tokens_per_request:
             raise _too_large(f"{n} rows, limit {limits.max_tokens_per_request}")

@@ -244,6 +244,9 @@ class Rows(_SequenceRequest):
                                   limit=RING_SLOTS_LIMIT, default=None)
     slot_rows: Optional[int] = _header("int", "with slot: this sequence's rows in the slot", minimum=1,
                                        limit=ID_LIMIT, default=None)
+    slot_gen: Optional[int] = _header("int", "with slot: the writer's count of puts into the slot since its RING, "
+                                      "this one's included (the flag a device wait waits for)", minimum=1,
+                                      limit=ID_LIMIT, default=None)
 
 
 @dataclass(frozen=True)
@@ -255,6 +258,9 @@ class Ring(_Request):
     rows: int = _header("int", "rows one slot should hold (the reply says what it holds)", minimum=1, limit=ID_LIMIT)
     pid: int = _header("int", "the asking daemon's process id: the ring's reader stops waiting for rows in flight "
                        "once that process is gone", minimum=0, limit=1 << 31, default=0)
+    gpu: Optional[str] = _header("str", "the UUID of the GPU the asking daemon's rows come from: a reader on that same "
+                                 "GPU waits for them on the host (a device wait would contend with the writer's "
+                                 "kernels)", limit=128, default=None)
 
 
 Request = Union[Hello, Open, Close, Forward, Capture, Rollback, Snapshot, Restore, Propose, Stats, Shutdown, Rows,

@@ -23,7 +23,7 @@ timeout ${PROBE_TIMEOUT:-80} python3 scripts/probe_cuda_ipc.py --json "$OUT/cuda
 fi
 if step tests; then
 echo "== GPU tests (ring)"
-timeout ${TESTS_TIMEOUT:-270} python3 -m pytest -q -p no:cacheprovider tests/test_relay.py -k "device_ring" 2>&1 \
+timeout ${TESTS_TIMEOUT:-270} python3 -m pytest -q -p no:cacheprovider tests/test_ring_wait.py tests/test_relay.py -k "device_ring or device_wait" 2>&1 \
     | tail -${TESTS_TAIL:-4} | tee "$OUT/gpu_tests_ring_$TAG.txt"
 fi
 if step bench; then

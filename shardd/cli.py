@@ -106,11 +106,14 @@ def main():
                    "slots of this many rows in the next shard's GPU memory (CUDA IPC; one host, a GPU both daemons "
                    "see) instead of the host; as the next shard, the most it grants. Larger steps, CPU shards and "
                    "daemons that cannot share memory fall back to the host. 0: always the host.")
-@click.option("--ring-wait", type=click.Choice(RING_WAITS), default="host", show_default=True,
+@click.option("--ring-wait", type=click.Choice(RING_WAITS), default="auto", show_default=True,
               help="As the next shard, how a step waits for the previous shard's rows in its ring: host (a bounded "
-                   "poll: a dead writer ends the wait) or device (its stream waits, the launch overlaps the previous "
-                   "shard's kernels; a writer killed mid-step leaves this daemon's GPU stream waiting for good, measured: under "
-                   "systemd its watchdog, WatchdogSec, restarts it).")
+                   "poll; rows that never land refuse the FORWARD ROWS_MISSING, changing nothing), device (a small "
+                   "kernel on this daemon's stream waits for the slot's flag, so the step's launch is queued before "
+                   "the rows land; bounded by --rows-wait and by the writer's life, and a step that then ran without "
+                   "its rows fails its sequences, which the coordinator re-fills), or auto: device when the previous "
+                   "shard computes on another GPU, host when on this one (a spinning kernel would take GPU time "
+                   "from its kernels: processes time-share a GPU; ~7.5 ms a step lost, measured).")
 @click.option("--threads", type=int, default=None,
               help="CPU threads for torch (default: 1 on a GPU, whose host work is small copies; torch's choice on the CPU).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,

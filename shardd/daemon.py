@@ -69,7 +69,7 @@ from shardd.head import HeadRequest, answer_batch, answer_rows
 from shardd.penalties import Penalties
 from shardd.receive import receive_request, release_memory
 from shardd.ring import DEFAULT_ROWS as RING_ROWS
-from shardd.ring import DeviceRing, RingUnavailable, RowsNotLanded
+from shardd.ring import DeviceRing, RingUnavailable, RowsLost, RowsNotLanded, device_wait
 from shardd.rows import WAIT_S, RowsInbox, RowsLink, Waiting, check_relay_to
 from shardd.sampling import SamplingParams
 
@@ -108,7 +108,7 @@ class ServeOptions:
     relay_to_file: str | None = None  # or the file the next shard writes its endpoint to (--relay-to-file)
     rows_wait_s: float = WAIT_S  # the longest a FORWARD with `rows_ticket` waits for its rows (--rows-wait)
     device_rows: int = RING_ROWS  # rows a slot of the device ring holds, asked for and granted (--device-rows; 0: off)
-    ring_wait: str = "host"  # how the ring's reader waits for the writer's rows: "host" (bounded) or "device"
+    ring_wait: str = "auto"  # how the ring's reader waits for the writer's rows (shardd.ring.device_wait)
 
 
 @dataclass
@@ -264,7 +264,11 @@ class ShardDaemon:
         except Exception as exc:
             self._refuse_downstream(request)
             message = f"{type(exc).__name__}: {exc}"
-            log.error("internal error seq=%s type=%s: %s\n%s", seq, request.type.value, message, traceback.format_exc())
+            if isinstance(exc, RowsLost):  # not a bug: the previous shard's rows never came (its process died)
+                log.warning("seq=%s type=%s: %s", seq, request.type.value, message)
+            else:
+                log.error("internal error seq=%s type=%s: %s\n%s", seq, request.type.value, message,
+                          traceback.format_exc())
             # a batch's items each may have moved on before the error: none of their states can be trusted
             seqs = [item.seq for item in request.items] if isinstance(request, Batch) else [seq]
             for failed in seqs:
@@ -477,12 +481,15 @@ class ShardDaemon:
             self._check_proposal(request, shard, entry)
         PHASES.lap("lookup")
         gate = getattr(request.hidden, "gate", None)  # rows still in this shard's ring (RowsGate)
+        wait = getattr(request.hidden, "wait", None)  # rows copied out of the ring behind a device wait (DeviceWait)
         try:
             out = shard.forward(  # validates everything (shard.check_forward) before it changes the state
                 entry.state, request.pos, tokens=request.tokens, hidden=_hidden(request),
                 checkpoint=request.checkpoint, capture_layers=layers, **({"rows_gate": gate} if gate else {}))
         except RowsNotLanded as error:
             raise self._rows_not_landed(ticket, error) from None
+        if wait is not None and not _rows_go_on_device(request, out.hidden):
+            _check_landed([wait])  # else their wait's outcome goes on with them (or is checked before the host)
         answer = None
         if out.ids is not None and head.needed:  # on out.logits now: the fast path's buffer is valid until the next step
             answer = answer_rows(out.logits, out.ids.tolist(), request.pos, head)
@@ -492,10 +499,13 @@ class ShardDaemon:
         if request.send_rows is not None:  # the rows go on to the next shard first: they are what it waits for
             hidden = tensors.pop("hidden")
             seq, pos, ticket = request.seq, request.pos, request.send_rows
-            if not self._on_device([hidden], lambda slot: Rows(id=0, seq=seq, pos=pos, ticket=ticket, slot=slot,
-                                                                slot_rows=hidden.shape[0])):
-                self.relay.send(Rows(id=0, seq=seq, pos=pos, ticket=ticket,
-                                     hidden=WireTensor.from_torch(on_host([hidden])[0])))
+            if not self._on_device([hidden], lambda slot, gen: Rows(id=0, seq=seq, pos=pos, ticket=ticket, slot=slot,
+                                                                     slot_rows=hidden.shape[0], slot_gen=gen),
+                                   wait):
+                hidden = on_host([hidden])[0]
+                if wait is not None:  # the rows leave through the host: theirs must be real
+                    _check_landed([wait])
+                self.relay.send(Rows(id=0, seq=seq, pos=pos, ticket=ticket, hidden=WireTensor.from_torch(hidden)))
             self.counters.rows_sent += 1
             result["rows_sent"] = True
         return result, {name: WireTensor.from_torch(t) for name, t in zip(tensors, on_host(list(tensors.values())))}
@@ -573,19 +583,40 @@ class ShardDaemon:
         for _, result, _ in ran:
             result["rows_sent"] = True
         ticket = request.send_rows
-        in_slot = lambda slot: RowsBatch(id=0, items=tuple(  # noqa: E731 (the rows of the slot, item by item)
-            Rows(id=0, seq=item.seq, pos=item.pos, ticket=ticket, slot=slot, slot_rows=hidden.shape[0])
+        wait = next((w for w in (getattr(item.hidden, "wait", None) for item, _, _ in ran) if w is not None), None)
+        in_slot = lambda slot, gen: RowsBatch(id=0, items=tuple(  # noqa: E731 (the rows of the slot, item by item)
+            Rows(id=0, seq=item.seq, pos=item.pos, ticket=ticket, slot=slot, slot_rows=hidden.shape[0], slot_gen=gen)
             for item, _, hidden in ran))
-        if not self._on_device([hidden for _, _, hidden in ran], in_slot):
+        if not self._on_device([hidden for _, _, hidden in ran], in_slot, wait):
+            hosted = on_host([hidden for _, _, hidden in ran])
+            if wait is not None and not wait.landed():  # the rows leave through the host: theirs must be real
+                self._fail_lost(request, [item for item, _, _ in ran], answers, RowsLost(wait.why()))
+                return
             self.relay.send(RowsBatch(id=0, items=tuple(
                 Rows(id=0, seq=item.seq, pos=item.pos, ticket=ticket, hidden=WireTensor.from_torch(hidden))
-                for (item, _, _), hidden in zip(ran, on_host([hidden for _, _, hidden in ran])))))
+                for (item, _, _), hidden in zip(ran, hosted))))
         self.counters.rows_sent += 1
 
-    def _on_device(self, parts: list, make_rows) -> bool:
-        """Rows to the next shard through its device ring (RowsLink.send_on_device); once the ring is refused for
+    def _fail_lost(self, request, items, answers: list, error: RowsLost) -> None:
+        """A batch whose step ran on no rows (its device wait ended without them): each of `items` fails (INTERNAL,
+        its sequence failed), the next shard's wait is refused."""
+        message = f"{type(error).__name__}: {error}"
+        log.warning("a step of sequences %s ran without its rows: %s", [item.seq for item in items], error)
+        failed = {item.seq for item in items}
+        for index, item in enumerate(request.items):
+            if item.seq in failed:
+                entry = self.sequences.get((self.owner, item.seq))
+                if entry is not None and not entry.failed:
+                    entry.failed = message
+                    self.counters.sequences_failed += 1
+                answers[index] = ProtocolError(ErrorCode.INTERNAL, message)
+        self._refuse_downstream(request)
+
+    def _on_device(self, parts: list, make_rows, wait=None) -> bool:
+        """Rows to the next shard through its device ring (RowsLink.send_on_device; `wait`: this shard's own
+        device wait for its input rows, whose outcome the next shard's wait reads); once the ring is refused for
         good, the fast step hands its rows to the host again (its own pinned buffer, as without a ring)."""
-        if self.relay.send_on_device(parts, make_rows):
+        if self.relay.send_on_device(parts, make_rows, None if wait is None else wait.outcome_tensor):
             return True
         if self.relay.ring_problem is not None and getattr(self.shard, "rows_out_on_device", False):
             self.shard.rows_out_on_device = False
@@ -638,16 +669,23 @@ class ShardDaemon:
         elif slots.pop() >= len(self.ring.written) or total > self.ring.rows:
             problem = (f"slot {parts[0].slot} and {total} rows do not fit this shard's ring of "
                        f"{len(self.ring.written)} slots of {self.ring.rows} rows")
-        gate = None
+        gate = wait = None
         if problem is None:
-            if (self.options.ring_wait == "host" and getattr(self.shard, "takes_rows_gates", False)
+            on_device = device_wait(self.options.ring_wait, self.ring)
+            if (not on_device and getattr(self.shard, "takes_rows_gates", False)
                     and self.inbox.awaited(parts[0].ticket)):
                 gate = self.ring.gate(parts[0].slot, total, self.options.rows_wait_s)
                 rows = gate.view
                 self.counters.rows_gated += 1
+            elif on_device:
+                if parts[0].slot_gen is None or any(part.slot_gen != parts[0].slot_gen for part in parts):
+                    problem = "the device wait needs the slot's generation (field slot_gen, one for all items)"
+                else:  # queued behind a wait kernel: nothing waits here (the outcome is read after the step)
+                    rows, wait = self.ring.await_rows(parts[0].slot, total, parts[0].slot_gen,
+                                                      self.options.rows_wait_s)
             else:
                 try:
-                    rows = self.ring.take(parts[0].slot, total, self.options.ring_wait, self.options.rows_wait_s)
+                    rows = self.ring.take(parts[0].slot, total, self.options.rows_wait_s)
                 except RingUnavailable as error:
                     problem = str(error)
         if problem is not None:
@@ -655,8 +693,8 @@ class ShardDaemon:
         self.counters.rows_on_device += 1
         done, start = [], 0
         for part in parts:
-            done.append(dataclasses.replace(part, hidden=DeviceRows(rows[start:start + part.slot_rows], gate),
-                                            slot=None, slot_rows=None))
+            done.append(dataclasses.replace(part, hidden=DeviceRows(rows[start:start + part.slot_rows], gate, wait),
+                                            slot=None, slot_rows=None, slot_gen=None))
             start += part.slot_rows
         return (dataclasses.replace(request, items=tuple(done)) if isinstance(request, RowsBatch) else done[0]), gate
 
@@ -674,6 +712,8 @@ class ShardDaemon:
         # sends larger steps through the host)
         rows = min(request.rows, self.options.device_rows, self.limits.max_tokens_per_request)
         if self.ring is None or self.ring.rows != rows:
+            if self.ring is not None:
+                self.ring.close()
             self.ring = None
             try:
                 self.ring = DeviceRing(rows, shard.config.hidden_size, shard.dtype, shard.device)
@@ -684,7 +724,10 @@ class ShardDaemon:
                 raise ProtocolError(ErrorCode.TOO_LARGE, f"RING: no device memory for {rows} rows a slot") from None
             log.info("device ring for the previous shard: %d x %d rows (%.1f MiB)", len(self.ring.written),
                      self.ring.rows, self.ring.nbytes / 2**20)
-        self.ring.writer_pid = request.pid or None
+        self.ring.new_writer(request.pid or None, request.gpu)
+        log.info("rows from the previous shard (on %s GPU) are waited for on the %s", "this" if
+                 self.ring.writer_shares_gpu else "another", "device" if device_wait(self.options.ring_wait,
+                                                                                     self.ring) else "host")
         return self.ring.share(), {}
 
     def _resume(self, waiting: Waiting) -> list:
@@ -806,8 +849,17 @@ class ShardDaemon:
                                    logits=head.needed or bool(item.return_logits),  # else ids only: no copies
                                    rows_gate=getattr(item.hidden, "gate", None)))
         PHASES.lap("lookup")
+        waits = {id(w): w for w in (getattr(item.hidden, "wait", None) for _, item, _, _ in runs) if w is not None}
+
+        def compute():
+            outputs = run_batch(shard, batch)
+            if waits and not _rows_go_on_device(request, next((o.hidden for o in outputs
+                                                                  if not isinstance(o, Exception)), None)):
+                _check_landed(waits.values())  # a step that ran on no rows fails its sequences
+            return outputs
+
         try:
-            outputs = self._run_items(runs, lambda: run_batch(shard, batch))
+            outputs = self._run_items(runs, compute)
         except RowsNotLanded as error:  # raised before any of them changed: each refused, none failed
             refusal = self._rows_not_landed(ticket, error)
             outputs = [refusal for _ in runs]
@@ -838,7 +890,10 @@ class ShardDaemon:
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
             seqs = [item.seq for _, item, _, _ in runs]
-            log.error("internal error in a batch of sequences %s: %s\n%s", seqs, message, traceback.format_exc())
+            if isinstance(exc, RowsLost):  # not a bug: the previous shard's rows never came (its process died)
+                log.warning("a step of sequences %s ran without its rows: %s", seqs, exc)
+            else:
+                log.error("internal error in a batch of sequences %s: %s\n%s", seqs, message, traceback.format_exc())
             for _, item, entry, _ in runs:
                 if not entry.failed:
                     entry.failed = message
@@ -1035,6 +1090,9 @@ class ShardDaemon:
                      "gated": c.rows_gated,
                      "sent_on_device": self.relay.on_device if self.relay is not None else 0,
                      "ring_bytes": self.ring.nbytes if self.ring is not None else 0,
+                     # how this shard's ring is waited for now (--ring-wait auto: by where the writer computes)
+                     "ring_wait": (("device" if device_wait(self.options.ring_wait, self.ring) else "host")
+                                   if self.ring is not None else None),
                      "ring_to_next": "on" if self.relay is not None and self.relay.ring is not None else
                      (self.relay.ring_problem if self.relay is not None else None)},
             # where requests' time went, per type and phase (protocol/timing.py): seconds since the start
@@ -1194,16 +1252,31 @@ MIN_FRAME_BYTES = 16 << 20  # small models still answer a modestly oversized fra
 
 
 class DeviceRows:
-    """Rows already on this shard's device where a FORWARD's tensor hidden stands: copied out of its ring, or
-    (`gate`, a shardd.ring.RowsGate) a view of the ring's slot that the fast step reads once they have landed."""
+    """Rows already on this shard's device where a FORWARD's tensor hidden stands: copied out of its ring (behind
+    `wait`, a shardd.ring.DeviceWait, with the device wait), or (`gate`, a shardd.ring.RowsGate) a view of the
+    ring's slot that the fast step reads once they have landed."""
 
-    def __init__(self, tensor, gate=None):
+    def __init__(self, tensor, gate=None, wait=None):
         self.tensor = tensor
         self.shape = tuple(tensor.shape)
         self.gate = gate
+        self.wait = wait
 
     def to_torch(self, device=None):
         return self.tensor if device is None else self.tensor.to(device)
+
+
+def _rows_go_on_device(request, hidden) -> bool:
+    """Whether a step's output rows stay on the device for the next shard's ring (send_rows): then its device
+    wait's outcome goes on with them (a poisoned flag) instead of being read here."""
+    return getattr(request, "send_rows", None) is not None and hidden is not None and hidden.is_cuda
+
+
+def _check_landed(waits) -> None:
+    """After a step behind device waits: RowsLost when one ended without its rows (the step ran on none)."""
+    for wait in waits:
+        if not wait.landed():
+            raise RowsLost(wait.why())
 
 
 def _hidden(request):

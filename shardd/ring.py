@@ -9,8 +9,13 @@ waits for `written` (on the host, bounded, by default; or on its stream, `--ring
 out of the slot and records `consumed`, which the writer waits for before it writes that slot again.
 
 The reader creates all of it (memory and both events' objects), so the writer's death frees nothing the reader
-uses. A device-side wait on an event a dead process recorded may never end (its context and work are torn
-down), hence the host wait by default: bounded by --rows-wait and by the writer's life.
+uses. A stream wait on an event a dead process recorded may never end (its context and work are torn down,
+measured), so neither wait uses one. The host wait polls `written`: bounded by --rows-wait and by the writer's
+life. The device wait (`DeviceRing.await_rows`) queues one small kernel before the rows' copy that spins on the
+slot's flag, which the writer sets to the put's generation after its rows (shardd/kernels/ring.py): it ends when
+they land, when the writer's own rows never did (a poisoned flag), after --rows-wait, or when a watcher thread
+of the reader sees the writer's process gone and sets `cancel`; the step runs after it either way, and the
+daemon reads the wait's outcome before it answers (a step that ran on no rows fails its sequences).
 
 Nothing here is on the CPU reference path: a CPU shard refuses RING and its rows travel through the host. torch
 is imported where it is used (the CLI imports this module for its defaults).
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Callable, Optional
 
@@ -27,7 +33,7 @@ log = logging.getLogger("shardd")
 
 SLOTS = 2  # one slot written while the other may still be read
 DEFAULT_ROWS = 4096  # rows a slot holds (--device-rows): a decode batch or a few prompts' pieces; larger go by host
-WAITS = ("host", "device")
+WAITS = ("auto", "host", "device")  # auto: device for a writer on another GPU, host for one on this GPU
 
 
 class RingUnavailable(Exception):
@@ -101,9 +107,22 @@ class DeviceRing:
         for event in self.written + self.consumed:
             event.record(stream)
         stream.synchronize()
+        # the device wait's flags (written by the writer: a put's generation, or minus it), its cancel word (set by
+        # the watcher) and each slot's last outcome (shardd.kernels.ring)
+        self.flags = torch.zeros(SLOTS, dtype=torch.int64, device=device)
+        self.cancel = torch.zeros(1, dtype=torch.int32, device=device)
+        self.outcomes = torch.zeros(SLOTS, dtype=torch.int32, device=device)
+        self.awaited = [0] * SLOTS  # the generation each slot's last device wait waited for
+        self._waits_done = [torch.cuda.Event() for _ in range(SLOTS)]  # recorded after each slot's wait kernel
+        self._waiting = [False] * SLOTS
+        self._watcher: Optional[threading.Thread] = None
+        self._closed = threading.Event()
         self.writer_pid: Optional[int] = None
+        self.writer_shares_gpu = False
+        self._warm_up()
         try:
             self._memory = list(self.buffer.untyped_storage()._share_cuda_())
+            self._flags_memory = list(self.flags.untyped_storage()._share_cuda_())
         except RuntimeError as error:  # e.g. memory the allocator maps in expandable segments
             raise RingUnavailable(f"its memory cannot be shared: {error}") from None
 
@@ -115,22 +134,96 @@ class DeviceRing:
         """The RING reply: what a writer opens the ring with."""
         return {"gpu": gpu_uuid(self.device), "slots": SLOTS, "rows": self.rows, "hidden": self.hidden,
                 "dtype": str(self.dtype).removeprefix("torch."), "memory": self._memory[1:],
+                "flags": self._flags_memory[1:],
                 "written": [event.ipc_handle() for event in self.written],
                 "consumed": [event.ipc_handle() for event in self.consumed]}
 
-    def take(self, slot: int, n: int, wait: str, timeout_s: float):
-        """The first n rows of `slot`, copied out of it (the writer may write the slot again once `consumed`
-        happens). RingUnavailable when the writer's rows did not land in time or it died with them in flight."""
+    def take(self, slot: int, n: int, timeout_s: float):
+        """The host wait: the first n rows of `slot`, copied out of it once they landed (the writer may write the
+        slot again once `consumed` happens). RingUnavailable when the writer's rows did not land in time or it died
+        with them in flight."""
         import torch
 
         stream = torch.cuda.current_stream(self.device)
-        if wait == "device":
-            stream.wait_event(self.written[slot])
-        elif not self.landed(slot, timeout_s):
+        if not self.landed(slot, timeout_s):
             raise RingUnavailable(self.not_landed(slot, timeout_s))
         rows = self.buffer[slot, :n].clone()
         self.consumed[slot].record(stream)
         return rows
+
+    def await_rows(self, slot: int, n: int, generation: int, timeout_s: float) -> tuple:
+        """The device wait: (the first n rows of `slot` copied out of it behind the wait kernel, the DeviceWait
+        whose outcome the daemon reads after the step). Nothing here waits on the host."""
+        import torch
+
+        from shardd.kernels import ring as kernels
+
+        stream = torch.cuda.current_stream(self.device)
+        self._start_watcher()
+        self.awaited[slot] = generation
+        kernels.await_rows(self.flags[slot:slot + 1], self.cancel, self.outcomes[slot:slot + 1], generation, timeout_s)
+        self._waits_done[slot].record(stream)
+        self._waiting[slot] = True
+        rows = self.buffer[slot, :n].clone()
+        self.consumed[slot].record(stream)
+        return rows, DeviceWait(self, slot, generation)
+
+    def _warm_up(self) -> None:
+        """Compile and load the wait kernel now (a wait for the flag value it already holds), not at the first rows."""
+        import torch
+
+        from shardd.kernels import ring as kernels
+
+        kernels.await_rows(torch.zeros(1, dtype=torch.int64, device=self.device), self.cancel,
+                           torch.zeros(1, dtype=torch.int32, device=self.device), 0, 1.0)
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def new_writer(self, pid: Optional[int], gpu: Optional[str] = None) -> None:
+        """A (new) writer opened the ring (`gpu`: the UUID of the GPU its rows come from): its flags start over
+        and a cancel of the last one's death is lifted (nothing waits then: the old writer's ROWS all came or were
+        refused). Done on the device before the RING reply, so that no put of the new writer can be overwritten.
+        A writer on this very GPU is better waited for on the host (`--ring-wait auto`): a spinning wait kernel
+        holds the GPU that the writer's kernels need (processes time-share a GPU: ~7.5 ms a step lost, measured)."""
+        import torch
+
+        self.writer_pid = pid
+        self.writer_shares_gpu = gpu is not None and gpu == gpu_uuid(self.device)
+        self.flags.zero_()
+        self.cancel.zero_()
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def _start_watcher(self) -> None:
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="ring-watcher", daemon=True)
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        """While a device wait is queued and has not ended: once the writer's process is gone (a second after it
+        was first seen gone), set `cancel` from a side stream so that the wait ends (CANCELLED) now instead of
+        after --rows-wait. Once set, it stays until a new writer."""
+        import torch
+
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream(self.device)
+            one = torch.ones(1, dtype=torch.int32).pin_memory()
+            dead_since = None
+            while not self._closed.wait(WATCH_S):
+                waiting = any(w and not done.query() for w, done in zip(self._waiting, self._waits_done))
+                if not waiting or pid_alive(self.writer_pid):
+                    dead_since = None
+                    continue
+                now = time.monotonic()
+                dead_since = dead_since or now
+                if now - dead_since >= 1.0:
+                    with torch.cuda.stream(side):
+                        self.cancel.copy_(one, non_blocking=True)
+                    side.synchronize()
+                    log.warning("the previous shard's process %s is gone with rows in flight: the device waits for "
+                                "them end (their steps' sequences fail)", self.writer_pid)
+                    self._waiting = [False] * SLOTS
+
+    def close(self) -> None:
+        self._closed.set()
 
     def landed(self, slot: int, timeout_s: float) -> bool:
         """The host wait for the writer's rows in `slot`: bounded by `timeout_s` and by the writer's life."""
@@ -144,6 +237,55 @@ class DeviceRing:
         """The first n rows of `slot` as a view the step reads once they have landed (`RowsGate`): the host wait
         for them moves from the ROWS's arrival to the step's launch, after its inputs are prepared."""
         return RowsGate(self, slot, n, timeout_s)
+
+
+WATCH_S = 0.05  # how often the watcher looks at a writer while device waits are queued
+
+
+def device_wait(mode: str, ring: "DeviceRing") -> bool:
+    """Whether the reader waits for `ring`'s rows on its device (`--ring-wait`): always with "device", never with
+    "host", and with "auto" when the writer computes on another GPU."""
+    return mode == "device" or (mode == "auto" and not ring.writer_shares_gpu)
+
+
+class DeviceWait:
+    """One device wait for a slot's rows (DeviceRing.await_rows): its outcome on the device (`outcome_tensor`,
+    what a publish to the next shard reads) and, once the step after it is done, on the host (`outcome()`)."""
+
+    def __init__(self, ring: DeviceRing, slot: int, generation: int):
+        self.ring, self.slot, self.generation = ring, slot, generation
+        self.outcome_tensor = ring.outcomes[slot:slot + 1]
+        self._outcome: Optional[int] = None
+
+    def outcome(self) -> int:
+        """shardd.kernels.ring's LANDED, TIMED_OUT, CANCELLED or POISONED; waits for the wait kernel (bounded by
+        its timeout and the watcher). Read before the slot's next wait."""
+        if self._outcome is None:
+            self.ring._waits_done[self.slot].synchronize()
+            self._outcome = int(self.outcome_tensor.item())
+        return self._outcome
+
+    def landed(self) -> bool:
+        from shardd.kernels.ring import LANDED
+
+        return self.outcome() == LANDED
+
+    def why(self) -> str:
+        from shardd.kernels import ring as kernels
+
+        outcome = self.outcome()
+        if outcome == kernels.TIMED_OUT:
+            return f"the previous shard's rows did not land in slot {self.slot} within the wait's bound (--rows-wait)"
+        if outcome == kernels.CANCELLED:
+            return f"the previous shard's process ({self.ring.writer_pid}) died with its rows in slot {self.slot} in flight"
+        if outcome == kernels.POISONED:
+            return "the previous shard's own step ran without its rows (they never landed before it)"
+        return "landed"
+
+
+class RowsLost(Exception):
+    """A step ran behind a device wait that ended without its rows (DeviceWait.why): its sequences' states took
+    no rows, so they fail (INTERNAL); the coordinator re-fills them."""
 
 
 class RowsNotLanded(Exception):
@@ -198,6 +340,14 @@ class RingWriter:
                                                             event, event_sync)
             self.buffer = torch.empty(0, dtype=self.dtype, device=self.device).set_(
                 storage, 0, (self.slots, self.rows, self.hidden))
+            flags = shared.get("flags")
+            if flags is not None:
+                handle, size, offset, counter, counter_offset, event, event_sync = flags
+                flag_storage = torch.UntypedStorage._new_shared_cuda(index, handle, size, offset, counter,
+                                                                     counter_offset, event, event_sync)
+                self.flags = torch.empty(0, dtype=torch.int64, device=self.device).set_(flag_storage, 0, (self.slots,))
+            else:
+                self.flags = None
             self.written = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in shared["written"]]
             self.consumed = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in shared["consumed"]]
         except RingUnavailable:
@@ -207,14 +357,21 @@ class RingWriter:
         if len(self.written) != self.slots or len(self.consumed) != self.slots:
             raise RingUnavailable("the next shard's ring names a different number of events than slots")
         self.next = 0
+        self.generations = [0] * self.slots  # puts into each slot so far: the last one's flag value
+        if self.flags is not None:  # the publish kernel compiled and loaded now (on a flag of its own)
+            from shardd.kernels import ring as kernels
+
+            kernels.publish(torch.zeros(1, dtype=torch.int64, device=self.device), 1)
 
     def fits(self, parts: list) -> bool:
         return (all(p.device.type == "cuda" and p.dtype == self.dtype and p.dim() == 2 and p.shape[1] == self.hidden
                     for p in parts) and sum(p.shape[0] for p in parts) <= self.rows)
 
-    def put(self, parts: list, timeout_s: float = 1.0) -> Optional[int]:
-        """Copy `parts` (rows end to end) into the next slot on the device, record its `written`: the slot, or
-        None (the reader has not let go of the slot in time: send these rows through the host)."""
+    def put(self, parts: list, timeout_s: float = 1.0, outcome=None) -> Optional[int]:
+        """Copy `parts` (rows end to end) into the next slot on the device, publish the put's generation in the
+        slot's flag (minus it when `outcome`, the device tensor of this shard's own DeviceWait, is not LANDED)
+        and record its `written`: the slot (its generation in `generations`), or None (the reader has not let go
+        of the slot in time: send these rows through the host)."""
         import torch
 
         slot = self.next
@@ -226,6 +383,11 @@ class RingWriter:
         for part in parts:
             self.buffer[slot, start:start + part.shape[0]].copy_(part, non_blocking=True)
             start += part.shape[0]
+        self.generations[slot] += 1
+        if self.flags is not None:
+            from shardd.kernels import ring as kernels
+
+            kernels.publish(self.flags[slot:slot + 1], self.generations[slot], outcome)
         self.written[slot].record(torch.cuda.current_stream(self.device))
         self.next = (slot + 1) % self.slots
         return slot

@@ -83,14 +83,15 @@ class RowsLink:
             log.warning("ROWS of ticket %s dropped: %s takes nothing", getattr(rows, "ticket", "?"), self.endpoint)
         return request_id
 
-    def send_on_device(self, parts: list, make_rows: Callable[[int], object]) -> bool:
-        """Put `parts` (GPU tensors, rows end to end) in the next shard's ring and send `make_rows(slot)`, the
-        ROWS naming the slot: True; False when they must go through the host (no ring, they do not fit, or the
-        slot is not free in time), nothing sent then."""
+    def send_on_device(self, parts: list, make_rows: Callable[[int, int], object], outcome=None) -> bool:
+        """Put `parts` (GPU tensors, rows end to end) in the next shard's ring and send `make_rows(slot, gen)`, the
+        ROWS naming the slot and the put's generation: True; False when they must go through the host (no ring,
+        they do not fit, or the slot is not free in time), nothing sent then. `outcome`: the device tensor of this
+        shard's own device wait for its input rows (the next shard's wait ends poisoned when they never landed)."""
         if self.ring is None:
             if self.ring_problem is not None or not parts or parts[0].device.type != "cuda":
                 return False
-            self._open_ring()
+            self._open_ring(parts[0].device)
             if self.ring is None:
                 return False
         if not self.ring.fits(parts):
@@ -100,19 +101,21 @@ class RowsLink:
             log.warning("ring slot %d of %s not acknowledged in %g s: these rows go through the host", slot,
                         self.endpoint, self.ACK_WAIT_S)
             return False
-        if self.ring.put(parts, self.ACK_WAIT_S) is None:
+        if self.ring.put(parts, self.ACK_WAIT_S, outcome) is None:
             return False
-        self._slot_ids[slot] = self.send(make_rows(slot))
+        self._slot_ids[slot] = self.send(make_rows(slot, self.ring.generations[slot]))
         self.on_device += 1
         return True
 
-    def _open_ring(self) -> None:
-        from shardd.ring import RingUnavailable, RingWriter
+    def _open_ring(self, device=None) -> None:
+        """RING to the next shard (`device`: where this shard's rows are, its GPU named in the request)."""
+        from shardd.ring import RingUnavailable, RingWriter, gpu_uuid
 
         request_id = next(self._ids)
         try:
-            self.socket.send_multipart(encode_request(Ring(id=request_id, rows=self.device_rows, pid=os.getpid())),
-                                       flags=zmq.NOBLOCK)
+            gpu = gpu_uuid(device) if device is not None and device.type == "cuda" else None
+            ring = Ring(id=request_id, rows=self.device_rows, pid=os.getpid(), gpu=gpu)
+            self.socket.send_multipart(encode_request(ring), flags=zmq.NOBLOCK)
             reply = self._await(request_id, self.RING_REPLY_S)
             if reply is None:
                 raise RingUnavailable(f"no RING reply in {self.RING_REPLY_S:g} s")

@@ -286,7 +286,7 @@ def test_rows_on_the_device_are_refused_by_a_cpu_shard_and_a_slot_rows_refuses_i
             assert time.monotonic() - started < 4  # at once, not at --rows-wait 5
             link._open_ring()  # what a GPU sender does first: refused, so its rows go through the host
             assert link.ring is None and "not a GPU" in link.ring_problem
-            assert not link.send_on_device([torch.zeros(2, 8)], lambda slot: None)  # CPU rows: the host, no RING
+            assert not link.send_on_device([torch.zeros(2, 8)], lambda slot, gen: None)  # CPU rows: the host, no RING
         finally:
             link.close()
         assert middle.request("STATS").result["rows"]["ring_bytes"] == 0
@@ -302,11 +302,15 @@ class _StubRing:
 
     slots, rows, next = 2, 64, 0
 
+    def __init__(self):
+        self.generations = [0] * self.slots
+
     def fits(self, parts):
         return True
 
-    def put(self, parts, timeout_s=1.0):
+    def put(self, parts, timeout_s=1.0, outcome=None):
         slot, self.next = self.next, (self.next + 1) % self.slots
+        self.generations[slot] += 1
         return slot
 
 
@@ -324,11 +328,11 @@ def test_a_sender_whose_slot_rows_are_refused_drops_its_ring_and_the_rows_count_
         seq = 75
         assert middle.request("OPEN", seq=seq).ok
         link.ring = _StubRing()
-        assert link.send_on_device([torch.zeros(2, 8)], lambda slot: Rows(id=0, seq=seq, pos=0, ticket=41, slot=slot,
-                                                                          slot_rows=2))
+        assert link.send_on_device([torch.zeros(2, 8)], lambda slot, gen: Rows(id=0, seq=seq, pos=0, ticket=41,
+                                                                               slot=slot, slot_rows=2, slot_gen=gen))
         assert link._acknowledged(0)  # the refusal answers the slot's ROWS
         assert link.ring is None and link.refused == 1 and link.on_device == 1
-        assert not link.send_on_device([torch.zeros(2, 8)], lambda slot: None)  # CPU rows now: by host
+        assert not link.send_on_device([torch.zeros(2, 8)], lambda slot, gen: None)  # CPU rows now: by host
         started = time.monotonic()
         late = middle.request("FORWARD", seq=seq, pos=0, rows_ticket=41, ticket_rows=2)
         assert late.error_code is ErrorCode.ROWS_MISSING and time.monotonic() - started < 4
@@ -571,7 +575,7 @@ def test_batches_with_refused_items_end_alike_relayed_and_shard_to_shard(direct)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("ring_wait", ["host", "device"])
+@pytest.mark.parametrize("ring_wait", ["auto", "device"])
 def test_rows_through_the_device_ring_give_the_host_rows_tokens(tmp_path, ring_wait):
     """Three fast bf16 daemons on the GPU, each sending its rows on through the next one's device ring: greedy,
     speculative (checkpoint rollbacks) and a batch of streams give the tokens of the same daemons with the rows
@@ -608,9 +612,12 @@ refused, and goes by host), every step's rows in a slot (STATS `rows`)."""
                 assert [s["ring_to_next"] for s in stats[:2]] == ["on", "on"]
                 assert stats[0]["sent_on_device"] == stats[0]["sent"] > 0
                 assert stats[1]["on_device"] == stats[1]["received"] and stats[2]["on_device"] == stats[2]["received"]
-                if ring_wait == "host":  # a FORWARD that waits when its rows come reads them at its launch
+                # on one GPU, auto waits on the host: a FORWARD that waits when its rows come reads them at its launch
+                waits = {"host": "host", "auto": "host", "device": "device"}[ring_wait]
+                assert stats[1]["ring_wait"] == stats[2]["ring_wait"] == waits
+                if waits == "host":
                     assert stats[1]["gated"] > 0 and stats[2]["gated"] > 0
-                else:
+                else:  # the device wait (a wait kernel on the shard's stream)
                     assert stats[1]["gated"] == stats[2]["gated"] == 0
                 assert all(s["missing"] == 0 for s in stats)
             else:
