@@ -123,6 +123,26 @@ def test_a_packed_weight_gives_the_row_major_weight_s_bits(config, blockwise):
         fp8.fp8_gemm(x, packed, scale, block, fp8.TileConfig(block_n=64), convert=convert)
 
 
+def test_a_tiles_file_replaces_the_table_s_configs_and_bad_entries_are_refused_by_name(tmp_path, monkeypatch):
+    import json
+
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps({"136x300": {"block_n": 16, "split_k": 3, "warps": 2, "pdl": True, "prefetch": 1}}))
+    monkeypatch.setattr(fp8, "_TUNED", None)
+    monkeypatch.setenv(fp8.TILES_ENV, str(path))
+    assert fp8.tile_config(136, 300, True) == fp8.TileConfig(block_n=16, split_k=3, warps=2, pdl=True, prefetch=1)
+    assert fp8.tile_config(5120, 6144, True) == fp8.TILE_TABLE[(5120, 6144, True)]  # not in the file: the table's
+    weight, scale, block = quantized(136, 300, True, seed=31)
+    x = torch.randn(3, 300, generator=torch.Generator().manual_seed(32)).to(DEVICE, DTYPE)
+    assert_matches_reference(fp8.fp8_linear(x, weight.to(DEVICE), scale.to(DEVICE), block), x,
+                             fp8.dequantize_fp8(weight, scale, block).to(DEVICE))
+    for bad, message in (({"136x300": {"blocks": 16}}, "unknown TileConfig fields"), ({"136": {}}, "is not NxK")):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=message):
+            fp8.load_tiles(str(path))
+    monkeypatch.setattr(fp8, "_TUNED", None)
+
+
 def test_other_block_shapes():
     """Scales per (1 row x 128) block (a fused matrix whose parts' rows are not multiples of 128 can carry its
     parts' scales that way) and per 64 x 64 block (K tiles shrink to fit)."""
