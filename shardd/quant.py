@@ -365,8 +365,43 @@ class StackedLinear:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func is F.linear and len(args) >= 2 and isinstance(args[1], StackedLinear):
-            return torch.cat([F.linear(args[0], g) for g in args[1].groups], dim=-1)
+            return args[1](args[0])
         return NotImplemented
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The groups' outputs side by side. On a GPU each group writes its own columns of one output (the FP8
+        kernel and the narrow bf16 kernel take an output view): no torch.cat of the parts, and a narrow bf16 part
+        (the GDN `a` a checkpoint leaves unquantized) in one small kernel instead of cuBLAS's split-K pair."""
+        if x.dim() != 2 or not all(_writes_into(g, x) for g in self.groups):
+            return torch.cat([F.linear(x, g) for g in self.groups], dim=-1)
+        from shardd.kernels.narrow_gemm import narrow_linear
+
+        out = torch.empty(x.shape[0], self.shape[0], dtype=x.dtype, device=x.device)
+        start = 0
+        for group in self.groups:
+            stop = start + group.shape[0]
+            if isinstance(group, Fp8Linear):
+                group.kernel(x, group.weight, group.scale, group.block, out=out[:, start:stop])
+            else:
+                narrow_linear(x, group, out[:, start:stop])
+            start = stop
+        return out
+
+
+def _writes_into(group, x: torch.Tensor) -> bool:
+    """Whether a StackedLinear group computes x's product into a view of the output: an FP8 matrix with the
+    Triton kernel, or a narrow unquantized matrix of x's dtype and device (shardd.kernels.narrow_gemm), where the
+    kernels run (a GPU, or Triton's interpreter)."""
+    import os
+
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return False
+    if isinstance(group, Fp8Linear):
+        return group.kernel is not dequantize_linear
+    from shardd.kernels.narrow_gemm import MAX_N
+
+    return (isinstance(group, torch.Tensor) and group.device == x.device and group.dtype == x.dtype
+            and group.dim() == 2 and group.shape[0] <= MAX_N and group.stride(1) == 1)
 
 
 def is_quantized(matrix) -> bool:
