@@ -272,10 +272,7 @@ class ShardDaemon:
             # a batch's items each may have moved on before the error: none of their states can be trusted
             seqs = [item.seq for item in request.items] if isinstance(request, Batch) else [seq]
             for failed in seqs:
-                entry = self.sequences.get((owner, failed))
-                if entry is not None and not entry.failed:
-                    entry.failed = message
-                    self.counters.sequences_failed += 1
+                self._fail(self.sequences.get((owner, failed)), message)
             return self._error(request.id, request.type, ErrorCode.INTERNAL, message, seq=seq)
         finally:
             PHASES.lap("compute")
@@ -605,12 +602,16 @@ class ShardDaemon:
         failed = {item.seq for item in items}
         for index, item in enumerate(request.items):
             if item.seq in failed:
-                entry = self.sequences.get((self.owner, item.seq))
-                if entry is not None and not entry.failed:
-                    entry.failed = message
-                    self.counters.sequences_failed += 1
+                self._fail(self.sequences.get((self.owner, item.seq)), message)
                 answers[index] = ProtocolError(ErrorCode.INTERNAL, message)
         self._refuse_downstream(request)
+
+    def _fail(self, entry, message: str) -> None:
+        """A sequence (its entry, or None when it is gone) failed by `message`; only CLOSE works on it then. The
+        first failure is the one it keeps (and counts)."""
+        if entry is not None and not entry.failed:
+            entry.failed = message
+            self.counters.sequences_failed += 1
 
     def _on_device(self, parts: list, make_rows, wait=None) -> bool:
         """Rows to the next shard through its device ring (RowsLink.send_on_device; `wait`: this shard's own
@@ -894,10 +895,8 @@ class ShardDaemon:
                 log.warning("a step of sequences %s ran without its rows: %s", seqs, exc)
             else:
                 log.error("internal error in a batch of sequences %s: %s\n%s", seqs, message, traceback.format_exc())
-            for _, item, entry, _ in runs:
-                if not entry.failed:
-                    entry.failed = message
-                    self.counters.sequences_failed += 1
+            for _, _, entry, _ in runs:
+                self._fail(entry, message)
             return [ProtocolError(ErrorCode.INTERNAL, message) for _ in runs]
 
     def _batch_reply(self, request, answers: list, order: tuple = ()) -> tuple[dict, dict]:

@@ -392,9 +392,9 @@ def _writes_into(group, x: torch.Tensor) -> bool:
     """Whether a StackedLinear group computes x's product into a view of the output: an FP8 matrix with the
     Triton kernel, or a narrow unquantized matrix of x's dtype and device (shardd.kernels.narrow_gemm), where the
     kernels run (a GPU, or Triton's interpreter)."""
-    import os
+    from shardd.kernels import interpreted
 
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if x.device.type != "cuda" and not interpreted():
         return False
     if isinstance(group, Fp8Linear):
         return group.kernel is not dequantize_linear

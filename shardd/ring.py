@@ -112,7 +112,6 @@ class DeviceRing:
         self.flags = torch.zeros(SLOTS, dtype=torch.int64, device=device)
         self.cancel = torch.zeros(1, dtype=torch.int32, device=device)
         self.outcomes = torch.zeros(SLOTS, dtype=torch.int32, device=device)
-        self.awaited = [0] * SLOTS  # the generation each slot's last device wait waited for
         self._waits_done = [torch.cuda.Event() for _ in range(SLOTS)]  # recorded after each slot's wait kernel
         self._waiting = [False] * SLOTS
         self._watcher: Optional[threading.Thread] = None
@@ -160,7 +159,6 @@ class DeviceRing:
 
         stream = torch.cuda.current_stream(self.device)
         self._start_watcher()
-        self.awaited[slot] = generation
         kernels.await_rows(self.flags[slot:slot + 1], self.cancel, self.outcomes[slot:slot + 1], generation, timeout_s)
         self._waits_done[slot].record(stream)
         self._waiting[slot] = True
@@ -322,6 +320,16 @@ class RowsGate:
         return self.ring.not_landed(self.slot, self.timeout_s) if self.landed is False else None
 
 
+def _opened(handles, device, dtype, shape):
+    """A tensor of `shape` over the reader's memory its CUDA IPC handles name (DeviceRing.share's `memory`, `flags`)."""
+    import torch
+
+    handle, size, offset, counter, counter_offset, event, event_sync = handles
+    storage = torch.UntypedStorage._new_shared_cuda(device.index, handle, size, offset, counter, counter_offset,
+                                                    event, event_sync)
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, shape)
+
+
 class RingWriter:
     """The writer's view of a reader's ring (the RING reply `shared`), opened in this process."""
 
@@ -335,19 +343,9 @@ class RingWriter:
             self.device = torch.device("cuda", index)
             self.rows, self.hidden, self.slots = int(shared["rows"]), int(shared["hidden"]), int(shared["slots"])
             self.dtype = getattr(torch, str(shared["dtype"]))
-            handle, size, offset, counter, counter_offset, event, event_sync = shared["memory"]
-            storage = torch.UntypedStorage._new_shared_cuda(index, handle, size, offset, counter, counter_offset,
-                                                            event, event_sync)
-            self.buffer = torch.empty(0, dtype=self.dtype, device=self.device).set_(
-                storage, 0, (self.slots, self.rows, self.hidden))
+            self.buffer = _opened(shared["memory"], self.device, self.dtype, (self.slots, self.rows, self.hidden))
             flags = shared.get("flags")
-            if flags is not None:
-                handle, size, offset, counter, counter_offset, event, event_sync = flags
-                flag_storage = torch.UntypedStorage._new_shared_cuda(index, handle, size, offset, counter,
-                                                                     counter_offset, event, event_sync)
-                self.flags = torch.empty(0, dtype=torch.int64, device=self.device).set_(flag_storage, 0, (self.slots,))
-            else:
-                self.flags = None
+            self.flags = None if flags is None else _opened(flags, self.device, torch.int64, (self.slots,))
             self.written = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in shared["written"]]
             self.consumed = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in shared["consumed"]]
         except RingUnavailable:

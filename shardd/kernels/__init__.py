@@ -6,3 +6,10 @@ however many of them are real: that is what makes a token's result independent o
 shared its step. Importing this package does not import triton; each module does, so only a GPU
 shard (or a test under TRITON_INTERPRET=1) loads it.
 """
+
+
+def interpreted() -> bool:
+    """Whether Triton's interpreter runs the kernels (TRITON_INTERPRET set and not 0: the CPU tests)."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -37,6 +37,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from shardd.kernels import interpreted
+
 BLOCK_M = 16          # rows per tile, whatever M: a row's MMA never sees a different tile shape
 LARGE_M = 128         # more rows than this take the dequantize-then-matmul path
 MAX_ROW_TILES = LARGE_M // BLOCK_M  # row tiles one program computes from one read of each weight tile
@@ -527,7 +529,7 @@ def dequantized(weight: torch.Tensor, scale2d: torch.Tensor, block, dtype: torch
     device, or the interpreter): 3 bytes of memory traffic a weight where the PyTorch expression moves ~35
     (float32 copies of the weight, of its expanded scale, of their product), which made an FP8 prefill ~5x
     slower than a bf16 one (1,450 tok/s against 6,543 on an H200, its time in PyTorch's elementwise kernels)."""
-    if weight.device.type != "cuda" and not _interpreted():  # a CPU caller (no kernel here): the same values
+    if weight.device.type != "cuda" and not interpreted():  # a CPU caller (no kernel here): the same values
         return dequantize_fp8(weight, scale2d, block).to(dtype)
     weight = weight.contiguous()
     n, k = weight.shape
@@ -655,7 +657,7 @@ def fp8_gemm(x, weight, scale, block, config: TileConfig, *, convert: str, out=N
         raise ValueError("fp8_linear: the weight was packed for another scale layout")
     if m == 0:
         return out
-    if x.device.type != "cuda" and not _interpreted():
+    if x.device.type != "cuda" and not interpreted():
         raise ValueError("fp8_linear: the kernel runs on a CUDA device (or under TRITON_INTERPRET=1); a CPU model dequantizes at load")
     w = packed.data if packed is not None else weight
     if w.device != x.device or scale.device != x.device:
@@ -705,12 +707,6 @@ def _stages(config: TileConfig, block_k: int, row_tiles: int, x_bytes: int) -> i
     return max(2, min(config.stages, SMEM_BUDGET // per_stage))
 
 
-def _interpreted() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def ampere_default(device: torch.device) -> bool:
     """Whether a device lacks FP8 conversion (before sm_89): the Ampere path then, the native one otherwise."""
     if device.type != "cuda":
@@ -733,7 +729,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     if ampere is None:
         ampere = ampere_default(x.device)
     convert = AMPERE_CONVERT if ampere else HOPPER_CONVERT
-    if _interpreted() and convert.startswith("asm"):  # the interpreter runs no PTX: the same bits in Triton ops
+    if interpreted() and convert.startswith("asm"):  # the interpreter runs no PTX: the same bits in Triton ops
         convert = "bits"
     config = tile_config(weight.shape[0], weight.shape[1], block is not None)
     # a K tile never straddles two scale blocks
