@@ -108,12 +108,12 @@ def main():
                    "daemons that cannot share memory fall back to the host. 0: always the host.")
 @click.option("--ring-wait", type=click.Choice(RING_WAITS), default="auto", show_default=True,
               help="As the next shard, how a step waits for the previous shard's rows in its ring: host (a bounded "
-                   "poll; rows that never land refuse the FORWARD ROWS_MISSING, changing nothing), device (a small "
-                   "kernel on this daemon's stream waits for the slot's flag, so the step's launch is queued before "
-                   "the rows land; bounded by --rows-wait and by the writer's life, and a step that then ran without "
-                   "its rows fails its sequences, which the coordinator re-fills), or auto: device when the previous "
-                   "shard computes on another GPU, host when on this one (a spinning kernel would take GPU time "
-                   "from its kernels: processes time-share a GPU; ~7.5 ms a step lost, measured).")
+                   "poll; rows that never land refuse the FORWARD ROWS_MISSING, changing nothing), device (the GPU's "
+                   "front end waits for the slot's flag, cuStreamWaitValue32, so the step's launch is queued before "
+                   "the rows land; a spinning kernel where the driver has no stream memory operations; bounded by "
+                   "--rows-wait and by the writer's life, and a step that then ran without its rows fails its "
+                   "sequences, which the coordinator re-fills), or auto: device, except with the spinning kernel "
+                   "for a previous shard on this GPU (it would time-share the GPU with that shard's kernels).")
 @click.option("--threads", type=int, default=None,
               help="CPU threads for torch (default: 1 on a GPU, whose host work is small copies; torch's choice on the CPU).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,

@@ -617,7 +617,7 @@ class ShardDaemon:
         """Rows to the next shard through its device ring (RowsLink.send_on_device; `wait`: this shard's own
         device wait for its input rows, whose outcome the next shard's wait reads); once the ring is refused for
         good, the fast step hands its rows to the host again (its own pinned buffer, as without a ring)."""
-        if self.relay.send_on_device(parts, make_rows, None if wait is None else wait.outcome_tensor):
+        if self.relay.send_on_device(parts, make_rows, wait):
             return True
         if self.relay.ring_problem is not None and getattr(self.shard, "rows_out_on_device", False):
             self.shard.rows_out_on_device = False
@@ -667,6 +667,8 @@ class ShardDaemon:
             problem = "the items of a batched ROWS name one slot, all of them"
         elif self.ring is None:
             problem = "this shard has no device ring (no RING was answered since it started)"
+        elif self.ring.broken is not None:
+            problem = f"this shard's ring takes no slot rows until the next RING: {self.ring.broken}"
         elif slots.pop() >= len(self.ring.written) or total > self.ring.rows:
             problem = (f"slot {parts[0].slot} and {total} rows do not fit this shard's ring of "
                        f"{len(self.ring.written)} slots of {self.ring.rows} rows")

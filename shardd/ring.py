@@ -11,11 +11,11 @@ out of the slot and records `consumed`, which the writer waits for before it wri
 The reader creates all of it (memory and both events' objects), so the writer's death frees nothing the reader
 uses. A stream wait on an event a dead process recorded may never end (its context and work are torn down,
 measured), so neither wait uses one. The host wait polls `written`: bounded by --rows-wait and by the writer's
-life. The device wait (`DeviceRing.await_rows`) queues one small kernel before the rows' copy that spins on the
-slot's flag, which the writer sets to the put's generation after its rows (shardd/kernels/ring.py): it ends when
-they land, when the writer's own rows never did (a poisoned flag), after --rows-wait, or when a watcher thread
-of the reader sees the writer's process gone and sets `cancel`; the step runs after it either way, and the
-daemon reads the wait's outcome before it answers (a step that ran on no rows fails its sequences).
+life. The device wait (`DeviceRing.await_rows`) has the reader's stream wait for the slot's flag, which the
+writer sets to the put's generation after its rows (shardd/kernels/ring.py): through the GPU's front end
+(cuStreamWaitValue32: no SM taken) or a spinning kernel; a watcher thread of the reader ends a wait that has not
+landed after --rows-wait or once the writer's process is gone. The step runs after it either way, and the daemon
+reads the wait's outcome before it answers (a step that ran on no rows fails its sequences).
 
 Nothing here is on the CPU reference path: a CPU shard refuses RING and its rows travel through the host. torch
 is imported where it is used (the CLI imports this module for its defaults).
@@ -107,13 +107,14 @@ class DeviceRing:
         for event in self.written + self.consumed:
             event.record(stream)
         stream.synchronize()
-        # the device wait's flags (written by the writer: a put's generation, or minus it), its cancel word (set by
-        # the watcher) and each slot's last outcome (shardd.kernels.ring)
-        self.flags = torch.zeros(SLOTS, dtype=torch.int64, device=device)
-        self.cancel = torch.zeros(1, dtype=torch.int32, device=device)
-        self.outcomes = torch.zeros(SLOTS, dtype=torch.int32, device=device)
-        self._waits_done = [torch.cuda.Event() for _ in range(SLOTS)]  # recorded after each slot's wait kernel
-        self._waiting = [False] * SLOTS
+        # the device wait (shardd/kernels/ring.py): per slot its flag (written by the writer), the flag as the last
+        # wait saw it when it ended (`seen`) and an event after that wait; the waits the watcher may end
+        self.flags = torch.zeros(SLOTS, dtype=torch.int32, device=device)
+        self.seen = torch.zeros(SLOTS, dtype=torch.int32, device=device)
+        self._waits_done = [torch.cuda.Event() for _ in range(SLOTS)]
+        self._pending: dict[int, tuple[int, float]] = {}  # slot -> (generation, deadline) of a queued wait
+        self._lock = threading.Lock()
+        self.broken: Optional[str] = None  # a wait the watcher ended: this ring takes no more slot rows (new RING)
         self._watcher: Optional[threading.Thread] = None
         self._closed = threading.Event()
         self.writer_pid: Optional[int] = None
@@ -151,43 +152,50 @@ class DeviceRing:
         return rows
 
     def await_rows(self, slot: int, n: int, generation: int, timeout_s: float) -> tuple:
-        """The device wait: (the first n rows of `slot` copied out of it behind the wait kernel, the DeviceWait
-        whose outcome the daemon reads after the step). Nothing here waits on the host."""
+        """The device wait: (the first n rows of `slot` copied out of it behind the wait, the DeviceWait whose
+        outcome the daemon reads after the step). Nothing here waits on the host: the GPU's front end waits
+        (cuStreamWaitValue32) where the driver can, else a spinning kernel; the watcher ends it after `timeout_s`
+        or a second after the writer's death."""
         import torch
 
         from shardd.kernels import ring as kernels
 
         stream = torch.cuda.current_stream(self.device)
         self._start_watcher()
-        kernels.await_rows(self.flags[slot:slot + 1], self.cancel, self.outcomes[slot:slot + 1], generation, timeout_s)
+        with self._lock:
+            self._pending[slot] = (generation, time.monotonic() + timeout_s)
+        if front_end_waits():
+            _wait_value(stream, self.flags[slot:slot + 1], generation)
+            self.seen[slot:slot + 1].copy_(self.flags[slot:slot + 1])  # the value that ended the wait (it changes no more: see shardd/kernels/ring.py)
+        else:
+            kernels.spin(self.flags, self.seen, slot, generation)
         self._waits_done[slot].record(stream)
-        self._waiting[slot] = True
         rows = self.buffer[slot, :n].clone()
         self.consumed[slot].record(stream)
         return rows, DeviceWait(self, slot, generation)
 
     def _warm_up(self) -> None:
-        """Compile and load the wait kernel now (a wait for the flag value it already holds), not at the first rows."""
+        """Compile and load the kernels now (a wait for the value a flag already holds; an end that ends
+        nothing), not at the first rows."""
         import torch
 
         from shardd.kernels import ring as kernels
 
-        kernels.await_rows(torch.zeros(1, dtype=torch.int64, device=self.device), self.cancel,
-                           torch.zeros(1, dtype=torch.int32, device=self.device), 0, 1.0)
+        flags, seen = (torch.zeros(SLOTS, dtype=torch.int32, device=self.device) for _ in range(2))
+        kernels.spin(flags, seen, 1, 0)
+        kernels.end_wait(flags, 1, 0, kernels.CANCELLED_VALUE)
         torch.cuda.current_stream(self.device).synchronize()
 
     def new_writer(self, pid: Optional[int], gpu: Optional[str] = None) -> None:
-        """A (new) writer opened the ring (`gpu`: the UUID of the GPU its rows come from): its flags start over
-        and a cancel of the last one's death is lifted (nothing waits then: the old writer's ROWS all came or were
-        refused). Done on the device before the RING reply, so that no put of the new writer can be overwritten.
-        A writer on this very GPU is better waited for on the host (`--ring-wait auto`): a spinning wait kernel
-        holds the GPU that the writer's kernels need (processes time-share a GPU: ~7.5 ms a step lost, measured)."""
+        """A (new) writer opened the ring (`gpu`: the UUID of the GPU its rows come from): its flags start over and
+        the ring takes slot rows again (nothing waits then: the old writer's ROWS all came or were refused). Done
+        on the device before the RING reply, so that no put of the new writer can be overwritten."""
         import torch
 
         self.writer_pid = pid
         self.writer_shares_gpu = gpu is not None and gpu == gpu_uuid(self.device)
         self.flags.zero_()
-        self.cancel.zero_()
+        self.broken = None
         torch.cuda.current_stream(self.device).synchronize()
 
     def _start_watcher(self) -> None:
@@ -196,29 +204,38 @@ class DeviceRing:
             self._watcher.start()
 
     def _watch(self) -> None:
-        """While a device wait is queued and has not ended: once the writer's process is gone (a second after it
-        was first seen gone), set `cancel` from a side stream so that the wait ends (CANCELLED) now instead of
-        after --rows-wait. Once set, it stays until a new writer."""
+        """Every WATCH_S while a device wait is queued and has not ended: end it (shardd.kernels.ring.end_wait, on
+        a side stream: the reader's own stream is the one waiting) with TIMED_OUT past its deadline, or with
+        CANCELLED once the writer's process has been gone for a second. An ended wait breaks the ring (its slot's
+        flag holds the end): the daemon refuses slot rows until the writer asks again (RING)."""
         import torch
+
+        from shardd.kernels import ring as kernels
 
         with torch.cuda.device(self.device):
             side = torch.cuda.Stream(self.device)
-            one = torch.ones(1, dtype=torch.int32).pin_memory()
             dead_since = None
             while not self._closed.wait(WATCH_S):
-                waiting = any(w and not done.query() for w, done in zip(self._waiting, self._waits_done))
-                if not waiting or pid_alive(self.writer_pid):
+                with self._lock:
+                    pending = {slot: wait for slot, wait in self._pending.items() if not self._waits_done[slot].query()}
+                    self._pending = dict(pending)
+                if not pending or pid_alive(self.writer_pid):
                     dead_since = None
-                    continue
                 now = time.monotonic()
-                dead_since = dead_since or now
-                if now - dead_since >= 1.0:
+                if pending and dead_since is None and not pid_alive(self.writer_pid):
+                    dead_since = now
+                for slot, (generation, deadline) in pending.items():
+                    if dead_since is not None and now - dead_since >= 1.0:
+                        value, why = kernels.CANCELLED_VALUE, f"the previous shard's process {self.writer_pid} is gone"
+                    elif now > deadline:
+                        value, why = kernels.TIMED_OUT_VALUE, "its rows did not land within --rows-wait"
+                    else:
+                        continue
                     with torch.cuda.stream(side):
-                        self.cancel.copy_(one, non_blocking=True)
+                        kernels.end_wait(self.flags, slot, generation, value)
                     side.synchronize()
-                    log.warning("the previous shard's process %s is gone with rows in flight: the device waits for "
-                                "them end (their steps' sequences fail)", self.writer_pid)
-                    self._waiting = [False] * SLOTS
+                    self.broken = f"a device wait for slot {slot} was ended: {why}"
+                    log.warning("ring slot %d: %s (the step behind it fails its sequences)", slot, why)
 
     def close(self) -> None:
         self._closed.set()
@@ -242,25 +259,28 @@ WATCH_S = 0.05  # how often the watcher looks at a writer while device waits are
 
 def device_wait(mode: str, ring: "DeviceRing") -> bool:
     """Whether the reader waits for `ring`'s rows on its device (`--ring-wait`): always with "device", never with
-    "host", and with "auto" when the writer computes on another GPU."""
-    return mode == "device" or (mode == "auto" and not ring.writer_shares_gpu)
+    "host", and with "auto" when the GPU's front end waits (no SM taken) or the writer computes on another GPU
+    (a spinning kernel on the writer's own GPU would time-share it with the writer's kernels)."""
+    return mode == "device" or (mode == "auto" and (front_end_waits() or not ring.writer_shares_gpu))
 
 
 class DeviceWait:
-    """One device wait for a slot's rows (DeviceRing.await_rows): its outcome on the device (`outcome_tensor`,
-    what a publish to the next shard reads) and, once the step after it is done, on the host (`outcome()`)."""
+    """One device wait for a slot's rows (DeviceRing.await_rows): the flag value that ended it on the device
+    (`seen`, what a publish to the next shard reads) and, once it ended, its outcome on the host."""
 
     def __init__(self, ring: DeviceRing, slot: int, generation: int):
         self.ring, self.slot, self.generation = ring, slot, generation
-        self.outcome_tensor = ring.outcomes[slot:slot + 1]
+        self.seen = ring.seen  # every slot's: seen[slot] is this wait's (a publish reads it by index)
         self._outcome: Optional[int] = None
 
     def outcome(self) -> int:
-        """shardd.kernels.ring's LANDED, TIMED_OUT, CANCELLED or POISONED; waits for the wait kernel (bounded by
-        its timeout and the watcher). Read before the slot's next wait."""
+        """shardd.kernels.ring's LANDED, TIMED_OUT, CANCELLED or POISONED; waits for the wait to end (bounded by
+        the watcher). Read before the slot's next wait."""
+        from shardd.kernels.ring import outcome_of
+
         if self._outcome is None:
             self.ring._waits_done[self.slot].synchronize()
-            self._outcome = int(self.outcome_tensor.item())
+            self._outcome = outcome_of(int(self.seen[self.slot].item()), self.generation)
         return self._outcome
 
     def landed(self) -> bool:
@@ -279,6 +299,38 @@ class DeviceWait:
         if outcome == kernels.POISONED:
             return "the previous shard's own step ran without its rows (they never landed before it)"
         return "landed"
+
+
+# ---- the GPU front end's wait (a stream memory operation of the CUDA driver) ----------------------------
+
+_FRONT_END: Optional[object] = None  # the driver's cuStreamWaitValue32, or False where it has none
+
+
+def front_end_waits() -> bool:
+    """Whether the CUDA driver waits on a flag in a stream (cuStreamWaitValue32: the GPU's front end polls the
+    flag, no SM taken; every driver of CUDA 12 and later on Linux)."""
+    global _FRONT_END
+    if _FRONT_END is None:
+        import ctypes
+
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            fn = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _FRONT_END = fn
+        except (OSError, AttributeError):
+            _FRONT_END = False
+    return _FRONT_END is not False
+
+
+CU_STREAM_WAIT_VALUE_GEQ = 0x0  # (int32)(*addr - value) >= 0
+
+
+def _wait_value(stream, flag, value: int) -> None:
+    rc = _FRONT_END(stream.cuda_stream, flag.data_ptr(), value, CU_STREAM_WAIT_VALUE_GEQ)
+    if rc != 0:
+        raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {rc}")
 
 
 class RowsLost(Exception):
@@ -345,7 +397,7 @@ class RingWriter:
             self.dtype = getattr(torch, str(shared["dtype"]))
             self.buffer = _opened(shared["memory"], self.device, self.dtype, (self.slots, self.rows, self.hidden))
             flags = shared.get("flags")
-            self.flags = None if flags is None else _opened(flags, self.device, torch.int64, (self.slots,))
+            self.flags = None if flags is None else _opened(flags, self.device, torch.int32, (self.slots,))
             self.written = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in shared["written"]]
             self.consumed = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in shared["consumed"]]
         except RingUnavailable:
@@ -355,21 +407,23 @@ class RingWriter:
         if len(self.written) != self.slots or len(self.consumed) != self.slots:
             raise RingUnavailable("the next shard's ring names a different number of events than slots")
         self.next = 0
-        self.generations = [0] * self.slots  # puts into each slot so far: the last one's flag value
+        self.generations = [0] * self.slots  # puts into each slot so far: the last one's generation
         if self.flags is not None:  # the publish kernel compiled and loaded now (on a flag of its own)
             from shardd.kernels import ring as kernels
 
-            kernels.publish(torch.zeros(1, dtype=torch.int64, device=self.device), 1)
+            scratch = torch.zeros(SLOTS, dtype=torch.int32, device=self.device)
+            kernels.publish(scratch, 1, 0, 1)
+            kernels.publish(scratch, 1, 1, 2, own=scratch, own_slot=1, expected_own=1)
 
     def fits(self, parts: list) -> bool:
         return (all(p.device.type == "cuda" and p.dtype == self.dtype and p.dim() == 2 and p.shape[1] == self.hidden
                     for p in parts) and sum(p.shape[0] for p in parts) <= self.rows)
 
-    def put(self, parts: list, timeout_s: float = 1.0, outcome=None) -> Optional[int]:
+    def put(self, parts: list, timeout_s: float = 1.0, own=None) -> Optional[int]:
         """Copy `parts` (rows end to end) into the next slot on the device, publish the put's generation in the
-        slot's flag (minus it when `outcome`, the device tensor of this shard's own DeviceWait, is not LANDED)
-        and record its `written`: the slot (its generation in `generations`), or None (the reader has not let go
-        of the slot in time: send these rows through the host)."""
+        slot's flag (with POISON when `own`, this shard's own DeviceWait for its input rows, did not land) and
+        record its `written`: the slot (its generation in `generations`), or None (the reader has not let go of
+        the slot in time: send these rows through the host)."""
         import torch
 
         slot = self.next
@@ -382,10 +436,14 @@ class RingWriter:
             self.buffer[slot, start:start + part.shape[0]].copy_(part, non_blocking=True)
             start += part.shape[0]
         self.generations[slot] += 1
+        generation = self.generations[slot]
         if self.flags is not None:
             from shardd.kernels import ring as kernels
 
-            kernels.publish(self.flags[slot:slot + 1], self.generations[slot], outcome)
+            # from the previous put's value (poisoned or not); a wait the reader ended holds its end instead, and
+            # the reader takes no more slot rows then (a new RING starts over), so a lost swap is final
+            kernels.publish(self.flags, slot, generation - 1, generation, None if own is None else own.seen,
+                            0 if own is None else own.slot, 0 if own is None else own.generation)
         self.written[slot].record(torch.cuda.current_stream(self.device))
         self.next = (slot + 1) % self.slots
         return slot

@@ -83,11 +83,11 @@ class RowsLink:
             log.warning("ROWS of ticket %s dropped: %s takes nothing", getattr(rows, "ticket", "?"), self.endpoint)
         return request_id
 
-    def send_on_device(self, parts: list, make_rows: Callable[[int, int], object], outcome=None) -> bool:
+    def send_on_device(self, parts: list, make_rows: Callable[[int, int], object], own=None) -> bool:
         """Put `parts` (GPU tensors, rows end to end) in the next shard's ring and send `make_rows(slot, gen)`, the
         ROWS naming the slot and the put's generation: True; False when they must go through the host (no ring,
-        they do not fit, or the slot is not free in time), nothing sent then. `outcome`: the device tensor of this
-        shard's own device wait for its input rows (the next shard's wait ends poisoned when they never landed)."""
+        they do not fit, or the slot is not free in time), nothing sent then. `own`: this shard's own device wait for
+        its input rows (shardd.ring.DeviceWait: the next shard's wait ends poisoned when they never landed)."""
         if self.ring is None:
             if self.ring_problem is not None or not parts or parts[0].device.type != "cuda":
                 return False
@@ -101,7 +101,7 @@ class RowsLink:
             log.warning("ring slot %d of %s not acknowledged in %g s: these rows go through the host", slot,
                         self.endpoint, self.ACK_WAIT_S)
             return False
-        if self.ring.put(parts, self.ACK_WAIT_S, outcome) is None:
+        if self.ring.put(parts, self.ACK_WAIT_S, own) is None:
             return False
         self._slot_ids[slot] = self.send(make_rows(slot, self.ring.generations[slot]))
         self.on_device += 1

@@ -308,7 +308,7 @@ class _StubRing:
     def fits(self, parts):
         return True
 
-    def put(self, parts, timeout_s=1.0, outcome=None):
+    def put(self, parts, timeout_s=1.0, own=None):
         slot, self.next = self.next, (self.next + 1) % self.slots
         self.generations[slot] += 1
         return slot
@@ -612,8 +612,11 @@ refused, and goes by host), every step's rows in a slot (STATS `rows`)."""
                 assert [s["ring_to_next"] for s in stats[:2]] == ["on", "on"]
                 assert stats[0]["sent_on_device"] == stats[0]["sent"] > 0
                 assert stats[1]["on_device"] == stats[1]["received"] and stats[2]["on_device"] == stats[2]["received"]
-                # on one GPU, auto waits on the host: a FORWARD that waits when its rows come reads them at its launch
-                waits = {"host": "host", "auto": "host", "device": "device"}[ring_wait]
+                # on one GPU, auto waits on the device where the GPU's front end waits (no SM taken), else on the host
+                # (a FORWARD that waits when its rows come reads them at its launch)
+                from shardd.ring import front_end_waits
+
+                waits = {"auto": "device" if front_end_waits() else "host", "device": "device"}[ring_wait]
                 assert stats[1]["ring_wait"] == stats[2]["ring_wait"] == waits
                 if waits == "host":
                     assert stats[1]["gated"] > 0 and stats[2]["gated"] > 0
