@@ -24,10 +24,14 @@ def _close(y, reference, x, w):
     assert ((y.float() - reference.float()).abs() <= bound).all()
 
 
-def test_a_narrow_product_lands_in_its_columns_and_its_rows_do_not_depend_on_the_others():
+@pytest.mark.parametrize("k", [300, 1100], ids=["one-split", "three-splits"])  # K tiles of 128, 4 a split
+def test_a_narrow_product_lands_in_its_columns_and_its_rows_do_not_depend_on_the_others(k):
+    from shardd.kernels.narrow_gemm import splits
+
+    assert splits(k) == (1 if k == 300 else 3)
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(20, 300, generator=gen).to(DEVICE, DTYPE)
-    w = torch.randn(40, 300, generator=gen).to(DEVICE, DTYPE)
+    x = torch.randn(20, k, generator=gen).to(DEVICE, DTYPE)
+    w = torch.randn(40, k, generator=gen).to(DEVICE, DTYPE)
     wide = torch.full((20, 70), 7.0, dtype=DTYPE, device=DEVICE)
     narrow_linear(x, w, wide[:, 10:50])
     _close(wide[:, 10:50], x.float() @ w.float().t(), x, w)
