@@ -165,8 +165,10 @@ class DeviceRing:
         with self._lock:
             self._pending[slot] = (generation, time.monotonic() + timeout_s)
         if front_end_waits():
-            _wait_value(stream, self.flags[slot:slot + 1], generation)
-            self.seen[slot:slot + 1].copy_(self.flags[slot:slot + 1])  # the value that ended the wait (it changes no more: see shardd/kernels/ring.py)
+            flag = self.flags[slot:slot + 1]
+            _wait_value(stream, flag, generation)
+            # the value that ended the wait (it changes no more: see shardd/kernels/ring.py)
+            self.seen[slot:slot + 1].copy_(flag)
         else:
             kernels.spin(self.flags, self.seen, slot, generation)
         self._waits_done[slot].record(stream)
@@ -219,10 +221,10 @@ class DeviceRing:
                 with self._lock:
                     pending = {slot: wait for slot, wait in self._pending.items() if not self._waits_done[slot].query()}
                     self._pending = dict(pending)
+                now = time.monotonic()
                 if not pending or pid_alive(self.writer_pid):
                     dead_since = None
-                now = time.monotonic()
-                if pending and dead_since is None and not pid_alive(self.writer_pid):
+                elif dead_since is None:
                     dead_since = now
                 for slot, (generation, deadline) in pending.items():
                     if dead_since is not None and now - dead_since >= 1.0:

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shardd.kernels.fp8_gemm import _reduce_row_tile, _tile_ptrs  # the split-K partials' layout and sum
+
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 16, 128
 MAX_N = 256  # wider matrices are cuBLAS's (their GEMMs are bandwidth-bound, and split across many programs)
 TILES_PER_SPLIT = 4  # K tiles a program walks: K is cut into ceil(K_TILES / 4) splits (a function of K only)
@@ -41,22 +43,17 @@ def _narrow_partial_kernel(x_ptr, w_ptr, partial_ptr, M, N, K, x_stride, w_strid
         w = tl.load(w_ptr + offs_n[None, :] * w_stride + offs_k[:, None],
                     mask=(offs_n[None, :] < N) & (offs_k[:, None] < K), other=0.0)
         acc = tl.dot(x, w, acc, input_precision=PRECISION)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(partial_ptr + (split * partial_rows + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+    ptrs, mask = _tile_ptrs(partial_ptr + split * partial_rows * N, tl.program_id(1), N, offs_n, M, N, BLOCK_M, False)
+    tl.store(ptrs, acc, mask=mask)
 
 
 @triton.jit
 def _narrow_reduce_kernel(partial_ptr, out_ptr, M, N, out_stride, partial_rows, SPLITS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # the splits' partials added in split order 0, 1, ... (never in arrival order), rounded once into out
+    # the FP8 kernel's split-K reduction: the partials added in split order 0, 1, ..., rounded once into out
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    ptrs = partial_ptr + offs_m[:, None] * N + offs_n[None, :]
-    total = tl.load(ptrs, mask=mask, other=0.0)
-    for split in tl.static_range(1, SPLITS):
-        total += tl.load(ptrs + split * partial_rows * N, mask=mask, other=0.0)
-    tl.store(out_ptr + offs_m[:, None] * out_stride + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+    _reduce_row_tile(tl.program_id(1), out_ptr, partial_ptr, M, N, out_stride, partial_rows, offs_n, BLOCK_M, SPLITS,
+                     False)
 
 
 def narrow_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import triton.language as tl
 POISON = 1 << 30  # generations stay below it
 TIMED_OUT_VALUE = 0x7FFFFFFE
 CANCELLED_VALUE = 0x7FFFFFFF
-PENDING, LANDED, TIMED_OUT, CANCELLED, POISONED = 0, 1, 2, 3, 4  # outcomes, as the host reads them
+LANDED, TIMED_OUT, CANCELLED, POISONED = 1, 2, 3, 4  # outcomes, as the host reads them (outcome_of)
 
 
 def outcome_of(seen: int, generation: int) -> int:
