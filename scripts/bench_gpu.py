@@ -872,6 +872,8 @@ def run_relay(args) -> dict:
     hashes: dict = {}
     run_dir = Path(tempfile.mkdtemp(prefix="bench-relay-"))
     runs = [(mode, {}, "") for mode in ("checkpoint", "replay-ssm")]
+    if args.timeline:  # the shipped arm once more with GPU stamps (slower by their kernels: apart from the timed runs)
+        runs.append(("checkpoint", {"SHARDD_TIMELINE": str(TIMELINE_STAMPS)}, "-direct-busy-timeline"))
     if args.daemon_profile:  # a short extra run under cProfile: slower, so apart from the timed runs
         Path(args.daemon_profile).mkdir(parents=True, exist_ok=True)
         runs.append(("checkpoint", {"SHARDD_PROFILE": str(Path(args.daemon_profile).resolve())}, "-profiled"))
@@ -900,6 +902,9 @@ def run_relay(args) -> dict:
             with Pipeline.connect(endpoints, timeout_s=600, busy_poll_s=args.busy_poll_ms / 1000 if busy else 0) as pipeline:
                 assert pipeline.direct_rows == direct, "the daemons' --relay-to does not name the next shard"
                 greedy_decode(pipeline, 98, prompt[:32], 4)  # warm-up: capture the graphs
+                if "SHARDD_TIMELINE" in env:
+                    out["relay_timeline"] = timeline_run(pipeline, prompt, args)
+                    continue
                 if tag in arms:
                     settings = {"busy_poll_ms": args.busy_poll_ms if busy else 0.0, "direct_rows": direct,
                                 "daemon_args": RELAY_ARMS[tag][1]}
@@ -925,6 +930,82 @@ def run_relay(args) -> dict:
     if args.daemon_profile:
         out["daemon_profile_top"] = {path.name: daemon_profile_top(path) for path in sorted(Path(args.daemon_profile).glob("*.prof"))}
     out["hashes"] = hashes
+    return out
+
+
+TIMELINE_STAMPS = 16384  # per daemon: a timeline run's three greedy and three speculative decodes fit
+
+
+def timeline_run(pipeline, prompt, args) -> dict:
+    """The two daemons' GPU timelines (shardd/timeline.py) over greedy and speculative (checkpoint) decodes: per
+    kind, the median intervals of a step (relay_step_intervals)."""
+    from coordinator.decoding import greedy_decode, speculative_decode
+    from coordinator.drafters import OracleDrafter
+
+    windows = {}
+    reference = None
+    for kind in ("greedy", "checkpoint"):
+        start = time.time_ns()
+        for _ in range(3):
+            if kind == "greedy":
+                reference = greedy_decode(pipeline, 1, prompt, args.tokens).tokens
+            else:
+                drafter = OracleDrafter.with_mean_commit(reference, len(prompt), block_size=BLOCK, mean_commit=MEAN_COMMIT)
+                speculative_decode(pipeline, 2, prompt, drafter, block_size=BLOCK, rollback="checkpoint",
+                                   max_new_tokens=args.tokens)
+        windows[kind] = (start, time.time_ns())
+    reports = [stats["timeline"] for stats in pipeline.stats()]
+    return {kind: relay_step_intervals(reports, *window) for kind, window in windows.items()}
+
+
+def relay_step_intervals(reports: list[dict], start_ns: int, end_ns: int) -> dict:
+    """Two daemons' timelines (STATS `timeline`: the first shard's, the second's; one GPU, one clock) between two
+    host times -> median microseconds of each interval of a step, from one first-shard step start to the next:
+    first_step (its kernels), put (rows into the next shard's ring, publish), wait_queued_late (the second shard's
+    wait reached its stream after the publish; <= 0: in time), noticed (the publish to the wait's end), to_step
+    (the wait's end to its step: the rows' copy), second_step, reply (its step's end to its reply sent, host),
+    coordinator (that reply to the first shard's next receive, host), launch (that receive to its next step start),
+    cycle; `steps`: the cycles paired."""
+    first, second = reports
+    offset = first["offset_ns"]
+
+    def gpu_events(report):
+        return [(ns, label) for label, ns in report["gpu"] if start_ns + offset <= ns <= end_ns + offset]
+
+    def host_events(report):  # on the GPU clock
+        return [(ns + report["offset_ns"], label) for label, ns in report["host"] if start_ns <= ns <= end_ns]
+
+    a, b = gpu_events(first), gpu_events(second)
+    a_host, b_host = host_events(first), host_events(second)
+
+    def after(events, t, label, before=None):
+        return next((ns for ns, name in events if ns >= t and name.startswith(label) and (before is None or ns < before)), None)
+
+    def last_before(events, t, label, since):
+        found = [ns for ns, name in events if since <= ns < t and name.startswith(label)]
+        return found[-1] if found else None
+
+    starts = [ns for ns, label in a if label == "step start"]
+    intervals: dict = {}
+    for start, following in zip(starts, starts[1:]):
+        a_end = after(a, start, "step end", following)
+        published = a_end and after(a, a_end, "published", following)
+        done = published and after(b, published, "wait done", following)
+        queued = done and last_before(b, done, "wait queued", 0)  # the stamp just before it on that stream
+        b_start = done and after(b, done, "step start", following)
+        b_end = b_start and after(b, b_start, "step end", following)
+        sent = b_end and after(b_host, b_end, "sent FORWARD", following)
+        received = sent and last_before(a_host, following, "receive", sent)
+        if not all((a_end, published, done, queued, b_start, b_end, sent, received)):
+            continue  # a step without a ring put (the prefill's chunks), or one cut by the window
+        cycle = {"first_step": a_end - start, "put": published - a_end, "wait_queued_late": queued - published,
+                 "noticed": done - max(published, queued), "to_step": b_start - done, "second_step": b_end - b_start,
+                 "reply": sent - b_end, "coordinator": received - sent, "launch": following - received,
+                 "cycle": following - start}
+        for name, ns in cycle.items():
+            intervals.setdefault(name, []).append(ns / 1e3)
+    out = {name: round(statistics.median(values), 1) for name, values in intervals.items()}
+    out["steps"] = len(intervals.get("cycle", []))
     return out
 
 
@@ -1289,6 +1370,8 @@ def main() -> int:
                              "direct-busy-host, direct-busy-device); default: as --busy-poll-ms and --direct-rows say.")
     parser.add_argument("--daemon-profile", default=None, help="relay: also a short run with the daemons under cProfile, "
                         "dumps in this directory, their top functions in the JSON.")
+    parser.add_argument("--timeline", action="store_true", help="relay: also a run of the shipped arm with the "
+                        "daemons' GPU timelines on (SHARDD_TIMELINE): `relay_timeline`, where a step's time goes.")
     parser.add_argument("--fp8", choices=("fp8-block", "fp8-channel"), default=None,
                         help="FP8 linears in this layout (the head and embedding bf16); the floor is their bytes.")
     parser.add_argument("--fp8-pdl", action="store_true",
@@ -1331,7 +1414,7 @@ def main() -> int:
                    "--long-context", str(args.long_context), "--e2e-devices", args.e2e_devices, "--e2e-dtype", args.e2e_dtype,
                    "--e2e-engine", args.e2e_engine, *(["--daemon-profile", args.daemon_profile] if args.daemon_profile else []),
                    "--busy-poll-ms", str(args.busy_poll_ms), *(["--direct-rows"] if args.direct_rows else []),
-                   *(["--relay-arms", args.relay_arms] if args.relay_arms else []),
+                   *(["--relay-arms", args.relay_arms] if args.relay_arms else []), *(["--timeline"] if args.timeline else []),
                    *(["--fp8", args.fp8] if args.fp8 else []), *(["--fp8-pdl"] if args.fp8_pdl else []),
                    "--draft", args.draft, "--commits", args.commits, "--placements", args.placements,
                    "--dflash-device", args.dflash_device, "--dflash-engine", args.dflash_engine,
@@ -1361,6 +1444,9 @@ def main() -> int:
         for name, top in merged.get("daemon_profile_top", {}).items():
             print(f"== cProfile of {name} (tottime)\n" + "\n".join(top[:16]))
         print("== relay by phase (ms per step)\n" + phase_table(merged["relay_by_phase"]))
+    for kind, intervals in merged.get("relay_timeline", {}).items():  # microseconds, medians of a step
+        print(f"== relay timeline, {kind} (us, median of {intervals.get('steps')} steps): "
+              + ", ".join(f"{name} {value}" for name, value in intervals.items() if name != "steps"))
     if "dflash_runs" in merged:
         print(dflash_table(merged))
     if "batch_checks" in merged:

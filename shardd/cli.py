@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from protocol.layout import CHECKPOINT, SHARD_ROLLBACK_MODES, check_layer_range, parse_layer_range
-from shardd import __version__, logs, systemd
+from shardd import __version__, logs, systemd, timeline
 from shardd.logs import FORMATS, LEVELS
 from shardd.progress import LoadProgress
 from shardd.engine import (AUTO_BUSY_POLL_CPUS, AUTO_BUSY_POLL_MS, DEFAULT_STEP_ROWS, ENGINES, PREFILL_ROWS,
@@ -185,6 +185,7 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
         torch.set_num_threads(1)
     try:
         check_device(torch, device)
+        timeline.capacity(torch.device(device))  # SHARDD_TIMELINE, a diagnostic: refused where it cannot stamp
         source = ModelSource(model_dir=model_dir, synthetic=synthetic, quantize=quantize)
         config = source.config()
         begin, end = 0, config.num_layers

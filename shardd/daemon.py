@@ -44,7 +44,7 @@ from protocol import (
 from protocol.codec import clip_message, new_record
 from protocol.layout import CHECKPOINT
 from protocol.timing import DAEMON as PHASES
-from shardd import __version__, systemd
+from shardd import __version__, systemd, timeline
 from shardd.security import is_file_ipc, is_loopback, log_refused_handshakes, restrict_ipc_socket, start_authenticator
 from shardd.config import dtype_name
 from shardd.draft.model import DraftState
@@ -1099,6 +1099,8 @@ class ShardDaemon:
             # where requests' time went, per type and phase (protocol/timing.py): seconds since the start
             "phases": PHASES.totals(),
         }
+        if timeline.TIMELINE is not None:  # SHARDD_TIMELINE: the GPU stamps and host events kept so far
+            result["timeline"] = timeline.report()
         if self.drafter is not None:
             result["drafter"] = {
                 "proposals": c.proposals,
@@ -1154,6 +1156,7 @@ class ShardDaemon:
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
+        timeline.start(self.device)  # SHARDD_TIMELINE (checked by `shardd serve` before loading): reported in STATS
         watchdog, status = systemd.Watchdog(), systemd.Status()
         status.set(self.status_line(listener.endpoint), "READY=1")
         log.info("ready: serving on %s", listener.endpoint)
@@ -1189,6 +1192,7 @@ class ShardDaemon:
                     PHASES.active = False
                     continue  # an identity with nothing after it: nothing to answer
                 PHASES.lap("receive")
+                timeline.host("receive")
                 owner = envelope[0].bytes
                 if curve:  # the authenticated key outlives a reconnect; the routing id does not
                     owner = b"curve:" + body[0].get("User-Id").encode()
@@ -1203,6 +1207,7 @@ class ShardDaemon:
                 for frames in self.answer(envelope, owner, reply):
                     socket.send_multipart(frames, copy=False)
                 PHASES.lap("send")
+                timeline.host(f"sent {getattr(self.phase_type, 'value', self.phase_type)}")
                 # a FORWARD that now waits for its rows is counted when it is answered (`_resume`)
                 PHASES.finish(self.phase_type, count=not self.parked)
                 busy_until = time.monotonic() + options.busy_poll_s

@@ -29,6 +29,8 @@ import threading
 import time
 from typing import Callable, Optional
 
+from shardd import timeline
+
 log = logging.getLogger("shardd")
 
 SLOTS = 2  # one slot written while the other may still be read
@@ -164,6 +166,7 @@ class DeviceRing:
         self._start_watcher()
         with self._lock:
             self._pending[slot] = (generation, time.monotonic() + timeout_s)
+        timeline.gpu("wait queued")
         if front_end_waits():
             flag = self.flags[slot:slot + 1]
             _wait_value(stream, flag, generation)
@@ -172,6 +175,7 @@ class DeviceRing:
         else:
             kernels.spin(self.flags, self.seen, slot, generation)
         self._waits_done[slot].record(stream)
+        timeline.gpu("wait done")
         rows = self.buffer[slot, :n].clone()
         self.consumed[slot].record(stream)
         return rows, DeviceWait(self, slot, generation)
@@ -447,5 +451,6 @@ class RingWriter:
             kernels.publish(self.flags, slot, generation - 1, generation, None if own is None else own.seen,
                             0 if own is None else own.slot, 0 if own is None else own.generation)
         self.written[slot].record(torch.cuda.current_stream(self.device))
+        timeline.gpu("published")
         self.next = (slot + 1) % self.slots
         return slot

@@ -23,6 +23,7 @@ from shardd.fast.graph import PrefillGraphs, StepRunner
 from shardd.fast.pools import StatePools
 from shardd.fast.step import StepBuffers
 from shardd.fast.weights import fuse_layers
+from shardd import timeline
 from shardd.batch import BatchItem
 from shardd.kernels import gdn as gdn_kernels
 from shardd.kernels import segments
@@ -271,7 +272,9 @@ class FastShard:
         for _, item, _ in step:
             item.state.pending = None  # a new step ends the sequence's previous pending window
         capture = tuple(sorted({layer for _, item, _ in step for layer in item.capture_layers}))
+        timeline.gpu("step start")
         captured = self.runner.run(capture)
+        timeline.gpu("step end")
         for _, item, n in step:
             state = item.state
             pools.start[state.slot] = -1  # the step left the state in the sequence's own buffers
