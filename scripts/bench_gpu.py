@@ -994,7 +994,7 @@ def relay_step_intervals(reports: list[dict], start_ns: int, end_ns: int) -> dic
         queued = done and last_before(b, done, "wait queued", 0)  # the stamp just before it on that stream
         b_start = done and after(b, done, "step start", following)
         b_end = b_start and after(b, b_start, "step end", following)
-        sent = b_end and after(b_host, b_end, "sent FORWARD", following)
+        sent = b_end and after(b_host, b_end, "sent", following)  # its reply (a ROWS's, when its FORWARD waited)
         received = sent and last_before(a_host, following, "receive", sent)
         if not all((a_end, published, done, queued, b_start, b_end, sent, received)):
             continue  # a step without a ring put (the prefill's chunks), or one cut by the window

@@ -6,7 +6,8 @@
 #   3. scripts/bench_gpu.py --parts relay,local: the plain runs, and daemon to daemon with polling through the ring
 #      (relay_direct_busy_poll, the shipped defaults), through the host (..._host_rows) and with the stream wait
 #      (..._device_wait), side by side.
-# Results in $OUT and bench/results/h200/ (suffix $TAG, default the commit). STEPS (default probe,tests,bench)
+# Results in $OUT and bench/results/h200/ (suffix $TAG, default the commit). TIMELINE=1: the bench also runs the
+# shipped arm with the daemons' GPU timelines (--timeline: relay_timeline). STEPS (default probe,tests,bench)
 # picks the steps: the three take ~60 + ~270 + ~400 s, so two calls (STEPS=probe,tests then STEPS=bench).
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu}
@@ -23,13 +24,13 @@ timeout ${PROBE_TIMEOUT:-80} python3 scripts/probe_cuda_ipc.py --json "$OUT/cuda
 fi
 if step tests; then
 echo "== GPU tests (ring)"
-timeout ${TESTS_TIMEOUT:-270} python3 -m pytest -q -p no:cacheprovider tests/test_ring_wait.py tests/test_relay.py -k "device_ring or device_wait" 2>&1 \
+timeout ${TESTS_TIMEOUT:-270} python3 -m pytest -q -p no:cacheprovider tests/test_ring_wait.py tests/test_relay.py tests/test_timeline.py -k "device_ring or device_wait or stamps" 2>&1 \
     | tail -${TESTS_TAIL:-4} | tee "$OUT/gpu_tests_ring_$TAG.txt"
 fi
 if step bench; then
 echo "== bench_gpu --parts relay,local"
 timeout ${BENCH_TIMEOUT:-480} python3 scripts/bench_gpu.py --parts relay,local --tokens 64 --repeats 10 --busy-poll-ms 20 \
-    --relay-arms ${ARMS:-direct-busy,direct-busy-host,direct-busy-device} \
+    --relay-arms ${ARMS:-direct-busy,direct-busy-host,direct-busy-device} ${TIMELINE:+--timeline} \
     --json "$OUT/gpu_bench_relay_$TAG.json" > "$OUT/gpu_bench_relay_$TAG.log" 2>&1
 echo "bench_gpu exit: $?"
 python3 - "$OUT/gpu_bench_relay_$TAG.json" <<'PY'
@@ -39,7 +40,7 @@ try:
 except (OSError, ValueError) as exc:
     sys.exit(f"no benchmark JSON: {exc}")
 for key in ("outputs_identical", "failed_parts", "tok_s", "step_ms", "greedy_ms_per_token", "e2e_vs_local",
-            "relay_ms_per_step", "rollback_ms"):
+            "relay_ms_per_step", "rollback_ms", "relay_timeline"):
     print(f"{key}: {r.get(key)}")
 for arm in ("relay_direct_busy_poll", "relay_direct_busy_poll_host_rows", "relay_direct_busy_poll_device_wait"):
     a = r.get(arm) or {}

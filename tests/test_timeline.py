@@ -82,3 +82,44 @@ def test_two_daemons_stamps_pair_into_a_steps_intervals():
 
     # outside the window nothing pairs
     assert bench_gpu().relay_step_intervals(reports, 40_000 * us, 50_000 * us) == {"steps": 0}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="stamps the GPU's clock")
+def test_two_daemons_on_a_gpu_report_timelines_that_pair_into_steps(tmp_path):
+    """Two fast daemons, the rows through the second one's device ring, with SHARDD_TIMELINE: every greedy step
+    pairs (a put, a wait, both steps, the reply) and the same tokens come as without the timeline."""
+    from coordinator.decoding import greedy_decode
+    from coordinator.pipeline import Pipeline
+    from tests.daemons import start_daemons, stop_all
+
+    prompt = list(b"The quick brown fox jumps over the lazy dog")
+    tokens = {}
+    for name, env in (("plain", {}), ("timeline", {"SHARDD_TIMELINE": "4096"})):
+        workdir = tmp_path / name
+        workdir.mkdir()
+        binds = [f"ipc://{workdir}/s{k}.sock" for k in range(2)]
+        specs = {f"{name}{k}": (bind, ["--layers", ("0:3", "3:6")[k], "--engine", "fast", "--device", "cuda:0",
+                                       "--dtype", "bfloat16", *(["--relay-to", binds[1]] if k == 0 else [])])
+                 for k, bind in enumerate(binds)}
+        daemons = start_daemons(specs, workdir, env)
+        try:
+            with Pipeline.connect(binds) as pipeline:
+                greedy_decode(pipeline, 1, prompt, 4)  # the graphs captured
+                start = __import__("time").time_ns()
+                tokens[name] = greedy_decode(pipeline, 2, prompt, 12).tokens
+                end = __import__("time").time_ns()
+                stats = pipeline.stats()
+        finally:
+            stop_all(daemons.values())
+        if name == "timeline":
+            assert stats[0]["rows"]["sent_on_device"] > 0
+            reports = [s["timeline"] for s in stats]
+            assert {"step start", "step end", "published"} <= {label for label, _ in reports[0]["gpu"]}
+            assert {"wait queued", "wait done", "step start"} <= {label for label, _ in reports[1]["gpu"]}
+            intervals = bench_gpu().relay_step_intervals(reports, start, end)
+            assert intervals["steps"] >= 10  # 12 tokens: the steps after the prefill's, each closed by the next
+            assert intervals["first_step"] > 0 and intervals["second_step"] > 0 and intervals["put"] >= 0
+            assert intervals["noticed"] >= 0 and intervals["cycle"] >= intervals["first_step"] + intervals["second_step"]
+        else:
+            assert "timeline" not in stats[0]
+    assert tokens["timeline"] == tokens["plain"]
