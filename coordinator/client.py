@@ -11,7 +11,6 @@ thread-safe. Threads that talk to the same daemon each build their own client.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import secrets
 import time
@@ -44,7 +43,7 @@ from protocol import (
     pure_chain,
     split_batch_reply,
 )
-from protocol.codec import new_record
+from protocol.codec import new_record, with_id
 from protocol.timing import PhaseClock
 
 
@@ -171,7 +170,7 @@ class ShardClient:
         if self._socket.closed:
             raise RuntimeError(f"{self.endpoint}: client is closed")
         started = time.perf_counter_ns()
-        record = dataclasses.replace(record, id=next(self._ids))
+        record = with_id(record, next(self._ids))
         frames = encode_request(record, validate=validate)
         encoded = time.perf_counter_ns()
         if connect_timeout_s is None:

@@ -536,7 +536,9 @@ class ShardDaemon:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"the ROWS of ticket {request.rows_ticket} are for sequence "
                                                        f"{rows.seq} at {rows.pos}, {rows_n} rows; this FORWARD is for "
                                                        f"{request.seq} at {request.pos}, {request.ticket_rows} rows")
-        return dataclasses.replace(request, hidden=rows.hidden, rows_ticket=None, ticket_rows=None)
+        # built as the decoder builds records (a FORWARD's ~25 fields through __init__ were ~7 us of this step)
+        return new_record(type(request), {**request.__dict__, "hidden": rows.hidden, "rows_ticket": None,
+                                          "ticket_rows": None})
 
     def _batch_with_rows(self, request):
         """A batched FORWARD with `rows_ticket`, each item as if its rows had come in tensor `hidden`; an item the

@@ -9,7 +9,6 @@ wait, one per connection: the next request of that connection ends the wait).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -21,6 +20,7 @@ from typing import Callable, Optional
 import zmq
 
 from protocol import MessageType, ProtocolError, Ring, Rows, decode_reply, encode_request
+from protocol.codec import with_id
 from shardd.listen import endpoint_problem
 from shardd.security import is_loopback
 
@@ -75,7 +75,7 @@ class RowsLink:
         self.drain()
         request_id = next(self._ids)
         try:
-            frames = encode_request(dataclasses.replace(rows, id=request_id), validate=False)
+            frames = encode_request(with_id(rows, request_id), validate=False)
             self.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             self.sent += 1
         except zmq.Again:  # the next shard is gone and its queue full: its FORWARD ends waiting, by itself
