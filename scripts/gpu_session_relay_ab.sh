@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (one GPU, ~6 minutes): the relay's shipped arm of an older tree and of this one side by side,
+# One device call (one GPU, ~8 minutes: the after part with its timeline run alone took over 200 s at 48 tokens): the relay's shipped arm of an older tree and of this one side by side,
 # so a host-path change is measured against the code before it in one run (two daemons on one GPU vary by
 # ~0.5 ms a step between sessions, more than such changes are worth).
 #   BEFORE_TREE   a directory holding the older code (`git archive COMMIT | tar -x -C DIR`), inside the working
@@ -15,12 +15,13 @@ GPU_ENV_NPROC=1
 . scripts/gpu_env.sh
 ARGS="--tokens ${BENCH_TOKENS:-64} --repeats 10 --busy-poll-ms 20 --relay-arms direct-busy"
 here=$PWD
+case "$OUT" in /*) out_abs=$OUT ;; *) out_abs=$here/$OUT ;; esac  # the before run works in BEFORE_TREE
 echo "== before ($BEFORE_TREE)"
 (cd "$BEFORE_TREE" && PYTHONPATH=/tmp/site:/tmp/fla-site:$PWD timeout ${BEFORE_TIMEOUT:-170} python3 scripts/bench_gpu.py \
-    --parts relay $ARGS --json "$here/$OUT/relay_before.json" > "$here/$OUT/relay_before.log" 2>&1)
+    --parts relay $ARGS --json "$out_abs/relay_before.json" > "$out_abs/relay_before.log" 2>&1)
 echo "before exit: $?"
 echo "== after (this tree)"
-timeout ${AFTER_TIMEOUT:-230} python3 scripts/bench_gpu.py --parts relay,local $ARGS --timeline \
+timeout ${AFTER_TIMEOUT:-320} python3 scripts/bench_gpu.py --parts relay,local $ARGS --timeline \
     --json "$OUT/relay_after.json" > "$OUT/relay_after.log" 2>&1
 echo "after exit: $?"
 python3 - "$OUT/relay_before.json" "$OUT/relay_after.json" <<'PY'
