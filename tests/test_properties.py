@@ -147,3 +147,98 @@ def test_every_request_gets_one_reply_and_errors_change_nothing(shard, batch):
         if not reply.ok:
             assert reply.error_code is not ErrorCode.INTERNAL, reply.error_message
             assert digest(daemon.sequences) == before, (header, reply.error_code, reply.error_message)
+
+
+# ---- the codec's fast field check against its field-by-field reference ---------------------------------
+
+def _good_value(spec):
+    """A value the field takes (its bounds included)."""
+    low = -1000 if spec.minimum is None else spec.minimum
+    high = low + 1000 if spec.limit is None else spec.limit - 1
+    if spec.kind == "int":
+        return st.integers(low, high)
+    if spec.kind == "int_list":
+        return st.lists(st.integers(low, high), max_size=3)
+    if spec.kind == "float":
+        return st.one_of(st.floats(spec.minimum, spec.limit), st.sampled_from([spec.minimum, spec.limit]))
+    if spec.kind == "str":
+        return st.text(max_size=min(spec.limit or 3, 3))
+    return st.booleans()
+
+
+def _wrong_value(spec):
+    """A value near or past the field's bounds, or of another kind."""
+    edges = [spec.minimum, spec.limit] if spec.kind in ("int", "float", "int_list") else []
+    near = [v + d for v in edges if v is not None for d in (-1, 0, 1)]
+    of_its_kind = {  # wrong in its own kind: an item out of range or a bool in a list, a string too long
+        "int_list": st.lists(st.sampled_from([*near, True]), min_size=1, max_size=3),
+        "str": st.text(min_size=(spec.limit or 0) + 1, max_size=(spec.limit or 0) + 2),
+    }.get(spec.kind, st.sampled_from(near or [0]))
+    return st.one_of(of_its_kind, of_its_kind, of_its_kind, st.sampled_from(near or [0]), st.integers(-3, 3), st.booleans(), st.none(),
+                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=3),
+                     st.lists(st.one_of(st.sampled_from(near or [0]), st.integers(-3, 3), st.booleans()), max_size=3))
+
+
+@st.composite
+def _headers(draw):
+    """A request type's header: every field good or absent (required ones too, now and then), and at most one
+    field given a value that may be wrong, so that both the whole header passing and each field's refusal come up."""
+    mtype = draw(st.sampled_from(sorted(REQUEST_FIELDS, key=lambda t: t.value)))
+    specs = REQUEST_FIELDS[mtype]
+    header = {spec.name: draw(_good_value(spec)) for spec in specs if draw(st.integers(0, 19)) > 0}
+    if specs and draw(st.booleans()):  # by kind first: a type's few list or string fields come up as often as its ints
+        kind = draw(st.sampled_from(sorted({spec.kind for spec in specs})))
+        spec = draw(st.sampled_from([spec for spec in specs if spec.kind == kind]))
+        header[spec.name] = draw(_wrong_value(spec))
+    return mtype, header
+
+
+@settings(max_examples=1500, deadline=None, derandomize=True)
+@given(_headers())
+def test_the_fast_field_check_decides_as_the_field_by_field_one(drawn):
+    """protocol/codec.py's `_field_values` checks the common case by header key; whatever it accepts, refuses or
+    returns must be what `_ordered_field_values` (the readable reference, the one the errors come from) does."""
+    from protocol.codec import _REQUEST_SCHEMA, ProtocolError, _field_values, _ordered_field_values
+
+    mtype, header = drawn
+
+    def outcome(check, fields):
+        try:
+            values = check(header, fields, mtype)
+        except ProtocolError as error:
+            return ("refused", error.code, error.message)
+        return ("values", list(values.items()), [type(v) for v in values.values()])
+
+    assert outcome(_field_values, _REQUEST_SCHEMA[mtype]) == outcome(_ordered_field_values, REQUEST_FIELDS[mtype])
+
+
+def _edge_values(spec) -> list:
+    """A field's values at and past its bounds and of every other kind: each one the fast check must decide as
+    the reference does (the property above draws them too, this goes through every one of them)."""
+    bounds = [v + d for v in (spec.minimum, spec.limit) if v is not None for d in (-1, 0, 1)]
+    good = spec.minimum if spec.minimum is not None else 0
+    most = spec.limit if spec.kind == "str" and spec.limit is not None else 8  # a string's most characters
+    return [*bounds, *(float(v) for v in bounds), True, False, None, "", "x" * most, "x" * (most + 1),
+            float("nan"), float("inf"), [], [good], [good, True], *([good, v] for v in bounds), [1.0], {"a": 1}]
+
+
+@pytest.mark.parametrize("mtype", sorted(REQUEST_FIELDS, key=lambda t: t.value), ids=lambda t: t.value)
+def test_the_fast_field_check_decides_every_edge_value_as_the_reference(mtype):
+    from protocol.codec import _REQUEST_SCHEMA, ProtocolError, _field_values, _ordered_field_values
+
+    def outcome(check, header, fields):
+        try:
+            values = check(header, fields, mtype)
+        except ProtocolError as error:
+            return ("refused", error.code, error.message)
+        return ("values", list(values.items()), [type(v) for v in values.values()])
+
+    specs = REQUEST_FIELDS[mtype]
+    required = {spec.name: (spec.minimum if spec.minimum is not None else (0 if spec.kind == "int" else
+                            [] if spec.kind == "int_list" else "" if spec.kind == "str" else False if spec.kind == "bool"
+                            else spec.minimum or 0.0)) for spec in specs if spec.required}
+    for spec in specs:
+        for value in _edge_values(spec):
+            header = {**required, spec.name: value}
+            assert outcome(_field_values, header, _REQUEST_SCHEMA[mtype]) == \
+                outcome(_ordered_field_values, header, specs), (spec.name, value)
