@@ -1209,7 +1209,7 @@ class ShardDaemon:
                 for frames in self.answer(envelope, owner, reply):
                     socket.send_multipart(frames, copy=False)
                 PHASES.lap("send")
-                timeline.host(f"sent {getattr(self.phase_type, 'value', self.phase_type)}")
+                timeline.host("sent", self.phase_type)
                 # a FORWARD that now waits for its rows is counted when it is answered (`_resume`)
                 PHASES.finish(self.phase_type, count=not self.parked)
                 busy_until = time.monotonic() + options.busy_poll_s

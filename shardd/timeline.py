@@ -103,9 +103,11 @@ def gpu(label: str) -> None:
         TIMELINE.gpu(label)
 
 
-def host(label: str) -> None:
+def host(label: str, kind=None) -> None:
+    """A host event, when the timeline is on; `kind` (a message type) is appended to the label only then, so the
+    serving loop formats nothing with the timeline off."""
     if TIMELINE is not None:
-        TIMELINE.host_event(label)
+        TIMELINE.host_event(label if kind is None else f"{label} {getattr(kind, 'value', kind)}")
 
 
 def report() -> Optional[dict]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,7 @@ def test_stamps_follow_the_stream_in_order_on_the_gpu_clock():
     assert [label for label, _ in report["gpu"]] == [f"mark {index}" for index in range(2, 10)]
     stamps = [ns for _, ns in report["gpu"]]
     assert stamps == sorted(stamps) and len(set(stamps)) == len(stamps)  # a matmul apart: strictly later
-    host_now = __import__("time").time_ns()
+    host_now = time.time_ns()
     assert abs(stamps[-1] - report["offset_ns"] - host_now) < 5e9  # the offset puts them on the host's clock
 
 
@@ -105,9 +106,9 @@ def test_two_daemons_on_a_gpu_report_timelines_that_pair_into_steps(tmp_path):
         try:
             with Pipeline.connect(binds) as pipeline:
                 greedy_decode(pipeline, 1, prompt, 4)  # the graphs captured
-                start = __import__("time").time_ns()
+                start = time.time_ns()
                 tokens[name] = greedy_decode(pipeline, 2, prompt, 12).tokens
-                end = __import__("time").time_ns()
+                end = time.time_ns()
                 stats = pipeline.stats()
         finally:
             stop_all(daemons.values())
