@@ -422,10 +422,11 @@ def stop_serve(process: subprocess.Popen, profiled: bool) -> None:
                 pass
 
 
-def pyspy_top(path: Path, top: int = 40) -> dict:
+def pyspy_top(path: Path, top: int = 40, within: str | None = None, without: tuple[str, ...] = ()) -> dict:
     """py-spy's collapsed stacks (`-f raw --threads`: "thread (0x..) [name];frame;frame count" per line) -> per
     thread with samples, its share of them, the `top` frames by the share of that thread's samples they are on
-    (inclusive) and the innermost frames by theirs, the busiest four threads first."""
+    (inclusive) and the innermost frames by theirs, the busiest four threads first. Only the stacks with a frame
+    starting `within` (where given) and none containing a string of `without` count: a steady state's samples."""
     threads: dict[str, Counter] = {}  # inclusive
     leaves: dict[str, Counter] = {}  # the innermost frame (where the samples land)
     totals: Counter = Counter()
@@ -438,6 +439,9 @@ def pyspy_top(path: Path, top: int = 40) -> dict:
         if not stack or not count.isdigit():
             continue
         frames = stack.split(";")
+        if (within is not None and not any(frame.startswith(within) for frame in frames)) or \
+                any(part in stack for part in without):
+            continue
         thread, n = frames[0], int(count)
         totals[thread] += n
         leaf = re.sub(r":\d+\)$", ")", frames[-1])

@@ -32,6 +32,7 @@ import gc
 import hashlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -42,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_batch import batch_table, run_batch_daemons, run_batch_local, summarize_batch  # noqa: E402
+from bench_batch import batch_table, pyspy_top, run_batch_daemons, run_batch_local, summarize_batch  # noqa: E402
 
 MODES = ("checkpoint", "replay-ssm", "replay")
 BLOCK = 16
@@ -389,12 +390,30 @@ def halves_and_prompt(args) -> tuple[list[tuple[int, int]], list[int]]:
     return [(0, half), (half, config.num_layers)], prompt
 
 
-def stop_processes(processes: list) -> None:
-    """SIGTERM to every daemon first, so they stop in parallel, then wait (60 s at most) for each."""
+def stop_processes(processes: list, profiled: bool = False) -> None:
+    """SIGTERM to every daemon first, so they stop in parallel, then wait (60 s at most) for each. `profiled`: each
+    process is a py-spy whose child is the daemon: the daemon gets the SIGTERM (py-spy writes its stacks when its
+    child exits)."""
     for process in processes:
-        process.terminate()
+        if profiled and process.poll() is None:
+            for pid in _children(process.pid):
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        else:
+            process.terminate()
     for process in processes:
-        process.wait(timeout=60)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(child) for task in Path(f"/proc/{pid}/task").glob("*")
+            for child in (task / "children").read_text().split()]
 
 
 def wait_for_hello(daemons: list[tuple[str, subprocess.Popen, str, Path]], timeout_s: float = 600) -> None:
@@ -418,7 +437,7 @@ def wait_for_hello(daemons: list[tuple[str, subprocess.Popen, str, Path]], timeo
 
 def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] | None = None,
                   env: dict | None = None, tag: str = "", tcp_ports: list[int] | None = None, max_sequences: int = 2,
-                  extra: list[str] = (), direct_rows: bool = False) -> tuple[list, list[str]]:
+                  extra: list[str] = (), direct_rows: bool = False, pyspy: list[Path] | None = None) -> tuple[list, list[str]]:
     """`shardd serve` per range, one GPU each, on ipc:// endpoints (tcp on loopback with `tcp_ports`); returns
     (processes, endpoints) once all are ready. `direct_rows`: each daemon but the last sends its rows straight to
     the next (--relay-to)."""
@@ -444,6 +463,9 @@ def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] 
                    "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK), *relay, *extra]
         if devices[index] == "cpu":  # a CPU check: one torch thread per daemon, as the tests start them
             command += ["--threads", "1"]
+        if pyspy is not None:  # py-spy as the daemon's parent (attaching to a sibling needs ptrace rights it may lack)
+            command = ["py-spy", "record", "--native", "--threads", "-r", str(PYSPY_RATE), "-f", "raw",
+                       "-o", str(pyspy[index]), "--"] + command
         processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                           env={**os.environ, **(env or {})}))
     wait_for_hello([(endpoint, process, endpoint, run_dir / f"shard{index}-{mode}{tag}.log")
@@ -871,7 +893,9 @@ def run_relay(args) -> dict:
     by_phase: dict = {}
     hashes: dict = {}
     run_dir = Path(tempfile.mkdtemp(prefix="bench-relay-"))
-    runs = [(mode, {}, "") for mode in ("checkpoint", "replay-ssm")]
+    runs = [] if args.arms_only else [(mode, {}, "") for mode in ("checkpoint", "replay-ssm")]
+    if args.pyspy:  # the shipped arm once more, each daemon under py-spy (apart from the timed runs)
+        runs.append(("checkpoint", {}, "-direct-busy-pyspy"))
     if args.timeline:  # the shipped arm once more with GPU stamps (slower by their kernels: apart from the timed runs)
         runs.append(("checkpoint", {"SHARDD_TIMELINE": str(TIMELINE_STAMPS)}, "-direct-busy-timeline"))
     if args.daemon_profile:  # a short extra run under cProfile: slower, so apart from the timed runs
@@ -894,16 +918,29 @@ def run_relay(args) -> dict:
     runs += [(mode, {}, tag) for tag in wanted for mode in ("checkpoint", "replay-ssm")]
     for mode, env, tag in runs:
         busy, direct = "busy" in tag, "direct" in tag
-        processes, endpoints = start_daemons(args, ranges, mode, run_dir, devices=devices, env=env, tag=tag,
-                                             extra=["--busy-poll-ms", str(args.busy_poll_ms if busy else 0),
-                                                    *RELAY_ARMS.get(tag, ("", []))[1]],
-                                             direct_rows=direct)
+        spied = None
+        if "pyspy" in tag:
+            Path(args.pyspy).mkdir(parents=True, exist_ok=True)
+            spied = [Path(args.pyspy).resolve() / f"shard{index}.txt" for index in range(len(ranges))]
+        try:
+            processes, endpoints = start_daemons(args, ranges, mode, run_dir, devices=devices, env=env, tag=tag,
+                                                 extra=["--busy-poll-ms", str(args.busy_poll_ms if busy else 0),
+                                                        *RELAY_ARMS.get(tag, ("", []))[1]],
+                                                 direct_rows=direct, pyspy=spied)
+        except RuntimeError as error:  # the profiled run alone may fail (py-spy missing or refused): the rest stands
+            if spied is None:
+                raise
+            out["relay_pyspy"] = {"error": str(error)[-2000:]}
+            continue
         try:
             with Pipeline.connect(endpoints, timeout_s=600, busy_poll_s=args.busy_poll_ms / 1000 if busy else 0) as pipeline:
                 assert pipeline.direct_rows == direct, "the daemons' --relay-to does not name the next shard"
                 greedy_decode(pipeline, 98, prompt[:32], 4)  # warm-up: capture the graphs
                 if "SHARDD_TIMELINE" in env:
                     out["relay_timeline"] = timeline_run(pipeline, prompt, args)
+                    continue
+                if spied is not None:
+                    pyspy_decodes(pipeline, prompt, args, spied[0].with_name("coordinator.txt"))
                     continue
                 if tag in arms:
                     settings = {"busy_poll_ms": args.busy_poll_ms if busy else 0.0, "direct_rows": direct,
@@ -925,12 +962,49 @@ def run_relay(args) -> dict:
                     out["e2e_greedy_ms_per_token"] = run["e2e_greedy_ms_per_token"]
                 by_phase.update(run[f"relay_by_phase_{mode}"])
         finally:
-            stop_processes(processes)
+            stop_processes(processes, profiled=spied is not None)
+    if args.pyspy and "relay_pyspy" not in out:  # py-spy wrote each daemon's stacks when it exited
+        # the daemons' serving loop only, without the graphs' capture and the prompts' prefill (the decodes' steps)
+        out["relay_pyspy"] = {path.stem: pyspy_top(path, **({} if path.stem == "coordinator" else PYSPY_STEADY))
+                              for path in sorted(Path(args.pyspy).resolve().glob("*.txt"))}
     out["relay_by_phase"] = by_phase
     if args.daemon_profile:
         out["daemon_profile_top"] = {path.name: daemon_profile_top(path) for path in sorted(Path(args.daemon_profile).glob("*.prof"))}
     out["hashes"] = hashes
     return out
+
+
+PYSPY_RATE = 1000  # samples a second: ~19 a verify step
+PYSPY_STEADY = {"within": "ShardDaemon.serve", "without": ("_capture", "prefill", "_freeze_heap")}
+
+
+def pyspy_decodes(pipeline, prompt, args, coordinator_file: Path) -> None:
+    """Greedy and speculative (checkpoint) decodes over daemons each under py-spy (`--native`: the CUDA driver's
+    frames too), with the coordinator (this process) under a py-spy attached to it where this host lets it. Their
+    busiest frames (`relay_pyspy`: bench_batch.pyspy_top, per thread) say where the host work between two GPU
+    steps goes, function by function."""
+    from coordinator.decoding import greedy_decode, speculative_decode
+    from coordinator.drafters import OracleDrafter
+
+    try:
+        coordinator = subprocess.Popen(["py-spy", "record", "--nonblocking", "--threads", "-r", str(PYSPY_RATE), "-f", "raw",
+                                        "-o", str(coordinator_file), "--pid", str(os.getpid())],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        time.sleep(1.0)  # attached before the decodes
+    except OSError:
+        coordinator = None
+    reference = greedy_decode(pipeline, 1, prompt, args.tokens).tokens
+    for _ in range(4):
+        greedy_decode(pipeline, 1, prompt, args.tokens)
+        drafter = OracleDrafter.with_mean_commit(reference, len(prompt), block_size=BLOCK, mean_commit=MEAN_COMMIT)
+        speculative_decode(pipeline, 2, prompt, drafter, block_size=BLOCK, rollback="checkpoint",
+                           max_new_tokens=args.tokens)
+    if coordinator is not None:
+        coordinator.send_signal(signal.SIGINT)
+        try:
+            coordinator.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            coordinator.kill()
 
 
 TIMELINE_STAMPS = 16384  # per daemon: a timeline run's three greedy and three speculative decodes fit
@@ -1370,6 +1444,10 @@ def main() -> int:
                              "direct-busy-host, direct-busy-device); default: as --busy-poll-ms and --direct-rows say.")
     parser.add_argument("--daemon-profile", default=None, help="relay: also a short run with the daemons under cProfile, "
                         "dumps in this directory, their top functions in the JSON.")
+    parser.add_argument("--arms-only", action="store_true", help="relay: only the arms (--relay-arms) and the "
+                        "profiled runs, without the plain runs (relay_ms_per_step then comes from each arm).")
+    parser.add_argument("--pyspy", default=None, help="relay: also a run of the shipped arm with each daemon under "
+                        "py-spy (stacks in this directory; `relay_pyspy`: their busiest frames).")
     parser.add_argument("--timeline", action="store_true", help="relay: also a run of the shipped arm with the "
                         "daemons' GPU timelines on (SHARDD_TIMELINE): `relay_timeline`, where a step's time goes.")
     parser.add_argument("--fp8", choices=("fp8-block", "fp8-channel"), default=None,
@@ -1415,6 +1493,7 @@ def main() -> int:
                    "--e2e-engine", args.e2e_engine, *(["--daemon-profile", args.daemon_profile] if args.daemon_profile else []),
                    "--busy-poll-ms", str(args.busy_poll_ms), *(["--direct-rows"] if args.direct_rows else []),
                    *(["--relay-arms", args.relay_arms] if args.relay_arms else []), *(["--timeline"] if args.timeline else []),
+                   *(["--arms-only"] if args.arms_only else []), *(["--pyspy", args.pyspy] if args.pyspy else []),
                    *(["--fp8", args.fp8] if args.fp8 else []), *(["--fp8-pdl"] if args.fp8_pdl else []),
                    "--draft", args.draft, "--commits", args.commits, "--placements", args.placements,
                    "--dflash-device", args.dflash_device, "--dflash-engine", args.dflash_engine,

@@ -4,6 +4,8 @@
 # ~0.5 ms a step between sessions, more than such changes are worth).
 #   BEFORE_TREE   a directory holding the older code (`git archive COMMIT | tar -x -C DIR`), inside the working
 #                 tree so that it travels to the device (untracked; never commit it)
+#   AB_ARGS       bench_gpu.py flags for both parts (--arms-only: the shipped arm without the plain runs)
+#   AFTER_ARGS    flags for the after part only (default --timeline; e.g. "--timeline --pyspy $OUT/pyspy")
 # 1. BEFORE_TREE's scripts/bench_gpu.py --parts relay (the shipped arm); 2. this tree's --parts relay,local with
 # the daemons' GPU timelines (--timeline). Results in $OUT: relay_before.json, relay_after.json and their logs.
 set -uo pipefail
@@ -18,10 +20,10 @@ here=$PWD
 case "$OUT" in /*) out_abs=$OUT ;; *) out_abs=$here/$OUT ;; esac  # the before run works in BEFORE_TREE
 echo "== before ($BEFORE_TREE)"
 (cd "$BEFORE_TREE" && PYTHONPATH=/tmp/site:/tmp/fla-site:$PWD timeout ${BEFORE_TIMEOUT:-170} python3 scripts/bench_gpu.py \
-    --parts relay $ARGS --json "$out_abs/relay_before.json" > "$out_abs/relay_before.log" 2>&1)
+    --parts relay $ARGS ${AB_ARGS:-} --json "$out_abs/relay_before.json" > "$out_abs/relay_before.log" 2>&1)
 echo "before exit: $?"
 echo "== after (this tree)"
-timeout ${AFTER_TIMEOUT:-320} python3 scripts/bench_gpu.py --parts relay,local $ARGS --timeline \
+timeout ${AFTER_TIMEOUT:-320} python3 scripts/bench_gpu.py --parts relay,local $ARGS ${AB_ARGS:-} ${AFTER_ARGS:---timeline} \
     --json "$OUT/relay_after.json" > "$OUT/relay_after.log" 2>&1
 echo "after exit: $?"
 python3 - "$OUT/relay_before.json" "$OUT/relay_after.json" <<'PY'

@@ -1162,10 +1162,7 @@ class ShardDaemon:
         watchdog, status = systemd.Watchdog(), systemd.Status()
         status.set(self.status_line(listener.endpoint), "READY=1")
         log.info("ready: serving on %s", listener.endpoint)
-        # Everything loaded so far (torch, triton, the model) lives as long as the daemon: out of the garbage
-        # collector's sight, so no full collection walks it between two requests.
-        gc.collect()
-        gc.freeze()
+        _freeze_heap()
         # SHARDD_PROFILE=DIR: the serving loop runs under cProfile, written to DIR/shardd-PID.prof on stop
         # (a host-side profile where no sampling profiler is installed; it slows every request down)
         profile_dir = os.environ.get("SHARDD_PROFILE")
@@ -1251,9 +1248,17 @@ class ShardDaemon:
         reply: the next request of a decode is usually milliseconds away, and a sleeping process wakes late on a
         loaded host), then waited for up to `timeout_ms`."""
         while not self.stopping and time.monotonic() < busy_until:
-            if socket.poll(0):
+            if poller.poll(0):  # the loop's one poller (socket.poll builds a Poller per call)
                 return True
         return bool(poller.poll(timeout_ms))
+
+
+def _freeze_heap() -> None:
+    """Everything loaded so far (torch, triton, the model) lives as long as the daemon: out of the garbage
+    collector's sight, so no full collection walks it between two requests. (A function of its own, so that a
+    profile of the serving loop can leave this one collection out.)"""
+    gc.collect()
+    gc.freeze()
 
 
 MIN_FRAME_BYTES = 16 << 20  # small models still answer a modestly oversized frame with TOO_LARGE
