@@ -464,7 +464,10 @@ def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] 
         if devices[index] == "cpu":  # a CPU check: one torch thread per daemon, as the tests start them
             command += ["--threads", "1"]
         if pyspy is not None:  # py-spy as the daemon's parent (attaching to a sibling needs ptrace rights it may lack)
-            command = ["py-spy", "record", "--native", "--threads", "-r", str(PYSPY_RATE), "-f", "raw",
+            # --nonblocking: sampling pauses nothing (--native pauses the daemon per sample: PYSPY_NATIVE=1; on the
+            # GPU host it slowed a daemon's start past a 330 s limit)
+            mode_flag = "--native" if os.environ.get("PYSPY_NATIVE") == "1" else "--nonblocking"
+            command = ["py-spy", "record", mode_flag, "--threads", "-r", str(PYSPY_RATE), "-f", "raw",
                        "-o", str(pyspy[index]), "--"] + command
         processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                           env={**os.environ, **(env or {})}))
@@ -894,8 +897,6 @@ def run_relay(args) -> dict:
     hashes: dict = {}
     run_dir = Path(tempfile.mkdtemp(prefix="bench-relay-"))
     runs = [] if args.arms_only else [(mode, {}, "") for mode in ("checkpoint", "replay-ssm")]
-    if args.pyspy:  # the shipped arm once more, each daemon under py-spy (apart from the timed runs)
-        runs.append(("checkpoint", {}, "-direct-busy-pyspy"))
     if args.timeline:  # the shipped arm once more with GPU stamps (slower by their kernels: apart from the timed runs)
         runs.append(("checkpoint", {"SHARDD_TIMELINE": str(TIMELINE_STAMPS)}, "-direct-busy-timeline"))
     if args.daemon_profile:  # a short extra run under cProfile: slower, so apart from the timed runs
@@ -916,6 +917,8 @@ def run_relay(args) -> dict:
                   if ("busy" not in tag or args.busy_poll_ms) and ("direct" not in tag or args.direct_rows)]
     arms = {tag: RELAY_ARMS[tag][0] for tag in wanted}
     runs += [(mode, {}, tag) for tag in wanted for mode in ("checkpoint", "replay-ssm")]
+    if args.pyspy:  # the shipped arm once more, each daemon under py-spy: last, so a slow profile costs no timed run
+        runs.append(("checkpoint", {}, "-direct-busy-pyspy"))
     for mode, env, tag in runs:
         busy, direct = "busy" in tag, "direct" in tag
         spied = None
@@ -979,8 +982,8 @@ PYSPY_STEADY = {"within": "ShardDaemon.serve", "without": ("_capture", "prefill"
 
 
 def pyspy_decodes(pipeline, prompt, args, coordinator_file: Path) -> None:
-    """Greedy and speculative (checkpoint) decodes over daemons each under py-spy (`--native`: the CUDA driver's
-    frames too), with the coordinator (this process) under a py-spy attached to it where this host lets it. Their
+    """Greedy and speculative (checkpoint) decodes over daemons each under py-spy (PYSPY_NATIVE=1: the CUDA
+    driver's frames too), with the coordinator (this process) under a py-spy attached to it where this host lets it. Their
     busiest frames (`relay_pyspy`: bench_batch.pyspy_top, per thread) say where the host work between two GPU
     steps goes, function by function."""
     from coordinator.decoding import greedy_decode, speculative_decode
