@@ -806,26 +806,24 @@ class Pipeline:
         head_results: Optional[list],
     ) -> tuple[list[int], dict[int, WireTensor]]:
         """One chunk through every shard, the rows going from shard to shard (PROTOCOL.md, "Rows from shard to
-        shard"): every shard's request goes out at once, in shard order (the first shard computes while the next
-        ones' requests are built and sent; rows that come first are kept), each next shard waiting for its rows
+        shard"): every shard's request goes out at once, the head's first, each next shard waiting for its rows
         under a fresh ticket, and the replies are read in shard order (only the head's carries more than a
         length). A shard that refuses (it changed nothing) has the next ones' waits refused with it; after any
         other failure a later shard may have run: the sequence is inconsistent, re-filled by the caller."""
         n, last = len(tokens), len(self.shards) - 1
         tickets = [secrets.randbits(62) for _ in range(last)]
         sent: list = [None] * len(self.shards)
-        for index, shard in enumerate(self.shards):
+        for index in range(last, -1, -1):  # the shards that wait are waiting before the first one computes
+            shard = self.shards[index]
             inputs = {"tokens": tokens} if index == 0 else {"rows_ticket": tickets[index - 1], "ticket_rows": n}
             sampling = head if head is not None and shard.owns_head else None
             record = forward_record(seq, pos, checkpoint=checkpoint, layers=owned[index], sampling=sampling,
                                     send_rows=tickets[index] if index < last else None, **inputs)
             try:
                 sent[index] = self.clients[index].send(record)
-            except SHARD_FAILURES as error:
-                for before in range(index):  # they take the step (the last of them sends rows nobody reads)
-                    self.clients[before].forget(sent[before])
-                if index > 0:  # nothing reached this shard: the shards before it took the step
-                    self._undo(seq, pos, index, checkpoint, error)
+            except SHARD_FAILURES:
+                for later in range(index + 1, len(sent)):  # nothing ran: their waits end with their next request
+                    self.clients[later].forget(sent[later])
                 raise
         # the requests are on their way behind any ROLLBACK of this sequence: now read those
         self._settle(seq, list(zip(self.clients, sent)))
