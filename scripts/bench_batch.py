@@ -409,8 +409,7 @@ def stop_serve(process: subprocess.Popen, profiled: bool) -> None:
         process.terminate()
         process.wait(timeout=60)
         return
-    children = [int(pid) for task in Path(f"/proc/{process.pid}/task").glob("*")
-                for pid in (task / "children").read_text().split()]
+    children = child_pids(process.pid)
     process.send_signal(signal.SIGINT)
     try:
         process.wait(timeout=60)
@@ -420,6 +419,12 @@ def stop_serve(process: subprocess.Popen, profiled: bool) -> None:
                 os.kill(child, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes `pid` started (py-spy's child: the program it profiles)."""
+    return [int(child) for task in Path(f"/proc/{pid}/task").glob("*")
+            for child in (task / "children").read_text().split()]
 
 
 def pyspy_top(path: Path, top: int = 40, within: str | None = None, without: tuple[str, ...] = ()) -> dict:

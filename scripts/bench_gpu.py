@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_batch import batch_table, pyspy_top, run_batch_daemons, run_batch_local, summarize_batch  # noqa: E402
+from bench_batch import batch_table, child_pids, pyspy_top, run_batch_daemons, run_batch_local, summarize_batch  # noqa: E402
 
 MODES = ("checkpoint", "replay-ssm", "replay")
 BLOCK = 16
@@ -396,7 +396,7 @@ def stop_processes(processes: list, profiled: bool = False) -> None:
     child exits)."""
     for process in processes:
         if profiled and process.poll() is None:
-            for pid in _children(process.pid):
+            for pid in child_pids(process.pid):
                 try:
                     os.kill(pid, signal.SIGTERM)
                 except ProcessLookupError:
@@ -409,11 +409,6 @@ def stop_processes(processes: list, profiled: bool = False) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=10)
-
-
-def _children(pid: int) -> list[int]:
-    return [int(child) for task in Path(f"/proc/{pid}/task").glob("*")
-            for child in (task / "children").read_text().split()]
 
 
 def wait_for_hello(daemons: list[tuple[str, subprocess.Popen, str, Path]], timeout_s: float = 600) -> None:

@@ -151,6 +151,21 @@ def test_every_request_gets_one_reply_and_errors_change_nothing(shard, batch):
 
 # ---- the codec's fast field check against its field-by-field reference ---------------------------------
 
+def _fast_and_reference(mtype, header) -> tuple:
+    """What `_field_values` (the fast check) and `_ordered_field_values` (the reference) make of `header`: the
+    values with their types, or the refusal."""
+    from protocol.codec import _REQUEST_SCHEMA, ProtocolError, _field_values, _ordered_field_values
+
+    def outcome(check, fields):
+        try:
+            values = check(header, fields, mtype)
+        except ProtocolError as error:
+            return ("refused", error.code, error.message)
+        return ("values", list(values.items()), [type(v) for v in values.values()])
+
+    return outcome(_field_values, _REQUEST_SCHEMA[mtype]), outcome(_ordered_field_values, REQUEST_FIELDS[mtype])
+
+
 def _good_value(spec):
     """A value the field takes (its bounds included)."""
     low = -1000 if spec.minimum is None else spec.minimum
@@ -198,18 +213,8 @@ def _headers(draw):
 def test_the_fast_field_check_decides_as_the_field_by_field_one(drawn):
     """protocol/codec.py's `_field_values` checks the common case by header key; whatever it accepts, refuses or
     returns must be what `_ordered_field_values` (the readable reference, the one the errors come from) does."""
-    from protocol.codec import _REQUEST_SCHEMA, ProtocolError, _field_values, _ordered_field_values
-
-    mtype, header = drawn
-
-    def outcome(check, fields):
-        try:
-            values = check(header, fields, mtype)
-        except ProtocolError as error:
-            return ("refused", error.code, error.message)
-        return ("values", list(values.items()), [type(v) for v in values.values()])
-
-    assert outcome(_field_values, _REQUEST_SCHEMA[mtype]) == outcome(_ordered_field_values, REQUEST_FIELDS[mtype])
+    fast, reference = _fast_and_reference(*drawn)
+    assert fast == reference
 
 
 def _edge_values(spec) -> list:
@@ -224,21 +229,10 @@ def _edge_values(spec) -> list:
 
 @pytest.mark.parametrize("mtype", sorted(REQUEST_FIELDS, key=lambda t: t.value), ids=lambda t: t.value)
 def test_the_fast_field_check_decides_every_edge_value_as_the_reference(mtype):
-    from protocol.codec import _REQUEST_SCHEMA, ProtocolError, _field_values, _ordered_field_values
-
-    def outcome(check, header, fields):
-        try:
-            values = check(header, fields, mtype)
-        except ProtocolError as error:
-            return ("refused", error.code, error.message)
-        return ("values", list(values.items()), [type(v) for v in values.values()])
-
     specs = REQUEST_FIELDS[mtype]
-    required = {spec.name: (spec.minimum if spec.minimum is not None else (0 if spec.kind == "int" else
-                            [] if spec.kind == "int_list" else "" if spec.kind == "str" else False if spec.kind == "bool"
-                            else spec.minimum or 0.0)) for spec in specs if spec.required}
+    least = {"int": 0, "int_list": [], "str": "", "bool": False, "float": 0.0}  # where a field has no minimum
+    required = {spec.name: least[spec.kind] if spec.minimum is None else spec.minimum for spec in specs if spec.required}
     for spec in specs:
         for value in _edge_values(spec):
-            header = {**required, spec.name: value}
-            assert outcome(_field_values, header, _REQUEST_SCHEMA[mtype]) == \
-                outcome(_ordered_field_values, header, specs), (spec.name, value)
+            fast, reference = _fast_and_reference(mtype, {**required, spec.name: value})
+            assert fast == reference, (spec.name, value)
