@@ -11,8 +11,10 @@ Parts, each in its own process (so one part's memory never weighs on the next):
   a 1024-token prompt, a step at a 32k-token context, and the top kernels of one step (profile).
 - `transformers`: `transformers`' greedy decode on the same synthetic weights, in its own process.
 - `e2e`: two `shardd serve` daemons (layers 0:L/2 and L/2:L; one GPU each, or both on the one GPU there
-  is) and the same decoding over the pipeline.
-- `relay`: the same two daemons, and where each request's time goes (`relay_by_phase`: the daemons'
+  is) and the same decoding over the pipeline, the split as shardctl ships it (rows shard to shard, both ends
+  polling where the host allows: SHIPPED_*).
+- `relay`: the same two daemons (as shipped, and `relay_plain`: rows through the coordinator, nobody
+  polling), and where each request's time goes (`relay_by_phase`: the daemons'
   STATS phases and the coordinator's client phases, protocol/timing.py, per verify step).
 - `batch` (`batch-local`, `batch-daemons`; scripts/bench_batch.py): many streams through the scheduler,
   aggregate tok/s by concurrency, greedy and oracle, one process and two daemons, HTTP at 8 streams, and
@@ -485,9 +487,10 @@ def run_e2e(args) -> dict:
     reference = None
     run_dir = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     for storage_mode, modes in (("checkpoint", ("checkpoint", "replay", "checkpoint")), ("replay-ssm", ("replay-ssm", "replay-ssm"))):
-        processes, endpoints = start_daemons(args, ranges, storage_mode, run_dir, devices=devices)
-        try:
-            with Pipeline.connect(endpoints, timeout_s=600) as pipeline:
+        processes, endpoints = start_daemons(args, ranges, storage_mode, run_dir, devices=devices,
+                                             direct_rows=SHIPPED_DIRECT_ROWS)
+        try:  # the split as shipped (SHIPPED_*: rows shard to shard, both ends polling where the host allows)
+            with Pipeline.connect(endpoints, timeout_s=600, busy_poll_s=SHIPPED_BUSY_POLL_S) as pipeline:
                 out.setdefault("e2e_engine", [info.hello.get("engine") for info in pipeline.shards])
                 if reference is None:
                     greedy_decode(pipeline, 98, prompt[:32], 4)
@@ -869,8 +872,18 @@ def daemon_profile_top(path: Path, top: int = 25) -> list[str]:
     return [line for line in lines[start:] if line.strip()]
 
 
-# the relay's arms beside its plain runs: tag -> (JSON key, extra `shardd serve` arguments)
+# the relay's arms beside its shipped runs: tag -> (JSON key, extra `shardd serve` arguments)
+# The headline two-daemon runs (the e2e and relay parts' e2e_* keys, relay_ms_per_step, e2e_vs_local) run the split
+# as shardctl ships it: each shard's rows straight to the next (--relay-to, on a GPU through its device ring), the
+# daemons' --busy-poll-ms left at its default (auto: polling on a GPU host with the CPUs for it) and the coordinator
+# following its daemons (Pipeline.connect(busy_poll_s=None)). The arms below change one thing each; `-plain` is
+# the split with neither (rows through the coordinator, nobody polling: what the headline measured before
+# 2026-12-04).
+SHIPPED_DIRECT_ROWS = True
+SHIPPED_BUSY_POLL_S = None  # the coordinator follows its daemons' HELLO
+
 RELAY_ARMS = {
+    "-plain": ("relay_plain", []),
     "-busy": ("relay_busy_poll", []),
     "-direct": ("relay_direct", []),
     "-direct-busy": ("relay_direct_busy_poll", []),
@@ -886,8 +899,10 @@ def run_relay(args) -> dict:
 
     ranges, prompt = halves_and_prompt(args)
     devices = e2e_devices(args)
-    # the plain runs sleep on both ends (--busy-poll-ms 0 given, whatever shardd's default), the busy ones poll
-    out: dict = {"relay_devices": devices, "relay_daemon_busy_poll_ms": 0.0}
+    # the headline runs (tag "") as shipped (SHIPPED_*); an arm's daemons poll (--busy-poll-ms) or sleep (0) as
+    # its tag says
+    out: dict = {"relay_devices": devices, "relay_shipped": {"direct_rows": SHIPPED_DIRECT_ROWS,
+                                                             "busy_poll_ms": "auto (the daemons' HELLO)"}}
     by_phase: dict = {}
     hashes: dict = {}
     run_dir = Path(tempfile.mkdtemp(prefix="bench-relay-"))
@@ -907,23 +922,24 @@ def run_relay(args) -> dict:
         unknown = [tag for tag in wanted if tag not in RELAY_ARMS]
         if unknown:
             raise SystemExit(f"--relay-arms: unknown {unknown}; known: {[tag[1:] for tag in RELAY_ARMS]}")
-    else:
-        wanted = [tag for tag in ("-busy", "-direct", "-direct-busy")
-                  if ("busy" not in tag or args.busy_poll_ms) and ("direct" not in tag or args.direct_rows)]
+    else:  # the plain split beside the shipped one; --busy-poll-ms / --direct-rows add the arms of one lever
+        wanted = ["-plain"] + [tag for tag in ("-busy", "-direct", "-direct-busy")
+                               if ("busy" not in tag or args.busy_poll_ms) and ("direct" not in tag or args.direct_rows)]
     arms = {tag: RELAY_ARMS[tag][0] for tag in wanted}
     runs += [(mode, {}, tag) for tag in wanted for mode in ("checkpoint", "replay-ssm")]
     if args.pyspy:  # the shipped arm once more, each daemon under py-spy: last, so a slow profile costs no timed run
         runs.append(("checkpoint", {}, "-direct-busy-pyspy"))
     for mode, env, tag in runs:
-        busy, direct = "busy" in tag, "direct" in tag
+        shipped = tag == "" or tag.startswith("-direct-busy-") and tag[len("-direct-busy-"):] in ("timeline", "pyspy")
+        busy, direct = "busy" in tag, "direct" in tag or (shipped and SHIPPED_DIRECT_ROWS)
+        poll = [] if shipped else ["--busy-poll-ms", str(args.busy_poll_ms if busy else 0)]
         spied = None
         if "pyspy" in tag:
             Path(args.pyspy).mkdir(parents=True, exist_ok=True)
             spied = [Path(args.pyspy).resolve() / f"shard{index}.txt" for index in range(len(ranges))]
         try:
             processes, endpoints = start_daemons(args, ranges, mode, run_dir, devices=devices, env=env, tag=tag,
-                                                 extra=["--busy-poll-ms", str(args.busy_poll_ms if busy else 0),
-                                                        *RELAY_ARMS.get(tag, ("", []))[1]],
+                                                 extra=[*poll, *RELAY_ARMS.get(tag, ("", []))[1]],
                                                  direct_rows=direct, pyspy=spied)
         except RuntimeError as error:  # the profiled run alone may fail (py-spy missing or refused): the rest stands
             if spied is None:
@@ -931,7 +947,8 @@ def run_relay(args) -> dict:
             out["relay_pyspy"] = {"error": str(error)[-2000:]}
             continue
         try:
-            with Pipeline.connect(endpoints, timeout_s=600, busy_poll_s=args.busy_poll_ms / 1000 if busy else 0) as pipeline:
+            coordinator_poll = SHIPPED_BUSY_POLL_S if shipped else args.busy_poll_ms / 1000 if busy else 0
+            with Pipeline.connect(endpoints, timeout_s=600, busy_poll_s=coordinator_poll) as pipeline:
                 assert pipeline.direct_rows == direct, "the daemons' --relay-to does not name the next shard"
                 greedy_decode(pipeline, 98, prompt[:32], 4)  # warm-up: capture the graphs
                 if "SHARDD_TIMELINE" in env:
@@ -940,6 +957,8 @@ def run_relay(args) -> dict:
                 if spied is not None:
                     pyspy_decodes(pipeline, prompt, args, spied[0].with_name("coordinator.txt"))
                     continue
+                if not out.get("relay_shipped", {}).get("daemons_busy_poll_ms") and shipped:
+                    out["relay_shipped"]["daemons_busy_poll_ms"] = [info.hello.get("busy_poll_ms") for info in pipeline.shards]
                 if tag in arms:
                     settings = {"busy_poll_ms": args.busy_poll_ms if busy else 0.0, "direct_rows": direct,
                                 "daemon_args": RELAY_ARMS[tag][1]}
@@ -1082,9 +1101,10 @@ def relay_step_intervals(reports: list[dict], start_ns: int, end_ns: int) -> dic
 
 
 def arm_run(pipeline, prompt, mode: str, args, hashes: dict, tag: str) -> dict:
-    """Greedy and speculative (oracle) through one run's daemons: the plain runs (tag ""; run_relay files the
-    figures under the e2e keys) and the arms (polling without sleeping, the rows from daemon to daemon, or both:
-    under the arm's key, `relay_busy_poll`, `relay_direct`, `relay_direct_busy_poll`; summarize() sets their relay
+    """Greedy and speculative (oracle) through one run's daemons: the runs as shipped (tag ""; run_relay files
+    the figures under the e2e keys) and the arms (nobody polling and the rows through the coordinator, polling,
+    the rows from daemon to daemon, or both: under the arm's key, `relay_plain`, `relay_busy_poll`, `relay_direct`,
+    `relay_direct_busy_poll`; summarize() sets their relay
     against the one-process step). The greedy figures and phases (`relay_by_phase_<mode>`) with checkpoint."""
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafters import OracleDrafter
@@ -1433,17 +1453,17 @@ def main() -> int:
     parser.add_argument("--e2e-engine", default="fast", help="The daemons' --engine (reference: a CPU check).")
     parser.add_argument("--busy-poll-ms", type=float, default=0.0,
                         help="relay: also the runs with daemons (--busy-poll-ms) and coordinator polling without "
-                             "sleeping for this long (relay_busy_poll, side by side with the plain runs).")
+                             "sleeping for this long (relay_busy_poll, side by side with the shipped runs).")
     parser.add_argument("--direct-rows", action="store_true",
                         help="relay: also the runs with the rows going from daemon to daemon (--relay-to; "
                              "relay_direct, and relay_direct_busy_poll with --busy-poll-ms).")
     parser.add_argument("--relay-arms", default="",
-                        help="relay: the arms to run beside the plain runs, by name (busy, direct, direct-busy, "
+                        help="relay: the arms to run beside the shipped runs, by name (plain, busy, direct, direct-busy, "
                              "direct-busy-host, direct-busy-device); default: as --busy-poll-ms and --direct-rows say.")
     parser.add_argument("--daemon-profile", default=None, help="relay: also a short run with the daemons under cProfile, "
                         "dumps in this directory, their top functions in the JSON.")
     parser.add_argument("--arms-only", action="store_true", help="relay: only the arms (--relay-arms) and the "
-                        "profiled runs, without the plain runs (relay_ms_per_step then comes from each arm).")
+                        "profiled runs, without the shipped runs (relay_ms_per_step then comes from each arm).")
     parser.add_argument("--pyspy", default=None, help="relay: also a run of the shipped arm with each daemon under "
                         "py-spy (stacks in this directory; `relay_pyspy`: their busiest frames).")
     parser.add_argument("--timeline", action="store_true", help="relay: also a run of the shipped arm with the "

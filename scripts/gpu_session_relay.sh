@@ -33,7 +33,7 @@ r = json.load(open(sys.argv[1]))
 for key in ("outputs_identical", "failed_parts", "tok_s", "e2e_tok_s", "e2e_vs_local", "relay_ms_per_step", "step_ms",
             "e2e_step_ms", "greedy_ms_per_token", "e2e_greedy_ms_per_token", "e2e_greedy_vs_local", "rollback_ms",
             "rollback_share_of_step", "e2e_dflash_step_ms", "relay_round_trip_ms", "relay_busy_poll", "relay_direct",
-            "relay_direct_busy_poll"):
+            "relay_direct_busy_poll", "relay_plain", "relay_shipped"):
     print(f"{key}: {r.get(key)}")
 delay = r.get("relay_vs_delay")
 if delay:
