@@ -78,13 +78,26 @@ def write_json(path: str | None, value: dict) -> None:
 
 # ---- two daemons ----------------------------------------------------------------------------------------
 
-def start_daemons(args, devices: list[str], quantize: str | None, cap: str | None, run_dir: Path,
-                  out: dict) -> tuple[list, list[str]]:
-    from coordinator.client import ShardClient, ShardTimeout
+def layer_ranges(args) -> list[tuple[int, int]]:
+    """The two daemons' layers. The first one also holds the drafter (6.2 GB for the 27B shape's five draft layers),
+    so by default it takes 7/16 of the layers: 28:36 of the 27B's 64, whose FP8 memory plans are about 20.7 and 20.0
+    GiB, where 32:32 planned 22.8 and 18.0 GiB and the first daemon ran out of its 24 GiB cap (allocator
+    fragmentation at a 72 MiB request) on the fourth run (2026-12-04)."""
     from shardd.presets import preset_config
 
     layers = preset_config(args.preset).num_layers
-    ranges = [(0, layers // 2), (layers // 2, layers)]
+    first = args.first_layers if args.first_layers is not None else max(1, layers * 7 // 16)
+    if not 0 < first < layers:
+        raise SystemExit(f"--first-layers {first}: the first daemon needs 1 to {layers - 1} of the {layers} layers")
+    return [(0, first), (first, layers)]
+
+
+def start_daemons(args, devices: list[str], quantize: str | None, cap: str | None, run_dir: Path,
+                  out: dict) -> tuple[list, list[str]]:
+    from coordinator.client import ShardClient, ShardTimeout
+
+    ranges = layer_ranges(args)
+    out["ranges"] = [f"{begin}:{end}" for begin, end in ranges]
     processes, endpoints = [], []
     for index, (begin, end) in enumerate(ranges):
         endpoint = f"ipc://{run_dir}/shard{index}.sock"
@@ -372,7 +385,7 @@ def table(result: dict) -> str:
         for index, plan in enumerate(run.get("memory_plan") or []):
             if plan:
                 used = ((run.get("device_memory") or [None] * 2)[index] or {}).get("process_bytes")
-                notes.append(f"{run['weights']} daemon {index}: planned {size(plan.get('total_bytes'))}"
+                notes.append(f"{run['weights']} daemon {index} (layers {(run.get('ranges') or ['?'] * 2)[index]}): planned {size(plan.get('total_bytes'))}"
                              + (f" of a {size(plan['cap_bytes'])} cap" if plan.get("cap_bytes") else "")
                              + f" (checkpoint_buffers {size(plan.get('items', {}).get('checkpoint_buffers'))})"
                              + (f"; the daemon holds {size(used)} after the runs" if used else ""))
@@ -463,6 +476,8 @@ def main() -> int:
                         "share of --budget-s does not hold them; at least one).")
     parser.add_argument("--block", type=int, default=16)
     parser.add_argument("--draft-layers", type=int, default=5)
+    parser.add_argument("--first-layers", type=int, default=None,
+                        help="Layers of the first daemon, which also holds the drafter (default: 7/16 of them).")
     parser.add_argument("--load-timeout", type=float, default=600)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
