@@ -881,6 +881,7 @@ def daemon_profile_top(path: Path, top: int = 25) -> list[str]:
 # 2026-12-04).
 SHIPPED_DIRECT_ROWS = True
 SHIPPED_BUSY_POLL_S = None  # the coordinator follows its daemons' HELLO
+SHIPPED_TAGS = ("", "-direct-busy-timeline", "-direct-busy-pyspy")  # the headline runs and the profiled ones
 
 RELAY_ARMS = {
     "-plain": ("relay_plain", []),
@@ -930,7 +931,7 @@ def run_relay(args) -> dict:
     if args.pyspy:  # the shipped arm once more, each daemon under py-spy: last, so a slow profile costs no timed run
         runs.append(("checkpoint", {}, "-direct-busy-pyspy"))
     for mode, env, tag in runs:
-        shipped = tag == "" or tag.startswith("-direct-busy-") and tag[len("-direct-busy-"):] in ("timeline", "pyspy")
+        shipped = tag in SHIPPED_TAGS
         busy, direct = "busy" in tag, "direct" in tag or (shipped and SHIPPED_DIRECT_ROWS)
         poll = [] if shipped else ["--busy-poll-ms", str(args.busy_poll_ms if busy else 0)]
         spied = None
@@ -957,7 +958,7 @@ def run_relay(args) -> dict:
                 if spied is not None:
                     pyspy_decodes(pipeline, prompt, args, spied[0].with_name("coordinator.txt"))
                     continue
-                if not out.get("relay_shipped", {}).get("daemons_busy_poll_ms") and shipped:
+                if shipped and "daemons_busy_poll_ms" not in out["relay_shipped"]:
                     out["relay_shipped"]["daemons_busy_poll_ms"] = [info.hello.get("busy_poll_ms") for info in pipeline.shards]
                 if tag in arms:
                     settings = {"busy_poll_ms": args.busy_poll_ms if busy else 0.0, "direct_rows": direct,

@@ -385,7 +385,8 @@ def table(result: dict) -> str:
         for index, plan in enumerate(run.get("memory_plan") or []):
             if plan:
                 used = ((run.get("device_memory") or [None] * 2)[index] or {}).get("process_bytes")
-                notes.append(f"{run['weights']} daemon {index} (layers {(run.get('ranges') or ['?'] * 2)[index]}): planned {size(plan.get('total_bytes'))}"
+                layers = (run.get("ranges") or ["?"] * 2)[index]
+                notes.append(f"{run['weights']} daemon {index} (layers {layers}): planned {size(plan.get('total_bytes'))}"
                              + (f" of a {size(plan['cap_bytes'])} cap" if plan.get("cap_bytes") else "")
                              + f" (checkpoint_buffers {size(plan.get('items', {}).get('checkpoint_buffers'))})"
                              + (f"; the daemon holds {size(used)} after the runs" if used else ""))

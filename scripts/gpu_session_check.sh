@@ -25,7 +25,7 @@ echo "bench_gpu exit: $?"
 python3 - "$OUT/gpu_bench_relay_$TAG.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
-for key in ("outputs_identical", "failed_parts", "relay_daemon_busy_poll_ms", "tok_s", "e2e_tok_s", "e2e_vs_local",
+for key in ("outputs_identical", "failed_parts", "relay_shipped", "tok_s", "e2e_tok_s", "e2e_vs_local",
             "relay_ms_per_step", "step_ms", "e2e_step_ms", "greedy_ms_per_token", "e2e_greedy_ms_per_token",
             "e2e_greedy_vs_local", "rollback_ms", "rollback_wall_ms", "rollback_share_of_step", "prefill_tok_s"):
     print(f"{key}: {r.get(key)}")
