@@ -110,13 +110,13 @@ def greedy_decode(
 ) -> DecodeResult:
     """Plain greedy decoding: prefill, then one token per forward. With `sampling` (a
     `coordinator.sampling.Sampling` at temperature > 0) the head shard samples each token instead."""
-    sampled = _sampled(sampling)
+    sampled = sampled_keywords(sampling)
 
     def step(history: list[int], room: int, result: DecodeResult) -> None:
-        ids = target.forward(seq, len(history) - 1, [history[-1]], **_at(sampled, history, result))
+        ids = target.forward(seq, len(history) - 1, [history[-1]], **step_keywords(sampled, history, result))
         (token,) = ids
         history.append(token)
-        _keep_logprobs(result, ids, 1)
+        keep_logprobs(result, ids, 1)
 
     return _decode(target, seq, prompt, max_new_tokens, frozenset(eos_ids), on_commit, step, sampled,
                    recovery_timeout_s)
@@ -152,7 +152,7 @@ def speculative_decode(
         raise ValueError(f"unknown rollback mode {rollback!r}; choose one of {', '.join(ROLLBACK_MODES)}")
     verifier = ReplayTarget(target) if rollback == REPLAY else target
     eos = frozenset(eos_ids)
-    sampled = _sampled(sampling)
+    sampled = sampled_keywords(sampling)
 
     def step(history: list[int], room: int, result: DecodeResult) -> None:
         # Draft: a block of T tokens commits at most T, so never draft past the budget.
@@ -165,30 +165,50 @@ def speculative_decode(
         # Verify [t0, d1 .. d_{T-1}] in one forward; the state holds history[:-1].
         block = [history[-1]] + drafts
         verified = verifier.forward(seq, len(history) - 1, block, checkpoint=True,
-                                    **_with_drafts(_at(sampled, history, result), drafts))
+                                    **with_drafts(step_keywords(sampled, history, result), drafts))
         # Accept the longest agreeing prefix plus the target's own next token.
-        committed, keep = commit_tokens(drafts, verified, room, eos)
-        history.extend(committed)
-        _keep_logprobs(result, verified, len(committed))
-        result.drafted += len(drafts)
-        result.accepted += accept_length(drafts, verified)
+        keep = commit_block(result, history, drafts, verified, room, eos)
         # Roll the rejected rest of the block back.
         if keep < len(block):
             verifier.rollback(seq, keep)
-            if rollback == REPLAY:
-                result.replays += 1
-            else:
-                result.rollbacks_fast += 1
+            count_rollback(result, rollback)
 
     return _decode(verifier, seq, prompt, max_new_tokens, eos, on_commit, step, sampled, recovery_timeout_s)
 
 
-def _sampled(sampling) -> dict:
+def commit_block(result: DecodeResult, history: list[int], drafts: list[int], verified, room: int,
+                 eos: frozenset[int]) -> int:
+    """The commit rule of a verify step (the reference loop's and the scheduler's): the agreeing prefix of
+    `drafts` plus the target's own next token, at most `room` and up to an EOS, appended to `history` and
+    counted in `result`. Returns `keep`, the block rows to keep (len(drafts) + 1: nothing to roll back)."""
+    committed, keep = commit_tokens(drafts, verified, room, eos)
+    history.extend(committed)
+    keep_logprobs(result, verified, len(committed))
+    result.drafted += len(drafts)
+    result.accepted += accept_length(drafts, verified)
+    return keep
+
+
+def count_rollback(result: DecodeResult, rollback: str) -> None:
+    if rollback == REPLAY:
+        result.replays += 1
+    else:
+        result.rollbacks_fast += 1
+
+
+def record_commit(result: DecodeResult, committed: list[int]) -> None:
+    """A step's commit into the result (the reference loop's and the scheduler's bookkeeping)."""
+    result.steps += 1
+    result.commits.append(len(committed))
+    result.tokens.extend(committed)
+
+
+def sampled_keywords(sampling) -> dict:
     """Extra forward keywords of a sampled request; none for plain greedy, so greedy calls stay as they were."""
     return {} if sampling is None or sampling.plain else {"sampling": sampling}
 
 
-def _at(sampled: dict, history: list[int], result: DecodeResult) -> dict:
+def step_keywords(sampled: dict, history: list[int], result: DecodeResult) -> dict:
     """The step's keywords: penalties see the prompt and the tokens generated so far (t0 included)."""
     if not sampled:
         return sampled
@@ -196,7 +216,7 @@ def _at(sampled: dict, history: list[int], result: DecodeResult) -> dict:
     return {"sampling": sampled["sampling"].at(history[:prompt_len], history[prompt_len:])}
 
 
-def _keep_logprobs(result: DecodeResult, ids, committed: int) -> None:
+def keep_logprobs(result: DecodeResult, ids, committed: int) -> None:
     """The logprobs of the first `committed` answered rows, when the request asked for logprobs."""
     if result.logprobs is None:
         return
@@ -207,7 +227,7 @@ def _keep_logprobs(result: DecodeResult, ids, committed: int) -> None:
     result.logprobs.extend(rows[:committed])
 
 
-def _with_drafts(sampled: dict, drafts: list[int]) -> dict:
+def with_drafts(sampled: dict, drafts: list[int]) -> dict:
     return {**sampled, "drafts": list(drafts)} if sampled else {}
 
 
@@ -238,7 +258,7 @@ def _decode(
     """Prefill, then `step(history, room, result)` until `max_new_tokens` or an EOS: a step appends
     what it commits to `history` (at most `room` tokens). When the target loses the sequence or
     cannot roll back, the state is re-filled from `history` and decoding carries on."""
-    _check_request(prompt, max_new_tokens)
+    check_request(prompt, max_new_tokens)
     limit = context_limit(target)
     check_prompt_fits(prompt, limit)
     result = DecodeResult(prompt_tokens=len(prompt))
@@ -251,7 +271,7 @@ def _decode(
         try:
             history = _prefill(target, seq, prompt, result, on_commit, sampled or {})
             start = time.perf_counter()
-            while not _finished(result.tokens, max_new_tokens, eos):
+            while not finished(result.tokens, max_new_tokens, eos):
                 # The context limit ends the request ("length"); near it the step's block shrinks.
                 room = room_left(max_new_tokens, result.tokens, history, limit)
                 if room <= 0:
@@ -261,7 +281,7 @@ def _decode(
                     step(history, room, result)
                 except (SequenceLost, RollbackFailed) as failure:
                     # `history` holds every commit, this step's too when only its rollback failed.
-                    _recover(target, seq, history, len(prompt), result, failure, recovery_timeout_s)
+                    recover(target, seq, history, len(prompt), result, failure, recovery_timeout_s)
                 if len(history) > committed_before:
                     _record(result, history[committed_before:], on_commit)
         except StopDecoding:
@@ -286,7 +306,7 @@ def room_left(max_new_tokens: int, generated: Sequence[int], history: Sequence[i
     return room if limit is None else min(room, limit - len(history))
 
 
-def _check_request(prompt: list[int], max_new_tokens: int) -> None:
+def check_request(prompt: list[int], max_new_tokens: int) -> None:
     if not prompt:
         raise ValueError("prompt must hold at least one token")
     if max_new_tokens < 0:
@@ -310,35 +330,33 @@ def _prefill(
     target: Target, seq: int, prompt: list[int], result: DecodeResult, on_commit: OnCommit | None, sampled: dict
 ) -> list[int]:
     start = time.perf_counter()
-    outputs = target.forward(seq, 0, list(prompt), **_at(sampled, list(prompt), result))
+    outputs = target.forward(seq, 0, list(prompt), **step_keywords(sampled, list(prompt), result))
     result.prefill_seconds = time.perf_counter() - start
     if len(outputs) != len(prompt):
         raise RuntimeError(f"prefill of {len(prompt)} tokens returned {len(outputs)} ids")
     first = outputs[-1]
     if result.logprobs is not None:
-        _keep_logprobs(result, _last_row(outputs), 1)
+        keep_logprobs(result, last_row(outputs), 1)
     result.tokens.append(first)
     if on_commit is not None:
-        on_commit(_committed(result, [first]))
+        on_commit(committed_ids(result, [first]))
     return list(prompt) + [first]
 
 
 def _record(result: DecodeResult, committed: list[int], on_commit: OnCommit | None) -> None:
-    result.steps += 1
-    result.commits.append(len(committed))
-    result.tokens.extend(committed)
+    record_commit(result, committed)
     if on_commit is not None:
-        on_commit(_committed(result, committed))
+        on_commit(committed_ids(result, committed))
 
 
-def _last_row(outputs) -> "TokenIds":
+def last_row(outputs) -> "TokenIds":
     last = TokenIds(outputs[-1:])
     rows = getattr(outputs, "logprobs", None)
     last.logprobs = rows[-1:] if rows else None
     return last
 
 
-def _committed(result: DecodeResult, committed: list[int]) -> "TokenIds":
+def committed_ids(result: DecodeResult, committed: list[int]) -> "TokenIds":
     """What on_commit gets: the committed ids, with their logprobs when the request asked for them."""
     ids = TokenIds(committed)
     if result.logprobs is not None:
@@ -346,7 +364,7 @@ def _committed(result: DecodeResult, committed: list[int]) -> "TokenIds":
     return ids
 
 
-def _finished(tokens: list[int], max_new_tokens: int, eos: frozenset[int]) -> bool:
+def finished(tokens: list[int], max_new_tokens: int, eos: frozenset[int]) -> bool:
     return len(tokens) >= max_new_tokens or (bool(tokens) and tokens[-1] in eos)
 
 
@@ -369,7 +387,7 @@ def _refill(target: Target, seq: int, history: list[int], prompt_len: int, promp
         target.forward(seq, prompt_len + start, generated[start : start + rows])
 
 
-def _recover(
+def recover(
     target: Target, seq: int, history: list[int], prompt_len: int, result: DecodeResult,
     failure: SequenceLost | RollbackFailed,
     timeout_s: float = RECOVERY_TIMEOUT_S,

@@ -7,7 +7,8 @@ re-fill forwards alike): the shards that own one of those layers answer CAPTURE,
 FORWARD, and the rows wait in `CapturedRows` by position. `propose(history, n)` knows the
 committed length (`len(history) - 1`), so it sends exactly the rows committed since its last
 call; rows of rejected tokens are never sent, and the next forward at their position drops
-them. The speculative loop itself is unchanged.
+them. The speculative loop itself is unchanged: the scheduler sends a DFlash request's rows
+through its `target`, beside the batch (`coordinator.scheduler`).
 
 Feature rows travel as one `features` tensor [n, k * H], the k layers side by side in
 `target_layer_ids` order (PROTOCOL.md), built here by copying rows of the k captured frames
@@ -18,6 +19,7 @@ a few hundred KiB for a 27B verify step.
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -95,10 +97,12 @@ class CapturedRows:
 
 class DFlashDrafterClient:
     """A DFlash drafter hosted by a daemon (`shardd serve --draft`), fed with features the
-    pipeline captures. Decode with `speculative_decode(drafter.target, seq, prompt, drafter)`.
+    pipeline captures. Decode with `speculative_decode(drafter.target, seq, prompt, drafter)`, or as a
+    scheduler `Request`'s drafter.
 
-    One sequence at a time (as a Pipeline belongs to one thread). When the drafter daemon is one
-    of the pipeline's shards, the pipeline's OPEN and CLOSE open and close the drafter state too."""
+    One sequence per instance; `fresh()` is another instance for another sequence, on the same
+    connections (all on the thread that owns the pipeline). When the drafter daemon is one of the
+    pipeline's shards, the pipeline's OPEN and CLOSE open and close the drafter state too."""
 
     name = "dflash"
 
@@ -128,18 +132,28 @@ class DFlashDrafterClient:
         self.layer_ids: list[int] = list(info["target_layer_ids"])
         self.max_draft_tokens: int = info["max_draft_tokens"]
         self.max_rows_per_request: int = hello["limits"]["max_tokens_per_request"]
-        self.target = FeatureCapture(pipeline, self)
-        self.seq: Optional[int] = None
-        self.rows = CapturedRows(self.layer_ids)
-        self.context_length = 0  # rows the daemon's drafter context holds (its PROPOSE replies say so)
         # On the head shard, the drafter proposes the next block inside the verify's reply (no PROPOSE round trip)
         # when that shard captures one of the drafter's layers.
         head = pipeline.shards[-1]
         self.proposes_in_reply = (self.shares_pipeline_daemon and where == pipeline.endpoints[-1]
                                   and any(head.begin <= layer < head.end for layer in self.layer_ids))
+        self._start()
+
+    def _start(self) -> None:
+        """This instance's own sequence state (nothing opened yet)."""
+        self.target = FeatureCapture(self.pipeline, self)
+        self.seq: Optional[int] = None
+        self.rows = CapturedRows(self.layer_ids)
+        self.context_length = 0  # rows the daemon's drafter context holds (its PROPOSE replies say so)
         self.next_block: Optional[int] = None  # drafts the next verify's reply should propose
         self.pending: Optional[dict] = None  # the proposal of the last verify's reply
         self.proposals_in_reply = 0  # blocks taken from a verify reply (no PROPOSE sent)
+
+    def fresh(self) -> "DFlashDrafterClient":
+        """A drafter for another sequence: the same checked daemon and connections, a state of its own."""
+        other = copy.copy(self)
+        other._start()
+        return other
 
     @property
     def max_block_size(self) -> int:

@@ -19,6 +19,9 @@ DRAFTERS = ("ngram", "oracle", "dflash")
 
 @runtime_checkable
 class Drafter(Protocol):
+    """Proposes drafts from the token history. A drafter that reads the target's features as well (DFlash) also
+    has `target`: the target every forward of its sequence must go through, capturing them."""
+
     name: str
 
     def propose(self, history: list[int], n: int) -> list[int]:

@@ -22,9 +22,10 @@ Rules, in the order a step applies them:
 
 The commit rule (`commit_tokens`), the logprob bookkeeping and the recovery are `coordinator.decoding`'s.
 The `replay` baseline runs batched too (`ReplayBatches`: snapshots, then the step; restores, then the kept
-tokens again as one more batch). Not here: the DFlash drafter (its capture/propose path is per sequence;
-`coordinator.decoding.speculative_decode` serves it). A re-fill (`_recover`) runs inside the step, so the other
-streams wait for it, and their tokens stay the same.
+tokens again as one more batch). A drafter that reads the target's features (DFlash: its `target` captures them
+on every forward) runs in the same steps, but its rows go through that target one sequence at a time, beside
+the batch. A re-fill (`recover`) runs inside the step, so the other streams wait for it, and their tokens stay
+the same.
 """
 
 from __future__ import annotations
@@ -38,25 +39,27 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from coordinator.acceptance import accept_length, commit_tokens
 from coordinator.decoding import (
     LENGTH,
     RECOVERY_TIMEOUT_S,
     STOP,
     DecodeResult,
     StopDecoding,
-    _at,
-    _check_request,
-    _committed,
-    _finished,
-    _keep_logprobs,
-    _last_row,
-    _recover,
-    _sampled,
-    _with_drafts,
     check_prompt_fits,
+    check_request,
+    commit_block,
+    committed_ids,
     context_limit,
+    count_rollback,
+    finished,
+    keep_logprobs,
+    last_row,
+    record_commit,
+    recover,
     room_left,
+    sampled_keywords,
+    step_keywords,
+    with_drafts,
 )
 from coordinator.drafters import Drafter
 from coordinator.pipeline import BatchForward
@@ -105,14 +108,17 @@ class Request:
         on_commit: Optional[Callable[[list[int]], None]] = None,
         on_finish: Optional[Callable[["Request"], None]] = None,
     ) -> None:
-        _check_request(list(prompt), max_new_tokens)
+        check_request(list(prompt), max_new_tokens)
         if drafter is not None and block_size < 2:
             raise ValueError(f"block_size must be >= 2 to speculate, got {block_size}")
         self.prompt = list(prompt)
         self.max_new_tokens = max_new_tokens
         self.eos = frozenset(eos_ids)
-        self.sampled = _sampled(sampling)
+        self.sampled = sampled_keywords(sampling)
         self.drafter = drafter
+        # A drafter that reads the target's features names the target its rows must go through (DFlash).
+        self.feature_target = getattr(drafter, "target", None)
+        self.target = None  # where this request's rows go, chosen by the scheduler at admission
         self.block_size = block_size
         self.on_commit = on_commit
         self.on_finish = on_finish
@@ -382,8 +388,9 @@ class Scheduler:
                 self._finish(request, LENGTH)
                 continue
             request.seq = secrets.randbelow(1 << 62)
+            request.target = self._target_for(request)
             try:
-                self.target.open(request.seq)
+                request.target.open(request.seq)
             except Exception as error:  # noqa: BLE001 - this request fails; the others run
                 request.seq = None
                 self._fail(request, error)
@@ -391,6 +398,12 @@ class Scheduler:
             request.state = PREFILL
             request._started = time.perf_counter()
             self.running.append(request)
+
+    def _target_for(self, request: Request):
+        """The batch's target, or a feature drafter's own (wrapped for the replay baseline as the batch's is)."""
+        if request.feature_target is None:
+            return self.target
+        return ReplayTarget(request.feature_target) if self.rollback == REPLAY else request.feature_target
 
     # ---- planning ---------------------------------------------------------------------------
 
@@ -430,10 +443,10 @@ class Scheduler:
             start = request.prefilled
             tokens = request.prompt[start:start + rows]
             last = start + rows == len(request.prompt)
-            sampling = _at(request.sampled, request.prompt, request.result).get("sampling") if last else None
+            sampling = step_keywords(request.sampled, request.prompt, request.result).get("sampling") if last else None
             return _Item(request, PREFILL, BatchForward(request.seq, start, tokens, sampling=sampling))
         history, room = request.history, request.room(self.limit)
-        sampling = _at(request.sampled, history, request.result)
+        sampling = step_keywords(request.sampled, history, request.result)
         if request.drafter is None:
             return _Item(request, DECODE, BatchForward(request.seq, len(history) - 1, [history[-1]],
                                                        sampling=sampling.get("sampling")), room=room)
@@ -442,19 +455,31 @@ class Scheduler:
         request.result.draft_seconds += time.perf_counter() - started
         if len(drafts) != rows - 1:
             raise ValueError(f"drafter {request.drafter.name!r} proposed {len(drafts)} tokens, asked for {rows - 1}")
-        extra = _with_drafts(sampling, drafts)
+        extra = with_drafts(sampling, drafts)
         forward = BatchForward(request.seq, len(history) - 1, [history[-1]] + drafts, checkpoint=True,
                                sampling=extra.get("sampling"), drafts=extra.get("drafts"))
         return _Item(request, DECODE, forward, drafts=drafts, room=room)
 
     # ---- running a step -------------------------------------------------------------------
 
-    def _run(self, items: list[_Item]) -> None:
+    def _forward(self, items: list[_Item]) -> list:
+        """Per item its ids or its exception: the batch's items as one batch, the others through their own target."""
+        outputs: list = [None] * len(items)
+        batched = [index for index, item in enumerate(items) if item.request.target is self.target]
         try:
-            outputs = self.batches.forward_batch([item.forward for item in items])
+            answers = self.batches.forward_batch([items[index].forward for index in batched]) if batched else []
         except Exception as error:  # noqa: BLE001 - the whole batch failed: each of its requests with it
-            outputs = [error] * len(items)
-        rollbacks: list[tuple[int, int]] = []
+            answers = [error] * len(batched)
+        for index, answer in zip(batched, answers):
+            outputs[index] = answer
+        for index, item in enumerate(items):
+            if item.request.target is not self.target:
+                (outputs[index],) = LoopBatches(item.request.target).forward_batch([item.forward])
+        return outputs
+
+    def _run(self, items: list[_Item]) -> None:
+        outputs = self._forward(items)
+        rollbacks: list[tuple[Request, int]] = []
         commits: list[tuple[Request, list[int]]] = []
         lost: list[tuple[Request, Exception]] = []
         for item, output in zip(items, outputs):
@@ -477,7 +502,7 @@ class Scheduler:
         for request, failure in lost:
             # The history holds every commit, this step's too when only its rollback failed.
             try:
-                _recover(self.target, request.seq, request.history, len(request.prompt), request.result, failure,
+                recover(request.target, request.seq, request.history, len(request.prompt), request.result, failure,
                          self.recovery_timeout_s, self.prefill_chunk)
             except Exception as error:  # noqa: BLE001 - could not re-fill: this request fails
                 self._fail(request, error)
@@ -485,12 +510,19 @@ class Scheduler:
             if request.state == DECODE:
                 self._record(request, committed)
 
-    def _rollback(self, rollbacks: list[tuple[int, int]]) -> dict[int, Exception]:
+    def _rollback(self, rollbacks: list[tuple[Request, int]]) -> dict[int, Exception]:
         """Per sequence, the rollback that failed at once (a `Pipeline` reports its failures at the next call)."""
-        try:
-            return self.batches.rollback_batch(rollbacks) or {}
-        except (RollbackFailed, SequenceLost) as error:  # which one is unknown: re-fill them all, output unchanged
-            return {seq: error for seq, _ in rollbacks}
+        batched = [(request.seq, keep) for request, keep in rollbacks if request.target is self.target]
+        failures: dict[int, Exception] = {}
+        if batched:
+            try:
+                failures.update(self.batches.rollback_batch(batched) or {})
+            except (RollbackFailed, SequenceLost) as error:  # which one is unknown: re-fill them all, output unchanged
+                failures.update({seq: error for seq, _ in batched})
+        for request, keep in rollbacks:
+            if request.target is not self.target:
+                failures.update(LoopBatches(request.target).rollback_batch([(request.seq, keep)]))
+        return failures
 
     def _prefilled(self, item: _Item, outputs) -> None:
         request = item.request
@@ -504,47 +536,38 @@ class Scheduler:
         result.prefill_seconds = time.perf_counter() - request._started
         first = outputs[-1]
         if result.logprobs is not None:
-            _keep_logprobs(result, _last_row(outputs), 1)
+            keep_logprobs(result, last_row(outputs), 1)
         result.tokens.append(first)
         request.history = request.prompt + [first]
         request.state = DECODE
         request._started = time.perf_counter()
         self._notify(request, [first])
 
-    def _verified(self, item: _Item, verified, rollbacks: list[tuple[int, int]]) -> list[int]:
+    def _verified(self, item: _Item, verified, rollbacks: list[tuple[Request, int]]) -> list[int]:
         """Commit what a decode or verify row answered (coordinator.decoding's rule); queue its rollback."""
         request, result = item.request, item.request.result
         if item.drafts is None:
             (token,) = verified
             request.history.append(token)
-            _keep_logprobs(result, verified, 1)
+            keep_logprobs(result, verified, 1)
             return [token]
-        committed, keep = commit_tokens(item.drafts, verified, item.room, request.eos)
-        request.history.extend(committed)
-        _keep_logprobs(result, verified, len(committed))
-        result.drafted += len(item.drafts)
-        result.accepted += accept_length(item.drafts, verified)
+        before = len(request.history)
+        keep = commit_block(result, request.history, item.drafts, verified, item.room, request.eos)
         if keep < len(item.forward.tokens):
-            rollbacks.append((request.seq, keep))
-            if self.rollback == REPLAY:
-                result.replays += 1
-            else:
-                result.rollbacks_fast += 1
-        return committed
+            rollbacks.append((request, keep))
+            count_rollback(result, self.rollback)
+        return request.history[before:]
 
     # ---- commits and endings -----------------------------------------------------------------
 
     def _record(self, request: Request, committed: list[int]) -> None:
-        result = request.result
-        result.steps += 1
-        result.commits.append(len(committed))
-        result.tokens.extend(committed)
+        record_commit(request.result, committed)
         self._notify(request, committed)
 
     def _notify(self, request: Request, committed: list[int]) -> None:
         try:
             if request.on_commit is not None:
-                request.on_commit(_committed(request.result, committed))
+                request.on_commit(committed_ids(request.result, committed))
         except StopDecoding:
             self._finish(request, STOP)
             return
@@ -552,7 +575,7 @@ class Scheduler:
             self._fail(request, error)
             return
         tokens = request.result.tokens
-        if _finished(tokens, request.max_new_tokens, request.eos):
+        if finished(tokens, request.max_new_tokens, request.eos):
             self._finish(request, STOP if tokens[-1] in request.eos else LENGTH)
 
     def _finish(self, request: Request, reason: str) -> None:
@@ -570,7 +593,7 @@ class Scheduler:
             return
         if request.seq is not None:
             with contextlib.suppress(Exception):  # the output is complete; a shard that is gone frees it anyway
-                self.target.close(request.seq)
+                request.target.close(request.seq)
         if request in self.running:
             self.running.remove(request)
         if request.queued_seconds is None:

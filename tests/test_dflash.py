@@ -486,9 +486,41 @@ def test_sampling_with_dflash_drafts_keeps_the_distribution(daemons, local):
     assert df >= 2 and stat < chi2_critical(df), (stat, df, exact, drafted)
 
 
-def test_the_serve_engine_decodes_dflash_requests_on_their_own_thread(daemons, greedy):
-    """`shardctl serve --drafter dflash` keeps one thread per request (the scheduler batches the other drafters):
-    two requests at once, each streamed as deltas, each the greedy continuation."""
+@pytest.mark.parametrize("name,mode", [("pair", "checkpoint"), ("pair", "replay"), ("triple", "replay-ssm")])
+def test_dflash_requests_share_the_schedulers_steps(daemons, greedy, name, mode):
+    """The scheduler runs DFlash requests in its steps beside greedy and n-gram ones: each drafter instance
+    (`fresh`) holds its own sequence's features, every stream equals its request alone, and the streams
+    shared steps (fewer steps than their forwards)."""
+    from coordinator.drafters import NgramDrafter
+    from coordinator.scheduler import Request, Scheduler
+
+    endpoints, draft_endpoint = pipeline_endpoints(daemons, name)
+    with Pipeline.connect(endpoints) as pipeline, ShardClient(draft_endpoint) as draft_client:
+        first = DFlashDrafterClient(draft_client, pipeline)
+        drafters = [first, first.fresh(), first.fresh(), NgramDrafter(), None]
+        requests = [Request(PROMPT, NEW_TOKENS, drafter=drafter, block_size=BLOCK) for drafter in drafters]
+        scheduler = Scheduler(pipeline, max_sequences=len(requests), rollback=mode)
+        results = [request.outcome() for request in scheduler.run_all(requests)]
+        stats = pipeline.stats()
+    assert [result.tokens for result in results] == [greedy] * len(requests)
+    assert all(result.drafted > 0 for result in results[:4])
+    assert scheduler.steps < sum(result.steps + 1 for result in results[:3])
+    assert len({id(drafter.target) for drafter in drafters[:3]}) == 3
+    assert all(shard["open_sequences"] == 0 for shard in stats)
+
+
+def test_shardctl_generate_dflash_streams_together(daemons, greedy):
+    shards, draft_shard = pipeline_endpoints(daemons, "pair")
+    result = shardctl("generate", "--shards", ",".join(shards), "--drafter", "dflash", "--draft-shard", draft_shard,
+                      "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", NEW_TOKENS,
+                      "--block-size", BLOCK, "--concurrency", 3, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["tokens"] == greedy
+
+
+def test_the_serve_engine_runs_dflash_requests_in_its_scheduler(daemons, greedy):
+    """`shardctl serve --drafter dflash` serves through the one scheduler, as every drafter: two requests at once,
+    each streamed as deltas, each the greedy continuation, in shared steps."""
     import asyncio
 
     from coordinator.sampling import Sampling
@@ -502,13 +534,15 @@ def test_the_serve_engine_decodes_dflash_requests_on_their_own_thread(daemons, g
 
     async def stream():
         deltas = [delta async for delta in engine.generate(params)]
-        return deltas[-1].result.tokens, sum(delta.result is None for delta in deltas)
+        return deltas[-1].result, sum(delta.result is None for delta in deltas)
 
     async def run():
         return await asyncio.gather(stream(), stream())
 
     try:
-        for tokens, text_deltas in asyncio.run(run()):
-            assert tokens == greedy and text_deltas >= 1
+        outcomes = asyncio.run(run())
+        for result, text_deltas in outcomes:
+            assert result.tokens == greedy and text_deltas >= 1 and result.drafted > 0
+        assert engine.scheduler.steps < sum(result.steps + 1 for result, _ in outcomes)
     finally:
         engine.close()

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import contextlib
-import secrets
 import sys
 import time
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from coordinator.cli.output import emit_json, fmt, fmt_percent, progress
 from coordinator.cli.plan import (DEFAULT_DRAFT_PLACEMENT, DRAFT_PLACEMENTS, connect_pipeline, dflash_daemon, make_plan,
                                   mode_daemon_args)
 from coordinator.client import ShardClient
-from coordinator.decoding import RECOVERY_TIMEOUT_S, DecodeResult, speculative_decode
+from coordinator.decoding import RECOVERY_TIMEOUT_S, DecodeResult
 from coordinator.drafters import DRAFTERS, make_drafter
 from coordinator.pipeline import PipelineError, ShardInfo
 from coordinator.sampling import Sampling
@@ -119,7 +118,6 @@ def run_generation(
 
     `concurrency` > 1 runs that many copies of the request at once in one batch (a throughput benchmark); the
     result is the first stream's, with `Generation.streams` holding every stream's."""
-    seq = secrets.randbelow(1 << 62)
     batch = dict(concurrency=concurrency, recovery_timeout_s=recovery_timeout_s)
     if drafter == GREEDY:
         results, wall = decode_together(target, prompt, max_new_tokens, eos_ids, on_commit, sampling, **batch)
@@ -137,25 +135,17 @@ def run_generation(
         raise click.UsageError(str(error)) from None
     except ValueError as error:  # the oracle's schedule
         raise click.BadParameter(str(error), param_hint="--mean-commit") from None
-    if drafter == "dflash":
-        if block_size > chosen.max_block_size:
-            raise click.BadParameter(
-                f"the dflash drafter fills blocks of at most {chosen.max_block_size} tokens, got {block_size}",
-                param_hint="--block-size",
-            )
-        target = chosen.target  # every forward captures the drafter's target layers
-        if concurrency != 1:
-            raise click.BadParameter("the dflash drafter decodes one sequence at a time (not batched)",
-                                     param_hint="--concurrency")
-        # The DFlash capture/propose path is per sequence: it keeps coordinator.decoding's loop.
-        result = speculative_decode(
-            target, seq, prompt, chosen, block_size=block_size, rollback=rollback,
-            max_new_tokens=max_new_tokens, eos_ids=eos_ids, on_commit=on_commit, sampling=sampling,
-            recovery_timeout_s=recovery_timeout_s,
+    if drafter == "dflash" and block_size > chosen.max_block_size:
+        raise click.BadParameter(
+            f"the dflash drafter fills blocks of at most {chosen.max_block_size} tokens, got {block_size}",
+            param_hint="--block-size",
         )
-        return Generation(result, reference_result, drafter, rollback, block_size)
-    drafters = [chosen] + [make_drafter(drafter, prompt_len=len(prompt), reference=reference, block_size=block_size,
-                                        mean_commit=mean_commit, seed=oracle_seed) for _ in range(concurrency - 1)]
+    if drafter == "dflash":  # one state per stream on the same daemon and connections
+        drafters = [chosen] + [chosen.fresh() for _ in range(concurrency - 1)]
+    else:
+        drafters = [chosen] + [make_drafter(drafter, prompt_len=len(prompt), reference=reference,
+                                            block_size=block_size, mean_commit=mean_commit, seed=oracle_seed)
+                               for _ in range(concurrency - 1)]
     results, wall = decode_together(target, prompt, max_new_tokens, eos_ids, on_commit, sampling, drafters,
                                     block_size=block_size, rollback=rollback, **batch)
     return Generation(results[0], reference_result, drafter, rollback, block_size, results, wall)

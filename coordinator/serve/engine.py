@@ -2,17 +2,13 @@
 (`coordinator.scheduler`), so all requests share each batched step; the HTTP handlers live on the event loop,
 submit a request and read its text deltas from an asyncio queue the engine thread fills. A client that goes
 away cancels its request: its sequence is closed at the next step boundary. At most `max_sequences` (the
-smallest any shard allows) decode at once; more wait in arrival order.
-
-The DFlash drafter (its per-sequence capture/propose path is not batched) keeps a thread per request over a
-pipeline connection of its own (idle connections are pooled), bounded by the same `max_sequences`."""
+smallest any shard allows) decode at once; more wait in arrival order. Every drafter runs in that one loop: a
+DFlash request's rows go through its drafter's capturing target inside the same steps."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import queue
-import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +17,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable, Optional, Sequence
 
 from coordinator.client import ShardClient
-from coordinator.decoding import RECOVERY_TIMEOUT_S, DecodeResult, StopDecoding, speculative_decode
+from coordinator.decoding import RECOVERY_TIMEOUT_S, DecodeResult, StopDecoding
 from coordinator.drafters import NgramDrafter, make_drafter
 from coordinator.liveness import LIVENESS_TIMEOUT_S
 from coordinator.pipeline import Pipeline
@@ -125,8 +121,8 @@ class Engine:
         self.recovery_timeout_s = recovery_timeout_s  # shardctl serve --recovery-timeout
         self.liveness_timeout_s = liveness_timeout_s  # shardctl serve --liveness-timeout
         self.busy_poll_s = busy_poll_s  # shardctl serve --busy-poll-ms
-        self._idle: "queue.SimpleQueue[Connection]" = queue.SimpleQueue()
         first = self._connect()  # refuses a shard set that cannot form the model, or cannot speculate so
+        self._dflash = None  # the checked DFlash drafter each request's own (`fresh`) is made from
         try:
             pipeline = first.pipeline
             if drafter != GREEDY:
@@ -135,14 +131,12 @@ class Engine:
             self.max_context = pipeline.max_context
             self.max_sequences = min(s.hello["limits"]["max_sequences"] for s in pipeline.shards)
             self.fingerprint = pipeline.shards[0].model["fingerprint"]
+            if drafter == "dflash":
+                self._dflash = make_drafter("dflash", draft_client=first.draft_client, pipeline=pipeline)
+                self.block_size = min(block_size, self._dflash.max_block_size)
         except BaseException:
             first.close()
             raise
-        self._slots: Optional[asyncio.Semaphore] = None
-        self.scheduler: Optional[Scheduler] = None
-        if drafter == "dflash":
-            self._idle.put(first)
-            return
         self._engine_connection = first
         self.scheduler = Scheduler(first.pipeline, max_sequences=self.max_sequences, step_rows=step_rows,
                                    rollback=rollback, recovery_timeout_s=recovery_timeout_s,
@@ -167,24 +161,13 @@ class Engine:
                                        liveness_timeout_s=self.liveness_timeout_s, busy_poll_s=self.busy_poll_s)
         return Connection(pipeline, draft_client)
 
-    def _take(self) -> Connection:
-        try:
-            return self._idle.get_nowait()
-        except queue.Empty:
-            return self._connect()
-
     def close(self) -> None:
-        if self.scheduler is not None and self._engine.is_alive():
+        if self._engine.is_alive():
             self._stop.set()
             self.scheduler.wake()
             self._engine.join(self.timeout)
             if not self._engine.is_alive():
                 self._engine_connection.close()
-        while True:
-            try:
-                self._idle.get_nowait().close()
-            except queue.Empty:
-                return
 
     def health(self) -> tuple[bool, dict]:
         """Ready when every shard answers HELLO with one model fingerprint."""
@@ -235,11 +218,10 @@ class Engine:
                 f"tokens, leaving no room for output"
             )
 
-    def _text_stream(self, params: GenerateParams, post: Callable[[object], None],
-                     cancelled: Optional[threading.Event] = None):
+    def _text_stream(self, params: GenerateParams, post: Callable[[object], None]):
         """(on_commit, finish) for one request: commits become text deltas `post`ed as (text, logprobs of the tokens
         it covers); `finish(result)` posts what is left and records the result. `on_commit` raises StopDecoding
-        when a stop string matched (or `cancelled` is set)."""
+        when a stop string matched."""
         text = TextTracker(self.tokenizer, params.stop, () if params.ignore_eos else self.eos_ids,
                            params.skip_special_tokens)
         started = time.perf_counter()
@@ -260,7 +242,7 @@ class Engine:
             if delta:
                 post((delta, pending[:]))
                 pending.clear()
-            if stopped or (cancelled is not None and cancelled.is_set()):
+            if stopped:
                 raise StopDecoding
 
         def finish(result: DecodeResult) -> None:
@@ -273,39 +255,9 @@ class Engine:
 
         return on_commit, finish
 
-    def decode_blocking(self, params: GenerateParams, on_text: Callable[[str, list], None],
-                        cancelled: threading.Event) -> DecodeResult:
-        """One DFlash request on this thread (the drafter's capture/propose path is per sequence): decode, report
-        text deltas (and the logprobs of the tokens they cover) as tokens commit, return the result."""
-        on_commit, finish = self._text_stream(params, lambda item: on_text(*item), cancelled)
-        connection = self._take()
-        healthy = False
-        try:
-            eos = () if params.ignore_eos else self.eos_ids
-            seq = secrets.randbelow(1 << 62)
-            chosen = make_drafter(self.drafter, prompt_len=len(params.prompt_ids), block_size=self.block_size,
-                                  draft_client=connection.draft_client, pipeline=connection.pipeline)
-            result = speculative_decode(
-                chosen.target, seq, params.prompt_ids, chosen, block_size=min(self.block_size, chosen.max_block_size),
-                rollback=self.rollback, max_new_tokens=params.max_tokens, eos_ids=eos, on_commit=on_commit,
-                sampling=params.sampling, recovery_timeout_s=self.recovery_timeout_s,
-            )
-            healthy = True
-        finally:
-            if healthy:
-                self._idle.put(connection)
-            else:
-                connection.close()
-        finish(result)
-        return result
-
     async def generate(self, params: GenerateParams) -> AsyncIterator[Delta]:
         """Text deltas as the request's tokens commit; the last one carries finish_reason and the result.
         Closing the iterator early (the client went away) ends the sequence after its current step."""
-        if self.scheduler is None:
-            async for delta in self._generate_on_thread(params):
-                yield delta
-            return
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue = asyncio.Queue()
         request = self._request(params, lambda item: loop.call_soon_threadsafe(deltas.put_nowait, item))
@@ -334,38 +286,13 @@ class Engine:
             post(request.result)
 
         eos = () if params.ignore_eos else self.eos_ids
-        drafter = NgramDrafter() if self.drafter == "ngram" else None
+        drafter = None
+        if self.drafter == "ngram":
+            drafter = NgramDrafter()
+        elif self.drafter == "dflash":
+            drafter = self._dflash.fresh()  # no I/O: its calls run on the engine thread, on the engine's connections
         return Request(params.prompt_ids, params.max_tokens, eos_ids=eos, sampling=params.sampling, drafter=drafter,
                        block_size=self.block_size, on_commit=on_commit, on_finish=on_finish)
-
-    async def _generate_on_thread(self, params: GenerateParams) -> AsyncIterator[Delta]:
-        """The DFlash path: the request decodes on a thread of its own."""
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.max_sequences)
-        loop = asyncio.get_running_loop()
-        deltas: asyncio.Queue = asyncio.Queue()
-        cancelled = threading.Event()
-
-        def run() -> None:
-            try:
-                result = self.decode_blocking(
-                    params, lambda t, lp: loop.call_soon_threadsafe(deltas.put_nowait, (t, lp)), cancelled)
-                loop.call_soon_threadsafe(deltas.put_nowait, result)
-            except BaseException as error:  # noqa: BLE001 - handed to the request's coroutine
-                loop.call_soon_threadsafe(deltas.put_nowait, error)
-
-        async with self._slots:
-            self.metrics.running.inc()
-            thread = threading.Thread(target=run, name="shardctl-request", daemon=True)
-            try:
-                thread.start()
-                async for delta in _deltas(deltas):
-                    yield delta
-            finally:
-                cancelled.set()
-                self.metrics.running.dec()
-                if thread.is_alive():
-                    await asyncio.to_thread(thread.join, self.timeout)
 
     async def complete(self, params: GenerateParams) -> tuple[str, DecodeResult, list]:
         """The whole text, the result, and the logprobs of the tokens the text covers."""
