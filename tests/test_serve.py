@@ -353,3 +353,39 @@ def test_the_text_of_commits_decoded_incrementally_is_the_whole_history_s(which)
         assert fast.finish() == reference.finish()
 
     check()
+
+
+class ThreadNoting:
+    """A tokenizer that notes the thread of every decode."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.threads = tokenizer, set()
+
+    def decode(self, ids, **options):
+        self.threads.add(threading.current_thread().name)
+        return self.tokenizer.decode(ids, **options)
+
+
+def test_text_and_stop_strings_are_made_off_the_engine_thread(shards, model):
+    """Detokenizing and stop strings run on the event loop, not on the thread that drives the steps; a stop
+    string still ends the request at the commit it appeared in (the usage counts no token the engine ran past it)."""
+    import asyncio
+
+    from coordinator.sampling import Sampling
+    from coordinator.serve.engine import Engine, GenerateParams
+
+    tokenizer = ThreadNoting(model["tokenizer"])
+    engine = Engine(shards, tokenizer, model_name="m", drafter="none")
+    try:
+        alone = asyncio.run(engine.complete(GenerateParams(model["prompt_ids"], 12, Sampling(), ignore_eos=True)))
+        full, tokens = alone[0], alone[1].tokens
+        stop = next(full[i:i + 2] for i in range(len(full) // 2, len(full) - 1) if full[i:i + 2].strip())
+        text, result, _ = asyncio.run(engine.complete(
+            GenerateParams(model["prompt_ids"], 12, Sampling(), stop=[stop], ignore_eos=True)))
+    finally:
+        engine.close()
+    assert text == full[:full.find(stop)] and result.finish_reason == "stop"
+    # Greedy commits one token a step: the request holds the shortest prefix whose text shows the stop string.
+    shortest = next(n for n in range(1, len(tokens) + 1) if stop in model["tokenizer"].decode(tokens[:n]))
+    assert result.tokens == tokens[:shortest] and result.steps == shortest - 1
+    assert tokenizer.threads and "shardctl-engine" not in tokenizer.threads

@@ -1,9 +1,10 @@
 """Requests to sequences: one engine thread owns a `Pipeline` and runs the scheduler
 (`coordinator.scheduler`), so all requests share each batched step; the HTTP handlers live on the event loop,
-submit a request and read its text deltas from an asyncio queue the engine thread fills. A client that goes
-away cancels its request: its sequence is closed at the next step boundary. At most `max_sequences` (the
-smallest any shard allows) decode at once; more wait in arrival order. Every drafter runs in that one loop: a
-DFlash request's rows go through its drafter's capturing target inside the same steps."""
+submit a request and read its commits from an asyncio queue the engine thread fills. The frontend's work
+(detokenizing, stop strings, per-request metrics) runs there, on the event loop, so the engine thread only steps.
+A client that goes away, or a stop string, cancels its request: its sequence is closed at the next step boundary.
+At most `max_sequences` (the smallest any shard allows) decode at once; more wait in arrival order. Every drafter
+runs in that one loop: a DFlash request's rows go through its drafter's capturing target inside the same steps."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable, Optional, Sequence
 
 from coordinator.client import ShardClient
-from coordinator.decoding import RECOVERY_TIMEOUT_S, DecodeResult, StopDecoding
+from coordinator.decoding import RECOVERY_TIMEOUT_S, DecodeResult
 from coordinator.drafters import NgramDrafter, make_drafter
 from coordinator.liveness import LIVENESS_TIMEOUT_S
 from coordinator.pipeline import Pipeline
@@ -218,72 +219,29 @@ class Engine:
                 f"tokens, leaving no room for output"
             )
 
-    def _text_stream(self, params: GenerateParams, post: Callable[[object], None]):
-        """(on_commit, finish) for one request: commits become text deltas `post`ed as (text, logprobs of the tokens
-        it covers); `finish(result)` posts what is left and records the result. `on_commit` raises StopDecoding
-        when a stop string matched."""
-        text = TextTracker(self.tokenizer, params.stop, () if params.ignore_eos else self.eos_ids,
-                           params.skip_special_tokens)
-        started = time.perf_counter()
-        last = [started]
-        pending: list = []  # (token, logprobs entry) committed since the last text delta; an EOS is not text
-
-        def on_commit(committed: list[int]) -> None:
-            now = time.perf_counter()
-            if len(text.tokens) == 0:
-                self.metrics.ttft_seconds.observe(now - started)
-            else:
-                self.metrics.step_seconds.observe(now - last[0])
-            last[0] = now
-            entries = getattr(committed, "logprobs", None)
-            if entries is not None:
-                pending.extend((t, e) for t, e in zip(committed, entries) if t not in text.eos)
-            delta, stopped = text.add(committed)
-            if delta:
-                post((delta, pending[:]))
-                pending.clear()
-            if stopped:
-                raise StopDecoding
-
-        def finish(result: DecodeResult) -> None:
-            rest = text.finish()
-            if rest or pending:
-                post((rest, pending[:]))
-            if text.stopped:
-                result.finish_reason = "stop"
-            self.metrics.record(result, self.rollback if self.drafter != GREEDY else None)
-
-        return on_commit, finish
-
     async def generate(self, params: GenerateParams) -> AsyncIterator[Delta]:
         """Text deltas as the request's tokens commit; the last one carries finish_reason and the result.
         Closing the iterator early (the client went away) ends the sequence after its current step."""
         loop = asyncio.get_running_loop()
-        deltas: asyncio.Queue = asyncio.Queue()
-        request = self._request(params, lambda item: loop.call_soon_threadsafe(deltas.put_nowait, item))
+        commits: asyncio.Queue = asyncio.Queue()
+        request = self._request(params, lambda item: loop.call_soon_threadsafe(commits.put_nowait, item))
         try:
             self.scheduler.submit(request)
         except ValueError as error:
             raise RequestError(str(error)) from None
         try:
-            async for delta in _deltas(deltas):
+            async for delta in self._outputs(params, request, commits):
                 yield delta
         finally:
             request.cancel()  # a no-op once it finished; else its sequence closes at the next step boundary
             self.scheduler.wake()
 
     def _request(self, params: GenerateParams, post: Callable[[object], None]) -> Request:
-        """The scheduler's request for `params`: its commits become text deltas, its end the result (or error),
-        each handed to `post` on the engine thread."""
-        on_commit, finish = self._text_stream(params, post)
-
+        """The scheduler's request for `params`: the engine thread only hands each commit (ids, with their
+        logprobs) and the end (the result, or the error) to `post`; the text is made by `_outputs`."""
         def on_finish(request: Request) -> None:
             self.metrics.queue_seconds.observe(request.queued_seconds or 0.0)
-            if request.error is not None:
-                post(request.error)
-                return
-            finish(request.result)
-            post(request.result)
+            post(request.error if request.error is not None else request.result)
 
         eos = () if params.ignore_eos else self.eos_ids
         drafter = None
@@ -292,7 +250,48 @@ class Engine:
         elif self.drafter == "dflash":
             drafter = self._dflash.fresh()  # no I/O: its calls run on the engine thread, on the engine's connections
         return Request(params.prompt_ids, params.max_tokens, eos_ids=eos, sampling=params.sampling, drafter=drafter,
-                       block_size=self.block_size, on_commit=on_commit, on_finish=on_finish)
+                       block_size=self.block_size, on_commit=post, on_finish=on_finish)
+
+    async def _outputs(self, params: GenerateParams, request: Request, commits: asyncio.Queue) -> AsyncIterator[Delta]:
+        """The frontend's half of a request, on the event loop (as vLLM's output processor): commits become text
+        deltas (with the logprobs of the tokens each covers), stop strings are matched, per-request metrics kept.
+        A stop string ends the request: the tokens the engine committed after it are not the request's."""
+        text = TextTracker(self.tokenizer, params.stop, () if params.ignore_eos else self.eos_ids,
+                           params.skip_special_tokens)
+        last = time.perf_counter()  # the first commit observes the time to first token
+        pending: list = []  # (token, logprobs entry) committed since the last text delta; an EOS is not text
+        stopped_at: Optional[int] = None  # tokens the request holds, once a stop string matched
+        while True:
+            item = await commits.get()
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, DecodeResult):
+                if stopped_at is not None:
+                    cut_result(item, stopped_at)
+                rest = text.finish()
+                if rest or pending:
+                    yield Delta(text=rest, logprobs=pending[:])
+                if text.stopped:
+                    item.finish_reason = "stop"
+                self.metrics.record(item, self.rollback if self.drafter != GREEDY else None)
+                yield Delta(finish_reason=item.finish_reason, result=item)
+                return
+            if stopped_at is not None:
+                continue
+            now = time.perf_counter()
+            (self.metrics.ttft_seconds if not text.tokens else self.metrics.step_seconds).observe(now - last)
+            last = now
+            entries = getattr(item, "logprobs", None)
+            if entries is not None:
+                pending.extend((t, e) for t, e in zip(item, entries) if t not in text.eos)
+            delta, stopped = text.add(item)
+            if delta:
+                yield Delta(text=delta, logprobs=pending[:])
+                pending.clear()
+            if stopped:
+                stopped_at = len(text.tokens)
+                request.cancel()
+                self.scheduler.wake()
 
     async def complete(self, params: GenerateParams) -> tuple[str, DecodeResult, list]:
         """The whole text, the result, and the logprobs of the tokens the text covers."""
@@ -304,17 +303,19 @@ class Engine:
         return "".join(parts), result, logprobs
 
 
-async def _deltas(queue: asyncio.Queue) -> AsyncIterator[Delta]:
-    """What a decoding thread posts, as Deltas: (text, logprobs) pairs, then the DecodeResult (the last Delta);
-    an exception it posts is raised here."""
-    while True:
-        item = await queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        if isinstance(item, DecodeResult):
-            yield Delta(finish_reason=item.finish_reason, result=item)
-            return
-        yield Delta(text=item[0], logprobs=item[1])
+def cut_result(result: DecodeResult, tokens: int) -> None:
+    """`result` as if the request had ended after its first `tokens` tokens (a stop string matched there):
+    the tokens, their logprobs and the steps that committed them; the drafting counters cover every step run."""
+    result.tokens = result.tokens[:tokens]
+    if result.logprobs is not None:
+        result.logprobs = result.logprobs[:tokens]
+    kept, total = [], 1  # the first token comes from the prefill, not a step
+    for committed in result.commits:
+        if total + committed > tokens:
+            break
+        kept.append(committed)
+        total += committed
+    result.commits, result.steps = kept, len(kept)
 
 
 class TextTracker:
