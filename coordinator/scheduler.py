@@ -9,7 +9,7 @@ Rules, in the order a step applies them:
 
 - A cancelled request's sequence is closed; new requests are admitted in arrival order while fewer than
   `max_sequences` run (the shards' limit); the rest wait in the queue.
-- A step holds at most `step_rows` rows (default: the shards' fixed step, at least DEFAULT_STEP_ROWS). Running
+- A step holds at most `batch_rows` rows (default: the shards' fixed step, at least DEFAULT_BATCH_ROWS). Running
   streams (decode and verify rows) go first, those that waited longest ahead; then prompt chunks, in admission
   order, while they fit. A prompt whose chunk found no room goes first the next step, so a long prompt and
   running streams both advance.
@@ -74,17 +74,17 @@ from protocol.layout import CHECKPOINT, REPLAY, ROLLBACK_MODES
 # gpu_bench_batch_5d27c5a.json against gpu_bench_batch_d70a76e.json). A prompt takes at most half a step
 # (`default_prefill_chunk`): 4,096
 # rows, a 27B-shape prefill of ~0.45 s on an H200, the running streams' longest wait for a token.
-DEFAULT_STEP_ROWS = 8192
+DEFAULT_BATCH_ROWS = 8192
 
 QUEUED, PREFILL, DECODE, DONE = "queued", "prefill", "decode", "done"
 
 
-def default_prefill_chunk(step_rows: int, prefill_rows: Optional[int]) -> int:
+def default_prefill_chunk(batch_rows: int, prefill_rows: Optional[int]) -> int:
     """Half a step (a chunk fits beside half a step of streams); with shards that run their prefill in graphed
     pieces of `prefill_rows` (HELLO), the largest multiple of a piece within that, at least one piece: a chunk
     that is not whole pieces runs its remainder eagerly."""
-    chunk = max(1, step_rows // 2)
-    if prefill_rows and prefill_rows <= step_rows:
+    chunk = max(1, batch_rows // 2)
+    if prefill_rows and prefill_rows <= batch_rows:
         chunk = max(prefill_rows, chunk // prefill_rows * prefill_rows)
     return chunk
 
@@ -267,7 +267,7 @@ class Scheduler:
         target,
         *,
         max_sequences: int,
-        step_rows: Optional[int] = None,
+        batch_rows: Optional[int] = None,
         prefill_chunk: Optional[int] = None,
         rollback: str = CHECKPOINT,
         recovery_timeout_s: float = RECOVERY_TIMEOUT_S,
@@ -285,10 +285,10 @@ class Scheduler:
             self.batches = ReplayBatches(self.target, self.batches)
         self.max_sequences = max_sequences
         # A step of more rows than the shards' fixed step runs there as several (shardd.batch); a row's bits stay.
-        self.step_rows = step_rows or max(getattr(target, "step_rows", None) or 0, DEFAULT_STEP_ROWS)
-        self.prefill_chunk = prefill_chunk or default_prefill_chunk(self.step_rows, getattr(target, "prefill_rows", None))
-        if not 1 <= self.prefill_chunk <= self.step_rows:
-            raise ValueError(f"prefill_chunk must be in [1, step_rows={self.step_rows}], got {self.prefill_chunk}")
+        self.batch_rows = batch_rows or max(getattr(target, "step_rows", None) or 0, DEFAULT_BATCH_ROWS)
+        self.prefill_chunk = prefill_chunk or default_prefill_chunk(self.batch_rows, getattr(target, "prefill_rows", None))
+        if not 1 <= self.prefill_chunk <= self.batch_rows:
+            raise ValueError(f"prefill_chunk must be in [1, batch_rows={self.batch_rows}], got {self.prefill_chunk}")
         self.recovery_timeout_s = recovery_timeout_s
         self.on_step = on_step
         self.limit = context_limit(target)
@@ -304,8 +304,8 @@ class Scheduler:
     def submit(self, request: Request) -> Request:
         """Queue `request`; ValueError (nothing queued) when its prompt cannot fit the shards' context."""
         check_prompt_fits(request.prompt, self.limit)
-        if request.drafter is not None and request.block_size > self.step_rows:
-            raise ValueError(f"a block of {request.block_size} tokens does not fit a step of {self.step_rows} rows")
+        if request.drafter is not None and request.block_size > self.batch_rows:
+            raise ValueError(f"a block of {request.block_size} tokens does not fit a step of {self.batch_rows} rows")
         request.arrived = time.monotonic()
         self._incoming.append(request)
         self._wake.set()
@@ -417,7 +417,7 @@ class Scheduler:
             nonlocal used
             for request in candidates:
                 rows = rows_of(request)
-                if used + rows <= self.step_rows or not plan:
+                if used + rows <= self.batch_rows or not plan:
                     plan.append((request, rows))
                     used += rows
 

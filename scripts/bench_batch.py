@@ -76,7 +76,7 @@ def run_streams(target, prompts, args, *, references=None, sampling=None, ngram=
                         on_commit=on_commit(i)) for i, prompt in enumerate(prompts)]
     started = time.perf_counter()
     results = decode_all(target, requests, max_sequences=max_sequences or len(prompts), rollback=rollback,
-                         step_rows=args.batch_rows, prefill_chunk=getattr(args, "prefill_chunk", None))
+                         batch_rows=args.batch_rows, prefill_chunk=getattr(args, "prefill_chunk", None))
     ended = time.perf_counter()
     seconds = ended - started
     if stats is not None:
@@ -158,7 +158,7 @@ def run_batch_local(args) -> dict:
     import torch
 
     from coordinator.sampling import Sampling
-    from coordinator.scheduler import DEFAULT_STEP_ROWS as SCHEDULER_ROWS
+    from coordinator.scheduler import DEFAULT_BATCH_ROWS as SCHEDULER_ROWS
     from protocol.layout import CHECKPOINT, REPLAY_SSM
     from shardd.fast.shard import FastShard
     from shardd.model import rollback as rb
@@ -178,7 +178,7 @@ def run_batch_local(args) -> dict:
     del weights
     shard = FastShard(model, max_sequences=max(CONCURRENCY) + 1, max_context=context, **fixed_step(args, FastShard))
     out: dict = {"batch_preset": args.preset, "batch_prompt_len": args.prompt_len, "batch_new_tokens": args.tokens,
-                 # None: the scheduler's default (at least DEFAULT_STEP_ROWS; prompts in chunks of half of it)
+                 # None: the scheduler's default (at least DEFAULT_BATCH_ROWS; prompts in chunks of half of it)
                  "batch_rows": args.batch_rows, "batch_scheduler_default_rows": SCHEDULER_ROWS,
                  "batch_fixed_step_rows_local": getattr(shard, "batch_rows", None),
                  "batch_build_s": round(time.perf_counter() - started, 1)}

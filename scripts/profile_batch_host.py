@@ -51,13 +51,13 @@ def build(engine: str, vocab: int, step_rows: int, sequences: int, context: int)
     return LocalTarget.from_shards([shard], context)
 
 
-def run(target, prompts, tokens, references=None, step_rows=256):
+def run(target, prompts, tokens, references=None, batch_rows=256):
     """(decode steps, seconds in them, token lists)."""
     requests = [Request(prompt, tokens, block_size=BLOCK,
                         drafter=None if references is None else OracleDrafter.with_mean_commit(
                             references[i], len(prompt), block_size=BLOCK, mean_commit=7.0))
                 for i, prompt in enumerate(prompts)]
-    scheduler = Scheduler(target, max_sequences=len(prompts), step_rows=step_rows)
+    scheduler = Scheduler(target, max_sequences=len(prompts), batch_rows=batch_rows)
     for request in requests:
         scheduler.submit(request)
     while any(r.state in ("queued", "prefill") for r in requests) or scheduler._incoming:
@@ -85,20 +85,20 @@ def main() -> int:
     target = build(args.engine, args.vocab, args.step_rows, max(streams) + 1, args.prompt_len + args.tokens + BLOCK)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 320, (args.prompt_len,), generator=g).tolist() for _ in range(max(streams))]
-    run(target, prompts[:1], 2, step_rows=args.batch_rows)  # warm-up
+    run(target, prompts[:1], 2, batch_rows=args.batch_rows)  # warm-up
     print(f"engine {args.engine}, vocab {args.vocab}, R {args.step_rows}, scheduler rows {args.batch_rows}")
     print(f"{'mode':8} {'streams':>7} {'steps':>6} {'host ms/step':>13}")
     for n in streams:
-        greedy_steps, seconds, greedy = run(target, prompts[:n], args.tokens, step_rows=args.batch_rows)
+        greedy_steps, seconds, greedy = run(target, prompts[:n], args.tokens, batch_rows=args.batch_rows)
         print(f"{'greedy':8} {n:7d} {greedy_steps:6d} {1000 * seconds / greedy_steps:13.2f}", flush=True)
-        steps, seconds, tokens = run(target, prompts[:n], args.tokens, references=greedy, step_rows=args.batch_rows)
+        steps, seconds, tokens = run(target, prompts[:n], args.tokens, references=greedy, batch_rows=args.batch_rows)
         print(f"{'oracle':8} {n:7d} {steps:6d} {1000 * seconds / steps:13.2f}   equal to greedy: {tokens == greedy}",
               flush=True)
         if args.profile and n == max(streams):
             profiler = cProfile.Profile()
             profiler.enable()
             run(target, prompts[:n], args.tokens, references=greedy if args.profile == "oracle" else None,
-                step_rows=args.batch_rows)
+                batch_rows=args.batch_rows)
             profiler.disable()
             pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
     return 0

@@ -524,12 +524,12 @@ def test_the_serve_engine_runs_dflash_requests_in_its_scheduler(daemons, greedy)
     import asyncio
 
     from coordinator.sampling import Sampling
-    from coordinator.serve.engine import Engine, GenerateParams
+    from coordinator.serve.engine import Engine, EngineConfig, GenerateParams
     from coordinator.tokenizer import ByteTokenizer
 
     endpoints, draft_endpoint = pipeline_endpoints(daemons, "pair")
-    engine = Engine(endpoints, ByteTokenizer(), model_name="m", drafter="dflash", draft_endpoint=draft_endpoint,
-                    block_size=BLOCK)
+    engine = Engine(endpoints, ByteTokenizer(), EngineConfig(model_name="m", drafter="dflash",
+                                                              draft_endpoint=draft_endpoint, block_size=BLOCK))
     params = GenerateParams(PROMPT, NEW_TOKENS, Sampling(), ignore_eos=True)
 
     async def stream():

@@ -67,7 +67,7 @@ def seqs(step):
 
 def test_requests_join_and_leave_at_step_boundaries():
     target = BatchTarget()
-    scheduler = Scheduler(target, max_sequences=4, step_rows=16)
+    scheduler = Scheduler(target, max_sequences=4, batch_rows=16)
     first = scheduler.submit(Request(PROMPTS[0], 6))
     scheduler.step(), scheduler.step()
     second = scheduler.submit(Request(PROMPTS[1], 12, drafter=NgramDrafter(), block_size=4))
@@ -84,7 +84,7 @@ def test_requests_join_and_leave_at_step_boundaries():
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_streams_keep_flowing():
     target = BatchTarget()
-    scheduler = Scheduler(target, max_sequences=4, step_rows=6, prefill_chunk=4)
+    scheduler = Scheduler(target, max_sequences=4, batch_rows=6, prefill_chunk=4)
     stream = scheduler.submit(Request(PROMPTS[0], 20))
     scheduler.step()
     long_prompt = [(3 * i) % VOCAB for i in range(1, 30)]  # 29 tokens: 8 chunks
@@ -113,7 +113,7 @@ def test_prompt_chunks_are_whole_prefill_pieces_of_the_shards():
     assert default_prefill_chunk(1024, 2048) == 512  # a piece larger than a step never runs whole: half a step
     target = BatchTarget()
     target.prefill_rows = 3
-    scheduler = Scheduler(target, max_sequences=2, step_rows=16)
+    scheduler = Scheduler(target, max_sequences=2, batch_rows=16)
     assert scheduler.prefill_chunk == 6
     long_prompt = [(5 * i) % VOCAB for i in range(1, 15)]  # 14 tokens: 6 + 6 + 2
     request = scheduler.submit(Request(long_prompt, 2))
@@ -126,7 +126,7 @@ def test_prompt_chunks_are_whole_prefill_pieces_of_the_shards():
 
 def test_a_prompt_that_finds_no_room_goes_first_next_step():
     target = BatchTarget()
-    scheduler = Scheduler(target, max_sequences=4, step_rows=8, prefill_chunk=8)
+    scheduler = Scheduler(target, max_sequences=4, batch_rows=8, prefill_chunk=8)
     streams = [scheduler.submit(Request(p, 6, drafter=NgramDrafter(), block_size=4)) for p in PROMPTS[:2]]
     scheduler.step()  # both prompts: 5 + 3 rows
     late = scheduler.submit(Request(PROMPTS[2], 2))
@@ -140,7 +140,7 @@ def test_a_prompt_that_finds_no_room_goes_first_next_step():
 
 def test_at_capacity_requests_wait_and_start_in_arrival_order():
     target = BatchTarget()
-    scheduler = Scheduler(target, max_sequences=2, step_rows=16)
+    scheduler = Scheduler(target, max_sequences=2, batch_rows=16)
     requests = [scheduler.submit(Request(PROMPTS[i % 4], 3 + i)) for i in range(5)]
     opened = []
     while not all(r.done.is_set() for r in requests):
@@ -155,7 +155,7 @@ def test_at_capacity_requests_wait_and_start_in_arrival_order():
 
 def test_cancelling_closes_the_sequence_and_frees_its_slot():
     target = BatchTarget()
-    scheduler = Scheduler(target, max_sequences=1, step_rows=16)
+    scheduler = Scheduler(target, max_sequences=1, batch_rows=16)
     running = scheduler.submit(Request(PROMPTS[0], 50))
     waiting = scheduler.submit(Request(PROMPTS[1], 4))
     queued = scheduler.submit(Request(PROMPTS[2], 4))
@@ -175,7 +175,7 @@ def test_cancelling_closes_the_sequence_and_frees_its_slot():
 
 def test_one_failing_request_leaves_the_others_unchanged():
     target = BatchTarget()
-    scheduler = Scheduler(target, max_sequences=4, step_rows=32)
+    scheduler = Scheduler(target, max_sequences=4, batch_rows=32)
     good = [scheduler.submit(Request(p, 10)) for p in PROMPTS[:2]]
     bad = scheduler.submit(Request([1, VOCAB + 5, 2], 10))  # a token the target refuses
     spec = scheduler.submit(Request(PROMPTS[2], 10, drafter=NgramDrafter(), block_size=4))
@@ -202,7 +202,7 @@ def test_eos_max_tokens_and_the_context_limit_end_each_request_on_its_own():
     limited = Request(PROMPTS[1], 50, drafter=NgramDrafter(), block_size=4)
     budget = Request(PROMPTS[3], 5, drafter=NgramDrafter(), block_size=4)
     nothing = Request(PROMPTS[2], 0)
-    Scheduler(target, max_sequences=4, step_rows=16).run_all([stopped, limited, budget, nothing])
+    Scheduler(target, max_sequences=4, batch_rows=16).run_all([stopped, limited, budget, nothing])
     assert stopped.result.tokens == reference[:reference.index(eos) + 1] and stopped.result.finish_reason == "stop"
     assert limited.result.tokens == alone(PROMPTS[1], 12 - len(PROMPTS[1]))  # its blocks shrank near the limit
     assert limited.result.finish_reason == "length"
@@ -233,10 +233,10 @@ def each_alone(target, rollback):
     return out
 
 
-def batched(target, rollback, step_rows=16, prefill_chunk=8):
+def batched(target, rollback, batch_rows=16, prefill_chunk=8):
     requests = [Request(prompt, NEW, sampling=sampling, drafter=NgramDrafter() if speculative else None,
                         block_size=BLOCK) for prompt, sampling, speculative in MIX]
-    results = decode_all(target, requests, step_rows=step_rows, prefill_chunk=prefill_chunk, rollback=rollback)
+    results = decode_all(target, requests, batch_rows=batch_rows, prefill_chunk=prefill_chunk, rollback=rollback)
     return [result.tokens for result in results]
 
 
@@ -254,7 +254,7 @@ def test_every_stream_equals_its_request_alone_through_daemons(daemons, mode):
     with Pipeline.connect(daemons[mode]) as pipeline:
         expected = each_alone(pipeline, mode)
         assert batched(pipeline, mode) == expected
-        assert batched(pipeline, REPLAY, step_rows=8, prefill_chunk=3) == expected  # the coordinator's replay
+        assert batched(pipeline, REPLAY, batch_rows=8, prefill_chunk=3) == expected  # the coordinator's replay
 
 
 def test_every_stream_equals_its_request_alone_in_one_process():
@@ -268,7 +268,7 @@ def test_every_stream_equals_its_request_alone_in_one_process():
     torch.set_num_threads(1)  # a tiny model: spinning thread pools on a shared machine cost far more than they gain
     try:
         target = LocalTarget(ModelSource(synthetic="tiny"), storage=RollbackStorage(CHECKPOINT, BLOCK))
-        assert batched(target, CHECKPOINT, step_rows=8, prefill_chunk=5) == each_alone(target, CHECKPOINT)
+        assert batched(target, CHECKPOINT, batch_rows=8, prefill_chunk=5) == each_alone(target, CHECKPOINT)
     finally:
         torch.set_num_threads(threads)
 
@@ -294,11 +294,11 @@ def test_the_serve_engine_batches_requests_counts_them_and_cancels_a_dropped_one
     import asyncio
 
     from coordinator.client import ShardClient
-    from coordinator.serve.engine import Engine, GenerateParams
+    from coordinator.serve.engine import Engine, EngineConfig, GenerateParams
     from coordinator.tokenizer import ByteTokenizer
 
-    engine = Engine(daemons[REPLAY_SSM], ByteTokenizer(), model_name="m", drafter="ngram", rollback=REPLAY_SSM,
-                    block_size=BLOCK)
+    engine = Engine(daemons[REPLAY_SSM], ByteTokenizer(),
+                    EngineConfig(model_name="m", drafter="ngram", rollback=REPLAY_SSM, block_size=BLOCK))
     params = [GenerateParams(prompt, NEW, sampling or Sampling(), ignore_eos=True) for prompt, sampling, _ in MIX]
 
     async def run():

@@ -372,10 +372,10 @@ def test_text_and_stop_strings_are_made_off_the_engine_thread(shards, model):
     import asyncio
 
     from coordinator.sampling import Sampling
-    from coordinator.serve.engine import Engine, GenerateParams
+    from coordinator.serve.engine import Engine, EngineConfig, GenerateParams
 
     tokenizer = ThreadNoting(model["tokenizer"])
-    engine = Engine(shards, tokenizer, model_name="m", drafter="none")
+    engine = Engine(shards, tokenizer, EngineConfig(model_name="m", drafter="none"))
     try:
         alone = asyncio.run(engine.complete(GenerateParams(model["prompt_ids"], 12, Sampling(), ignore_eos=True)))
         full, tokens = alone[0], alone[1].tokens

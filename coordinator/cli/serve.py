@@ -83,7 +83,7 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
 
         from coordinator.serve.app import build_app
         from coordinator.serve.chat import ChatTemplate, load_chat_template
-        from coordinator.serve.engine import Engine, generation_defaults
+        from coordinator.serve.engine import Engine, EngineConfig, generation_defaults
         from coordinator.serve.frontdoor import GuardedH11Protocol, install_log_filter
         from coordinator.serve.limits import FrontDoorLimits, connection_budget, default_max_body_bytes
     except ImportError as error:  # installed without the serve extra
@@ -130,11 +130,12 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
         name = served_model_name or (model_name(source_dir) if source_dir else
                                      f"synthetic-{preset}" if preset else "shardd")
         try:
-            engine = Engine(endpoints, tokenizer, model_name=name, drafter=drafter, rollback=rollback,
-                            block_size=block_size, timeout=timeout, curve=curve, draft_endpoint=draft_endpoint,
-                            eos_ids=eos_ids, chat_template=template, defaults=generation_defaults(source_dir),
-                            recovery_timeout_s=recovery_timeout, liveness_timeout_s=liveness_timeout,
-                            step_rows=batch_rows, busy_poll_s=seconds(busy_poll_ms))
+            config = EngineConfig(model_name=name, drafter=drafter, rollback=rollback, block_size=block_size,
+                                  batch_rows=batch_rows, draft_endpoint=draft_endpoint, eos_ids=eos_ids,
+                                  defaults=generation_defaults(source_dir), timeout_s=timeout,
+                                  recovery_timeout_s=recovery_timeout, liveness_timeout_s=liveness_timeout,
+                                  busy_poll_s=seconds(busy_poll_ms))
+            engine = Engine(endpoints, tokenizer, config, curve=curve, chat_template=template)
         except (PipelineError, ValueError) as error:
             raise click.UsageError(str(error)) from None
         progress(f"tokenizer: {tokenizer.source}; chat template: {template.origin if template else 'none'}; "
@@ -148,9 +149,9 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
         if limits.max_connections < max_connections:
             progress(f"the open-file limit allows {limits.max_connections} connections, not {max_connections}")
         try:
-            config = uvicorn.Config(build_app(engine, api_key, limits), host=host, port=port, log_level=log_level,
+            server = uvicorn.Config(build_app(engine, api_key, limits), host=host, port=port, log_level=log_level,
                                     http=GuardedH11Protocol.configured(limits), backlog=ACCEPT_BACKLOG)
             install_log_filter()  # after uvicorn set its loggers up
-            uvicorn.Server(config).run()
+            uvicorn.Server(server).run()
         finally:
             engine.close()

@@ -75,53 +75,48 @@ def generation_defaults(model_dir: Optional[str]) -> dict:
     return defaults
 
 
+@dataclass(frozen=True)
+class EngineConfig:
+    """What `shardctl serve` asks of its engine, built once from the flags and handed whole to the `Engine`."""
+
+    model_name: str  # --served-model-name
+    drafter: str = "ngram"  # --drafter
+    rollback: str = CHECKPOINT  # --rollback-mode
+    block_size: int = 16  # --block-size (a DFlash drafter's own limit cuts it)
+    batch_rows: Optional[int] = None  # --batch-rows: the scheduler's rows per step (None: the Scheduler's default)
+    draft_endpoint: Optional[str] = None  # the DFlash drafter's daemon
+    eos_ids: tuple[int, ...] = ()
+    defaults: dict = field(default_factory=dict)  # sampling defaults (generation_config.json)
+    timeout_s: float = 120.0  # --timeout: a shard's reply
+    recovery_timeout_s: float = RECOVERY_TIMEOUT_S  # --recovery-timeout
+    liveness_timeout_s: float = LIVENESS_TIMEOUT_S  # --liveness-timeout
+    busy_poll_s: Optional[float] = 0.0  # --busy-poll-ms (None: as each daemon does)
+
+    def __post_init__(self) -> None:
+        if self.drafter not in SERVE_DRAFTERS:
+            raise ValueError(f"shardctl serve drafts with one of {', '.join(SERVE_DRAFTERS)}, not {self.drafter!r}")
+        if self.drafter == "dflash" and self.draft_endpoint is None:
+            raise ValueError("--drafter dflash needs the drafter daemon (--draft-shard)")
+
+
 class Engine:
     health_timeout_s = 1.0  # GET /health answers within about this long, also with a shard down
 
-    def __init__(
-        self,
-        endpoints: Sequence[str],
-        tokenizer,
-        *,
-        model_name: str,
-        drafter: str = "ngram",
-        rollback: str = CHECKPOINT,
-        block_size: int = 16,
-        timeout: float = 120.0,
-        curve=None,
-        draft_endpoint: Optional[str] = None,
-        eos_ids: Sequence[int] = (),
-        chat_template=None,
-        defaults: Optional[dict] = None,
-        metrics: Optional[ServeMetrics] = None,
-        recovery_timeout_s: float = RECOVERY_TIMEOUT_S,
-        liveness_timeout_s: float = LIVENESS_TIMEOUT_S,
-        step_rows: Optional[int] = None,
-        busy_poll_s: Optional[float] = 0.0,
-    ) -> None:
-        """`step_rows`: the scheduler's rows per step (default: the shards' fixed step, see Scheduler);
-        `busy_poll_s`: each shard's reply is polled for without sleeping this long (shardctl --busy-poll-ms; None:
-        as its daemon does)."""
-        if drafter not in SERVE_DRAFTERS:
-            raise ValueError(f"shardctl serve drafts with one of {', '.join(SERVE_DRAFTERS)}, not {drafter!r}")
-        if drafter == "dflash" and draft_endpoint is None:
-            raise ValueError("--drafter dflash needs the drafter daemon (--draft-shard)")
+    def __init__(self, endpoints: Sequence[str], tokenizer, config: EngineConfig, *, curve=None,
+                 chat_template=None, metrics: Optional[ServeMetrics] = None) -> None:
+        self.config = config
         self.endpoints = list(endpoints)
         self.tokenizer = tokenizer
-        self.model_name = model_name
-        self.drafter = drafter
-        self.rollback = rollback
-        self.block_size = block_size
-        self.timeout = timeout
+        self.model_name = config.model_name
+        self.drafter = config.drafter
+        self.rollback = config.rollback
+        self.block_size = config.block_size
+        self.eos_ids = tuple(config.eos_ids)
+        self.defaults = config.defaults
         self.curve = curve
-        self.draft_endpoint = draft_endpoint
-        self.eos_ids = tuple(eos_ids)
         self.chat_template = chat_template
-        self.defaults = defaults or {}
         self.metrics = metrics or ServeMetrics()
-        self.recovery_timeout_s = recovery_timeout_s  # shardctl serve --recovery-timeout
-        self.liveness_timeout_s = liveness_timeout_s  # shardctl serve --liveness-timeout
-        self.busy_poll_s = busy_poll_s  # shardctl serve --busy-poll-ms
+        drafter, rollback, block_size = config.drafter, config.rollback, config.block_size
         first = self._connect()  # refuses a shard set that cannot form the model, or cannot speculate so
         self._dflash = None  # the checked DFlash drafter each request's own (`fresh`) is made from
         try:
@@ -139,13 +134,13 @@ class Engine:
             first.close()
             raise
         self._engine_connection = first
-        self.scheduler = Scheduler(first.pipeline, max_sequences=self.max_sequences, step_rows=step_rows,
-                                   rollback=rollback, recovery_timeout_s=recovery_timeout_s,
+        self.scheduler = Scheduler(first.pipeline, max_sequences=self.max_sequences, batch_rows=config.batch_rows,
+                                   rollback=rollback, recovery_timeout_s=config.recovery_timeout_s,
                                    on_step=self.metrics.record_step)
-        if drafter != GREEDY and block_size > self.scheduler.step_rows:
+        if drafter != GREEDY and block_size > self.scheduler.batch_rows:
             first.close()
             raise ValueError(f"--block-size {block_size} does not fit the scheduler's step of "
-                             f"{self.scheduler.step_rows} rows")
+                             f"{self.scheduler.batch_rows} rows")
         self._stop = threading.Event()
         self._engine = threading.Thread(target=self.scheduler.run, args=(self._stop,), name="shardctl-engine",
                                         daemon=True)
@@ -154,19 +149,20 @@ class Engine:
     # ---- connections -----------------------------------------------------------------------
 
     def _connect(self) -> Connection:
-        pipeline = Pipeline.connect(self.endpoints, timeout_s=self.timeout, curve=self.curve,
-                                    liveness_timeout_s=self.liveness_timeout_s, busy_poll_s=self.busy_poll_s)
+        config = self.config
+        pipeline = Pipeline.connect(self.endpoints, timeout_s=config.timeout_s, curve=self.curve,
+                                    liveness_timeout_s=config.liveness_timeout_s, busy_poll_s=config.busy_poll_s)
         draft_client = None
-        if self.draft_endpoint is not None:
-            draft_client = ShardClient(self.draft_endpoint, timeout_s=self.timeout, curve=self.curve,
-                                       liveness_timeout_s=self.liveness_timeout_s, busy_poll_s=self.busy_poll_s)
+        if config.draft_endpoint is not None:
+            draft_client = ShardClient(config.draft_endpoint, timeout_s=config.timeout_s, curve=self.curve,
+                                       liveness_timeout_s=config.liveness_timeout_s, busy_poll_s=config.busy_poll_s)
         return Connection(pipeline, draft_client)
 
     def close(self) -> None:
         if self._engine.is_alive():
             self._stop.set()
             self.scheduler.wake()
-            self._engine.join(self.timeout)
+            self._engine.join(self.config.timeout_s)
             if not self._engine.is_alive():
                 self._engine_connection.close()
 
@@ -182,7 +178,7 @@ class Engine:
             except Exception as error:  # noqa: BLE001 - any failure means not ready, with its reason
                 return {"error": str(error)}
 
-        endpoints = self.endpoints + ([self.draft_endpoint] if self.draft_endpoint else [])
+        endpoints = self.endpoints + ([self.config.draft_endpoint] if self.config.draft_endpoint else [])
         with ThreadPoolExecutor(max_workers=len(endpoints)) as pool:
             shards = dict(zip(endpoints, pool.map(ask, endpoints)))
         problems = [f"{endpoint}: {answer['error']}" for endpoint, answer in shards.items() if "error" in answer]
