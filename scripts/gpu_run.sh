@@ -37,7 +37,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu}
-mkdir -p "$OUT"
 
 runs=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do runs+=("$1"); shift; done
@@ -51,6 +50,7 @@ fi
 for run in "${runs[@]}"; do
     case "$known" in *" $run "*) ;; *) echo "gpu_run: unknown run '$run' (known:$known)" >&2; exit 2 ;; esac
 done
+mkdir -p "$OUT"
 
 # Install the carried wheels apart from the host's packages: fla-core into its own site, so the transformers
 # baseline runs as a plain install would (without fla); the HTTP stack last on the path, only where the host lacks it.
