@@ -179,7 +179,7 @@ out, runs = Path(sys.argv[1]), sys.argv[2:]
 KEYS = ("outputs_identical", "failed_parts", "floor_ms", "greedy_ms_per_token", "floor_ratio_greedy", "step_ms",
         "floor_ratio_step", "tok_s", "rollback_ms", "prefill_tok_s", "e2e_tok_s", "e2e_vs_local", "relay_ms_per_step",
         "e2e_greedy_vs_local", "relay_timeline", "draft_propose_ms_fast", "draft_floor_ratio", "dflash_vs_oracle",
-        "batch_identical", "batch_http")
+        "batch_identical", "batch_http", "relay_vs_delay", "e2e_dflash_step_ms")
 FILES = {"check": "prefill_profile.json", "local": "gpu_bench_local.json", "relay": "gpu_bench_relay.json",
          "relay-profile": "relay_profile.json", "relay-ab": "relay_after.json", "ring": "cuda_ipc_probe.json",
          "batch": "gpu_bench_batch.json", "batch-step": "gpu_bench_batch_step.json", "dflash": "gpu_bench_dflash.json",
