@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Launch the weight-only FP8 GEMM once per (shape, layout) at 16 rows, for a hardware-counter profile: run it
-under Nsight Compute (scripts/gpu_session_fp8_kernel.sh does, with NCU=1) to see whether a matrix's time goes to
+under Nsight Compute (`NCU=1 scripts/gpu_run.sh fp8-gemm` does) to see whether a matrix's time goes to
 memory (dram throughput against its peak), to instruction issue (issue slots busy) or to stalls (warp states).
 
     ncu --clock-control none -k regex:_fp8_gemm_kernel --section SpeedOfLight --section SchedulerStats \

@@ -1,0 +1,232 @@
+#!/usr/bin/env bash
+# Every GPU run by name, in one device call:
+#
+#     scripts/gpu_run.sh RUN [RUN...] [-- ARGS]      # ARGS go to each named run's benchmark (name one run with them)
+#
+# | run           | builds / installs        | GPU tests                                           | measures (under $OUT)                                   |
+# |---------------|--------------------------|-----------------------------------------------------|---------------------------------------------------------|
+# | check         | wheels                   | prefill against the reference, rollbacks bit-exact  | prefill host vs kernel time (prefill_profile.json)      |
+# | local         | wheels                   | tests/test_fast_path.py, all of it                  | one process + transformers baseline (gpu_bench_local.json) |
+# | relay         | wheels                   | rollback off the critical path, bf16 = greedy       | relay host cost (relay_host_profile.json); one process and two daemons, GPU timeline (gpu_bench_relay.json) |
+# | relay-profile | wheels                   | -                                                   | two daemons under cProfile (relay_profile.json)         |
+# | relay-ab      | wheels                   | -                                                   | the relay of $BEFORE_TREE and of this tree, side by side (relay_before.json, relay_after.json) |
+# | ring          | wheels                   | the device ring and its waits                       | CUDA IPC across processes (cuda_ipc_probe.json)         |
+# | batch         | wheels, HTTP stack       | -                                                   | many streams, one process / two daemons / HTTP (gpu_bench_batch.json) |
+# | batch-step    | wheels                   | tests/test_batch_step.py, fast-path step tests      | ms per batched step by R rows (gpu_bench_batch_step.json) |
+# | dflash        | wheels                   | the drafter's graphs, the kernels it shares         | PROPOSE, drafter placements vs oracle (gpu_bench_dflash.json) |
+# | fp8           | wheels                   | FP8 loading, fast step, narrow GEMM, FP8 kernel     | one process with FP8 weights (gpu_bench_fp8.json)       |
+# | fp8-gemm      | -                        | tests/test_fp8_gemm.py                              | each 27B FP8 matrix vs its floor, tile sweep (fp8_gemm.json); NCU=1: Nsight Compute (fp8_gemm_ncu.txt) |
+# | seed          | wheels                   | -                                                   | the seed's benchmark, within SEED_BUDGET s (seed_bench.json) |
+# | sampling      | -                        | the head shard's sampler on CUDA                    | per-row vs batched sampling (gpu_bench_sampling.json)   |
+#
+# Each run also writes RUN.log (its tests' tail and the benchmark's output); a short summary of every run is printed
+# last, since the device tool's reply carries the end of the output. The device tool brings back at most 8 files
+# from $OUT, so name two or three runs a call; copy what replaces a figure into bench/results/h200/ (docs/performance.md
+# says how). Each call has 10 minutes: the timeouts below fit one run each; TESTS_TIMEOUT / BENCH_TIMEOUT override them.
+#
+# Wheels: the device machine has no package index, so what it lacks travels in .whl/ (not in git; carry it:
+# `run(carry=[".whl"], command="bash scripts/gpu_run.sh relay fp8")`). Fill it where pip works (Python 3.12 there):
+#   P="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+#      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
+#   pip download --no-deps $P -d .whl pyzmq fla-core py-spy
+#   pip download $P -d .whl/serve fastapi uvicorn prometheus_client
+# Other knobs: SKIP_TESTS=1 (benchmarks only: the relay's tests alone take ~190 s), PARTS (relay: bench_gpu parts, default relay,local; add delay,relay-dflash when the call has room),
+# SEED_BUDGET (seed, default 450), BEFORE_TREE (relay-ab: an older tree inside the working tree, untracked, e.g.
+# `git archive COMMIT | tar -x -C old`), BENCH_HTTP_PYSPY=FILE (batch: the HTTP part again under py-spy),
+# SHARDD_FP8_TILES (fp8: a tile sweep's table instead of the built-in one), NCU=1 (fp8-gemm).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/gpu}
+
+runs=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do runs+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+ARGS=("$@")
+known=" check local relay relay-profile relay-ab ring batch batch-step dflash fp8 fp8-gemm seed sampling "
+if [ ${#runs[@]} -eq 0 ]; then
+    sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+    exit 2
+fi
+for run in "${runs[@]}"; do
+    case "$known" in *" $run "*) ;; *) echo "gpu_run: unknown run '$run' (known:$known)" >&2; exit 2 ;; esac
+done
+mkdir -p "$OUT"
+
+# Install the carried wheels apart from the host's packages: fla-core into its own site, so the transformers
+# baseline runs as a plain install would (without fla); the HTTP stack last on the path, only where the host lacks it.
+setup() {
+    export PYTHONUNBUFFERED=1
+    for wheel in .whl/*.whl; do
+        [ -e "$wheel" ] || { echo "gpu_run: no wheels in .whl/: the host's packages only"; break; }
+        case "$wheel" in *fla_core*) target=/tmp/fla-site ;; *) target=/tmp/site ;; esac
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$wheel" \
+            || { echo "gpu_run: $wheel did not install" >&2; exit 1; }
+    done
+    export PYTHONPATH=/tmp/site:/tmp/fla-site:$PWD
+    export PATH=/tmp/site/bin:$PATH  # the carried wheels' programs (py-spy)
+    if ls .whl/serve/*.whl > /dev/null 2>&1 && ! python3 -c "import fastapi, uvicorn, prometheus_client" 2> /dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/serve-site \
+            .whl/serve/*.whl || { echo "gpu_run: the HTTP wheels did not install" >&2; exit 1; }
+        export PYTHONPATH=$PYTHONPATH:/tmp/serve-site
+    fi
+    {
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+        nproc
+        python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+        python3 -c 'import zmq; print("zmq", zmq.__version__, "libzmq", zmq.zmq_version())' 2>&1
+    } | tee "$OUT/env.txt"
+}
+
+# gpu_tests RUN SECONDS PYTEST-ARGS...: the GPU tests of a run, their tail into RUN.log (SKIP_TESTS=1: none)
+gpu_tests() {
+    local run=$1 seconds=${TESTS_TIMEOUT:-$2}; shift 2
+    [ -z "${SKIP_TESTS:-}" ] || return 0
+    echo "== $run: GPU tests (pytest $*)" | tee -a "$OUT/$run.log"
+    timeout "$seconds" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -8 | tee -a "$OUT/$run.log"
+}
+
+# bench RUN SECONDS COMMAND...: a benchmark under its timeout, its whole output into RUN.log
+bench() {
+    local run=$1 seconds=${BENCH_TIMEOUT:-$2}; shift 2
+    echo "== $run: $*" | tee -a "$OUT/$run.log"
+    timeout "$seconds" "$@" >> "$OUT/$run.log" 2>&1
+    local status=$?
+    echo "$run: exit $status$([ $status -eq 124 ] && echo ' (timed out)')" | tee -a "$OUT/$run.log"
+}
+
+run_check() {
+    gpu_tests check 150 tests/test_fast_path.py tests/test_batch_step.py -k "prefill or bit_identical or replay"
+    bench check 90 python3 scripts/profile_prefill.py --lengths 256,512,1024 --rule both \
+        --json "$OUT/prefill_profile.json" "${ARGS[@]}"
+}
+run_local() {
+    gpu_tests local 170 tests/test_fast_path.py
+    bench local 400 python3 scripts/bench_gpu.py --parts local,transformers --json "$OUT/gpu_bench_local.json" "${ARGS[@]}"
+}
+run_relay() {
+    gpu_tests relay 150 tests/test_fast_path.py -k "critical_path or bit_identical or bf16 or graph_replay"
+    bench relay 60 python3 scripts/profile_relay_host.py --json "$OUT/relay_host_profile.json"
+    bench relay 380 python3 scripts/bench_gpu.py --parts "${PARTS:-relay,local}" --tokens 64 --repeats 10 --timeline \
+        --json "$OUT/gpu_bench_relay.json" "${ARGS[@]}"
+}
+run_relay-profile() {
+    bench relay-profile 320 python3 scripts/bench_gpu.py --parts relay --tokens 64 --daemon-profile /tmp/daemon-prof \
+        --json "$OUT/relay_profile.json" "${ARGS[@]}"
+}
+# The same code measures differently on another host (the relay is host work), so a change is judged against
+# the code before it in one call.
+run_relay-ab() {
+    : "${BEFORE_TREE:?relay-ab: set BEFORE_TREE to the older tree}"
+    local out_abs; out_abs=$(cd "$OUT" && pwd)
+    echo "== relay-ab: before ($BEFORE_TREE)" | tee -a "$OUT/relay-ab.log"
+    (cd "$BEFORE_TREE" && PYTHONPATH=/tmp/site:/tmp/fla-site:$PWD timeout "${BENCH_TIMEOUT:-170}" python3 scripts/bench_gpu.py \
+        --parts relay --tokens 64 --repeats 10 --json "$out_abs/relay_before.json" "${ARGS[@]}" >> "$out_abs/relay-ab.log" 2>&1)
+    echo "relay-ab before: exit $?" | tee -a "$OUT/relay-ab.log"
+    bench relay-ab 320 python3 scripts/bench_gpu.py --parts relay,local --tokens 64 --repeats 10 --timeline \
+        --json "$OUT/relay_after.json" "${ARGS[@]}"
+}
+run_ring() {
+    bench ring 80 python3 scripts/probe_cuda_ipc.py --json "$OUT/cuda_ipc_probe.json"
+    gpu_tests ring 270 tests/test_ring_wait.py tests/test_relay.py tests/test_timeline.py -k "device_ring or device_wait or stamps"
+}
+run_batch() {
+    bench batch 450 python3 scripts/bench_gpu.py --parts batch --tokens 64 --prompt-len 512 \
+        --json "$OUT/gpu_bench_batch.json" "${ARGS[@]}"
+}
+run_batch-step() {
+    gpu_tests batch-step 150 tests/test_batch_step.py
+    gpu_tests batch-step 100 tests/test_fast_path.py -k "gpu or bf16 or graph or prefill"
+    bench batch-step 180 python3 scripts/bench_gpu.py --parts batch-step --repeats 10 --batch-step-budget-s 120 \
+        --json "$OUT/gpu_bench_batch_step.json" "${ARGS[@]}"
+}
+run_dflash() {
+    bench dflash 330 python3 scripts/bench_gpu.py --parts dflash --json "$OUT/gpu_bench_dflash.json" "${ARGS[@]}"
+    gpu_tests dflash 170 tests/test_fast_draft.py tests/test_fast_path.py \
+        -k "fast_drafter or verify_reply or step_and_rollback or bf16 or graph_replay"
+}
+run_fp8() {
+    gpu_tests fp8 180 -x tests/test_quant.py tests/test_narrow_gemm.py tests/test_fp8_gemm.py
+    bench fp8 150 python3 scripts/bench_gpu.py --fp8 fp8-block --parts local --tokens 96 --repeats 10 \
+        --json "$OUT/gpu_bench_fp8.json" "${ARGS[@]}"
+}
+run_fp8-gemm() {
+    if [ -n "${NCU:-}" ]; then  # hardware counters of the GEMM's launches; clocks left as they are (METHOD.md)
+        bench fp8-gemm 150 ncu --clock-control none -k regex:_fp8_gemm_kernel --section SpeedOfLight \
+            --section SchedulerStats --section WarpStateStats --section Occupancy --section LaunchStats \
+            --section MemoryWorkloadAnalysis python3 scripts/profile_fp8_gemm.py
+        grep -E "_fp8_gemm_kernel|Duration|DRAM Throughput|No Eligible|Achieved Occupancy" "$OUT/fp8-gemm.log" \
+            > "$OUT/fp8_gemm_ncu.txt"
+    fi
+    gpu_tests fp8-gemm 110 tests/test_fp8_gemm.py
+    bench fp8-gemm 230 python3 scripts/bench_fp8_gemm.py --json "$OUT/fp8_gemm.json" --budget-s 60 --sweep-s 130 "${ARGS[@]}"
+}
+run_seed() {
+    local budget=${SEED_BUDGET:-450}
+    bench seed $((budget + 40)) python3 scripts/bench_seed.py --budget-s "$budget" --json "$OUT/seed_bench.json" "${ARGS[@]}"
+}
+run_sampling() {
+    bench sampling 90 python3 scripts/bench_sampling.py --json "$OUT/gpu_bench_sampling.json" --chunk-rows 16,8,32,64,128 "${ARGS[@]}"
+    gpu_tests sampling 150 tests/test_sampling.py -k "cuda or whatever_its_batch or stream or edges"
+}
+
+# The figures that matter of each run's JSON, and its tables, printed after all runs.
+summary() {
+    python3 - "$OUT" "$@" <<'PY'
+import json, sys
+from pathlib import Path
+sys.path.insert(0, "scripts")
+out, runs = Path(sys.argv[1]), sys.argv[2:]
+KEYS = ("outputs_identical", "failed_parts", "floor_ms", "greedy_ms_per_token", "floor_ratio_greedy", "step_ms",
+        "floor_ratio_step", "tok_s", "rollback_ms", "prefill_tok_s", "e2e_tok_s", "e2e_vs_local", "relay_ms_per_step",
+        "e2e_greedy_vs_local", "relay_timeline", "draft_propose_ms_fast", "draft_floor_ratio", "dflash_vs_oracle",
+        "batch_identical", "batch_http", "relay_vs_delay", "e2e_dflash_step_ms")
+FILES = {"check": "prefill_profile.json", "local": "gpu_bench_local.json", "relay": "gpu_bench_relay.json",
+         "relay-profile": "relay_profile.json", "relay-ab": "relay_after.json", "ring": "cuda_ipc_probe.json",
+         "batch": "gpu_bench_batch.json", "batch-step": "gpu_bench_batch_step.json", "dflash": "gpu_bench_dflash.json",
+         "fp8": "gpu_bench_fp8.json", "fp8-gemm": "fp8_gemm.json", "seed": "seed_bench.json",
+         "sampling": "gpu_bench_sampling.json"}
+for run in runs:
+    print(f"==== {run}")
+    log = out / f"{run}.log"
+    if log.exists():  # the tests' last lines and each command's exit
+        print("\n".join(l for l in log.read_text().splitlines() if l.startswith(f"{run}: exit") or " passed" in l or " failed" in l))
+    if run == "seed":  # the seed's own table is the last thing bench_seed.py prints
+        text = log.read_text() if log.exists() else ""
+        print(text[text.find("| weights |"):] if "| weights |" in text else "no seed table (see seed.log)")
+        continue
+    try:
+        result = json.loads((out / FILES[run]).read_text())
+    except (OSError, ValueError) as exc:
+        print(f"no JSON: {exc}")
+        continue
+    if run == "batch":
+        from bench_batch import batch_table
+        print(batch_table(result))
+    if run == "dflash":
+        from bench_gpu import dflash_table
+        print(dflash_table(result))
+    if run == "batch-step":
+        from bench_gpu import batch_step_table
+        print(batch_step_table(result))
+    for key in KEYS:
+        if key in result:
+            print(f"{key}: {json.dumps(result[key])[:300]}")
+    if run in ("relay", "relay-ab", "relay-profile") and result.get("relay_by_phase"):
+        from bench_gpu import phase_table
+        print("relay by phase (ms per step)\n" + phase_table(result["relay_by_phase"]))
+    if run == "relay-ab":
+        before = json.loads((out / "relay_before.json").read_text()) if (out / "relay_before.json").exists() else {}
+        print("before: e2e_step_ms", before.get("e2e_step_ms"), "e2e_greedy_ms_per_token", before.get("e2e_greedy_ms_per_token"),
+              "outputs_identical", before.get("outputs_identical"))
+    for name, top in result.get("daemon_profile_top", {}).items():  # relay-profile
+        print(f"cProfile of {name} (tottime)\n" + "\n".join(top[:14]))
+PY
+}
+
+setup
+for run in "${runs[@]}"; do
+    : > "$OUT/$run.log"
+    "run_$run"
+done
+summary "${runs[@]}"
+exit 0
