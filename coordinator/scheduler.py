@@ -66,14 +66,9 @@ from coordinator.pipeline import BatchForward
 from coordinator.target import ReplayTarget, RollbackFailed, SequenceLost
 from protocol.layout import CHECKPOINT, REPLAY, ROLLBACK_MODES
 
-# Rows per step at least, as vLLM's `max_num_batched_tokens` on a GPU of 70 GB or more (8,192 for its OpenAI
-# server; SGLang's `chunked_prefill_size` is of the same order): the prompts that arrive together are prefilled in
-# one step instead of one or two a step (with 1,024 rows, 8 streams' 512-token prompts took 7 steps to get in).
-# Measured on an H200 it is worth ~1% at 8 streams of 64 new tokens, not the ~6 decode steps predicted: the
-# running streams' rows already rode in the steps that prefilled the others (bench/results/h200/
-# gpu_bench_batch_5d27c5a.json against gpu_bench_batch_d70a76e.json). A prompt takes at most half a step
-# (`default_prefill_chunk`): 4,096
-# rows, a 27B-shape prefill of ~0.45 s on an H200, the running streams' longest wait for a token.
+# Rows per step at least, as vLLM's `max_num_batched_tokens` (8,192 for its OpenAI server): prompts that arrive
+# together are prefilled in one step, and a prompt takes at most half a step (`default_prefill_chunk`), which bounds
+# how long the running streams wait for a token behind it.
 DEFAULT_BATCH_ROWS = 8192
 
 QUEUED, PREFILL, DECODE, DONE = "queued", "prefill", "decode", "done"
