@@ -2,10 +2,9 @@
 # One device call (<= 10 minutes) for the rows on the device (issue 15's relay lever; shardd/ring.py):
 #   1. scripts/probe_cuda_ipc.py: two processes sharing a ring of rows and interprocess events (every step's rows
 #      right), and a writer killed with its rows in flight (does a wait on its event end: host poll, stream wait);
-#   2. the GPU tests of the ring (tests/test_relay.py: three fast daemons, ring against host rows, both waits);
+#   2. the GPU tests of the ring (tests/test_relay.py: three fast daemons, ring against host rows);
 #   3. scripts/bench_gpu.py --parts relay,local: the plain runs, and daemon to daemon with polling through the ring
-#      (relay_direct_busy_poll, the shipped defaults), through the host (..._host_rows) and with the stream wait
-#      (..._device_wait), side by side.
+#      (relay_direct_busy_poll, the shipped defaults), side by side.
 # Results in $OUT and bench/results/h200/ (suffix $TAG, default the commit). TIMELINE=1: the bench also runs the
 # shipped arm with the daemons' GPU timelines (--timeline: relay_timeline). STEPS (default probe,tests,bench)
 # picks the steps: the three take ~60 + ~270 + ~400 s, so two calls (STEPS=probe,tests then STEPS=bench).
@@ -30,7 +29,7 @@ fi
 if step bench; then
 echo "== bench_gpu --parts relay,local"
 timeout ${BENCH_TIMEOUT:-480} python3 scripts/bench_gpu.py --parts relay,local --tokens 64 --repeats 10 --busy-poll-ms 20 \
-    --relay-arms ${ARMS:-direct-busy,direct-busy-host,direct-busy-device} ${TIMELINE:+--timeline} \
+    --relay-arms ${ARMS:-direct-busy} ${TIMELINE:+--timeline} \
     --json "$OUT/gpu_bench_relay_$TAG.json" > "$OUT/gpu_bench_relay_$TAG.log" 2>&1
 echo "bench_gpu exit: $?"
 python3 - "$OUT/gpu_bench_relay_$TAG.json" <<'PY'
@@ -42,7 +41,7 @@ except (OSError, ValueError) as exc:
 for key in ("outputs_identical", "failed_parts", "tok_s", "step_ms", "greedy_ms_per_token", "e2e_vs_local",
             "relay_ms_per_step", "rollback_ms", "relay_timeline"):
     print(f"{key}: {r.get(key)}")
-for arm in ("relay_direct_busy_poll", "relay_direct_busy_poll_host_rows", "relay_direct_busy_poll_device_wait"):
+for arm in ("relay_direct_busy_poll",):
     a = r.get(arm) or {}
     print(arm, {k: v for k, v in a.items() if k.startswith(("relay_ms_per_step", "e2e_vs_local", "e2e_greedy_vs"))})
 PY
