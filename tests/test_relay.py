@@ -421,6 +421,36 @@ def test_batches_of_rows_from_shard_to_shard_give_the_coordinator_relay_s_tokens
     assert all(a["missing"] == b["missing"] and a["waiting"] == 0 for a, b in zip(after, before))
 
 
+def test_one_sequence_is_a_batch_of_one_on_the_one_sequence_wire_both_ways(direct):
+    """`forward`, and `forward_batch` of one item, send each shard a plain FORWARD (no batch on the wire: STATS
+    `batches` unchanged), two items one batched FORWARD a shard; shard to shard and through the coordinator alike,
+    with the same ids for each sequence whichever way it went."""
+    from coordinator.pipeline import BatchForward
+
+    binds, _, _ = direct
+    ids = {}
+    for direct_rows in (True, False):
+        with Pipeline.connect(binds) as pipeline:
+            assert pipeline.direct_rows
+            pipeline.direct_rows = direct_rows
+            seqs = [61, 62, 63]
+            for seq in seqs:
+                pipeline.open(seq)
+            try:
+                before = [client.stats()["batches"]["requests"] for client in pipeline.clients]
+                alone = pipeline.forward(61, 0, PROMPT[:7])
+                [one] = pipeline.forward_batch([BatchForward(62, 0, PROMPT[:5])])
+                middle = [client.stats()["batches"]["requests"] for client in pipeline.clients]
+                two = pipeline.forward_batch([BatchForward(61, 7, [PROMPT[7]]), BatchForward(63, 0, PROMPT[:3])])
+                after = [client.stats()["batches"]["requests"] for client in pipeline.clients]
+            finally:
+                _close_everywhere(pipeline, seqs)
+        assert middle == before and [a - m for a, m in zip(after, middle)] == [1, 1, 1]
+        ids[direct_rows] = (list(alone), list(one), [list(x) for x in two])
+    assert ids[True] == ids[False]
+    assert len(ids[True][0]) == 7 and len(ids[True][1]) == 5 and [len(x) for x in ids[True][2]] == [1, 3]
+
+
 def _close_everywhere(pipeline, seqs) -> None:
     """Each sequence closed on every shard that still has it (the module's daemons hold 8 at most)."""
     for client in pipeline.clients:
