@@ -54,6 +54,18 @@ class BatchForward:
     drafts: Optional[list[int]] = None
 
 
+@dataclass
+class _Step:
+    """One sequence's part of a relay (`Pipeline._relay`): its request at every shard."""
+
+    seq: int
+    pos: int
+    chunks: list[list[int]]  # the tokens of each request: one, or several for a long input relayed alone
+    checkpoint: bool = False
+    capture: Optional[list[int]] = None  # layers whose outputs come back (CAPTURE on the shards owning one)
+    head: Optional[dict] = None  # the head shard's extra fields (sampling, drafts, propose, carried_layers)
+
+
 class PipelineError(RuntimeError):
     """The shard set cannot serve a request as asked; the message names the shard(s)."""
 
@@ -181,10 +193,6 @@ def order_shards(shards: Sequence[ShardInfo]) -> list[ShardInfo]:
     if problems:
         raise PipelineError(f"refusing this shard set for a {num_layers}-layer model: " + "; ".join(problems))
     return ordered
-
-
-# What `forward` raises for one sequence, and `forward_batch` answers in that item's place.
-ITEM_FAILURES = (PipelineError, SequenceLost, RollbackFailed, ValueError, *SHARD_FAILURES)
 
 
 class Pipeline:
@@ -385,7 +393,7 @@ class Pipeline:
         With `sampling` (a `coordinator.sampling.Sampling`, temperature > 0) the head shard samples the ids
         instead of taking the argmax; `drafts` (the block's last tokens, a speculative verify) it accepts or
         replaces by rejection sampling, so the ids agree with the drafts up to the first rejection."""
-        ids, _ = self._forward(seq, pos, tokens, checkpoint, None, _head_fields(sampling, drafts))
+        ids, _, _ = self._relay_one(self._step(seq, pos, tokens, checkpoint, _head_fields(sampling, drafts)))
         return ids
 
     def capture(
@@ -399,7 +407,9 @@ class Pipeline:
         layers = sorted(set(layers))
         if not layers or not all(0 <= layer < self.num_layers for layer in layers):
             raise ValueError(f"capture layers must be a non-empty subset of 0..{self.num_layers - 1}, got {layers}")
-        return self._forward(seq, pos, tokens, checkpoint, layers, _head_fields(sampling, drafts))
+        step = self._step(seq, pos, tokens, checkpoint, _head_fields(sampling, drafts), capture=layers)
+        ids, outputs, _ = self._relay_one(step)
+        return ids, outputs
 
     def capture_and_propose(
         self, seq: int, pos: int, tokens: list[int], layers: Sequence[int], *, propose: int,
@@ -414,25 +424,21 @@ class Pipeline:
             raise ValueError("proposing in the verify reply needs the head shard to capture one of the layers")
         head = {"drafts": list(tokens[1:]), "propose": propose,
                 "carried_layers": [layer for layer in layers if layer not in head_layers]}
-        results: list[dict] = []
-        self._check_context(pos, len(tokens))
-        self._check_checkpointed(len(tokens))
-        try:
-            ids, outputs = self._relay(seq, pos, [list(tokens)], checkpoint=True, capture=layers, head=head,
-                                       head_results=results)
-        except SHARD_FAILURES as error:
-            raise as_sequence_lost(error, seq) from error
-        return ids, outputs, results[0].get("proposal") if results else None
+        ids, outputs, result = self._relay_one(self._step(seq, pos, tokens, True, head, capture=layers))
+        return ids, outputs, result.get("proposal")
 
-    def _forward(
-        self, seq: int, pos: int, tokens: list[int], checkpoint: bool, capture: Optional[list[int]],
-        head: Optional[dict] = None,
-    ) -> tuple[list[int], dict[int, WireTensor]]:
+    def _step(self, seq: int, pos: int, tokens: list[int], checkpoint: bool, head: Optional[dict],
+              capture: Optional[list[int]] = None) -> "_Step":
+        """One sequence's `_Step`; ValueError / PipelineError (nothing sent) when the shards cannot take it."""
         chunks = self._chunks(pos, list(tokens), checkpoint, head is not None and head.get("drafts") is not None)
-        try:
-            return self._relay(seq, pos, chunks, checkpoint=checkpoint, capture=capture, head=head)
-        except SHARD_FAILURES as error:
-            raise as_sequence_lost(error, seq) from error
+        return _Step(seq, pos, chunks, checkpoint, capture, head)
+
+    def _relay_one(self, step: "_Step") -> tuple[TokenIds, dict[int, WireTensor], dict]:
+        """A batch of one through `_relay`: its outcome, or the exception that failed it raised."""
+        outcome = self._relay([step])[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
 
     def _chunks(self, pos: int, tokens: list[int], checkpoint: bool, drafts: bool) -> list[list[int]]:
         """`tokens` as the requests that carry them: one for a checkpointed step, else pieces of at most
@@ -462,170 +468,50 @@ class Pipeline:
         A sequence named twice is refused (ValueError) for its second item."""
         items = list(items)
         results: list = [None] * len(items)
-        ready, alone, seen = [], [], set()
+        steps: dict[int, _Step] = {}
+        seen = set()
         for index, item in enumerate(items):
             try:
                 if item.seq in seen:
                     raise ValueError(f"sequence {item.seq} appears twice in one batch")
                 seen.add(item.seq)
-                if len(self._chunks(item.pos, list(item.tokens), item.checkpoint, bool(item.drafts))) > 1:
-                    alone.append(index)  # longer than one request: `forward`'s chunked relay, after the batch
-                    continue
+                steps[index] = self._step(item.seq, item.pos, item.tokens, item.checkpoint,
+                                          _head_fields(item.sampling, item.drafts))
             except (PipelineError, ValueError) as error:
                 results[index] = error
-                continue
-            ready.append(index)
+        ready = [index for index, step in steps.items() if len(step.chunks) == 1]
+        alone = [index for index, step in steps.items() if len(step.chunks) > 1]  # chunked, after the batch
         group, rows = [], 0
         for index in ready:
             n = len(items[index].tokens)
             if group and (rows + n > self.max_tokens_per_request or len(group) == self.max_batch_items):
-                self._relay_batch(items, group, results)
+                self._relay_into(results, steps, group)
                 group, rows = [], 0
             group.append(index)
             rows += n
         if group:
-            self._relay_batch(items, group, results)
+            self._relay_into(results, steps, group)
         for index in alone:
-            results[index] = self._forward_alone(items[index])
+            self._relay_into(results, steps, [index])
         return results
 
-    def _forward_alone(self, item: BatchForward):
-        """One item through the one-sequence `forward`: its ids, or the exception that failed it."""
-        try:
-            return self.forward(item.seq, item.pos, item.tokens, checkpoint=item.checkpoint, sampling=item.sampling,
-                                drafts=item.drafts)
-        except ITEM_FAILURES as error:
-            return error
+    def _relay_into(self, results: list, steps: dict, indices: list[int]) -> None:
+        """The steps `indices` relayed together; each one's ids (or the exception that failed it) into `results`."""
+        for index, outcome in zip(indices, self._relay([steps[index] for index in indices])):
+            results[index] = outcome if isinstance(outcome, Exception) else outcome[0]
 
-    def _relay_batch(self, items: list, group: list[int], results: list) -> None:
-        """The items `group` (indices into `items`) through every shard, one batched FORWARD per shard; each
-        item's ids or exception into `results`. A batch of one is today's one-sequence relay."""
-        if len(group) == 1:
-            results[group[0]] = self._forward_alone(items[group[0]])
-            return
-        if self.direct_rows:
-            self._relay_batch_direct(items, group, results)
-            return
-        live = list(group)
-        hidden: dict[int, WireTensor] = {}  # item index -> its rows for the next shard
-        refused_rollback: dict[int, Exception] = {}  # item index -> why its pending ROLLBACK failed
-        for k, (shard, client) in enumerate(zip(self.shards, self.clients)):
-            records = []
-            for index in live:
-                item = items[index]
-                inputs = {"tokens": list(item.tokens)} if k == 0 else {"hidden": hidden.pop(index)}
-                head = _head_fields(item.sampling, item.drafts) if shard.owns_head else None
-                records.append(forward_record(item.seq, item.pos, checkpoint=item.checkpoint, sampling=head, **inputs))
+    def _failure(self, step: "_Step", failed: int, error: Exception, *, tick: int,
+                 shard_to_shard: bool = False) -> Exception:
+        """What `forward` raises for one step that failed at shard `failed` at `tick` of its relay: where shards
+        took (some of) its tokens (a later tick; or, the rows going on from shard to shard, any failure but a
+        refusal, which the shards after `failed` may have stepped past) they are put back where they can be
+        (`_undo`), else SequenceInconsistent; a lost sequence is SequenceLost."""
+        if tick > 0 or (shard_to_shard and not _refused(error)):
             try:
-                # not checked here: the daemon refuses a bad item alone (a local check would fail the whole batch)
-                sent = client.send(ForwardBatch(id=0, items=tuple(records)), validate=False)
-            except SHARD_FAILURES as error:
-                for index in live:
-                    results[index] = self._batch_failure(items[index], k, error)
-                return
-            if k == 0:  # the batch is on its way behind any ROLLBACK of its sequences: now read those
-                refused_rollback = self._settle_items(items, live)
-            try:
-                answers = client.receive_items(sent)
-            except SHARD_FAILURES as error:
-                answers = [error] * len(live)
-            survivors = []
-            for index, answer in zip(live, answers):
-                item = items[index]
-                n = len(item.tokens)
-                try:
-                    if isinstance(answer, Exception):
-                        raise answer
-                    rows = self._check_reply(answer, shard, item.seq, item.pos + n, n)
-                except SHARD_FAILURES as error:
-                    results[index] = refused_rollback.get(index) or self._batch_failure(item, k, error)
-                    continue
-                if index in refused_rollback:  # the sequence is re-filled: no later shard needs it
-                    results[index] = refused_rollback[index]
-                elif rows is not None:
-                    hidden[index] = rows
-                    survivors.append(index)
-                else:
-                    results[index] = _head_ids(answer.result)
-            live = survivors
-            if not live:
-                return
-
-    def _relay_batch_direct(self, items: list, group: list[int], results: list) -> None:
-        """`_relay_batch` with the rows going from shard to shard (PROTOCOL.md, "Rows from shard to shard"): every
-        shard's batched FORWARD goes out at once, in shard order (the first shard computes while the next ones'
-        batches are built and sent; rows that come first are kept), each next shard waiting for the batch's rows
-        under a fresh ticket; the replies are read in shard order. An item a shard refuses (it changed nothing
-        there) is refused by the shards after it too (ROWS_MISSING: no rows of it came) and undone before it; an
-        item that failed otherwise may have run on the shards after it: it is inconsistent (re-filled by the
-        caller). A shard whose whole reply is lost: every item still in the step fails with it."""
-        last = len(self.shards) - 1
-        tickets = [secrets.randbits(62) for _ in range(last)]
-        sent: list = [None] * len(self.shards)
-        for k in range(len(self.shards)):
-            shard, records = self.shards[k], []
-            for index in group:
-                item = items[index]
-                n = len(item.tokens)
-                inputs = {"tokens": list(item.tokens)} if k == 0 else {"rows_ticket": tickets[k - 1], "ticket_rows": n}
-                head = _head_fields(item.sampling, item.drafts) if shard.owns_head else None
-                records.append(forward_record(item.seq, item.pos, checkpoint=item.checkpoint, sampling=head, **inputs))
-            batch = ForwardBatch(id=0, items=tuple(records), send_rows=tickets[k] if k < last else None,
-                                 rows_ticket=tickets[k - 1] if k > 0 else None)
-            try:
-                # not checked here: the daemon refuses a bad item alone (a local check would fail the whole batch)
-                sent[k] = self.clients[k].send(batch, validate=False)
-            except SHARD_FAILURES as error:
-                for before in range(k):  # they take the step (or wait for rows that will not all come)
-                    self.clients[before].forget(sent[before])
-                for index in group:  # nothing reached shard k: the shards before it took the step
-                    results[index] = self._batch_failure(items[index], k, error)
-                return
-        # the batches are on their way behind any ROLLBACK of their sequences: now read those
-        refused_rollback = self._settle_items(items, group)
-        live = list(group)  # the items every shard so far has run
-        for k, (shard, client) in enumerate(zip(self.shards, self.clients)):
-            try:
-                answers = client.receive_items(sent[k])
-            except SHARD_FAILURES as error:  # the whole batch: refused (nothing ran, a refused ROWS went on) or lost
-                self._end_later(sent, k, _refused(error))
-                for index in live:
-                    results[index] = refused_rollback.get(index) or self._batch_failure(items[index], k, error,
-                                                                                        shard_to_shard=True)
-                return
-            answered = dict(zip(group, answers))
-            survivors = []
-            for index in live:
-                item, answer = items[index], answered[index]
-                n = len(item.tokens)
-                try:
-                    if isinstance(answer, Exception):
-                        raise answer
-                    self._check_reply(answer, shard, item.seq, item.pos + n, n, rows_sent=k < last)
-                except SHARD_FAILURES as error:
-                    results[index] = refused_rollback.get(index) or self._batch_failure(item, k, error,
-                                                                                        shard_to_shard=True)
-                    continue
-                if index in refused_rollback:  # the sequence is re-filled: what the shards did is moot
-                    results[index] = refused_rollback[index]
-                elif k == last:
-                    results[index] = _head_ids(answer.result)
-                else:
-                    survivors.append(index)
-            live = survivors
-
-    def _batch_failure(self, item: BatchForward, failed: int, error: Exception, *,
-                       shard_to_shard: bool = False) -> Exception:
-        """What `forward` raises for one sequence that failed at shard `failed`: the shards before it are put back
-        where it can be (`_undo`), else SequenceInconsistent; a lost sequence is SequenceLost. `shard_to_shard`:
-        the rows went on from shard to shard, so after a failure that is not a refusal the shards after `failed`
-        may have stepped too: inconsistent even when the first shard failed (as `_relay_direct` has it)."""
-        if failed > 0 or (shard_to_shard and not _refused(error)):
-            try:
-                self._undo(item.seq, item.pos, failed, item.checkpoint, error)
+                self._undo(step.seq, step.pos, failed, step.checkpoint and len(step.chunks) == 1, error)
             except SequenceInconsistent as inconsistent:
                 return inconsistent
-        return as_sequence_lost(error, item.seq)
+        return as_sequence_lost(error, step.seq)
 
     def _settle_items(self, items: list, indices: list[int]) -> dict[int, Exception]:
         """`_settle` for each item of a batch just sent: item index -> why its pending ROLLBACK failed."""
@@ -739,112 +625,162 @@ class Pipeline:
 
     # ---- the relay -----------------------------------------------------------------------
 
-    def _relay(
-        self, seq: int, pos: int, chunks: list[list[int]], *, checkpoint: bool, capture: Optional[list[int]] = None,
-        head: Optional[dict] = None, head_results: Optional[list] = None,
-    ) -> tuple[list[int], dict[int, WireTensor]]:
-        """Every chunk through every shard, as a wavefront: at tick t shard k takes chunk
-        t-k, so all shards compute at once; each shard's hidden frame goes to the next
-        shard untouched. One chunk is the plain relay of a decode or verify step."""
-        starts = [pos + sum(len(chunk) for chunk in chunks[:c]) for c in range(len(chunks))]
-        carry: dict[int, WireTensor] = {}  # shard index -> the hidden chunk it takes next
-        ids = TokenIds()  # with the head shard's logprobs of the last chunk, when asked for
-        # Per shard, the capture layers it owns: CAPTURE there, FORWARD (None) where it owns none.
-        owned: list[Optional[list[int]]] = [None] * len(self.shards)
-        if capture:
-            owned = [[layer for layer in capture if s.begin <= layer < s.end] or None for s in self.shards]
-        if self.direct_rows and len(chunks) == 1 and not (head and head.get("carried_layers") is not None):
-            return self._relay_direct(seq, pos, chunks[0], checkpoint=checkpoint, owned=owned, head=head,
-                                      head_results=head_results)
-        parts: dict[int, list[WireTensor]] = {layer: [] for layer in capture or ()}
-        for tick in range(len(chunks) + len(self.clients) - 1):
-            in_flight = []
-            for index, client in enumerate(self.clients):
-                c = tick - index
-                if 0 <= c < len(chunks):
-                    inputs = {"tokens": chunks[c]} if index == 0 else {"hidden": carry.pop(index)}
-                    sampling = head if head is not None and self.shards[index].owns_head else None
-                    if sampling is not None and "carried_layers" in sampling:  # capture_and_propose: one chunk
-                        carried = sampling["carried_layers"]
-                        sampling = {key: value for key, value in sampling.items() if key != "carried_layers"}
-                        if carried:
-                            sampling.update(carried_layers=carried, carried=side_by_side([parts[layer][0] for layer in carried]))
-                    record = forward_record(
-                        seq, starts[c], checkpoint=checkpoint, layers=owned[index], sampling=sampling, **inputs
-                    )
-                    in_flight.append((index, c, client.send(record)))
-            if tick == 0:  # the first FORWARD is on its way behind any ROLLBACK of this sequence: now read those
-                self._settle(seq, [(self.clients[index], sent) for index, _, sent in in_flight])
-            failure = None
-            for index, c, sent in in_flight:
-                shard, n = self.shards[index], len(chunks[c])
-                try:
-                    reply = self.clients[index].receive(sent)
-                    hidden = self._check_reply(reply, shard, seq, starts[c] + n, n)
-                    layer_outputs = self._check_captured(reply, shard, owned[index] or (), n)
-                except SHARD_FAILURES as error:
-                    failure = failure or (index, error)  # collect the other replies of this tick first
-                    continue
-                if hidden is not None:
-                    carry[index + 1] = hidden
-                else:
-                    ids.extend(reply.result["ids"])
-                    ids.logprobs = reply.result.get("logprobs")
-                    if head_results is not None:
-                        head_results.append(reply.result)
-                for layer, output in layer_outputs.items():
-                    parts[layer].append(output)
-            if failure is not None:
-                index, error = failure
-                if tick > 0:  # shards before have taken (some of) the tokens
-                    self._undo(seq, pos, index, checkpoint and len(chunks) == 1, error)
-                raise error
-        return ids, {layer: join_rows(pieces) for layer, pieces in parts.items()}
+    def _relay(self, steps: list["_Step"]) -> list:
+        """Each step through every shard; per step its (ids, captured layer outputs, the head shard's result) or
+        the exception that failed it, one step's failure changing nothing for the others. A shard gets one
+        request a tick: the step's own FORWARD (CAPTURE) for one step, one FORWARD batch of their records for
+        several, so a single sequence is a batch of one on the same wire as ever.
 
-    def _relay_direct(
-        self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool, owned: list, head: Optional[dict],
-        head_results: Optional[list],
-    ) -> tuple[list[int], dict[int, WireTensor]]:
-        """One chunk through every shard, the rows going from shard to shard (PROTOCOL.md, "Rows from shard to
-        shard"): every shard's request goes out at once, the head's first, each next shard waiting for its rows
-        under a fresh ticket, and the replies are read in shard order (only the head's carries more than a
-        length). A shard that refuses (it changed nothing) has the next ones' waits refused with it; after any
-        other failure a later shard may have run: the sequence is inconsistent, re-filled by the caller."""
-        n, last = len(tokens), len(self.shards) - 1
-        tickets = [secrets.randbits(62) for _ in range(last)]
+        The rows go from shard to shard where the daemons are chained (`direct_rows`; PROTOCOL.md, "Rows from
+        shard to shard"): every shard's request goes out at once, each next shard waiting for its rows under a
+        fresh ticket, and the replies are read in shard order (only the head's carries more than a length). A
+        step a shard refuses (it changed nothing there) is refused by the shards after it too and undone before
+        it; after any other failure the shards after it may have run: it is inconsistent. Otherwise the rows come
+        back here and go on with the next shard's request, which leaves out the steps that failed; a long input
+        (several chunks, one step alone) goes as a wavefront, shard k taking chunk t-k at tick t so that all
+        shards compute at once. Chunks, and captures the head takes along (`carried_layers`), need the earlier
+        shards' replies before the later requests are built: they always come back here."""
+        last = len(self.shards) - 1
+        ticks = len(steps[0].chunks)  # > 1 only for one step alone
+        direct = self.direct_rows and ticks == 1 and not any(
+            step.head is not None and step.head.get("carried_layers") is not None for step in steps)
+        starts = [[step.pos + sum(map(len, step.chunks[:c])) for c in range(len(step.chunks))] for step in steps]
+        # per step and shard the capture layers it owns: CAPTURE there, FORWARD (None) where it owns none
+        owned = [[[layer for layer in step.capture if shard.begin <= layer < shard.end] or None if step.capture
+                   else None for shard in self.shards] for step in steps]
+        parts: list[dict[int, list[WireTensor]]] = [{layer: [] for layer in step.capture or ()} for step in steps]
+        ids = [TokenIds() for _ in steps]
+        heads: list[Optional[dict]] = [None] * len(steps)
+        results: list = [None] * len(steps)
+        live = list(range(len(steps)))  # the steps every shard so far has run
+        carry: dict[tuple[int, int], WireTensor] = {}  # (step, shard) -> the rows that shard takes next
+        refused_rollback: dict[int, Exception] = {}  # step -> why its pending ROLLBACK failed
+        every = list(range(len(steps)))
         sent: list = [None] * len(self.shards)
-        for index in range(last, -1, -1):  # the shards that wait are waiting before the first one computes
-            shard = self.shards[index]
-            inputs = {"tokens": tokens} if index == 0 else {"rows_ticket": tickets[index - 1], "ticket_rows": n}
-            sampling = head if head is not None and shard.owns_head else None
-            record = forward_record(seq, pos, checkpoint=checkpoint, layers=owned[index], sampling=sampling,
-                                    send_rows=tickets[index] if index < last else None, **inputs)
-            try:
-                sent[index] = self.clients[index].send(record)
-            except SHARD_FAILURES:
-                for later in range(index + 1, len(sent)):  # nothing ran: their waits end with their next request
-                    self.clients[later].forget(sent[later])
-                raise
-        # the requests are on their way behind any ROLLBACK of this sequence: now read those
-        self._settle(seq, list(zip(self.clients, sent)))
-        ids, parts = TokenIds(), {}
-        for index, (shard, client) in enumerate(zip(self.shards, self.clients)):
-            try:
-                reply = client.receive(sent[index])
-                self._check_reply(reply, shard, seq, pos + n, n, rows_sent=index < last)
-                parts.update(self._check_captured(reply, shard, owned[index] or (), n))
-            except SHARD_FAILURES as error:
-                refused = _refused(error)
-                self._end_later(sent, index, refused)
-                if index > 0 or not refused:  # the shards before it took the step; after a failure that was not
-                    self._undo(seq, pos, index, checkpoint, error)  # a refusal so may the ones after
-                raise
-            if index == last:
-                ids.extend(reply.result["ids"])
-                ids.logprobs = reply.result.get("logprobs")
-                if head_results is not None:
-                    head_results.append(reply.result)
-        return ids, {layer: join_rows([output]) for layer, output in parts.items()}
+
+        def request(k: int, c: int, members: list[int], inputs) -> Request:
+            shard, records = self.shards[k], []
+            for i in members:
+                step = steps[i]
+                head = self._head_request(step, parts[i]) if shard.owns_head else None
+                records.append(forward_record(step.seq, starts[i][c], checkpoint=step.checkpoint, layers=owned[i][k],
+                                              sampling=head, **inputs(i, k, c)))
+            if len(records) == 1:
+                return records[0]
+            batch = {} if not direct else {"send_rows": tickets[k] if k < last else None,
+                                           "rows_ticket": tickets[k - 1] if k > 0 else None}
+            return ForwardBatch(id=0, items=tuple(records), **batch)
+
+        def send(k: int, record: Request) -> Request:
+            # a batch is not checked here: the daemon refuses a bad item alone (a local check would fail them all)
+            return self.clients[k].send(record, validate=not isinstance(record, ForwardBatch))
+
+        if direct:
+            tickets = [secrets.randbits(62) for _ in range(last)]
+
+            def inputs(i: int, k: int, c: int) -> dict:
+                n = len(steps[i].chunks[c])
+                fields = {"tokens": steps[i].chunks[c]} if k == 0 else {"rows_ticket": tickets[k - 1], "ticket_rows": n}
+                if len(steps) == 1 and k < last:  # a batch says it for all its items
+                    fields["send_rows"] = tickets[k]
+                return fields
+
+            # one step: the shards that wait are waiting before the first one computes; a batch: the first
+            # computes while the later ones' batches are built
+            order = range(last, -1, -1) if len(steps) == 1 else range(last + 1)
+            for k in order:
+                try:
+                    sent[k] = send(k, request(k, 0, every, inputs))
+                except SHARD_FAILURES as error:
+                    for other, record in enumerate(sent):  # they take the step, or wait for rows that will not all come
+                        if record is not None:
+                            self.clients[other].forget(record)
+                    took = 0 if len(steps) == 1 else k  # the shards before k in the order sent took the step
+                    return [self._failure(step, took, error, tick=took) for step in steps]
+            # the requests are on their way behind any ROLLBACK of their sequences: now read those
+            refused_rollback = self._settle_items(steps, every)
+        else:
+            def inputs(i: int, k: int, c: int) -> dict:
+                return {"tokens": steps[i].chunks[c]} if k == 0 else {"hidden": carry.pop((i, k))}
+
+        for tick in range(ticks + last):
+            in_flight = []  # (shard, chunk, steps, request) of this tick
+            if direct:
+                in_flight.append((tick, 0, every, sent[tick]))
+            else:
+                for k in range(last + 1):
+                    c = tick - k
+                    members = [i for i in live if 0 <= c < len(steps[i].chunks) and (k == 0 or (i, k) in carry)]
+                    if not members:
+                        continue
+                    try:
+                        in_flight.append((k, c, members, send(k, request(k, c, members, inputs))))
+                    except SHARD_FAILURES as error:
+                        for i in members:
+                            results[i] = self._failure(steps[i], k, error, tick=tick)
+                            live.remove(i)
+                if tick == 0:  # the first requests are on their way behind any ROLLBACK of their sequences
+                    refused_rollback = self._settle_items(steps, live)
+            for k, c, members, sent_k in in_flight:
+                shard, failures = self.shards[k], []
+                for i, answer in zip(members, self._answers(k, sent_k, len(members))):
+                    if i not in live:  # failed before (a refused item, or an earlier chunk this tick)
+                        continue
+                    step, n = steps[i], len(steps[i].chunks[c])
+                    try:
+                        if isinstance(answer, Exception):
+                            raise answer
+                        rows = self._check_reply(answer, shard, step.seq, starts[i][c] + n, n,
+                                                 rows_sent=direct and k < last)
+                        outputs = self._check_captured(answer, shard, owned[i][k] or (), n)
+                    except SHARD_FAILURES as error:
+                        failures.append(error)
+                        results[i] = refused_rollback.get(i) or self._failure(step, k, error, tick=tick,
+                                                                              shard_to_shard=direct)
+                        live.remove(i)
+                        continue
+                    if i in refused_rollback:  # the sequence is re-filled: what the shards did is moot
+                        results[i] = refused_rollback[i]
+                        live.remove(i)
+                        continue
+                    for layer, output in outputs.items():
+                        parts[i][layer].append(output)
+                    if rows is not None:
+                        carry[(i, k + 1)] = rows
+                    elif not (direct and k < last):  # the head's ids (of each chunk in turn)
+                        ids[i].extend(answer.result["ids"])
+                        ids[i].logprobs = answer.result.get("logprobs")
+                        heads[i] = answer.result
+                if direct and not live:
+                    self._end_later(sent, k, all(_refused(error) for error in failures))
+                    break
+            if not live:
+                break
+        for i in live:
+            results[i] = (ids[i], {layer: join_rows(pieces) for layer, pieces in parts[i].items()}, heads[i])
+        return results
+
+    def _answers(self, k: int, sent: Request, n: int) -> list:
+        """Shard k's reply to `sent` as a list of its n items' answers (a Reply or the exception that failed it);
+        a whole reply that failed fails every item with it."""
+        client = self.clients[k]
+        try:
+            return client.receive_items(sent) if isinstance(sent, ForwardBatch) else [client.receive(sent)]
+        except SHARD_FAILURES as error:
+            return [error] * n
+
+    @staticmethod
+    def _head_request(step: "_Step", parts: dict) -> Optional[dict]:
+        """The head shard's extra fields for `step`: its `head`, with the layers captured before (`carried_layers`)
+        side by side in `carried` (capture_and_propose)."""
+        head = step.head
+        if head is None or "carried_layers" not in head:
+            return head
+        carried = head["carried_layers"]
+        fields = {key: value for key, value in head.items() if key != "carried_layers"}
+        if carried:
+            fields.update(carried_layers=carried, carried=side_by_side([parts[layer][0] for layer in carried]))
+        return fields
 
     def _end_later(self, sent: list, failed: int, refused: bool) -> None:
         """After shard `failed` failed a step relayed shard to shard: the later shards' requests are read when it

@@ -888,8 +888,6 @@ RELAY_ARMS = {
     "-busy": ("relay_busy_poll", []),
     "-direct": ("relay_direct", []),
     "-direct-busy": ("relay_direct_busy_poll", []),
-    "-direct-busy-host": ("relay_direct_busy_poll_host_rows", ["--device-rows", "0"]),
-    "-direct-busy-device": ("relay_direct_busy_poll_device_wait", ["--ring-wait", "device"]),
 }
 
 
@@ -914,10 +912,7 @@ def run_relay(args) -> dict:
         Path(args.daemon_profile).mkdir(parents=True, exist_ok=True)
         runs.append(("checkpoint", {"SHARDD_PROFILE": str(Path(args.daemon_profile).resolve())}, "-profiled"))
     # the same runs, side by side in one JSON: both ends polling without sleeping (-busy), the rows going from
-    # daemon to daemon (-direct: --relay-to), and both (-direct-busy)
-    # daemon to daemon on a GPU, the rows go through the next shard's device ring (--device-rows, the default;
-    # shardd/ring.py): -direct-busy-host is that arm with them through the host, -direct-busy-device with the
-    # ring's reader waiting on its stream (--ring-wait device)
+    # daemon to daemon (-direct: --relay-to; on a GPU through the next shard's device ring), and both (-direct-busy)
     if args.relay_arms:
         wanted = [f"-{name}" for name in args.relay_arms.split(",") if name]
         unknown = [tag for tag in wanted if tag not in RELAY_ARMS]
@@ -1459,8 +1454,8 @@ def main() -> int:
                         help="relay: also the runs with the rows going from daemon to daemon (--relay-to; "
                              "relay_direct, and relay_direct_busy_poll with --busy-poll-ms).")
     parser.add_argument("--relay-arms", default="",
-                        help="relay: the arms to run beside the shipped runs, by name (plain, busy, direct, direct-busy, "
-                             "direct-busy-host, direct-busy-device); default: as --busy-poll-ms and --direct-rows say.")
+                        help="relay: the arms to run beside the shipped runs, by name (plain, busy, direct, "
+                             "direct-busy); default: as --busy-poll-ms and --direct-rows say.")
     parser.add_argument("--daemon-profile", default=None, help="relay: also a short run with the daemons under cProfile, "
                         "dumps in this directory, their top functions in the JSON.")
     parser.add_argument("--arms-only", action="store_true", help="relay: only the arms (--relay-arms) and the "

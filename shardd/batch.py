@@ -30,10 +30,6 @@ class BatchItem:
     checkpoint: bool = False
     capture_layers: tuple[int, ...] = ()
     logits: bool = True  # the head shard's logits rows wanted (sampling, penalties, logprobs); else ids only
-    # `hidden` views a previous shard's rows in this shard's device ring, readable once the gate's wait() returns
-    # (shardd.ring.RowsGate; it raises RowsNotLanded, before anything changed, when they never land); the daemon
-    # releases the slot after the request
-    rows_gate: Optional[object] = None
 
     @property
     def n(self) -> int:
@@ -49,8 +45,6 @@ def forward_batch(shard, items: Sequence[BatchItem]) -> list[ShardOutput | Model
         return batched(shard, items)
     results: list[ShardOutput | ModelError] = []
     for item in items:
-        if item.rows_gate is not None:  # landed before the engine reads them
-            item.rows_gate.wait()
         try:
             out = shard.forward(item.state, item.pos, tokens=item.tokens, hidden=item.hidden,
                                 checkpoint=item.checkpoint, capture_layers=item.capture_layers)

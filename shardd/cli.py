@@ -18,7 +18,7 @@ from shardd.engine import (AUTO_BUSY_POLL_CPUS, AUTO_BUSY_POLL_MS, DEFAULT_STEP_
                            busy_poll_seconds, step_rows_for)
 from shardd.hub import ModelNotFound, resolve_model
 from shardd.listen import endpoint_problem
-from shardd.ring import DEFAULT_ROWS as RING_ROWS, WAITS as RING_WAITS
+from shardd.ring import DEFAULT_ROWS as RING_ROWS
 from shardd.rows import WAIT_S, check_relay_to
 
 MiB = 1 << 20
@@ -26,6 +26,18 @@ MiB = 1 << 20
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 EXIT_FAILURE = 1  # a runtime failure (cannot bind, cannot load); click's usage errors exit 2
+
+
+def removed_option(name: str, now: str):
+    """A flag that was removed: hidden, and refused with one line saying what happens now (exit 2, a usage
+    error), so a script that still passes it learns why instead of having it ignored."""
+
+    def refuse(ctx, param, value):
+        if value is not None:
+            click.echo(f"Error: {name} was removed: {now}; drop the flag", err=True)
+            ctx.exit(2)
+
+    return click.option(name, hidden=True, expose_value=False, is_eager=True, callback=refuse, metavar="VALUE")
 
 
 @click.group(context_settings=CONTEXT)
@@ -101,19 +113,11 @@ def main():
 @click.option("--rows-wait", type=click.FloatRange(0.1, 3600), default=WAIT_S, show_default=True,
               help="Seconds a FORWARD waits at most for its rows from the previous shard (rows_ticket) before it is "
                    "refused ROWS_MISSING, changing nothing.")
-@click.option("--device-rows", type=click.IntRange(0, 1 << 20), default=RING_ROWS, show_default=True,
-              help="Rows from shard to shard on the GPU: with --relay-to, this shard's rows go through a ring of two "
-                   "slots of this many rows in the next shard's GPU memory (CUDA IPC; one host, a GPU both daemons "
-                   "see) instead of the host; as the next shard, the most it grants. Larger steps, CPU shards and "
-                   "daemons that cannot share memory fall back to the host. 0: always the host.")
-@click.option("--ring-wait", type=click.Choice(RING_WAITS), default="auto", show_default=True,
-              help="As the next shard, how a step waits for the previous shard's rows in its ring: host (a bounded "
-                   "poll; rows that never land refuse the FORWARD ROWS_MISSING, changing nothing), device (the GPU's "
-                   "front end waits for the slot's flag, cuStreamWaitValue32, so the step's launch is queued before "
-                   "the rows land; a spinning kernel where the driver has no stream memory operations; bounded by "
-                   "--rows-wait and by the writer's life, and a step that then ran without its rows fails its "
-                   "sequences, which the coordinator re-fills), or auto: device, except with the spinning kernel "
-                   "for a previous shard on this GPU (it would time-share the GPU with that shard's kernels).")
+@removed_option("--device-rows", "between GPU daemons of one host the rows always go through the next shard's "
+                f"device ring (slots of {RING_ROWS} rows; larger steps, and shards that cannot share GPU memory, "
+                "go through the host)")
+@removed_option("--ring-wait", "the daemons always wait for ring rows on the device (the GPU's front end; on the "
+                "host where the driver has no stream memory operations)")
 @click.option("--threads", type=int, default=None,
               help="CPU threads for torch (default: 1 on a GPU, whose host work is small copies; torch's choice on the CPU).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
@@ -124,7 +128,7 @@ def main():
               help="text lines, or one JSON object per line.")
 def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_file, max_verify_tokens, rollback_mode, engine,
           step_rows, prefill_rows, max_sequences, max_context, max_tokens_per_request, max_gpu_memory, quantize, curve_secret_key, curve_allow_dir,
-          sequence_idle_timeout, busy_poll_ms, relay_to, relay_to_file, rows_wait, device_rows, ring_wait,
+          sequence_idle_timeout, busy_poll_ms, relay_to, relay_to_file, rows_wait,
           threads, metrics_port,
           metrics_host, log_level, log_format):
     """Load a layer range (and/or a drafter) and serve it until SIGTERM, SIGINT or SHUTDOWN.
@@ -219,7 +223,7 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
                            max_tokens_per_request=max_tokens_per_request, curve_secret_key=curve_secret_key,
                            curve_allow_dir=curve_allow_dir, sequence_idle_timeout=sequence_idle_timeout,
                            busy_poll_s=busy_poll_s, relay_to=relay_to, relay_to_file=relay_to_file,
-                           rows_wait_s=rows_wait, device_rows=device_rows, ring_wait=ring_wait)
+                           rows_wait_s=rows_wait)
     try:
         plan = daemon_memory_plan(source, config, None if draft_only else (begin, end), draft, dtype=dtype,
                                   keep_fp8=keep_fp8, engine=engine, storage=storage, options=options, cap=cap,

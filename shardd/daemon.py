@@ -69,7 +69,7 @@ from shardd.head import HeadRequest, answer_batch, answer_rows
 from shardd.penalties import Penalties
 from shardd.receive import receive_request, release_memory
 from shardd.ring import DEFAULT_ROWS as RING_ROWS
-from shardd.ring import DeviceRing, RingUnavailable, RowsLost, RowsNotLanded, device_wait
+from shardd.ring import DeviceRing, RingUnavailable, RowsLost, front_end_waits
 from shardd.rows import WAIT_S, RowsInbox, RowsLink, Waiting, check_relay_to
 from shardd.sampling import SamplingParams
 
@@ -107,8 +107,6 @@ class ServeOptions:
     relay_to: str | None = None  # the next shard, which a FORWARD's `send_rows` sends its rows to (--relay-to)
     relay_to_file: str | None = None  # or the file the next shard writes its endpoint to (--relay-to-file)
     rows_wait_s: float = WAIT_S  # the longest a FORWARD with `rows_ticket` waits for its rows (--rows-wait)
-    device_rows: int = RING_ROWS  # rows a slot of the device ring holds, asked for and granted (--device-rows; 0: off)
-    ring_wait: str = "auto"  # how the ring's reader waits for the writer's rows (shardd.ring.device_wait)
 
 
 @dataclass
@@ -158,7 +156,6 @@ class Counters:
     rows_waits: int = 0  # FORWARDs that waited for their rows (`rows_ticket` before its ROWS)
     rows_missing: int = 0  # FORWARDs refused ROWS_MISSING: refused upstream, cancelled, or no rows in time
     rows_on_device: int = 0  # ROWS taken through this shard's device ring (RING)
-    rows_gated: int = 0  # of those, read by the waiting FORWARD's step at its launch (the host wait's gate)
 
 
 class ShardDaemon:
@@ -380,9 +377,9 @@ class ShardDaemon:
             "busy_poll_ms": round(self.options.busy_poll_s * 1000, 3),
             # the next shard this daemon sends a FORWARD's rows to when asked (`send_rows`; --relay-to), or None
             "relay_to": self.relay_target(),
-            # rows on the device (PROTOCOL.md): a ring slot's rows asked for / granted (0: off), how a wait for them ends
-            "device_rows": self.options.device_rows,
-            "ring_wait": self.options.ring_wait,
+            # rows on the device (PROTOCOL.md): a ring slot's rows asked for / granted, how a wait for them ends
+            "device_rows": RING_ROWS,
+            "ring_wait": self._ring_wait(),
         }
 
     def weight_bytes(self) -> int:
@@ -451,8 +448,8 @@ class ShardDaemon:
             options.relay_to = endpoint
         if options.relay_to is not None and self.relay is None:
             on_gpu = self.shard is not None and self.shard.device.type == "cuda"
-            self.relay = RowsLink(options.relay_to, device_rows=options.device_rows if on_gpu else 0)
-            if on_gpu and options.device_rows and hasattr(self.shard, "rows_out_on_device"):
+            self.relay = RowsLink(options.relay_to, device_rows=RING_ROWS if on_gpu else 0)
+            if on_gpu and hasattr(self.shard, "rows_out_on_device"):
                 self.shard.rows_out_on_device = True  # the fast step's rows stay on the device for the ring
         return options.relay_to
 
@@ -477,14 +474,10 @@ class ShardDaemon:
         if proposing:
             self._check_proposal(request, shard, entry)
         PHASES.lap("lookup")
-        gate = getattr(request.hidden, "gate", None)  # rows still in this shard's ring (RowsGate)
         wait = getattr(request.hidden, "wait", None)  # rows copied out of the ring behind a device wait (DeviceWait)
-        try:
-            out = shard.forward(  # validates everything (shard.check_forward) before it changes the state
-                entry.state, request.pos, tokens=request.tokens, hidden=_hidden(request),
-                checkpoint=request.checkpoint, capture_layers=layers, **({"rows_gate": gate} if gate else {}))
-        except RowsNotLanded as error:
-            raise self._rows_not_landed(ticket, error) from None
+        out = shard.forward(  # validates everything (shard.check_forward) before it changes the state
+            entry.state, request.pos, tokens=request.tokens, hidden=_hidden(request),
+            checkpoint=request.checkpoint, capture_layers=layers)
         if wait is not None and not _rows_go_on_device(request, out.hidden):
             _check_landed([wait])  # else their wait's outcome goes on with them (or is checked before the host)
         answer = None
@@ -506,11 +499,6 @@ class ShardDaemon:
             self.counters.rows_sent += 1
             result["rows_sent"] = True
         return result, {name: WireTensor.from_torch(t) for name, t in zip(tensors, on_host(list(tensors.values())))}
-
-    def _rows_not_landed(self, ticket, error) -> ProtocolError:
-        """The refusal of a FORWARD whose rows never landed in this shard's ring (its gate's wait ended first)."""
-        self.counters.rows_missing += 1
-        return ProtocolError(ErrorCode.ROWS_MISSING, f"no rows for ticket {ticket}: {error}; nothing changed")
 
     def _with_rows(self, request, shard):
         """A FORWARD with `rows_ticket` as if its rows had come in tensor `hidden`; _WaitsForRows while they have
@@ -631,24 +619,14 @@ class ShardDaemon:
         if isinstance(request, RowsBatch) and len({item.ticket for item in request.items}) != 1:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the items of a batched ROWS share one ticket")
         parts = request.items if isinstance(request, RowsBatch) else (request,)
-        gate = None
         if any(part.slot is not None for part in parts):
             try:
-                request, gate = self._rows_from_ring(request, parts)
+                request = self._rows_from_ring(request, parts)
             except ProtocolError:  # the FORWARD waiting for these rows is refused too, now, changing nothing
                 first = parts[0]
                 self._keep_rows(Rows(id=0, seq=first.seq, pos=first.pos, ticket=first.ticket, refused=True))
                 raise
-        try:
-            waited = self._keep_rows(request)
-        finally:  # the slot released (whether the step read it) before this ROWS is acknowledged
-            problem = None
-            if gate is not None:
-                problem = gate.settle()
-                self.inbox.take(request.ticket)  # a view of a released slot is nobody's rows (its FORWARD took them)
-        if problem is not None:  # the FORWARD that waited was refused (ROWS_MISSING), changing nothing
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"ROWS of ticket {request.ticket}: {problem}")
-        return {"ticket": request.ticket, "waited": waited}, {}
+        return {"ticket": request.ticket, "waited": self._keep_rows(request)}, {}
 
     def _keep_rows(self, rows) -> bool:
         """`rows` into the inbox for their FORWARD; one already waiting runs now (whether one did)."""
@@ -658,10 +636,9 @@ class ShardDaemon:
         return waiting is not None
 
     def _rows_from_ring(self, request, parts):
-        """A ROWS naming a slot of this shard's device ring -> (the ROWS as if its rows had come in tensor hidden,
-        the slot's RowsGate or None); ProtocolError when they cannot be had. With the host wait, rows a FORWARD
-        already waits for stay in the slot behind a gate: that FORWARD runs now, and its fast step prepares its
-        launch before it waits for them. Otherwise they are waited for and copied out of the slot now."""
+        """A ROWS naming a slot of this shard's device ring -> the ROWS as if its rows had come in tensor hidden,
+        copied out of the slot behind the device wait (or, where the driver has no front-end wait, once a host
+        poll saw them land); ProtocolError when they cannot be had."""
         slots = {part.slot for part in parts}
         total = sum(part.slot_rows or 0 for part in parts)
         problem = None
@@ -674,15 +651,9 @@ class ShardDaemon:
         elif slots.pop() >= len(self.ring.written) or total > self.ring.rows:
             problem = (f"slot {parts[0].slot} and {total} rows do not fit this shard's ring of "
                        f"{len(self.ring.written)} slots of {self.ring.rows} rows")
-        gate = wait = None
+        wait = None
         if problem is None:
-            on_device = device_wait(self.options.ring_wait, self.ring)
-            if (not on_device and getattr(self.shard, "takes_rows_gates", False)
-                    and self.inbox.awaited(parts[0].ticket)):
-                gate = self.ring.gate(parts[0].slot, total, self.options.rows_wait_s)
-                rows = gate.view
-                self.counters.rows_gated += 1
-            elif on_device:
+            if front_end_waits():
                 if parts[0].slot_gen is None or any(part.slot_gen != parts[0].slot_gen for part in parts):
                     problem = "the device wait needs the slot's generation (field slot_gen, one for all items)"
                 else:  # queued behind a wait kernel: nothing waits here (the outcome is read after the step)
@@ -698,24 +669,21 @@ class ShardDaemon:
         self.counters.rows_on_device += 1
         done, start = [], 0
         for part in parts:
-            done.append(dataclasses.replace(part, hidden=DeviceRows(rows[start:start + part.slot_rows], gate, wait),
+            done.append(dataclasses.replace(part, hidden=DeviceRows(rows[start:start + part.slot_rows], wait),
                                             slot=None, slot_rows=None, slot_gen=None))
             start += part.slot_rows
-        return (dataclasses.replace(request, items=tuple(done)) if isinstance(request, RowsBatch) else done[0]), gate
+        return dataclasses.replace(request, items=tuple(done)) if isinstance(request, RowsBatch) else done[0]
 
     def ring_for_writer(self, request):
         """RING: the device ring the previous shard's ROWS may name slots of (allocated on the first, kept while
         its size is asked for), and its handles."""
         shard = self._layers(request)
-        if not self.options.device_rows:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "RING: this daemon was started with --device-rows 0: rows "
-                                                       "come through the host")
         if (self.options.memory or {}).get("cap_bytes"):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "RING: this daemon runs under --max-gpu-memory, whose plan sets "
                                                        "no memory aside for a ring: rows come through the host")
-        # a slot holds what was asked, at most this daemon's own --device-rows and a request's rows (the writer
-        # sends larger steps through the host)
-        rows = min(request.rows, self.options.device_rows, self.limits.max_tokens_per_request)
+        # a slot holds what was asked, at most RING_ROWS and a request's rows (the writer sends larger steps through
+        # the host)
+        rows = min(request.rows, RING_ROWS, self.limits.max_tokens_per_request)
         if self.ring is None or self.ring.rows != rows:
             if self.ring is not None:
                 self.ring.close()
@@ -731,9 +699,13 @@ class ShardDaemon:
                      self.ring.rows, self.ring.nbytes / 2**20)
         self.ring.new_writer(request.pid or None, request.gpu)
         log.info("rows from the previous shard (on %s GPU) are waited for on the %s", "this" if
-                 self.ring.writer_shares_gpu else "another", "device" if device_wait(self.options.ring_wait,
-                                                                                     self.ring) else "host")
+                 self.ring.writer_shares_gpu else "another", self._ring_wait())
         return self.ring.share(), {}
+
+    def _ring_wait(self) -> str:
+        """How this shard waits for rows in its ring: "device" (the GPU's front end) where the driver can, else "host"."""
+        on_gpu = self.shard is not None and self.shard.device.type == "cuda"
+        return "device" if on_gpu and front_end_waits() else "host"
 
     def _resume(self, waiting: Waiting) -> list:
         """The reply of a FORWARD that waited, handled as its own peer (its rows are in the inbox now); its phases
@@ -827,7 +799,6 @@ class ShardDaemon:
         the items that pass run together (shardd.batch.forward_batch), and each gets its result or its own error;
         a refused item changes nothing. An exception during the step fails the sequences that were in it."""
         shard = self._layers(request)
-        ticket = getattr(request, "rows_ticket", None)
         if isinstance(request, ForwardBatch):
             self._check_send_rows(request, shard)
             if request.rows_ticket is not None:
@@ -851,8 +822,7 @@ class ShardDaemon:
             runs.append((index, item, entry, head))
             batch.append(BatchItem(entry.state, item.pos, tokens=item.tokens, hidden=_hidden(item),
                                    checkpoint=item.checkpoint, capture_layers=tuple(layers),
-                                   logits=head.needed or bool(item.return_logits),  # else ids only: no copies
-                                   rows_gate=getattr(item.hidden, "gate", None)))
+                                   logits=head.needed or bool(item.return_logits)))  # else ids only: no copies
         PHASES.lap("lookup")
         waits = {id(w): w for w in (getattr(item.hidden, "wait", None) for _, item, _, _ in runs) if w is not None}
 
@@ -863,11 +833,7 @@ class ShardDaemon:
                 _check_landed(waits.values())  # a step that ran on no rows fails its sequences
             return outputs
 
-        try:
-            outputs = self._run_items(runs, compute)
-        except RowsNotLanded as error:  # raised before any of them changed: each refused, none failed
-            refusal = self._rows_not_landed(ticket, error)
-            outputs = [refusal for _ in runs]
+        outputs = self._run_items(runs, compute)
         heads = [(i, out) for i, out in enumerate(outputs)
                  if not isinstance(out, Exception) and out.ids is not None and runs[i][3].needed]
         head_answers = {}
@@ -890,8 +856,6 @@ class ShardDaemon:
         failed (its state may be half-updated), as a one-sequence request's would."""
         try:
             return compute()
-        except RowsNotLanded:  # not a failure of the step: it never started (the caller refuses the items)
-            raise
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
             seqs = [item.seq for _, item, _, _ in runs]
@@ -1090,12 +1054,9 @@ class ShardDaemon:
             "batches": {"requests": c.batches, "items": c.batch_items, "rows": c.batch_rows},
             "rows": {"sent": c.rows_sent, "received": c.rows_received, "waits": c.rows_waits,
                      "missing": c.rows_missing, "waiting": len(self.inbox.waiting), "on_device": c.rows_on_device,
-                     "gated": c.rows_gated,
                      "sent_on_device": self.relay.on_device if self.relay is not None else 0,
                      "ring_bytes": self.ring.nbytes if self.ring is not None else 0,
-                     # how this shard's ring is waited for now (--ring-wait auto: by where the writer computes)
-                     "ring_wait": (("device" if device_wait(self.options.ring_wait, self.ring) else "host")
-                                   if self.ring is not None else None),
+                     "ring_wait": self._ring_wait() if self.ring is not None else None,
                      "ring_to_next": "on" if self.relay is not None and self.relay.ring is not None else
                      (self.relay.ring_problem if self.relay is not None else None)},
             # where requests' time went, per type and phase (protocol/timing.py): seconds since the start
@@ -1266,13 +1227,11 @@ MIN_FRAME_BYTES = 16 << 20  # small models still answer a modestly oversized fra
 
 class DeviceRows:
     """Rows already on this shard's device where a FORWARD's tensor hidden stands: copied out of its ring (behind
-    `wait`, a shardd.ring.DeviceWait, with the device wait), or (`gate`, a shardd.ring.RowsGate) a view of the
-    ring's slot that the fast step reads once they have landed."""
+    `wait`, a shardd.ring.DeviceWait, with the device wait; None: after the host saw them land)."""
 
-    def __init__(self, tensor, gate=None, wait=None):
+    def __init__(self, tensor, wait=None):
         self.tensor = tensor
         self.shape = tuple(tensor.shape)
-        self.gate = gate
         self.wait = wait
 
     def to_torch(self, device=None):

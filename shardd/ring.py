@@ -4,18 +4,19 @@ Two daemons of one host (a shard and its `--relay-to` next shard, on one GPU or 
 see) pass a step's rows through device memory instead of the host: the next shard (the reader) keeps a ring of
 SLOTS row buffers and interprocess events, and hands their CUDA IPC handles to the previous shard (the writer)
 once, in the reply to a RING. Per step the writer copies its rows into a slot on its stream, records the slot's
-`written` event and sends a small ROWS naming the slot (no rows in it) without waiting for its device; the reader
-waits for `written` (on the host, bounded, by default; or on its stream, `--ring-wait device`), copies the rows
-out of the slot and records `consumed`, which the writer waits for before it writes that slot again.
+`written` event, publishes the put in the slot's flag and sends a small ROWS naming the slot (no rows in it)
+without waiting for its device; the reader's stream waits for the flag (or, where the driver cannot, the host
+polls `written`), copies the rows out of the slot and records `consumed`, which the writer waits for before it
+writes that slot again.
 
 The reader creates all of it (memory and both events' objects), so the writer's death frees nothing the reader
 uses. A stream wait on an event a dead process recorded may never end (its context and work are torn down,
-measured), so neither wait uses one. The host wait polls `written`: bounded by --rows-wait and by the writer's
-life. The device wait (`DeviceRing.await_rows`) has the reader's stream wait for the slot's flag, which the
-writer sets to the put's generation after its rows (shardd/kernels/ring.py): through the GPU's front end
-(cuStreamWaitValue32: no SM taken) or a spinning kernel; a watcher thread of the reader ends a wait that has not
+measured), so neither wait uses one. The device wait (`DeviceRing.await_rows`) has the reader's stream wait for
+the slot's flag, which the writer sets to the put's generation after its rows (shardd/kernels/ring.py), through
+the GPU's front end (cuStreamWaitValue32: no SM taken); a watcher thread of the reader ends a wait that has not
 landed after --rows-wait or once the writer's process is gone. The step runs after it either way, and the daemon
-reads the wait's outcome before it answers (a step that ran on no rows fails its sequences).
+reads the wait's outcome before it answers (a step that ran on no rows fails its sequences). Where the driver has
+no stream memory operations the host polls `written` instead (`DeviceRing.take`), bounded the same way.
 
 Nothing here is on the CPU reference path: a CPU shard refuses RING and its rows travel through the host. torch
 is imported where it is used (the CLI imports this module for its defaults).
@@ -34,8 +35,7 @@ from shardd import timeline
 log = logging.getLogger("shardd")
 
 SLOTS = 2  # one slot written while the other may still be read
-DEFAULT_ROWS = 4096  # rows a slot holds (--device-rows): a decode batch or a few prompts' pieces; larger go by host
-WAITS = ("auto", "host", "device")  # auto: device for a writer on another GPU, host for one on this GPU
+DEFAULT_ROWS = 4096  # rows a slot holds: a decode batch or a few prompts' pieces; larger go by host
 
 
 class RingUnavailable(Exception):
@@ -141,9 +141,9 @@ class DeviceRing:
                 "consumed": [event.ipc_handle() for event in self.consumed]}
 
     def take(self, slot: int, n: int, timeout_s: float):
-        """The host wait: the first n rows of `slot`, copied out of it once they landed (the writer may write the
-        slot again once `consumed` happens). RingUnavailable when the writer's rows did not land in time or it died
-        with them in flight."""
+        """The host wait, where the driver has no front-end wait: the first n rows of `slot`, copied out of it once
+        they landed (the writer may write the slot again once `consumed` happens). RingUnavailable when the
+        writer's rows did not land in time or it died with them in flight."""
         import torch
 
         stream = torch.cuda.current_stream(self.device)
@@ -156,24 +156,18 @@ class DeviceRing:
     def await_rows(self, slot: int, n: int, generation: int, timeout_s: float) -> tuple:
         """The device wait: (the first n rows of `slot` copied out of it behind the wait, the DeviceWait whose
         outcome the daemon reads after the step). Nothing here waits on the host: the GPU's front end waits
-        (cuStreamWaitValue32) where the driver can, else a spinning kernel; the watcher ends it after `timeout_s`
-        or a second after the writer's death."""
+        (cuStreamWaitValue32); the watcher ends it after `timeout_s` or a second after the writer's death."""
         import torch
-
-        from shardd.kernels import ring as kernels
 
         stream = torch.cuda.current_stream(self.device)
         self._start_watcher()
         with self._lock:
             self._pending[slot] = (generation, time.monotonic() + timeout_s)
         timeline.gpu("wait queued")
-        if front_end_waits():
-            flag = self.flags[slot:slot + 1]
-            _wait_value(stream, flag, generation)
-            # the value that ended the wait (it changes no more: see shardd/kernels/ring.py)
-            self.seen[slot:slot + 1].copy_(flag)
-        else:
-            kernels.spin(self.flags, self.seen, slot, generation)
+        flag = self.flags[slot:slot + 1]
+        _wait_value(stream, flag, generation)
+        # the value that ended the wait (it changes no more: see shardd/kernels/ring.py)
+        self.seen[slot:slot + 1].copy_(flag)
         self._waits_done[slot].record(stream)
         timeline.gpu("wait done")
         rows = self.buffer[slot, :n].clone()
@@ -181,14 +175,12 @@ class DeviceRing:
         return rows, DeviceWait(self, slot, generation)
 
     def _warm_up(self) -> None:
-        """Compile and load the kernels now (a wait for the value a flag already holds; an end that ends
-        nothing), not at the first rows."""
+        """Compile and load the watcher's kernel now (an end that ends nothing), not while a wait is queued."""
         import torch
 
         from shardd.kernels import ring as kernels
 
-        flags, seen = (torch.zeros(SLOTS, dtype=torch.int32, device=self.device) for _ in range(2))
-        kernels.spin(flags, seen, 1, 0)
+        flags = torch.zeros(SLOTS, dtype=torch.int32, device=self.device)
         kernels.end_wait(flags, 1, 0, kernels.CANCELLED_VALUE)
         torch.cuda.current_stream(self.device).synchronize()
 
@@ -254,20 +246,8 @@ class DeviceRing:
         return (f"the previous shard's rows did not land in slot {slot} within {timeout_s:g} s (its process "
                 f"{'still runs' if pid_alive(self.writer_pid) else 'is gone'})")
 
-    def gate(self, slot: int, n: int, timeout_s: float) -> "RowsGate":
-        """The first n rows of `slot` as a view the step reads once they have landed (`RowsGate`): the host wait
-        for them moves from the ROWS's arrival to the step's launch, after its inputs are prepared."""
-        return RowsGate(self, slot, n, timeout_s)
-
 
 WATCH_S = 0.05  # how often the watcher looks at a writer while device waits are queued
-
-
-def device_wait(mode: str, ring: "DeviceRing") -> bool:
-    """Whether the reader waits for `ring`'s rows on its device (`--ring-wait`): always with "device", never with
-    "host", and with "auto" when the GPU's front end waits (no SM taken) or the writer computes on another GPU
-    (a spinning kernel on the writer's own GPU would time-share it with the writer's kernels)."""
-    return mode == "device" or (mode == "auto" and (front_end_waits() or not ring.writer_shares_gpu))
 
 
 class DeviceWait:
@@ -342,40 +322,6 @@ def _wait_value(stream, flag, value: int) -> None:
 class RowsLost(Exception):
     """A step ran behind a device wait that ended without its rows (DeviceWait.why): its sequences' states took
     no rows, so they fail (INTERNAL); the coordinator re-fills them."""
-
-
-class RowsNotLanded(Exception):
-    """A gated step's rows did not land in the ring (the writer's rows late past --rows-wait, or it died with them
-    in flight): raised before the step changed anything."""
-
-
-class RowsGate:
-    """Rows of one ring slot for the request that reads them (the host wait, `--ring-wait host`): `view` is the
-    slot's rows; the fast step prepares everything else, calls `wait()` (idempotent; RowsNotLanded when they did
-    not land: nothing changed yet) and only then queues its reads of `view`. After the whole request the daemon
-    `settle`s the gate: the slot's `consumed` recorded behind every read (the writer may write the slot again
-    once it happened and the ROWS is acknowledged, which comes after)."""
-
-    def __init__(self, ring: DeviceRing, slot: int, n: int, timeout_s: float):
-        self.ring, self.slot, self.timeout_s = ring, slot, timeout_s
-        self.view = ring.buffer[slot, :n]
-        self.landed: Optional[bool] = None  # None: not waited for yet
-        self.released = False
-
-    def wait(self) -> None:
-        if self.landed is None:
-            self.landed = self.ring.landed(self.slot, self.timeout_s)
-        if not self.landed:
-            raise RowsNotLanded(self.ring.not_landed(self.slot, self.timeout_s))
-
-    def settle(self) -> Optional[str]:
-        """After the request (run or refused): the slot released; the problem when its rows never landed."""
-        if not self.released:
-            import torch
-
-            self.ring.consumed[self.slot].record(torch.cuda.current_stream(self.ring.device))
-            self.released = True
-        return self.ring.not_landed(self.slot, self.timeout_s) if self.landed is False else None
 
 
 def _opened(handles, device, dtype, shape):

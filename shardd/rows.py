@@ -65,7 +65,7 @@ class RowsLink:
         self.sent = self.refused = self.dropped = 0
         self.device_rows = device_rows
         self.ring = None  # shardd.ring.RingWriter once the next shard gave its ring
-        self.ring_problem: Optional[str] = None if device_rows else "off (--device-rows 0)"
+        self.ring_problem: Optional[str] = None if device_rows else "off (not a GPU shard)"
         self.on_device = 0  # ROWS whose rows went through the ring
         self._slot_ids: dict[int, int] = {}  # slot -> id of the ROWS that used it, until acknowledged
         self._replies: dict[int, object] = {}  # id -> reply, for the one request whose reply is awaited (RING)
@@ -202,10 +202,6 @@ class RowsInbox:
             if waiting.request.rows_ticket == rows.ticket:
                 return self.waiting.pop(owner)
         return None
-
-    def awaited(self, ticket: int) -> bool:
-        """Whether a FORWARD waits for the rows of `ticket` (it runs as soon as they are put)."""
-        return any(waiting.request.rows_ticket == ticket for waiting in self.waiting.values())
 
     def take(self, ticket: int) -> Optional[Rows]:
         kept = self.rows.pop(ticket, None)

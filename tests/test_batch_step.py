@@ -26,7 +26,6 @@ from shardd.model import rollback as rb  # noqa: E402
 from shardd.model.errors import BadInput, ModelError, PositionMismatch  # noqa: E402
 from shardd.model.shard import ShardModel  # noqa: E402
 from shardd.presets import PRESETS  # noqa: E402
-from shardd.ring import RowsNotLanded  # noqa: E402
 from shardd.synthetic import synthetic_weights  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -287,64 +286,6 @@ def test_a_refused_item_changes_nothing_and_the_others_run():
     assert d.slot == slot and d.length == 0 and not d.gdn.recurrent.any()
     results = forward_batch(batched, [BatchItem(a, 4, tokens=[2]), BatchItem(d, 0, tokens=[3, 1])])
     outputs_equal(results[1], alone.forward(fd, 0, tokens=[3, 1]))
-
-
-class _Gate:
-    """A ring slot's gate stand-in (shardd.ring.RowsGate): the rows land in the item's view only when `wait()` is
-    called (before, the view holds NaN), or never (`lands=False`: RowsNotLanded)."""
-
-    def __init__(self, view, rows, lands=True):
-        self.view, self.rows, self.lands, self.waits = view, rows, lands, 0
-
-    def wait(self):
-        self.waits += 1
-        if not self.lands:
-            raise RowsNotLanded("the rows did not land (test)")
-        self.view.copy_(self.rows)
-
-
-def _gated(shard, state, pos, n, seed, checkpoint=False, lands=True):
-    rows = hidden_rows(shard, n, seed)
-    view = torch.full_like(rows, float("nan"))
-    return BatchItem(state, pos, hidden=view, checkpoint=checkpoint, rows_gate=_Gate(view, rows, lands)), rows
-
-
-def test_rows_behind_a_gate_are_read_after_it_and_a_gate_that_fails_changes_nothing():
-    """A middle shard's items whose rows are still in a ring slot (`rows_gate`, what the daemon hands the fast
-    step with `--ring-wait host`): the step prepares its launch, then waits once per gate, then reads the rows;
-    a step and a prompt longer than a step give what the same rows without a gate give. A gate whose rows never
-    land raises RowsNotLanded and leaves every sequence as it was (length, state, pending window, replay-ssm's
-    pending re-run): the next step equals the same on a shard that never saw the refused one."""
-    device = "cuda" if CUDA else "cpu"
-    gated, plain = pair(REPLAY_SSM, preset="tiny", rows=2, step_rows=4, sequences=2, context=16,
-                        dtype=torch.float32, device=device, begin=1, end=3)  # a GDN and an attention layer
-    a, b = gated.new_state(16), gated.new_state(16)
-    pa, pb = plain.new_state(16), plain.new_state(16)
-    long_a, rows = _gated(gated, a, 0, 3, 1)  # longer than a step's 2 rows: the prefill path
-    out = forward_batch(gated, [long_a])
-    outputs_equal(out[0], plain.forward(pa, 0, hidden=rows))
-    assert long_a.rows_gate.waits == 1
-    shared = hidden_rows(gated, 3, 2)
-    view = torch.full_like(shared, float("nan"))
-    gate = _Gate(view, shared)  # one slot, both sequences' rows end to end (a batch's ROWS)
-    out = forward_batch(gated, [BatchItem(a, 3, hidden=view[:2], checkpoint=True, rows_gate=gate),
-                                BatchItem(b, 0, hidden=view[2:], rows_gate=gate)])
-    assert gate.waits == 1
-    outputs_equal(out[0], plain.forward(pa, 3, hidden=shared[:2], checkpoint=True))
-    outputs_equal(out[1], plain.forward(pb, 0, hidden=shared[2:]))
-    rb.rollback(a, 1)  # replay-ssm: a's kept token re-runs in its next step
-    rb.rollback(pa, 1)
-    replay, pending = list(gated.pools.replay), [s.pending for s in (a, b)]
-    assert replay[a.slot] == 1
-    refused, _ = _gated(gated, a, 4, 2, 3, checkpoint=True, lands=False)
-    with pytest.raises(RowsNotLanded):
-        forward_batch(gated, [refused, BatchItem(b, 1, hidden=refused.hidden[:1], rows_gate=refused.rows_gate)])
-    assert list(gated.pools.replay) == replay and [s.pending for s in (a, b)] == pending
-    assert (a.length, b.length) == (pa.length, pb.length) == (4, 1)
-    later, rows = _gated(gated, a, 4, 2, 4, checkpoint=True)
-    outputs_equal(forward_batch(gated, [later])[0], plain.forward(pa, 4, hidden=rows, checkpoint=True))
-    for s, p in ((a, pa), (b, pb)):
-        assert_same_state(state_bits(gated, s), state_bits(plain, p))
 
 
 def test_step_rows_must_hold_one_sequence():

@@ -421,6 +421,36 @@ def test_batches_of_rows_from_shard_to_shard_give_the_coordinator_relay_s_tokens
     assert all(a["missing"] == b["missing"] and a["waiting"] == 0 for a, b in zip(after, before))
 
 
+def test_one_sequence_is_a_batch_of_one_on_the_one_sequence_wire_both_ways(direct):
+    """`forward`, and `forward_batch` of one item, send each shard a plain FORWARD (no batch on the wire: STATS
+    `batches` unchanged), two items one batched FORWARD a shard; shard to shard and through the coordinator alike,
+    with the same ids for each sequence whichever way it went."""
+    from coordinator.pipeline import BatchForward
+
+    binds, _, _ = direct
+    ids = {}
+    for direct_rows in (True, False):
+        with Pipeline.connect(binds) as pipeline:
+            assert pipeline.direct_rows
+            pipeline.direct_rows = direct_rows
+            seqs = [61, 62, 63]
+            for seq in seqs:
+                pipeline.open(seq)
+            try:
+                before = [client.stats()["batches"]["requests"] for client in pipeline.clients]
+                alone = pipeline.forward(61, 0, PROMPT[:7])
+                [one] = pipeline.forward_batch([BatchForward(62, 0, PROMPT[:5])])
+                middle = [client.stats()["batches"]["requests"] for client in pipeline.clients]
+                two = pipeline.forward_batch([BatchForward(61, 7, [PROMPT[7]]), BatchForward(63, 0, PROMPT[:3])])
+                after = [client.stats()["batches"]["requests"] for client in pipeline.clients]
+            finally:
+                _close_everywhere(pipeline, seqs)
+        assert middle == before and [a - m for a, m in zip(after, middle)] == [1, 1, 1]
+        ids[direct_rows] = (list(alone), list(one), [list(x) for x in two])
+    assert ids[True] == ids[False]
+    assert len(ids[True][0]) == 7 and len(ids[True][1]) == 5 and [len(x) for x in ids[True][2]] == [1, 3]
+
+
 def _close_everywhere(pipeline, seqs) -> None:
     """Each sequence closed on every shard that still has it (the module's daemons hold 8 at most)."""
     for client in pipeline.clients:
@@ -575,16 +605,15 @@ def test_batches_with_refused_items_end_alike_relayed_and_shard_to_shard(direct)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("ring_wait", ["auto", "device"])
-def test_rows_through_the_device_ring_give_the_host_rows_tokens(tmp_path, ring_wait):
+def test_rows_through_the_device_ring_give_the_host_rows_tokens(tmp_path):
     """Three fast bf16 daemons on the GPU, each sending its rows on through the next one's device ring: greedy,
     speculative (checkpoint rollbacks) and a batch of streams give the tokens of the same daemons with the rows
-    through the host (a second set whose later shards lend no ring, --device-rows 0: the first one asks, is
-refused, and goes by host), every step's rows in a slot (STATS `rows`)."""
+    through the host (a second set whose later shards lend no ring, being under --max-gpu-memory: the first one
+    asks, is refused, and goes by host), every step's rows in a slot (STATS `rows`)."""
     from coordinator.scheduler import Request, decode_all
 
     sets = {}
-    for name, device_rows in (("ring", "64"), ("host", "0")):
+    for name in ("ring", "host"):
         workdir = tmp_path / name
         workdir.mkdir()
         binds = [f"ipc://{workdir}/s{k}.sock" for k in range(3)]
@@ -592,7 +621,7 @@ refused, and goes by host), every step's rows in a slot (STATS `rows`)."""
         specs = {f"{name}{k}": (bind, ["--layers", layers[k], "--engine", "fast", "--device", "cuda:0", "--dtype",
                                        "bfloat16", "--rollback-mode", "checkpoint", "--max-verify-tokens", str(BLOCK),
                                        # the host set's first shard asks for a ring and is refused
-                                       "--device-rows", device_rows if k else "64", "--ring-wait", ring_wait,
+                                       *(["--max-gpu-memory", "0.25"] if name == "host" and k else []),
                                        *(["--relay-to", binds[k + 1]] if k < 2 else [])])
                  for k, bind in enumerate(binds)}
         sets[name] = (binds, start_daemons(specs, workdir))
@@ -612,21 +641,38 @@ refused, and goes by host), every step's rows in a slot (STATS `rows`)."""
                 assert [s["ring_to_next"] for s in stats[:2]] == ["on", "on"]
                 assert stats[0]["sent_on_device"] == stats[0]["sent"] > 0
                 assert stats[1]["on_device"] == stats[1]["received"] and stats[2]["on_device"] == stats[2]["received"]
-                # on one GPU, auto waits on the device where the GPU's front end waits (no SM taken), else on the host
-                # (a FORWARD that waits when its rows come reads them at its launch)
+                # the GPU's front end waits where the driver can (no SM taken), else the host
                 from shardd.ring import front_end_waits
 
-                waits = {"auto": "device" if front_end_waits() else "host", "device": "device"}[ring_wait]
+                waits = "device" if front_end_waits() else "host"
                 assert stats[1]["ring_wait"] == stats[2]["ring_wait"] == waits
-                if waits == "host":
-                    assert stats[1]["gated"] > 0 and stats[2]["gated"] > 0
-                else:  # the device wait (a wait kernel on the shard's stream)
-                    assert stats[1]["gated"] == stats[2]["gated"] == 0
                 assert all(s["missing"] == 0 for s in stats)
             else:
-                assert stats[0]["sent_on_device"] == 0 and "--device-rows 0" in stats[0]["ring_to_next"]
+                assert stats[0]["sent_on_device"] == 0 and "--max-gpu-memory" in stats[0]["ring_to_next"]
         assert tokens["ring"] == tokens["host"]
         assert tokens["ring"][1] == tokens["ring"][0]
     finally:
         for _, daemons in sets.values():
             stop_all(daemons.values())
+
+
+# ---- flags that were removed ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag, value, now", [
+    ("--ring-wait", "host", "always wait for ring rows on the device"),
+    ("--device-rows", "0", "always go through the next shard's device ring"),
+])
+def test_a_removed_relay_flag_is_refused_in_one_line_naming_what_happens_now(flag, value, now):
+    """A script that still passes a removed flag is told, in one line, what the daemon does now, and nothing
+    starts (a usage error's exit code); the flag is not in --help."""
+    from click.testing import CliRunner
+
+    from shardd.cli import main
+
+    result = CliRunner().invoke(main, ["serve", *TINY, flag, value])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: {flag} was removed: ") and now in lines[0]
+    assert lines[0].endswith("; drop the flag")
+    assert flag not in CliRunner().invoke(main, ["serve", "--help"]).output

@@ -1,6 +1,6 @@
 """The device ring's device wait (shardd/ring.py DeviceRing.await_rows, shardd/kernels/ring.py) on a GPU: a
 reader in this process, a writer in a child process that opens the ring from its handles, as a next and a
-previous shard do; the GPU front end's wait (cuStreamWaitValue32) and the spinning kernel alike. The wait ends in
+previous shard do, through the GPU front end's wait (cuStreamWaitValue32). The wait ends in
 every case, and says how: the rows landed (and they are the writer's), the writer's own rows never did
 (poisoned), the writer died with nothing put (cancelled by the watcher within a few seconds, not after
 --rows-wait), the bound passed (timed out); a wait the watcher ended breaks the ring until the next RING, and a
@@ -58,16 +58,12 @@ def _writer(tmp_path, ring, action: str) -> subprocess.Popen:
     return child
 
 
-@pytest.mark.parametrize("front_end", [True, False], ids=["front-end", "spinning-kernel"])
-def test_a_device_wait_ends_landed_poisoned_cancelled_or_timed_out(tmp_path, monkeypatch, front_end):
-    from shardd import ring as ring_module
+def test_a_device_wait_ends_landed_poisoned_cancelled_or_timed_out(tmp_path):
     from shardd.kernels import ring as kernels
-    from shardd.ring import DeviceRing
+    from shardd.ring import DeviceRing, front_end_waits
 
-    if front_end and not ring_module.front_end_waits():
+    if not front_end_waits():
         pytest.skip("this driver has no stream memory operations")
-    if not front_end:
-        monkeypatch.setattr(ring_module, "_FRONT_END", False)
     device = torch.device("cuda", 0)
     ring = DeviceRing(8, 64, torch.bfloat16, device)
     try:

@@ -93,7 +93,6 @@ class FastShard:
         # for) instead of landing in host memory: set by a daemon whose rows go on through the next shard's
         # device ring (shardd/ring.py); whoever reads them on the host waits for the device then
         self.rows_out_on_device = False
-        self.takes_rows_gates = True  # BatchItem.rows_gate: device rows read at the launch (shardd.ring.RowsGate)
         # the host writes the next step's control, tokens and rows into the pinned buffers above only once the
         # device has read the last step's (a step that does not wait for its outputs leaves them in flight)
         self._staged = torch.cuda.Event() if pin else None
@@ -134,10 +133,10 @@ class FastShard:
 
     @torch.inference_mode()
     def forward(self, state: SequenceState, pos: int, *, tokens=None, hidden=None, checkpoint: bool = False,
-                capture_layers=(), rows_gate=None) -> ShardOutput:
+                capture_layers=()) -> ShardOutput:
         """One sequence: a batch of one (the same code path as `forward_batch`)."""
         item = BatchItem(state, pos, tokens=tokens, hidden=hidden, checkpoint=checkpoint,
-                         capture_layers=tuple(capture_layers), rows_gate=rows_gate)
+                         capture_layers=tuple(capture_layers))
         [out] = self.forward_batch([item])
         if isinstance(out, ModelError):
             raise out
@@ -182,8 +181,6 @@ class FastShard:
     def _forward_long(self, item: BatchItem, n: int) -> ShardOutput:
         """An input longer than a step's segment (a prompt, a re-fill): the prefill path, over the same pooled state."""
         state = item.state
-        if item.rows_gate is not None:  # landed in the ring before anything changes (RowsNotLanded: nothing did)
-            item.rows_gate.wait()
         rb.settle(state)  # the reference and prefill paths read the state itself
         if not self.prefill_kernels:
             return self.model.forward(state, item.pos, tokens=item.tokens, hidden=item.hidden,
@@ -207,8 +204,6 @@ class FastShard:
         rows_on_device = RowSpans(b.hidden_in) if not self.model.owns_embedding else None
         host_spans: list[tuple[int, int]] = []
         device_rows: list[tuple[int, torch.Tensor]] = []  # (first row, rows) already on the device
-        gates = {}  # the ring slots (RowsGate) the step's device rows view: read once they have landed (the daemon
-        # releases each slot after the whole request, so every read of it is queued before the writer may reuse it)
         for _, item, n in step:
             save, n_save = gdn_kernels.SAVE_NOTHING, 0
             if item.checkpoint and pools.mode == CHECKPOINT:
@@ -221,10 +216,8 @@ class FastShard:
                                           first=first))
             if self.model.owns_embedding:
                 tokens.extend(item.tokens)
-            elif item.rows_gate is not None or (item.hidden.is_cuda and b.hidden_in.is_cuda):
+            elif item.hidden.is_cuda and b.hidden_in.is_cuda:
                 device_rows.append((first, item.hidden))
-                if item.rows_gate is not None:
-                    gates[id(item.rows_gate)] = item.rows_gate
             else:
                 rows_in.add(first, item.hidden)
                 host_spans.append((first, n))
@@ -257,11 +250,6 @@ class FastShard:
         if self._staged is not None:  # the copies out of the pinned staging buffers are queued
             self._staged.record()
         if device_rows:
-            if gates:  # everything else is queued: only the rows' copy and the launch wait for them
-                PHASES.lap("launch")
-                for gate in gates.values():
-                    gate.wait()  # RowsNotLanded: raised before anything of the sequences changed
-                PHASES.lap("wait")
             for start, rows in device_rows:
                 rows_on_device.add(start, rows)
             rows_on_device.flush()

@@ -3,10 +3,9 @@
 A slot's flag (int32, in the reader's memory) holds what the writer last published into it: the put's
 generation (1, 2, ... since its RING) once its rows are in the slot, or the generation with POISON set when the
 writer's own input rows never landed (its step ran on none). A wait for generation g ends once
-`(int32)(flag - g) >= 0`: the GPU's front end waits for that (`cuStreamWaitValue32`, no SM taken) or, where the
-driver has no stream memory operations, `_spin_kernel` does; either way a copy of the flag taken right after it is
-the wait's outcome. The reader's watcher ends a wait that has not landed by writing CANCELLED (the writer died)
-or TIMED_OUT (--rows-wait) with a compare-and-swap that only succeeds while the flag is still below g, and the
+`(int32)(flag - g) >= 0`: the GPU's front end waits for that (`cuStreamWaitValue32`, no SM taken), and a copy of
+the flag taken right after it is the wait's outcome. The reader's watcher ends a wait that has not landed by
+writing CANCELLED (the writer died) or TIMED_OUT (--rows-wait) with a compare-and-swap that only succeeds while the flag is still below g, and the
 writer publishes with a compare-and-swap from the value it last published: whichever comes first holds, so a
 late writer can never turn an ended wait into a landed one after the reader's stream went on.
 """
@@ -36,16 +35,6 @@ def outcome_of(seen: int, generation: int) -> int:
 # The kernels take the flags' base and a slot index, never a slot's own address: one specialization each
 # (Triton specializes on a pointer's 16-byte alignment), compiled and loaded by the warm-ups. A compile or module
 # load while a wait is queued can wait for the GPU, and so for the wait: a deadlock.
-@triton.jit(do_not_specialize=["slot", "generation"])
-def _spin_kernel(flags_ptr, seen_ptr, slot, generation):
-    flag_ptr = flags_ptr + slot
-    seen_ptr = seen_ptr + slot
-    flag = tl.load(flag_ptr, volatile=True)
-    while flag - generation < 0:
-        flag = tl.load(flag_ptr, volatile=True)
-    tl.store(seen_ptr, flag)
-
-
 @triton.jit(do_not_specialize=["slot", "own_slot", "previous", "generation", "expected_own"])
 def _publish_kernel(flags_ptr, slot, own_ptr, own_slot, previous, generation, expected_own, HAS_OWN: tl.constexpr):
     flag_ptr = flags_ptr + slot
@@ -68,12 +57,6 @@ def _end_wait_kernel(flags_ptr, slot, generation, value):
         seen = tl.atomic_cas(flag_ptr, old, value, sem="acq_rel", scope="sys")
         done = (seen == old) | (seen - generation >= 0)
         old = seen
-
-
-def spin(flags, seen, slot: int, generation: int) -> None:
-    """Queue the spinning wait for flags[slot] on the current stream, its end's value into seen[slot] (int32
-    tensors on its device)."""
-    _spin_kernel[(1,)](flags, seen, slot, generation, num_warps=1)
 
 
 def publish(flags, slot: int, previous: int, generation: int, own=None, own_slot: int = 0,
