@@ -9,7 +9,6 @@
 # | local         | wheels                   | tests/test_fast_path.py, all of it                  | one process + transformers baseline (gpu_bench_local.json) |
 # | relay         | wheels                   | rollback off the critical path, bf16 = greedy       | relay host cost (relay_host_profile.json); one process and two daemons, GPU timeline (gpu_bench_relay.json) |
 # | relay-profile | wheels                   | -                                                   | two daemons under cProfile (relay_profile.json)         |
-# | relay-ab      | wheels                   | -                                                   | the relay of $BEFORE_TREE and of this tree, side by side (relay_before.json, relay_after.json) |
 # | ring          | wheels                   | the device ring and its waits                       | CUDA IPC across processes (cuda_ipc_probe.json)         |
 # | batch         | wheels, HTTP stack       | -                                                   | many streams, one process / two daemons / HTTP (gpu_bench_batch.json) |
 # | batch-step    | wheels                   | tests/test_batch_step.py, fast-path step tests      | ms per batched step by R rows (gpu_bench_batch_step.json) |
@@ -21,8 +20,12 @@
 #
 # Each run also writes RUN.log (its tests' tail and the benchmark's output); a short summary of every run is printed
 # last, since the device tool's reply carries the end of the output. The device tool brings back at most 8 files
-# from $OUT, so name two or three runs a call; copy what replaces a figure into bench/results/h200/ (docs/performance.md
-# says how). Each call has 10 minutes: the timeouts below fit one run each; TESTS_TIMEOUT / BENCH_TIMEOUT override them.
+# from $OUT: PACK=1 packs them into one runs.tar.gz. Copy what replaces a figure into bench/results/h200/
+# (docs/performance.md says how).
+# A change is judged against the code before it in the same call (the same code measures differently on another
+# host): BEFORE_TREE=DIR (an older tree inside the working tree, untracked, e.g. `git archive COMMIT | tar -x -C old`)
+# runs each benchmark of the named runs from that tree first, its JSON as NAME_before.json, and the summary prints
+# both. Each call has 10 minutes: the timeouts below fit one run each; TESTS_TIMEOUT / BENCH_TIMEOUT override them.
 #
 # Wheels: the device machine has no package index, so what it lacks travels in .whl/ (not in git; carry it:
 # `run(carry=[".whl"], command="bash scripts/gpu_run.sh relay fp8")`). Fill it where pip works (Python 3.12 there):
@@ -30,9 +33,8 @@
 #      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
 #   pip download --no-deps $P -d .whl pyzmq fla-core py-spy
 #   pip download $P -d .whl/serve fastapi uvicorn prometheus_client
-# Other knobs: SKIP_TESTS=1 (benchmarks only: the relay's tests alone take ~190 s), PARTS (relay: bench_gpu parts, default relay,local; add delay,relay-dflash when the call has room),
-# SEED_BUDGET (seed, default 450), BEFORE_TREE (relay-ab: an older tree inside the working tree, untracked, e.g.
-# `git archive COMMIT | tar -x -C old`), BENCH_HTTP_PYSPY=FILE (batch: the HTTP part again under py-spy),
+# Other knobs: SKIP_TESTS=1 (benchmarks only), PARTS (relay: bench_gpu parts, default relay,local; add
+# delay,relay-dflash when the call has room), SEED_BUDGET (seed, default 450), BENCH_HTTP_PYSPY=FILE (batch: the HTTP part again under py-spy),
 # SHARDD_FP8_TILES (fp8: a tile sweep's table instead of the built-in one), NCU=1 (fp8-gemm).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +44,7 @@ runs=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do runs+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 ARGS=("$@")
-known=" check local relay relay-profile relay-ab ring batch batch-step dflash fp8 fp8-gemm seed sampling "
+known=" check local relay relay-profile ring batch batch-step dflash fp8 fp8-gemm seed sampling "
 if [ ${#runs[@]} -eq 0 ]; then
     sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
     exit 2
@@ -85,13 +87,27 @@ gpu_tests() {
     timeout "$seconds" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -8 | tee -a "$OUT/$run.log"
 }
 
-# bench RUN SECONDS COMMAND...: a benchmark under its timeout, its whole output into RUN.log
+# bench RUN SECONDS COMMAND...: a benchmark under its timeout, its whole output into RUN.log; with BEFORE_TREE, the
+# same command from that tree first, writing NAME_before.json where this one writes $OUT/NAME.json
 bench() {
     local run=$1 seconds=${BENCH_TIMEOUT:-$2}; shift 2
+    [ -z "${BEFORE_TREE:-}" ] || bench_before "$run" "$seconds" "$@"
     echo "== $run: $*" | tee -a "$OUT/$run.log"
     timeout "$seconds" "$@" >> "$OUT/$run.log" 2>&1
     local status=$?
     echo "$run: exit $status$([ $status -eq 124 ] && echo ' (timed out)')" | tee -a "$OUT/$run.log"
+}
+bench_before() {
+    local run=$1 seconds=$2 out_abs tree arg; shift 2
+    out_abs=$(cd "$OUT" && pwd); tree=$(cd "$BEFORE_TREE" && pwd)
+    local args=()
+    for arg in "$@"; do
+        case "$arg" in "$OUT"/*.json) arg="$out_abs/$(basename "$arg" .json)_before.json" ;; esac
+        args+=("$arg")
+    done
+    echo "== $run before ($BEFORE_TREE): ${args[*]}" | tee -a "$OUT/$run.log"
+    (cd "$tree" && PYTHONPATH=${PYTHONPATH//$PWD/$tree} timeout "$seconds" "${args[@]}") >> "$OUT/$run.log" 2>&1
+    echo "$run before: exit $?" | tee -a "$OUT/$run.log"
 }
 
 run_check() {
@@ -112,18 +128,6 @@ run_relay() {
 run_relay-profile() {
     bench relay-profile 320 python3 scripts/bench_gpu.py --parts relay --tokens 64 --daemon-profile /tmp/daemon-prof \
         --json "$OUT/relay_profile.json" "${ARGS[@]}"
-}
-# The same code measures differently on another host (the relay is host work), so a change is judged against
-# the code before it in one call.
-run_relay-ab() {
-    : "${BEFORE_TREE:?relay-ab: set BEFORE_TREE to the older tree}"
-    local out_abs; out_abs=$(cd "$OUT" && pwd)
-    echo "== relay-ab: before ($BEFORE_TREE)" | tee -a "$OUT/relay-ab.log"
-    (cd "$BEFORE_TREE" && PYTHONPATH=/tmp/site:/tmp/fla-site:$PWD timeout "${BENCH_TIMEOUT:-170}" python3 scripts/bench_gpu.py \
-        --parts relay --tokens 64 --repeats 10 --json "$out_abs/relay_before.json" "${ARGS[@]}" >> "$out_abs/relay-ab.log" 2>&1)
-    echo "relay-ab before: exit $?" | tee -a "$OUT/relay-ab.log"
-    bench relay-ab 320 python3 scripts/bench_gpu.py --parts relay,local --tokens 64 --repeats 10 --timeline \
-        --json "$OUT/relay_after.json" "${ARGS[@]}"
 }
 run_ring() {
     bench ring 80 python3 scripts/probe_cuda_ipc.py --json "$OUT/cuda_ipc_probe.json"
@@ -181,7 +185,7 @@ KEYS = ("outputs_identical", "failed_parts", "floor_ms", "greedy_ms_per_token", 
         "e2e_greedy_vs_local", "relay_timeline", "draft_propose_ms_fast", "draft_floor_ratio", "dflash_vs_oracle",
         "batch_identical", "batch_http", "relay_vs_delay", "e2e_dflash_step_ms")
 FILES = {"check": "prefill_profile.json", "local": "gpu_bench_local.json", "relay": "gpu_bench_relay.json",
-         "relay-profile": "relay_profile.json", "relay-ab": "relay_after.json", "ring": "cuda_ipc_probe.json",
+         "relay-profile": "relay_profile.json", "ring": "cuda_ipc_probe.json",
          "batch": "gpu_bench_batch.json", "batch-step": "gpu_bench_batch_step.json", "dflash": "gpu_bench_dflash.json",
          "fp8": "gpu_bench_fp8.json", "fp8-gemm": "fp8_gemm.json", "seed": "seed_bench.json",
          "sampling": "gpu_bench_sampling.json"}
@@ -211,13 +215,15 @@ for run in runs:
     for key in KEYS:
         if key in result:
             print(f"{key}: {json.dumps(result[key])[:300]}")
-    if run in ("relay", "relay-ab", "relay-profile") and result.get("relay_by_phase"):
+    if run in ("relay", "relay-profile") and result.get("relay_by_phase"):
         from bench_gpu import phase_table
         print("relay by phase (ms per step)\n" + phase_table(result["relay_by_phase"]))
-    if run == "relay-ab":
-        before = json.loads((out / "relay_before.json").read_text()) if (out / "relay_before.json").exists() else {}
-        print("before: e2e_step_ms", before.get("e2e_step_ms"), "e2e_greedy_ms_per_token", before.get("e2e_greedy_ms_per_token"),
-              "outputs_identical", before.get("outputs_identical"))
+    before = out / FILES[run].replace(".json", "_before.json")
+    if before.exists():  # BEFORE_TREE: the same keys of the older tree's run
+        before = json.loads(before.read_text())
+        for key in KEYS:
+            if key in before:
+                print(f"before {key}: {json.dumps(before[key])[:300]}")
     for name, top in result.get("daemon_profile_top", {}).items():  # relay-profile
         print(f"cProfile of {name} (tottime)\n" + "\n".join(top[:14]))
 PY
@@ -229,4 +235,7 @@ for run in "${runs[@]}"; do
     "run_$run"
 done
 summary "${runs[@]}"
+if [ -n "${PACK:-}" ]; then
+    (cd "$OUT" && tar -czf /tmp/runs.tar.gz . && find . -mindepth 1 -delete && mv /tmp/runs.tar.gz .)
+fi
 exit 0
