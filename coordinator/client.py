@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import zmq
 
+from common.busy_poll import follow_busy_poll
 from coordinator.liveness import LIVENESS_TIMEOUT_S, ConnectionWatch, enable_heartbeats
 from protocol import (
     Batch,
@@ -118,7 +119,7 @@ class ShardClient:
         self.endpoint = endpoint
         # a reply awaited for up to this long is polled for without sleeping (a core kept busy, no wake-up on its way
         # in; the daemons' --busy-poll-ms is the same on their side). None: as the daemon does, from its HELLO
-        # (shardd.engine.follow_busy_poll; 0 until then)
+        # (common.busy_poll.follow_busy_poll; 0 until then)
         self.follow_busy_poll = busy_poll_s is None
         self.busy_poll_s = busy_poll_s or 0.0
         self.timeout_s = timeout_s  # compute timeout of a request without tokens; more per token
@@ -311,8 +312,6 @@ class ShardClient:
     def hello(self, timeout_s: Optional[float] = None) -> dict:
         result = self.request(Hello(id=0), timeout_s).result
         if self.follow_busy_poll:
-            from shardd.engine import follow_busy_poll
-
             self.busy_poll_s = follow_busy_poll(result.get("busy_poll_ms"))
         return result
 

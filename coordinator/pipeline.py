@@ -238,7 +238,7 @@ class Pipeline:
     def connect(cls, endpoints: Iterable[str], timeout_s: float = 120.0, curve: Optional[CurveKeys] = None,
                 liveness_timeout_s: float = LIVENESS_TIMEOUT_S, busy_poll_s: Optional[float] = 0.0) -> "Pipeline":
         """`busy_poll_s` None: each client polls as its daemon does (HELLO `busy_poll_ms`, on a host with the CPUs
-        for it: shardd.engine.follow_busy_poll)."""
+        for it: common.busy_poll.follow_busy_poll)."""
         clients = [ShardClient(endpoint, timeout_s=timeout_s, curve=curve, liveness_timeout_s=liveness_timeout_s,
                                busy_poll_s=busy_poll_s) for endpoint in endpoints]
         try:

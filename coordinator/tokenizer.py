@@ -1,5 +1,5 @@
 """Text <-> token ids for the CLI: a model's own `tokenizer.json`; the synthetic tokenizer for an in-memory
-synthetic model (`shardd.synthetic_tokenizer`, what `make-model` writes); bytes for a checkpoint that ships none."""
+synthetic model (`common.synthetic_tokenizer`, what `make-model` writes); bytes for a checkpoint that ships none."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ class HFTokenizer:
         """The tokenizer a synthetic model of this vocabulary ships, built in memory."""
         from tokenizers import Tokenizer
 
-        from shardd.synthetic_tokenizer import build_tokenizer_json
+        from common.synthetic_tokenizer import build_tokenizer_json
 
         tokenizer = cls.__new__(cls)
         tokenizer._tokenizer = Tokenizer.from_str(build_tokenizer_json(vocab_size))

@@ -41,7 +41,7 @@ def stream_prompts(args, count: int) -> list[list[int]]:
     """One seeded random prompt of --prompt-len tokens per stream."""
     import torch
 
-    from shardd.presets import preset_config
+    from common.presets import preset_config
 
     vocab = preset_config(args.preset).vocab_size
     return [torch.randint(0, vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(args.seed + 1 + i)).tolist()
@@ -163,7 +163,7 @@ def run_batch_local(args) -> dict:
     from shardd.fast.shard import FastShard
     from shardd.model import rollback as rb
     from shardd.model.shard import ShardModel
-    from shardd.presets import preset_config
+    from common.presets import preset_config
     from shardd.synthetic import synthetic_weights
     from tests.local import LocalTarget
 

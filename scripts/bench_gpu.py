@@ -123,7 +123,7 @@ def run_local(args) -> dict:
     from shardd.model import rollback as rb
     from shardd.fast.shard import FastShard
     from shardd.model.shard import ShardModel
-    from shardd.presets import preset_config
+    from common.presets import preset_config
     from shardd.synthetic import synthetic_weights
 
     device = torch.device("cuda:0")
@@ -323,7 +323,7 @@ def run_transformers(args) -> dict:
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    from shardd.presets import preset_config
+    from common.presets import preset_config
     from shardd.synthetic import synthetic_tensor
 
     device = torch.device("cuda:0")
@@ -383,7 +383,7 @@ def halves_and_prompt(args) -> tuple[list[tuple[int, int]], list[int]]:
     --prompt-len tokens that the daemon parts decode."""
     import torch
 
-    from shardd.presets import preset_config
+    from common.presets import preset_config
 
     config = preset_config(args.preset)
     half = config.num_layers // 2
@@ -528,7 +528,7 @@ def drafter_in_process(args) -> dict:
     from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights
     from shardd.fast.draft import FastDrafter
     from shardd.loading import parse_draft
-    from shardd.presets import preset_config
+    from common.presets import preset_config
     from shardd.synthetic import synthetic_tensor
 
     device = torch.device(args.dflash_device)
@@ -658,7 +658,7 @@ def run_dflash(args) -> dict:
     from coordinator.dflash import DFlashDrafterClient
     from coordinator.drafters import OracleDrafter
     from coordinator.pipeline import Pipeline
-    from shardd.presets import preset_config
+    from common.presets import preset_config
 
     out: dict = {"dflash_draft": args.draft, "dflash_device": args.dflash_device, "dflash_block": BLOCK}
     if args.dflash_device.startswith("cuda"):
@@ -1220,7 +1220,7 @@ def run_relay_vs_delay(args) -> dict:
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafters import OracleDrafter
     from coordinator.pipeline import Pipeline
-    from shardd.presets import preset_config
+    from common.presets import preset_config
 
     ranges, prompt = halves_and_prompt(args)
     ports = [free_port(), free_port()]
@@ -1311,7 +1311,7 @@ def run_batch_step(args) -> dict:
     from shardd.fast.weights import fuse_layers
     from shardd.model import rollback as rb
     from shardd.model.shard import ShardModel
-    from shardd.presets import preset_config
+    from common.presets import preset_config
     from shardd.synthetic import synthetic_weights
 
     device = torch.device(args.batch_step_device)

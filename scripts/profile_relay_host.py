@@ -26,16 +26,16 @@ from collections import Counter
 
 import torch
 
+from common.model_config import config_from_dict
+from common.presets import PRESETS
 from coordinator.client import forward_record
 from coordinator.pipeline import _head_fields
 from protocol import Close, ForwardBatch, Open, Rollback, RollbackBatch, decode_reply, encode_request, split_batch_reply
 from protocol.layout import CHECKPOINT
-from shardd.config import config_from_dict
 from shardd.daemon import ServeOptions, ShardDaemon
 from shardd.fast.shard import FastShard
 from shardd.model import rollback as rb
 from shardd.model.shard import ShardModel
-from shardd.presets import PRESETS
 from shardd.synthetic import synthetic_weights
 
 BLOCK = 16

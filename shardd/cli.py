@@ -10,14 +10,15 @@ from pathlib import Path
 
 import click
 
+from common import __version__
+from common.busy_poll import AUTO_BUSY_POLL_CPUS, AUTO_BUSY_POLL_MS
+from common.endpoints import endpoint_problem
+from common.hub import ModelNotFound, resolve_model
 from protocol.layout import CHECKPOINT, SHARD_ROLLBACK_MODES, check_layer_range, parse_layer_range
-from shardd import __version__, logs, systemd, timeline
+from shardd import logs, systemd, timeline
 from shardd.logs import FORMATS, LEVELS
 from shardd.progress import LoadProgress
-from shardd.engine import (AUTO_BUSY_POLL_CPUS, AUTO_BUSY_POLL_MS, DEFAULT_STEP_ROWS, ENGINES, PREFILL_ROWS,
-                           busy_poll_seconds, step_rows_for)
-from shardd.hub import ModelNotFound, resolve_model
-from shardd.listen import endpoint_problem
+from shardd.engine import DEFAULT_STEP_ROWS, ENGINES, PREFILL_ROWS, busy_poll_seconds, step_rows_for
 from shardd.ring import DEFAULT_ROWS as RING_ROWS
 from shardd.rows import WAIT_S, check_relay_to
 

@@ -12,11 +12,11 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
+from common.presets import preset_config
+from common.synthetic_tokenizer import write_tokenizer
 from shardd.draft.synthetic import synthetic_draft_config, write_draft_checkpoint
 from shardd.loading import DEFAULT_SYNTHETIC_DRAFT_LAYERS
-from shardd.presets import preset_config
 from shardd.synthetic import write_checkpoint
-from shardd.synthetic_tokenizer import write_tokenizer
 
 
 def write_synthetic_model(preset: str, seed: int, dtype: str, out: Path, *, show_progress: bool = True,

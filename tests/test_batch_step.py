@@ -18,14 +18,14 @@ from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton", reason="the fast path's kernels need triton")
 
+from common.model_config import config_from_dict  # noqa: E402
+from common.presets import PRESETS  # noqa: E402
 from protocol.layout import CHECKPOINT, REPLAY_SSM  # noqa: E402
 from shardd.batch import BatchItem, forward_batch  # noqa: E402
-from shardd.config import config_from_dict  # noqa: E402
 from shardd.fast.shard import FastShard  # noqa: E402
 from shardd.model import rollback as rb  # noqa: E402
 from shardd.model.errors import BadInput, ModelError, PositionMismatch  # noqa: E402
 from shardd.model.shard import ShardModel  # noqa: E402
-from shardd.presets import PRESETS  # noqa: E402
 from shardd.synthetic import synthetic_weights  # noqa: E402
 
 CUDA = torch.cuda.is_available()

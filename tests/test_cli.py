@@ -103,7 +103,7 @@ def test_generate_against_running_shards_never_imports_torch(shards, local):
 
 def test_the_coordinator_modules_import_without_torch():
     root = Path(coordinator.__file__).parent
-    modules = ["coordinator", "protocol", "shardd", "shardd.config", "shardd.presets"] + [
+    modules = ["coordinator", "protocol", "shardd", "common.model_config", "common.presets"] + [
         module.name for module in pkgutil.walk_packages([str(root)], "coordinator.") if not module.name.endswith("__main__")]
     assert {"coordinator.cli.generate", "coordinator.pipeline", "coordinator.tokenizer"} <= set(modules)
     code = WITHOUT_TORCH + f"import importlib; [importlib.import_module(name) for name in {modules!r}]"

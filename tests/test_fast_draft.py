@@ -12,10 +12,10 @@ import torch
 
 triton = pytest.importorskip("triton", reason="the fast path's kernels need triton")
 
+from common.presets import preset_config  # noqa: E402
 from shardd.draft.model import DFlashDrafter  # noqa: E402
 from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights  # noqa: E402
 from shardd.fast.draft import FastDrafter  # noqa: E402
-from shardd.presets import preset_config  # noqa: E402
 from shardd.synthetic import synthetic_weights  # noqa: E402
 
 CUDA = torch.cuda.is_available()

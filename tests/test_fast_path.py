@@ -12,6 +12,8 @@ import torch
 
 triton = pytest.importorskip("triton", reason="the fast path's kernels need triton")
 
+from common.model_config import config_from_dict  # noqa: E402
+from common.presets import PRESETS, preset_config  # noqa: E402
 from coordinator.decoding import greedy_decode, speculative_decode  # noqa: E402
 from coordinator.drafters import OracleDrafter  # noqa: E402
 from tests.local import LocalTarget  # noqa: E402
@@ -19,8 +21,6 @@ from protocol.layout import CHECKPOINT, REPLAY_SSM  # noqa: E402
 from shardd.model import rollback as rb  # noqa: E402
 from shardd.fast.shard import FastShard  # noqa: E402
 from shardd.model.shard import ShardModel  # noqa: E402
-from shardd.config import config_from_dict  # noqa: E402
-from shardd.presets import PRESETS, preset_config  # noqa: E402
 from shardd.synthetic import synthetic_weights  # noqa: E402
 
 CUDA = torch.cuda.is_available()

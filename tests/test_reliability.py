@@ -21,13 +21,13 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from common.endpoints import is_loopback
 from coordinator.client import ShardClient
 from coordinator.decoding import RecoveryFailed, greedy_decode
 from coordinator.pipeline import Pipeline, ShardReplaced
 from protocol import ErrorCode, encode_request
 from protocol.messages import Forward
 from shardd.loading import ModelSource
-from shardd.security import is_loopback
 from tests.daemons import PAIR_ARGS, Client, Daemon, free_tcp_endpoint, kill_and_replace, start_pair, stop_all
 from tests.local import LocalTarget
 

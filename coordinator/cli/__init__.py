@@ -12,8 +12,7 @@ import signal
 
 import click
 
-from shardd import __version__
-
+from common import __version__
 from coordinator.cli.bench import BenchError, bench
 from coordinator.cli.demo import demo
 from coordinator.cli.generate import generate

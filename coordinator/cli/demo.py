@@ -39,7 +39,7 @@ def demo_model(seed: int = 0) -> Path:
     if (target / "model.safetensors.index.json").is_file():
         progress(f"using the cached demo model in {target}")
         if not (target / "tokenizer.json").is_file():  # cached by a version that wrote no tokenizer
-            from shardd.synthetic_tokenizer import write_tokenizer
+            from common.synthetic_tokenizer import write_tokenizer
 
             write_tokenizer(target, model_vocab_size(target))
         return target
@@ -58,7 +58,7 @@ def demo_model(seed: int = 0) -> Path:
 
 
 def model_vocab_size(model_dir: Path) -> int:
-    from shardd.config import load_config
+    from common.model_config import load_config
 
     return load_config(str(model_dir)).vocab_size
 

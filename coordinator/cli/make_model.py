@@ -10,9 +10,9 @@ from pathlib import Path
 
 import click
 
+from common.presets import PRESETS
 from coordinator.cli.options import DTYPES
 from coordinator.cli.output import MiB, emit_json, progress
-from shardd.presets import PRESETS
 
 
 @click.command("make-model", context_settings={"help_option_names": ["-h", "--help"]})

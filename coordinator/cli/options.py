@@ -38,7 +38,7 @@ liveness_timeout_option = click.option(
 
 
 def _busy_poll_ms(ctx, param, value) -> Optional[float]:
-    """--busy-poll-ms as milliseconds, or None for auto (follow the daemons: shardd.engine.follow_busy_poll)."""
+    """--busy-poll-ms as milliseconds, or None for auto (follow the daemons: common.busy_poll.follow_busy_poll)."""
     if str(value).strip().lower() == "auto":
         return None
     try:

@@ -23,8 +23,8 @@ _VOWELS = "aeiou"
 
 
 def chat_template() -> str:
-    """The package's chat template (shardd/chat_template.jinja)."""
-    return resources.files("shardd").joinpath("chat_template.jinja").read_text(encoding="utf-8")
+    """The package's chat template (common/chat_template.jinja)."""
+    return resources.files("common").joinpath("chat_template.jinja").read_text(encoding="utf-8")
 
 
 def _words():
