@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from common.synthetic_tokenizer import build_tokenizer_json
+
 
 class ByteTokenizer:
     """Ids 0..255 are the UTF-8 bytes; ids above 255 (a synthetic model may emit them)
@@ -51,8 +53,6 @@ class HFTokenizer:
     def synthetic_for(cls, vocab_size: int) -> "HFTokenizer":
         """The tokenizer a synthetic model of this vocabulary ships, built in memory."""
         from tokenizers import Tokenizer
-
-        from common.synthetic_tokenizer import build_tokenizer_json
 
         tokenizer = cls.__new__(cls)
         tokenizer._tokenizer = Tokenizer.from_str(build_tokenizer_json(vocab_size))

@@ -1,7 +1,5 @@
-"""Synthetic checkpoints on disk, by preset and dtype name: what `shardctl make-model` and `shardctl demo` write.
-
-The CLI imports this module only inside those commands: writing weights needs torch, driving shards does not.
-"""
+"""Synthetic checkpoints on disk, by preset and dtype name: what `shardd make-model` writes (shardctl make-model and
+shardctl demo run that command, so shardctl never imports torch)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from coordinator.cli.bench import BenchError, bench
 from coordinator.cli.demo import demo
 from coordinator.cli.generate import generate
 from coordinator.cli.launch import launch
-from coordinator.cli.make_model import make_model
+from coordinator.cli.make_model import MakeModelFailed, make_model
 from coordinator.cli.options import EXIT_FAILURE, MissingExtra
 from coordinator.cli.plan import ShardUnreachable
 from coordinator.cli.serve import serve
@@ -29,7 +29,7 @@ from coordinator.target import RollbackFailed, SequenceLost
 from protocol import ProtocolError
 
 RUNTIME_ERRORS = (ProtocolError, ShardTimeout, ShardUnreachable, PipelineError, LaunchError, BenchError, SequenceLost,
-                  RollbackFailed, MissingExtra)
+                  RollbackFailed, MissingExtra, MakeModelFailed)
 
 
 class ShardctlGroup(click.Group):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from common.hub import model_name
+from common.synthetic_tokenizer import chat_template, tokenizer_config
 from coordinator.cli.options import (
     MissingExtra,
     busy_poll_option,
@@ -121,8 +122,6 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
         source_dir = tokenizer.model_dir or plan.model_dir
         template = load_chat_template(source_dir)
         if template is None and getattr(tokenizer, "synthetic", False):  # an in-memory synthetic model's own template
-            from common.synthetic_tokenizer import chat_template, tokenizer_config
-
             config = tokenizer_config()
             special = {key: config[key] or "" for key in ("bos_token", "eos_token", "pad_token", "unk_token")}
             template = ChatTemplate(chat_template(), special, "common/chat_template.jinja (the synthetic model's)")
