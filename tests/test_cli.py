@@ -102,11 +102,13 @@ def test_generate_against_running_shards_never_imports_torch(shards, local):
 
 
 def test_the_coordinator_modules_import_without_torch():
-    root = Path(coordinator.__file__).parent
-    modules = ["coordinator", "protocol", "shardd", "common.model_config", "common.presets"] + [
-        module.name for module in pkgutil.walk_packages([str(root)], "coordinator.") if not module.name.endswith("__main__")]
-    assert {"coordinator.cli.generate", "coordinator.pipeline", "coordinator.tokenizer"} <= set(modules)
-    code = WITHOUT_TORCH + f"import importlib; [importlib.import_module(name) for name in {modules!r}]"
+    root = Path(coordinator.__file__).parent.parent
+    modules = [module.name for package in ("coordinator", "protocol", "common")
+               for module in pkgutil.walk_packages([str(root / package)], f"{package}.") if not module.name.endswith("__main__")]
+    modules = ["coordinator", "protocol", "common"] + modules
+    assert {"coordinator.cli.generate", "coordinator.tokenizer", "common.model_config", "protocol.codec"} <= set(modules)
+    code = WITHOUT_TORCH + (f"import importlib; [importlib.import_module(name) for name in {modules!r}]; "
+                            "shardd = sorted(m for m in sys.modules if m.split('.')[0] == 'shardd'); assert not shardd, shardd")
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), timeout=60)
     assert completed.returncode == 0, completed.stderr
 

@@ -22,6 +22,7 @@ from coordinator.cli.output import emit_json, progress
 from coordinator.cli.plan import (DEFAULT_DRAFT_PLACEMENT, DRAFT_PLACEMENTS, connect_pipeline, dflash_daemon, make_plan,
                                   mode_daemon_args)
 from coordinator.pipeline import PipelineError
+from coordinator.serve.auth import is_loopback_host
 from coordinator.serve.limits import ACCEPT_BACKLOG, MAX_CONNECTIONS, REQUEST_TIMEOUT_S
 from coordinator.tokenizer import TokenizerUnavailable, load_tokenizer, synthetic_preset
 from protocol.layout import CHECKPOINT, ROLLBACK_MODES
@@ -89,8 +90,6 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
         from coordinator.serve.limits import FrontDoorLimits, connection_budget, default_max_body_bytes
     except ImportError as error:  # installed without the serve extra
         raise MissingExtra(error.name or str(error), "serve") from None
-
-    from coordinator.serve.auth import is_loopback_host
 
     if not api_key and not is_loopback_host(host):
         raise click.UsageError(f"--host {host} is not loopback: give --api-key (or SHARDCTL_API_KEY) so that not "
