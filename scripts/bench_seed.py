@@ -94,7 +94,7 @@ def layer_ranges(args) -> list[tuple[int, int]]:
 
 def start_daemons(args, devices: list[str], quantize: str | None, cap: str | None, run_dir: Path,
                   out: dict) -> tuple[list, list[str]]:
-    from coordinator.client import ShardClient, ShardTimeout
+    from coordinator.relay.client import ShardClient, ShardTimeout
 
     ranges = layer_ranges(args)
     out["ranges"] = [f"{begin}:{end}" for begin, end in ranges]
@@ -160,10 +160,10 @@ def stop_daemons(processes: list) -> None:
 def run_pair(args, quantize: str | None, cap: str | None, deadline: float) -> dict:
     """The seed's A/B/A over two daemons; the JSON (args.json) is rewritten after every run."""
     from coordinator import benchstats
-    from coordinator.client import ShardClient
+    from coordinator.relay.client import ShardClient
     from coordinator.decoding import greedy_decode, speculative_decode
-    from coordinator.drafters import make_drafter
-    from coordinator.pipeline import Pipeline
+    from coordinator.drafting.drafters import make_drafter
+    from coordinator.relay.pipeline import Pipeline
     from common.presets import preset_config
 
     config = preset_config(args.preset)

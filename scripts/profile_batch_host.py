@@ -24,8 +24,9 @@ import torch
 
 from common.model_config import config_from_dict
 from common.presets import PRESETS
-from coordinator.drafters import OracleDrafter
-from coordinator.scheduler import Request, Scheduler
+from coordinator.drafting.drafters import OracleDrafter
+from coordinator.scheduler.requests import Request
+from coordinator.scheduler.scheduler import Scheduler
 from protocol.layout import CHECKPOINT
 from shardd.model import rollback as rb
 from shardd.model.shard import ShardModel

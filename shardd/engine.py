@@ -23,7 +23,7 @@ ENGINES = ("auto", "reference", "fast")
 # default (the n-gram drafter, blocks of 16), so R = 128; a daemon of fewer sequences steps fewer (step_rows_for).
 DEFAULT_STEP_ROWS = 128
 # P of the fast engine's GPU prefill (`shardd serve --prefill-rows`): prompts go in pieces of P rows, each whole
-# piece replayed from CUDA graphs. The coordinator's prompt chunk (coordinator/scheduler.py: half its default 1,024
+# piece replayed from CUDA graphs. The coordinator's prompt chunk (coordinator/scheduler/scheduler.py: half its default 1,024
 # rows a step), where an eager 27B-shape prefill call on an H200 host took ~114 ms of launches for ~63 ms of
 # kernels (bench/results/h200/prefill_profile_538a901.json).
 PREFILL_ROWS = 512

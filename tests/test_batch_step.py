@@ -201,8 +201,9 @@ def test_the_scheduler_over_a_batched_step_speculates_each_stream_as_greedy():
     drafting its own greedy continuation, with misses so that every stream rolls back) give each stream's greedy
     output (the same streams without drafts; each equals itself alone: the bit-for-bit tests above). On the GPU
     (bf16, graphs) this failed from 4 streams on."""
-    from coordinator.drafters import OracleDrafter
-    from coordinator.scheduler import Request, decode_all
+    from coordinator.drafting.drafters import OracleDrafter
+    from coordinator.scheduler.requests import Request
+    from coordinator.scheduler.scheduler import decode_all
     from tests.local import LocalTarget
 
     device = "cuda" if CUDA else "cpu"

@@ -17,9 +17,9 @@ import coordinator
 from coordinator.benchstats import tokens_digest
 from coordinator.cli import cli
 from coordinator.cli.bench import benchmark_prompt
-from coordinator.client import CurveKeys, ShardClient, ShardTimeout
 from coordinator.decoding import greedy_decode
 from coordinator.launch import ShardSet, child_env, launched_sets
+from coordinator.relay.client import CurveKeys, ShardClient, ShardTimeout
 from coordinator.tokenizer import HFTokenizer
 from protocol.layout import even_split
 from shardd.loading import ModelSource

@@ -23,7 +23,7 @@ from click.testing import CliRunner
 
 from coordinator.cli import cli
 from coordinator.launch import ShardSet, child_env, launched_sets
-from coordinator.pipeline import ShardInfo
+from coordinator.relay.pipeline import ShardInfo
 from coordinator.tokenizer import load_tokenizer
 from tests.serving import ShardctlServe, free_port
 
@@ -303,7 +303,7 @@ def test_a_curve_shard_tells_a_client_without_keys_and_logs_the_refusal(tmp_path
     import zmq
     import zmq.auth
 
-    from coordinator.client import CurveKeys
+    from coordinator.relay.client import CurveKeys
 
     keys, allowed = tmp_path / "keys", tmp_path / "allowed"
     keys.mkdir()

@@ -310,7 +310,7 @@ def test_a_busy_polling_daemon_and_client_answer_as_sleeping_ones_and_stop_at_on
     same ids as without, requests apart by more than the window are still served, and SIGTERM ends the daemon
     within its poll, not after the window. HELLO reports the daemon's polling, which a client's auto follows."""
     from common.busy_poll import follow_busy_poll
-    from coordinator.client import ShardClient
+    from coordinator.relay.client import ShardClient
 
     bind = f"ipc://{workdir}/busy.sock"
     daemon = Daemon("busy", bind, ["--layers", "0:6", "--busy-poll-ms", "300"], workdir)

@@ -20,7 +20,7 @@ from common import quantization
 from common.model_config import ConfigError, config_from_dict, load_config
 from common.presets import PRESETS, preset_config
 from coordinator.decoding import greedy_decode, speculative_decode
-from coordinator.drafters import OracleDrafter
+from coordinator.drafting.drafters import OracleDrafter
 from protocol.layout import CHECKPOINT, REPLAY, REPLAY_SSM
 from shardd import quant
 from shardd.loading import ModelSource, build_shard
@@ -367,7 +367,7 @@ def test_shardctl_generate_launches_fp8_daemons_with_quantize():
 def test_shardctl_launch_passes_quantize_to_every_daemon_including_the_drafter():
     import signal
 
-    from coordinator.client import ShardClient
+    from coordinator.relay.client import ShardClient
     from coordinator.launch import child_env
 
     process = subprocess.Popen(

@@ -22,9 +22,10 @@ import msgpack
 import pytest
 
 from common.endpoints import is_loopback
-from coordinator.client import ShardClient
-from coordinator.decoding import RecoveryFailed, greedy_decode
-from coordinator.pipeline import Pipeline, ShardReplaced
+from coordinator.decoding import greedy_decode
+from coordinator.relay.client import ShardClient
+from coordinator.relay.pipeline import Pipeline, ShardReplaced
+from coordinator.scheduler.recovery import RecoveryFailed
 from protocol import ErrorCode, encode_request
 from protocol.messages import Forward
 from shardd.loading import ModelSource
@@ -161,7 +162,7 @@ def test_a_different_daemon_on_the_endpoint_is_not_refilled(tmp_path, replacemen
 
 OPEN_AND_VANISH = textwrap.dedent("""
     import sys, time
-    from coordinator.client import ShardClient
+    from coordinator.relay.client import ShardClient
     client = ShardClient(sys.argv[1], timeout_s=30)
     client.open(77)
     client.forward(77, 0, tokens=[1, 2, 3])

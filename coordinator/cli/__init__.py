@@ -22,10 +22,10 @@ from coordinator.cli.options import EXIT_FAILURE, MissingExtra
 from coordinator.cli.plan import ShardUnreachable
 from coordinator.cli.serve import serve
 from coordinator.cli.status import status
-from coordinator.client import ShardTimeout
 from coordinator.launch import LaunchError
-from coordinator.pipeline import PipelineError
-from coordinator.target import RollbackFailed, SequenceLost
+from coordinator.relay.client import ShardTimeout
+from coordinator.relay.pipeline import PipelineError
+from coordinator.relay.target import RollbackFailed, SequenceLost
 from protocol import ProtocolError
 
 RUNTIME_ERRORS = (ProtocolError, ShardTimeout, ShardUnreachable, PipelineError, LaunchError, BenchError, SequenceLost,

@@ -20,10 +20,10 @@ from coordinator.cli.make_model import write_model
 from coordinator.cli.options import EXIT_DIFFER, check_mean_commit
 from coordinator.cli.output import emit_json, fmt, fmt_percent, format_table, progress
 from coordinator.cli.plan import mode_daemon_args, model_num_layers
-from coordinator.client import ShardClient
-from coordinator.drafters import DRAFTERS
+from coordinator.drafting.drafters import DRAFTERS
 from coordinator.launch import TRANSPORTS, ShardSet, drafter_set, launched_sets
-from coordinator.pipeline import Pipeline
+from coordinator.relay.client import ShardClient
+from coordinator.relay.pipeline import Pipeline
 from coordinator.tokenizer import load_tokenizer
 from protocol.layout import CHECKPOINT, REPLAY, REPLAY_SSM, SHARD_ROLLBACK_MODES, even_split
 

@@ -6,10 +6,10 @@ from typing import Optional
 
 import click
 
-from coordinator.client import CurveKeys
-from coordinator.decoding import RECOVERY_TIMEOUT_S
 from coordinator.launch import TRANSPORTS
-from coordinator.liveness import LIVENESS_TIMEOUT_S
+from coordinator.relay.client import CurveKeys
+from coordinator.relay.liveness import LIVENESS_TIMEOUT_S
+from coordinator.scheduler.recovery import RECOVERY_TIMEOUT_S
 from protocol.layout import SHARD_ROLLBACK_MODES
 
 # Exit codes besides click's 2 for a usage error.

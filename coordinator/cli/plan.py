@@ -19,10 +19,10 @@ from common.model_config import load_config
 from common.presets import parse_synthetic, preset_config
 from coordinator.cli.options import parse_list, seconds
 from coordinator.cli.output import progress
-from coordinator.client import CurveKeys, ShardClient, ShardTimeout, ShardUnavailable
-from coordinator.liveness import LIVENESS_TIMEOUT_S
 from coordinator.launch import ShardSet, drafter_set, launched_sets
-from coordinator.pipeline import Pipeline, PipelineError
+from coordinator.relay.client import CurveKeys, ShardClient, ShardTimeout, ShardUnavailable
+from coordinator.relay.liveness import LIVENESS_TIMEOUT_S
+from coordinator.relay.pipeline import Pipeline, PipelineError
 from protocol import Hello
 from protocol.layout import REPLAY, check_layer_range, coverage_problems, even_split, parse_layer_ranges
 

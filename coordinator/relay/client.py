@@ -20,7 +20,7 @@ from typing import Any, Optional
 import zmq
 
 from common.busy_poll import follow_busy_poll
-from coordinator.liveness import LIVENESS_TIMEOUT_S, ConnectionWatch, enable_heartbeats
+from coordinator.relay.liveness import LIVENESS_TIMEOUT_S, ConnectionWatch, enable_heartbeats
 from protocol import (
     Batch,
     Capture,

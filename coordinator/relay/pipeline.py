@@ -18,10 +18,10 @@ import secrets
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-from coordinator.client import CurveKeys, ShardClient, ShardError, ShardTimeout, forward_record
+from coordinator.relay.client import CurveKeys, ShardClient, ShardError, ShardTimeout, forward_record
+from coordinator.relay.liveness import LIVENESS_TIMEOUT_S
+from coordinator.relay.target import RollbackFailed, SequenceLost
 from coordinator.sampling import TokenIds
-from coordinator.liveness import LIVENESS_TIMEOUT_S
-from coordinator.target import RollbackFailed, SequenceLost
 from protocol import (
     PROTOCOL_VERSION,
     Batch,
@@ -36,8 +36,8 @@ from protocol import (
     RollbackBatch,
     WireTensor,
 )
-from protocol.tensors import concat_rows
 from protocol.layout import REPLAY, SHARD_ROLLBACK_MODES, coverage_problems
+from protocol.tensors import concat_rows
 
 SHARD_FAILURES = (ShardError, ShardTimeout, ProtocolError)
 
@@ -196,7 +196,7 @@ def order_shards(shards: Sequence[ShardInfo]) -> list[ShardInfo]:
 
 
 class Pipeline:
-    """Implements `coordinator.target.Target` over shard daemons, in layer order."""
+    """Implements `coordinator.relay.target.Target` over shard daemons, in layer order."""
 
     def __init__(self, clients: Sequence[ShardClient]) -> None:
         clients = list(clients)

@@ -1,0 +1,2 @@
+"""The way to the shards: one client per shard daemon, the pipeline that relays a step's rows from shard to shard,
+the `Target` interface the decoding loops drive, and the liveness watch on each connection."""
