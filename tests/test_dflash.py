@@ -23,7 +23,8 @@ from coordinator.drafting.dflash import CapturedRows, DFlashDrafterClient
 from coordinator.drafting.drafters import Drafter
 from coordinator.launch import ShardSet, drafter_set, launched_sets
 from coordinator.relay.client import ShardClient, ShardError
-from coordinator.relay.pipeline import Pipeline, PipelineError, ShardInfo, order_shards
+from coordinator.relay.pipeline import Pipeline
+from coordinator.relay.shards import PipelineError, ShardInfo, order_shards
 from coordinator.relay.target import RollbackFailed
 from protocol import ErrorCode, WireTensor
 from shardd.draft.model import DFlashDrafter

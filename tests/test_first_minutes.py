@@ -23,7 +23,7 @@ from click.testing import CliRunner
 
 from coordinator.cli import cli
 from coordinator.launch import ShardSet, child_env, launched_sets
-from coordinator.relay.pipeline import ShardInfo
+from coordinator.relay.shards import ShardInfo
 from coordinator.tokenizer import load_tokenizer
 from tests.serving import ShardctlServe, free_port
 

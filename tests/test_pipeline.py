@@ -17,9 +17,8 @@ from coordinator.decoding import greedy_decode, speculative_decode
 from coordinator.drafting.drafters import make_drafter
 from coordinator.launch import ShardSet, launched_sets
 from coordinator.relay.client import ShardClient, ShardError, ShardTimeout
-from coordinator.relay.pipeline import (
-    CheckpointUnavailable, Pipeline, PipelineError, SequenceInconsistent, ShardInfo, order_shards
-)
+from coordinator.relay.pipeline import CheckpointUnavailable, Pipeline, SequenceInconsistent
+from coordinator.relay.shards import PipelineError, ShardInfo, order_shards
 from coordinator.relay.target import RollbackFailed
 from protocol import ErrorCode, RemoteError
 from protocol.layout import even_split

@@ -263,7 +263,7 @@ def test_generate_samples_with_a_seed(shards, model):
 
 
 def test_a_tokenizer_the_shards_name_but_this_host_lacks_is_refused():
-    from coordinator.relay.pipeline import ShardInfo
+    from coordinator.relay.shards import ShardInfo
     from coordinator.tokenizer import TokenizerUnavailable, load_tokenizer
 
     shard = ShardInfo("tcp://127.0.0.1:1", {"tokenizer": "/nonexistent/model"})

@@ -24,7 +24,7 @@ from coordinator.cli.serve import serve
 from coordinator.cli.status import status
 from coordinator.launch import LaunchError
 from coordinator.relay.client import ShardTimeout
-from coordinator.relay.pipeline import PipelineError
+from coordinator.relay.shards import PipelineError
 from coordinator.relay.target import RollbackFailed, SequenceLost
 from protocol import ProtocolError
 

@@ -32,7 +32,7 @@ from coordinator.cli.plan import (DEFAULT_DRAFT_PLACEMENT, DRAFT_PLACEMENTS, con
                                   mode_daemon_args)
 from coordinator.drafting.drafters import DRAFTERS, make_drafter
 from coordinator.relay.client import ShardClient
-from coordinator.relay.pipeline import PipelineError, ShardInfo
+from coordinator.relay.shards import PipelineError, ShardInfo
 from coordinator.relay.target import Target
 from coordinator.sampling import Sampling
 from coordinator.scheduler.recovery import RECOVERY_TIMEOUT_S

@@ -22,7 +22,8 @@ from coordinator.cli.output import progress
 from coordinator.launch import ShardSet, drafter_set, launched_sets
 from coordinator.relay.client import CurveKeys, ShardClient, ShardTimeout, ShardUnavailable
 from coordinator.relay.liveness import LIVENESS_TIMEOUT_S
-from coordinator.relay.pipeline import Pipeline, PipelineError
+from coordinator.relay.pipeline import Pipeline
+from coordinator.relay.shards import PipelineError
 from protocol import Hello
 from protocol.layout import REPLAY, check_layer_range, coverage_problems, even_split, parse_layer_ranges
 

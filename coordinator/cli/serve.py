@@ -21,7 +21,7 @@ from coordinator.cli.options import (
 from coordinator.cli.output import emit_json, progress
 from coordinator.cli.plan import (DEFAULT_DRAFT_PLACEMENT, DRAFT_PLACEMENTS, connect_pipeline, dflash_daemon, make_plan,
                                   mode_daemon_args)
-from coordinator.relay.pipeline import PipelineError
+from coordinator.relay.shards import PipelineError
 from coordinator.serve.auth import is_loopback_host
 from coordinator.serve.limits import ACCEPT_BACKLOG, MAX_CONNECTIONS, REQUEST_TIMEOUT_S
 from coordinator.tokenizer import TokenizerUnavailable, load_tokenizer, synthetic_preset

@@ -2,9 +2,8 @@
 state relayed as-is to the next (or sent there by the shard itself, where the daemons were started
 with --relay-to: PROTOCOL.md, "Rows from shard to shard"), argmax ids back from the head shard.
 
-Construction says HELLO to every shard and refuses a set that would compute something
-other than the model: layer ranges that leave a gap or overlap, different weights
-(fingerprints), protocol versions or activation dtypes. Every error names the shard.
+Construction says HELLO to every shard and refuses a set that cannot form the model
+(`coordinator.relay.shards`). Every error names the shard.
 
 Threads: a `Pipeline` (its `ShardClient` sockets) belongs to one thread. To decode
 several sequences at once through the same daemons, each thread builds its own
@@ -20,10 +19,10 @@ from typing import Iterable, Optional, Sequence
 
 from coordinator.relay.client import CurveKeys, ShardClient, ShardError, ShardTimeout, forward_record
 from coordinator.relay.liveness import LIVENESS_TIMEOUT_S
+from coordinator.relay.shards import PipelineError, ShardInfo, identity_changes, order_shards
 from coordinator.relay.target import RollbackFailed, SequenceLost
 from coordinator.sampling import TokenIds
 from protocol import (
-    PROTOCOL_VERSION,
     Batch,
     Close,
     ErrorCode,
@@ -36,7 +35,7 @@ from protocol import (
     RollbackBatch,
     WireTensor,
 )
-from protocol.layout import REPLAY, SHARD_ROLLBACK_MODES, coverage_problems
+from protocol.layout import REPLAY, SHARD_ROLLBACK_MODES
 from protocol.tensors import concat_rows
 
 SHARD_FAILURES = (ShardError, ShardTimeout, ProtocolError)
@@ -66,10 +65,6 @@ class _Step:
     head: Optional[dict] = None  # the head shard's extra fields (sampling, drafts, propose, carried_layers)
 
 
-class PipelineError(RuntimeError):
-    """The shard set cannot serve a request as asked; the message names the shard(s)."""
-
-
 class CheckpointUnavailable(PipelineError):
     """A checkpointed step the shard set cannot hold (no rollback storage, or too many tokens).
     Raised before any shard sees the request, so no state changed."""
@@ -83,116 +78,6 @@ class ShardReplaced(PipelineError):
 class SequenceInconsistent(PipelineError, SequenceLost):
     """A forward failed part-way down the pipeline and could not be undone: the shards now
     disagree on the sequence's length. Close it and re-fill it from the committed history."""
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """A shard as its HELLO describes it."""
-
-    endpoint: str
-    hello: dict
-
-    @property
-    def owns_layers(self) -> bool:
-        """False for a daemon that hosts only a drafter (HELLO `layers: null`)."""
-        return self.hello["layers"] is not None
-
-    @property
-    def begin(self) -> int:
-        return self.hello["layers"][0]
-
-    @property
-    def end(self) -> int:
-        return self.hello["layers"][1]
-
-    @property
-    def layers(self) -> str:
-        return f"{self.begin}:{self.end}"
-
-    @property
-    def model(self) -> dict:
-        return self.hello["model"]
-
-    @property
-    def owns_head(self) -> bool:
-        return bool(self.hello["owns_head"])
-
-    @property
-    def rollback_mode(self) -> Optional[str]:
-        return self.hello["rollback"]["mode"]
-
-    @property
-    def max_verify_tokens(self) -> int:
-        return self.hello["rollback"]["max_verify_tokens"]
-
-    @property
-    def max_tokens_per_request(self) -> int:
-        return self.hello["limits"]["max_tokens_per_request"]
-
-    @property
-    def has_gdn_layers(self) -> bool:
-        if not self.owns_layers:
-            return False
-        types = self.model["layer_types"][self.begin:self.end]
-        return any(kind == "linear_attention" for kind in types)
-
-    def __str__(self) -> str:
-        if not self.owns_layers:
-            return f"{self.endpoint} (drafter only)"
-        return f"{self.endpoint} (layers {self.layers})"
-
-
-# What makes a daemon the same shard: a restarted one must match in all of these before it is re-filled.
-SHARD_IDENTITY = {
-    "protocol": lambda h: h.get("protocol_version"),
-    "fingerprint": lambda h: (h.get("model") or {}).get("fingerprint"),
-    "layers": lambda h: h.get("layers"),
-    "dtype": lambda h: h.get("dtype"),
-    "head": lambda h: h.get("owns_head"),
-    "embedding": lambda h: h.get("owns_embedding"),
-}
-
-
-def identity_changes(before: dict, now: dict) -> list[str]:
-    """How the daemon described by HELLO `now` differs from the shard of HELLO `before`."""
-    changes = []
-    for name, key in SHARD_IDENTITY.items():
-        if key(now) != key(before):
-            changes.append(f"{name} {key(now)!r} (was {key(before)!r})")
-    return changes
-
-
-def order_shards(shards: Sequence[ShardInfo]) -> list[ShardInfo]:
-    """The shards that own layers, in layer order, or PipelineError listing every reason the
-    set cannot form the model: protocol version, fingerprint, dtype, gaps and overlaps.
-    Drafter-only daemons must agree on version, fingerprint and dtype but cover no layers."""
-    if not shards:
-        raise PipelineError("no shards given")
-    problems = []
-    for shard in shards:
-        if shard.hello.get("protocol_version") != PROTOCOL_VERSION:
-            problems.append(
-                f"{shard.endpoint} speaks protocol version {shard.hello.get('protocol_version')!r}, "
-                f"this coordinator speaks {PROTOCOL_VERSION}"
-            )
-    for what, key in (("model fingerprints", lambda s: s.model["fingerprint"]), ("dtypes", lambda s: s.hello["dtype"])):
-        groups: dict[str, list[str]] = {}
-        for shard in shards:
-            groups.setdefault(str(key(shard)), []).append(shard.endpoint)
-        if len(groups) > 1:
-            listed = "; ".join(f"{value}: {', '.join(endpoints)}" for value, endpoints in groups.items())
-            problems.append(f"shards disagree on {what} ({listed})")
-    if problems:
-        raise PipelineError("refusing this shard set: " + "; ".join(problems))
-
-    ordered = sorted((s for s in shards if s.owns_layers), key=lambda s: (s.begin, s.end))
-    if not ordered:
-        raise PipelineError(f"no shard owns target layers: {', '.join(map(str, shards))} host only a drafter")
-    num_layers = ordered[0].model["num_layers"]
-    problems = coverage_problems([(s.begin, s.end) for s in ordered], num_layers, names=map(str, ordered))
-    if problems:
-        raise PipelineError(f"refusing this shard set for a {num_layers}-layer model: " + "; ".join(problems))
-    return ordered
 
 
 class Pipeline:
