@@ -35,7 +35,7 @@ class HFTokenizer:
     synthetic = False
 
     def __init__(self, path: str | Path):
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # a byte tokenizer needs none of it
 
         path = Path(path)
         model_dir = path if path.is_dir() else path.parent
@@ -52,7 +52,7 @@ class HFTokenizer:
     @classmethod
     def synthetic_for(cls, vocab_size: int) -> "HFTokenizer":
         """The tokenizer a synthetic model of this vocabulary ships, built in memory."""
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # a byte tokenizer needs none of it
 
         tokenizer = cls.__new__(cls)
         tokenizer._tokenizer = Tokenizer.from_str(build_tokenizer_json(vocab_size))

@@ -37,12 +37,15 @@ def _owner(name: str) -> str | None:
     return name or None
 
 
-def imports_of(module: str) -> dict[str, int]:
+def imports_of(module: str, *, in_functions_only: bool = False) -> dict[str, int]:
     """Every project module `module` imports, at module level or in a function, with the line of one such import."""
     path = MODULES[module]
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     found = {}
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    scopes = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    nodes = [node for scope in scopes for node in ast.walk(scope)] if in_functions_only else ast.walk(tree)
+    for node in nodes:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -75,6 +78,14 @@ def test_the_coordinator_protocol_and_common_import_nothing_from_shardd():
 
 def test_protocol_and_common_import_neither_side():
     assert _crossings(("protocol", "common"), ("coordinator", "shardd")) == []
+
+
+def test_a_function_level_import_of_a_project_module_defers_only_the_serve_extra():
+    """Outside shardd, an import inside a function hides nothing: the only ones left put off fastapi and uvicorn
+    (`shardctl serve` without the serve extra is one line naming it)."""
+    deferred = {f"{module} -> {target}" for module in GRAPH if module.split(".")[0] != "shardd"
+                for target in imports_of(module, in_functions_only=True)}
+    assert {entry for entry in deferred if not entry.startswith("coordinator.cli.serve -> coordinator.serve.")} == set()
 
 
 def strongly_connected(graph: dict[str, dict[str, int]]) -> list[tuple[str, ...]]:

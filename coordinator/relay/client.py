@@ -98,7 +98,7 @@ class CurveKeys:
     @classmethod
     def load(cls, server_key_file: str, client_secret_file: str) -> "CurveKeys":
         """From `shardd keygen` files: the server's NAME.key and the client's NAME.key_secret."""
-        import zmq.auth
+        import zmq.auth  # Curve only: a loopback client never loads it
 
         server_public, _ = zmq.auth.load_certificate(server_key_file)
         public, secret = zmq.auth.load_certificate(client_secret_file)
