@@ -1,4 +1,5 @@
-"""`shardd` command line: `serve` a layer range and/or a DFlash drafter, `keygen` CurveZMQ keys."""
+"""`shardd` command line: `serve` a layer range and/or a DFlash drafter, `keygen` CurveZMQ keys, `make-model` a
+synthetic checkpoint (what `shardctl make-model` runs)."""
 
 from __future__ import annotations
 

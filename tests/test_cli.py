@@ -212,6 +212,19 @@ def test_make_model_writes_a_loadable_checkpoint(tmp_path):
     assert shardctl("make-model", "--preset", "tiny", "--out", out).exit_code == 2  # no silent overwrite
 
 
+def test_make_model_into_an_unwritable_place_fails_in_one_line(tmp_path):
+    # The writer runs as `shardd make-model` in a child process; its failure comes back as shardctl's one line.
+    (tmp_path / "a-file").write_text("")
+    completed = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TORCH + "from coordinator.cli import main; main()", "make-model", "--preset",
+         "tiny", "--out", str(tmp_path / "a-file" / "model")],
+        capture_output=True, text=True, env=child_env(), timeout=120,
+    )
+    assert completed.returncode == 1, completed.stderr
+    assert "Traceback" not in completed.stderr and completed.stdout == ""
+    assert completed.stderr.splitlines()[-1] == f"shardctl: error: [Errno 20] Not a directory: '{tmp_path / 'a-file' / 'model'}'"
+
+
 def test_launch_serves_until_sigterm():
     process = subprocess.Popen(
         [sys.executable, "-c", "from coordinator.cli import main; main()", "launch", "--synthetic", "tiny",
