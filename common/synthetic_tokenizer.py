@@ -42,7 +42,8 @@ def min_vocab_size() -> int:
 @lru_cache(maxsize=4)
 def build_tokenizer_json(vocab_size: int) -> str:
     """tokenizer.json (text) of exactly `vocab_size` ids."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers  # only building one needs it
+    # tokenizers only when one is built: importing this module needs none of it
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     if vocab_size < min_vocab_size():
         raise ValueError(f"a synthetic tokenizer needs a vocabulary of at least {min_vocab_size()} ids, got {vocab_size}")

@@ -1,4 +1,5 @@
-"""The commit rule of a verify step and its bookkeeping: the scheduler's and the reference loop's (coordinator.decoding).
+"""The commit rule of a verify step and its bookkeeping, the scheduler's and the reference loop's
+(coordinator.decoding).
 
 State invariant of the decoding loop (kept after prefill and after every step):
 

@@ -11,8 +11,6 @@ from coordinator.scheduler.requests import DecodeResult
 from protocol import ErrorCode, RemoteError
 
 RECOVERY_TIMEOUT_S = 60.0  # how long a lost sequence is retried (a shard restarting, loading weights)
-
-
 RETRY_INTERVAL_S = 0.25
 
 

@@ -18,9 +18,10 @@ Rules, in the order a step applies them:
   shared its step (the fixed-shape step), so every request's tokens equal the same request run alone.
 - Each request samples with its own settings on the head shard and has its own drafter and rollback; a
   failure of one request's item (its SequenceLost, a bad input) is handled for that request alone: it is
-  re-filled from its committed history as `coordinator.decoding` does, or it fails, and the others go on.
+  re-filled from its committed history (`coordinator.scheduler.recovery`), or it fails, and the others go on.
 
-The commit rule (`commit_tokens`), the logprob bookkeeping and the recovery are `coordinator.decoding`'s.
+The commit rule and its bookkeeping (`coordinator.scheduler.commit`) and the recovery are the same functions the
+reference loop in `coordinator.decoding` calls.
 The `replay` baseline runs batched too (`ReplayBatches`: snapshots, then the step; restores, then the kept
 tokens again as one more batch). A drafter that reads the target's features (DFlash: its `target` captures them
 on every forward) runs in the same steps, but its rows go through that target one sequence at a time, beside
@@ -454,7 +455,7 @@ class Scheduler:
         self._notify(request, [first])
 
     def _verified(self, item: _Item, verified, rollbacks: list[tuple[Request, int]]) -> list[int]:
-        """Commit what a decode or verify row answered (coordinator.decoding's rule); queue its rollback."""
+        """Commit what a decode or verify row answered (coordinator.scheduler.commit's rule); queue its rollback."""
         request, result = item.request, item.request.result
         if item.drafts is None:
             (token,) = verified
