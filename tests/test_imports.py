@@ -1,6 +1,6 @@
 """The import rules between the four packages, read from the source (no module is imported, so no torch):
-the coordinator, protocol/ and common/ never import shardd; protocol/ and common/ import neither side; and no
-internal import, at module level or inside a function, closes a cycle."""
+the coordinator, protocol/ and common/ never import shardd, nor shardd the coordinator; protocol/ and common/ import
+neither side; and no internal import, at module level or inside a function, closes a cycle."""
 
 from __future__ import annotations
 
@@ -76,8 +76,9 @@ def test_the_coordinator_protocol_and_common_import_nothing_from_shardd():
     assert _crossings(("coordinator", "protocol", "common"), ("shardd",)) == []
 
 
-def test_protocol_and_common_import_neither_side():
+def test_protocol_and_common_import_neither_side_and_shardd_not_the_coordinator():
     assert _crossings(("protocol", "common"), ("coordinator", "shardd")) == []
+    assert _crossings(("shardd",), ("coordinator",)) == []  # the two sides share protocol/ and common/ only
 
 
 def test_a_function_level_import_of_a_project_module_defers_only_the_serve_extra():
