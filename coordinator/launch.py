@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
-from coordinator.client import CurveKeys, ShardClient, ShardTimeout
+from coordinator.relay.client import CurveKeys, ShardClient, ShardTimeout
 from protocol import Hello
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent

@@ -1,10 +1,12 @@
 """Text <-> token ids for the CLI: a model's own `tokenizer.json`; the synthetic tokenizer for an in-memory
-synthetic model (`shardd.synthetic_tokenizer`, what `make-model` writes); bytes for a checkpoint that ships none."""
+synthetic model (`common.synthetic_tokenizer`, what `make-model` writes); bytes for a checkpoint that ships none."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from common.synthetic_tokenizer import build_tokenizer_json
 
 
 class ByteTokenizer:
@@ -33,7 +35,7 @@ class HFTokenizer:
     synthetic = False
 
     def __init__(self, path: str | Path):
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # a byte tokenizer needs none of it
 
         path = Path(path)
         model_dir = path if path.is_dir() else path.parent
@@ -50,9 +52,7 @@ class HFTokenizer:
     @classmethod
     def synthetic_for(cls, vocab_size: int) -> "HFTokenizer":
         """The tokenizer a synthetic model of this vocabulary ships, built in memory."""
-        from tokenizers import Tokenizer
-
-        from shardd.synthetic_tokenizer import build_tokenizer_json
+        from tokenizers import Tokenizer  # a byte tokenizer needs none of it
 
         tokenizer = cls.__new__(cls)
         tokenizer._tokenizer = Tokenizer.from_str(build_tokenizer_json(vocab_size))

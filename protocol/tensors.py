@@ -93,7 +93,7 @@ class WireTensor:
         The returned data aliases the tensor's memory (and keeps it alive): do not modify the
         tensor before the frames are sent.
         """
-        import torch
+        import torch  # only the tensor calls need it: protocol/ imports without torch
 
         _check_little_endian()
         dtype = _torch_dtype_names(torch).get(tensor.dtype)
@@ -117,7 +117,7 @@ class WireTensor:
         Without `device` the result shares memory with the frame; if the frame is read-only
         (bytes, a received zmq frame) treat the tensor as read-only too.
         """
-        import torch
+        import torch  # only the tensor calls need it: protocol/ imports without torch
 
         _check_little_endian()
         if self.origin is not None and device is None and self.data.nbytes:  # a row slice: a view of its base's

@@ -41,7 +41,7 @@ def stream_prompts(args, count: int) -> list[list[int]]:
     """One seeded random prompt of --prompt-len tokens per stream."""
     import torch
 
-    from shardd.presets import preset_config
+    from common.presets import preset_config
 
     vocab = preset_config(args.preset).vocab_size
     return [torch.randint(0, vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(args.seed + 1 + i)).tolist()
@@ -54,8 +54,9 @@ def run_streams(target, prompts, args, *, references=None, sampling=None, ngram=
     dict) also `decode_tok_s`: the tokens committed after the last prompt's first token, over the time after it
     (the decode steps' rate, without the prefill that dominates the aggregate of 512-token prompts and 64 new
     tokens)."""
-    from coordinator.drafters import NgramDrafter, OracleDrafter
-    from coordinator.scheduler import Request, decode_all
+    from coordinator.drafting.drafters import NgramDrafter, OracleDrafter
+    from coordinator.scheduler.requests import Request
+    from coordinator.scheduler.scheduler import decode_all
 
     def drafter(index):
         if references is not None:
@@ -158,12 +159,12 @@ def run_batch_local(args) -> dict:
     import torch
 
     from coordinator.sampling import Sampling
-    from coordinator.scheduler import DEFAULT_BATCH_ROWS as SCHEDULER_ROWS
+    from coordinator.scheduler.scheduler import DEFAULT_BATCH_ROWS as SCHEDULER_ROWS
     from protocol.layout import CHECKPOINT, REPLAY_SSM
     from shardd.fast.shard import FastShard
     from shardd.model import rollback as rb
     from shardd.model.shard import ShardModel
-    from shardd.presets import preset_config
+    from common.presets import preset_config
     from shardd.synthetic import synthetic_weights
     from tests.local import LocalTarget
 
@@ -213,7 +214,7 @@ def run_batch_local(args) -> dict:
 
 def run_batch_daemons(args) -> dict:
     from bench_gpu import e2e_devices, halves_and_prompt, start_daemons, stop_processes
-    from coordinator.pipeline import Pipeline
+    from coordinator.relay.pipeline import Pipeline
 
     ranges, _ = halves_and_prompt(args)
     devices = e2e_devices(args)

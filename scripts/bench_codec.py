@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from coordinator.client import forward_record  # noqa: E402
+from coordinator.relay.client import forward_record  # noqa: E402
 from protocol import MessageType, Rollback, decode_reply, decode_request, encode_reply, encode_request  # noqa: E402
 from protocol.codec import with_id  # noqa: E402
 

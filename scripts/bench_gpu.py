@@ -117,13 +117,13 @@ def run_local(args) -> dict:
     import torch
 
     from coordinator.decoding import greedy_decode, speculative_decode
-    from coordinator.drafters import OracleDrafter
+    from coordinator.drafting.drafters import OracleDrafter
     from tests.local import LocalTarget
     from protocol.layout import CHECKPOINT, REPLAY_SSM
     from shardd.model import rollback as rb
     from shardd.fast.shard import FastShard
     from shardd.model.shard import ShardModel
-    from shardd.presets import preset_config
+    from common.presets import preset_config
     from shardd.synthetic import synthetic_weights
 
     device = torch.device("cuda:0")
@@ -323,7 +323,7 @@ def run_transformers(args) -> dict:
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    from shardd.presets import preset_config
+    from common.presets import preset_config
     from shardd.synthetic import synthetic_tensor
 
     device = torch.device("cuda:0")
@@ -383,7 +383,7 @@ def halves_and_prompt(args) -> tuple[list[tuple[int, int]], list[int]]:
     --prompt-len tokens that the daemon parts decode."""
     import torch
 
-    from shardd.presets import preset_config
+    from common.presets import preset_config
 
     config = preset_config(args.preset)
     half = config.num_layers // 2
@@ -416,7 +416,7 @@ def stop_processes(processes: list, profiled: bool = False) -> None:
 def wait_for_hello(daemons: list[tuple[str, subprocess.Popen, str, Path]], timeout_s: float = 600) -> None:
     """Waits until every daemon, (name, process, endpoint, log), answers HELLO; raises with the tail of its log when
     one exits first or `timeout_s` (for all of them) passes."""
-    from coordinator.client import ShardClient, ShardTimeout
+    from coordinator.relay.client import ShardClient, ShardTimeout
 
     deadline = time.monotonic() + timeout_s
     for name, process, endpoint, log in daemons:
@@ -475,8 +475,8 @@ def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] 
 
 def run_e2e(args) -> dict:
     from coordinator.decoding import greedy_decode, speculative_decode
-    from coordinator.drafters import OracleDrafter
-    from coordinator.pipeline import Pipeline
+    from coordinator.drafting.drafters import OracleDrafter
+    from coordinator.relay.pipeline import Pipeline
 
     ranges, prompt = halves_and_prompt(args)
     devices = e2e_devices(args)
@@ -528,7 +528,7 @@ def drafter_in_process(args) -> dict:
     from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights
     from shardd.fast.draft import FastDrafter
     from shardd.loading import parse_draft
-    from shardd.presets import preset_config
+    from common.presets import preset_config
     from shardd.synthetic import synthetic_tensor
 
     device = torch.device(args.dflash_device)
@@ -653,12 +653,12 @@ def run_dflash(args) -> dict:
     the step's wall time beyond the daemons' compute)."""
     import torch
 
-    from coordinator.client import ShardClient
+    from coordinator.relay.client import ShardClient
     from coordinator.decoding import greedy_decode, speculative_decode
-    from coordinator.dflash import DFlashDrafterClient
-    from coordinator.drafters import OracleDrafter
-    from coordinator.pipeline import Pipeline
-    from shardd.presets import preset_config
+    from coordinator.drafting.dflash import DFlashDrafterClient
+    from coordinator.drafting.drafters import OracleDrafter
+    from coordinator.relay.pipeline import Pipeline
+    from common.presets import preset_config
 
     out: dict = {"dflash_draft": args.draft, "dflash_device": args.dflash_device, "dflash_block": BLOCK}
     if args.dflash_device.startswith("cuda"):
@@ -893,8 +893,8 @@ RELAY_ARMS = {
 
 def run_relay(args) -> dict:
     from coordinator.decoding import greedy_decode, speculative_decode
-    from coordinator.drafters import OracleDrafter
-    from coordinator.pipeline import Pipeline
+    from coordinator.drafting.drafters import OracleDrafter
+    from coordinator.relay.pipeline import Pipeline
 
     ranges, prompt = halves_and_prompt(args)
     devices = e2e_devices(args)
@@ -997,7 +997,7 @@ def pyspy_decodes(pipeline, prompt, args, coordinator_file: Path) -> None:
     busiest frames (`relay_pyspy`: bench_batch.pyspy_top, per thread) say where the host work between two GPU
     steps goes, function by function."""
     from coordinator.decoding import greedy_decode, speculative_decode
-    from coordinator.drafters import OracleDrafter
+    from coordinator.drafting.drafters import OracleDrafter
 
     try:
         coordinator = subprocess.Popen(["py-spy", "record", "--nonblocking", "--threads", "-r", str(PYSPY_RATE), "-f", "raw",
@@ -1027,7 +1027,7 @@ def timeline_run(pipeline, prompt, args) -> dict:
     """The two daemons' GPU timelines (shardd/timeline.py) over greedy and speculative (checkpoint) decodes: per
     kind, the median intervals of a step (relay_step_intervals)."""
     from coordinator.decoding import greedy_decode, speculative_decode
-    from coordinator.drafters import OracleDrafter
+    from coordinator.drafting.drafters import OracleDrafter
 
     windows = {}
     reference = None
@@ -1103,7 +1103,7 @@ def arm_run(pipeline, prompt, mode: str, args, hashes: dict, tag: str) -> dict:
     `relay_direct_busy_poll`; summarize() sets their relay
     against the one-process step). The greedy figures and phases (`relay_by_phase_<mode>`) with checkpoint."""
     from coordinator.decoding import greedy_decode, speculative_decode
-    from coordinator.drafters import OracleDrafter
+    from coordinator.drafting.drafters import OracleDrafter
 
     out, readings, by_phase = {}, [], {}
 
@@ -1141,10 +1141,10 @@ def run_dflash_relay(args) -> dict:
     there): CAPTURE features and PROPOSE ride the same relay as FORWARD and ROLLBACK. `e2e_dflash_step_ms` per
     rollback mode, and where the step's time goes (`dflash_relay_by_phase`, the drafter daemon as the last shard).
     The drafter's own compute is issue 16's; its share shows as that daemon's PROPOSE phases."""
-    from coordinator.client import ShardClient
+    from coordinator.relay.client import ShardClient
     from coordinator.decoding import speculative_decode
-    from coordinator.dflash import DFlashDrafterClient
-    from coordinator.pipeline import Pipeline
+    from coordinator.drafting.dflash import DFlashDrafterClient
+    from coordinator.relay.pipeline import Pipeline
 
     ranges, prompt = halves_and_prompt(args)
     devices = e2e_devices(args) + [e2e_devices(args)[-1]]
@@ -1218,9 +1218,9 @@ def run_relay_vs_delay(args) -> dict:
     decoding at block sizes 4, 8, 16 (oracle drafter at the same commit fraction). The step time's slope against
     the one-way delay, halved, is the number of round trips a step waits for."""
     from coordinator.decoding import greedy_decode, speculative_decode
-    from coordinator.drafters import OracleDrafter
-    from coordinator.pipeline import Pipeline
-    from shardd.presets import preset_config
+    from coordinator.drafting.drafters import OracleDrafter
+    from coordinator.relay.pipeline import Pipeline
+    from common.presets import preset_config
 
     ranges, prompt = halves_and_prompt(args)
     ports = [free_port(), free_port()]
@@ -1311,7 +1311,7 @@ def run_batch_step(args) -> dict:
     from shardd.fast.weights import fuse_layers
     from shardd.model import rollback as rb
     from shardd.model.shard import ShardModel
-    from shardd.presets import preset_config
+    from common.presets import preset_config
     from shardd.synthetic import synthetic_weights
 
     device = torch.device(args.batch_step_device)

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from common.presets import parse_synthetic, preset_config  # noqa: E402
 from protocol.layout import (  # noqa: E402
     CHECKPOINT,
     REPLAY,
@@ -38,7 +39,6 @@ from protocol.layout import (  # noqa: E402
 from shardd.loading import DTYPES  # noqa: E402
 from shardd.model import rollback as rb  # noqa: E402
 from shardd.model.shard import ShardModel  # noqa: E402
-from shardd.presets import parse_synthetic, preset_config  # noqa: E402
 from shardd.synthetic import synthetic_weights  # noqa: E402
 
 MODES = (REPLAY, CHECKPOINT, REPLAY_SSM)

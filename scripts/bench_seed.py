@@ -83,7 +83,7 @@ def layer_ranges(args) -> list[tuple[int, int]]:
     so by default it takes 7/16 of the layers: 28:36 of the 27B's 64, whose FP8 memory plans are about 20.7 and 20.0
     GiB, where 32:32 planned 22.8 and 18.0 GiB and the first daemon ran out of its 24 GiB cap (allocator
     fragmentation at a 72 MiB request) on the fourth run (2026-12-04)."""
-    from shardd.presets import preset_config
+    from common.presets import preset_config
 
     layers = preset_config(args.preset).num_layers
     first = args.first_layers if args.first_layers is not None else max(1, layers * 7 // 16)
@@ -94,7 +94,7 @@ def layer_ranges(args) -> list[tuple[int, int]]:
 
 def start_daemons(args, devices: list[str], quantize: str | None, cap: str | None, run_dir: Path,
                   out: dict) -> tuple[list, list[str]]:
-    from coordinator.client import ShardClient, ShardTimeout
+    from coordinator.relay.client import ShardClient, ShardTimeout
 
     ranges = layer_ranges(args)
     out["ranges"] = [f"{begin}:{end}" for begin, end in ranges]
@@ -160,11 +160,11 @@ def stop_daemons(processes: list) -> None:
 def run_pair(args, quantize: str | None, cap: str | None, deadline: float) -> dict:
     """The seed's A/B/A over two daemons; the JSON (args.json) is rewritten after every run."""
     from coordinator import benchstats
-    from coordinator.client import ShardClient
+    from coordinator.relay.client import ShardClient
     from coordinator.decoding import greedy_decode, speculative_decode
-    from coordinator.drafters import make_drafter
-    from coordinator.pipeline import Pipeline
-    from shardd.presets import preset_config
+    from coordinator.drafting.drafters import make_drafter
+    from coordinator.relay.pipeline import Pipeline
+    from common.presets import preset_config
 
     config = preset_config(args.preset)
     prompt = prompt_ids(config.vocab_size, args.prompt_len, args.seed)

@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 import zmq  # noqa: E402
 
-from coordinator.client import ShardClient  # noqa: E402
 from coordinator.decoding import greedy_decode  # noqa: E402
-from coordinator.pipeline import Pipeline  # noqa: E402
+from coordinator.relay.client import ShardClient  # noqa: E402
+from coordinator.relay.pipeline import Pipeline  # noqa: E402
 from protocol import encode_request  # noqa: E402
 from protocol.messages import Hello  # noqa: E402
 
@@ -247,7 +247,7 @@ class Chaos:
         return None
 
     def coordinator_kills(self) -> None:
-        code = ("import sys, time; from coordinator.pipeline import Pipeline; from coordinator.decoding import "
+        code = ("import sys, time; from coordinator.relay.pipeline import Pipeline; from coordinator.decoding import "
                 "greedy_decode; p = Pipeline.connect(sys.argv[1].split(',')); "
                 "greedy_decode(p, 7, list(b'killed mid-step'), 200, on_commit=lambda ids: time.sleep(0.05))")
         recovered, times, errors, ran = 0, [], [], 0

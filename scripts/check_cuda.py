@@ -13,11 +13,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from common.presets import preset_config  # noqa: E402
 from protocol.layout import SHARD_ROLLBACK_MODES  # noqa: E402
 from shardd.loading import ModelSource, build_shard  # noqa: E402
 from shardd.model import rollback as rb  # noqa: E402
 from shardd.model.rollback import RollbackStorage  # noqa: E402
-from shardd.presets import preset_config  # noqa: E402
 from shardd.synthetic import write_checkpoint  # noqa: E402
 
 

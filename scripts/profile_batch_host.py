@@ -22,13 +22,14 @@ import time
 
 import torch
 
-from coordinator.drafters import OracleDrafter
-from coordinator.scheduler import Request, Scheduler
+from common.model_config import config_from_dict
+from common.presets import PRESETS
+from coordinator.drafting.drafters import OracleDrafter
+from coordinator.scheduler.requests import Request
+from coordinator.scheduler.scheduler import Scheduler
 from protocol.layout import CHECKPOINT
-from shardd.config import config_from_dict
 from shardd.model import rollback as rb
 from shardd.model.shard import ShardModel
-from shardd.presets import PRESETS
 from shardd.synthetic import synthetic_weights
 from tests.local import LocalTarget
 

@@ -42,7 +42,7 @@ def main() -> int:
     from shardd.fast.shard import FastShard
     from shardd.model import rollback as rb
     from shardd.model.shard import ShardModel
-    from shardd.presets import preset_config
+    from common.presets import preset_config
     from shardd.synthetic import synthetic_weights
 
     device = torch.device("cuda:0")

@@ -1,7 +1,7 @@
 """The host cost of a two-daemon step, without sockets and without a device (issues 15 and 20, the relay).
 
 Two `ShardDaemon`s (layers 0:1 and 1:2 of the tiny preset, hidden `--hidden`) over FastShards whose device step is
-a no-op, driven in one process the way `coordinator.pipeline.Pipeline` drives them: per step the coordinator
+a no-op, driven in one process the way `coordinator.relay.pipeline.Pipeline` drives them: per step the coordinator
 builds each shard's (batched) FORWARD, encodes it (a batch unchecked: its daemon checks each item), the daemon
 handles the frames (decode, checks, the step's host work, reply), the coordinator decodes and splits the reply,
 and, for a verify, both shards get a ROLLBACK. What is left is every host phase of the relay except the transport
@@ -26,16 +26,16 @@ from collections import Counter
 
 import torch
 
-from coordinator.client import forward_record
-from coordinator.pipeline import _head_fields
+from common.model_config import config_from_dict
+from common.presets import PRESETS
+from coordinator.relay.client import forward_record
+from coordinator.relay.pipeline import _head_fields
 from protocol import Close, ForwardBatch, Open, Rollback, RollbackBatch, decode_reply, encode_request, split_batch_reply
 from protocol.layout import CHECKPOINT
-from shardd.config import config_from_dict
 from shardd.daemon import ServeOptions, ShardDaemon
 from shardd.fast.shard import FastShard
 from shardd.model import rollback as rb
 from shardd.model.shard import ShardModel
-from shardd.presets import PRESETS
 from shardd.synthetic import synthetic_weights
 
 BLOCK = 16

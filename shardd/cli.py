@@ -1,4 +1,5 @@
-"""`shardd` command line: `serve` a layer range and/or a DFlash drafter, `keygen` CurveZMQ keys."""
+"""`shardd` command line: `serve` a layer range and/or a DFlash drafter, `keygen` CurveZMQ keys, `make-model` a
+synthetic checkpoint (what `shardctl make-model` runs)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,17 @@ from pathlib import Path
 
 import click
 
+from common import __version__
+from common.busy_poll import AUTO_BUSY_POLL_CPUS, AUTO_BUSY_POLL_MS
+from common.endpoints import endpoint_problem
+from common.hub import ModelNotFound, resolve_model
+from common.presets import PRESETS
+from common.quantization import LAYOUTS
 from protocol.layout import CHECKPOINT, SHARD_ROLLBACK_MODES, check_layer_range, parse_layer_range
-from shardd import __version__, logs, systemd, timeline
+from shardd import logs, systemd, timeline
 from shardd.logs import FORMATS, LEVELS
 from shardd.progress import LoadProgress
-from shardd.engine import (AUTO_BUSY_POLL_CPUS, AUTO_BUSY_POLL_MS, DEFAULT_STEP_ROWS, ENGINES, PREFILL_ROWS,
-                           busy_poll_seconds, step_rows_for)
-from shardd.hub import ModelNotFound, resolve_model
-from shardd.listen import endpoint_problem
+from shardd.engine import DEFAULT_STEP_ROWS, ENGINES, PREFILL_ROWS, busy_poll_seconds, step_rows_for
 from shardd.ring import DEFAULT_ROWS as RING_ROWS
 from shardd.rows import WAIT_S, check_relay_to
 
@@ -370,6 +374,40 @@ def keygen(out_dir, name, as_json):
         click.echo(json.dumps({"public_key": str(public), "secret_key": str(secret)}))
     else:
         click.echo(f"public key: {public}\nsecret key: {secret}")
+
+
+@main.command("make-model", context_settings=CONTEXT)
+@click.option("--preset", type=click.Choice(tuple(PRESETS)), required=True, help="Model shape.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Directory to write.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--quantize", type=click.Choice(LAYOUTS), default=None, help="Write the linears as FP8 in this layout.")
+@click.option("--force", is_flag=True, help="Overwrite a model already in --out.")
+@click.option("--with-drafter", is_flag=True, help="Also write a matched synthetic DFlash drafter to OUT/draft/.")
+@click.option("--draft-layers", type=click.IntRange(1), default=None, help="Layers of that drafter (default 2).")
+@click.option("--json", "as_json", is_flag=True, help="Print the paths written (or the error) as JSON.")
+def make_model(preset, out_dir, seed, dtype, quantize, force, with_drafter, draft_layers, as_json):
+    """Write a synthetic checkpoint in the Qwen3.5 layout (what `shardctl make-model` runs).
+
+    \b
+    Example:
+      shardd make-model --preset tiny --out /tmp/$USER-tiny --with-drafter
+    """
+    out = Path(out_dir)
+    if (out / "config.json").exists() and not force:
+        raise click.UsageError(f"{out} already holds a model (config.json); pass --force to overwrite it")
+    from shardd.make_model import write_synthetic_drafter, write_synthetic_model  # torch: only this command needs it
+
+    try:
+        path = write_synthetic_model(preset, seed, dtype, out, quantize=quantize)
+        draft = write_synthetic_drafter(path, preset, seed, dtype, draft_layers) if with_drafter else None
+    except (OSError, ValueError) as error:
+        click.echo(json.dumps({"error": str(error)}) if as_json else f"shardd: error: {error}", err=not as_json)
+        sys.exit(EXIT_FAILURE)
+    if as_json:
+        click.echo(json.dumps({"path": str(path), "draft": None if draft is None else str(draft)}))
+    else:
+        click.echo(str(path) + (f"\n{draft}" if draft is not None else ""))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,9 @@ from pathlib import Path
 import torch
 import zmq
 
+from common import __version__
+from common.endpoints import is_loopback
+from common.model_config import dtype_name
 from protocol import (
     PROTOCOL_VERSION,
     Batch,
@@ -44,9 +47,8 @@ from protocol import (
 from protocol.codec import clip_message, new_record
 from protocol.layout import CHECKPOINT
 from protocol.timing import DAEMON as PHASES
-from shardd import __version__, systemd, timeline
-from shardd.security import is_file_ipc, is_loopback, log_refused_handshakes, restrict_ipc_socket, start_authenticator
-from shardd.config import dtype_name
+from shardd import systemd, timeline
+from shardd.security import is_file_ipc, log_refused_handshakes, restrict_ipc_socket, start_authenticator
 from shardd.draft.model import DraftState
 from shardd.health import device_memory
 from shardd.listen import Listener, bind

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 
+from common.busy_poll import AUTO_BUSY_POLL_CPUS, AUTO_BUSY_POLL_MS, usable_cpus
+
+
 ENGINES = ("auto", "reference", "fast")
 # R of the fast engine's batched step (`shardd serve --step-rows`): rows shared by the sequences of a batch. On an
 # H200 every 27B-shape weight GEMM costs 1.12x / 1.18x / 1.34x the weight-read floor at 16 / 64 / 128 rows (issue
@@ -20,7 +23,7 @@ ENGINES = ("auto", "reference", "fast")
 # default (the n-gram drafter, blocks of 16), so R = 128; a daemon of fewer sequences steps fewer (step_rows_for).
 DEFAULT_STEP_ROWS = 128
 # P of the fast engine's GPU prefill (`shardd serve --prefill-rows`): prompts go in pieces of P rows, each whole
-# piece replayed from CUDA graphs. The coordinator's prompt chunk (coordinator/scheduler.py: half its default 1,024
+# piece replayed from CUDA graphs. The coordinator's prompt chunk (coordinator/scheduler/scheduler.py: half its default 1,024
 # rows a step), where an eager 27B-shape prefill call on an H200 host took ~114 ms of launches for ~63 ms of
 # kernels (bench/results/h200/prefill_profile_538a901.json).
 PREFILL_ROWS = 512
@@ -101,33 +104,6 @@ def draft_with(engine: str, hosted, *, max_sequences: int, max_context: int):
 
     hosted.model = FastDrafter(hosted.model, max_sequences=max_sequences, max_context=max_context)
     return hosted
-
-
-# `shardd serve --busy-poll-ms auto`: a daemon on a GPU host with cores to spare polls for its next request without
-# sleeping for this long after each reply. Measured on an H200 host (16 CPUs, two daemons): both ends polling 20 ms
-# cut the relay 3.72 -> 2.56 ms a checkpoint verify step, 3.69 -> 3.33 replay-ssm (gpu_bench_relay.json); the
-# daemons alone polling, none of it (3.73: gpu_bench_relay_62178da.json). So `auto` is the daemons' default and a
-# coordinator's `auto` (shardctl generate / bench; Pipeline.connect(busy_poll_s=None)) follows its daemons
-# (`follow_busy_poll`): both ends poll on a dedicated GPU host, neither on a small one. On 2 CPUs polling takes the
-# cores the daemons' own threads need (a step 3x slower), hence the CPU floor of `auto`.
-AUTO_BUSY_POLL_MS = 20.0
-AUTO_BUSY_POLL_CPUS = 8
-
-
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def follow_busy_poll(daemon_ms, cpus: int | None = None) -> float:
-    """A coordinator's polling for `--busy-poll-ms auto`, in seconds: as long as its daemon polls (HELLO's
-    `busy_poll_ms`) when this host has at least AUTO_BUSY_POLL_CPUS usable CPUs too (the gain on the H200 host came
-    from both ends polling: the daemons alone moved nothing), else 0."""
-    if not isinstance(daemon_ms, (int, float)) or not 0 < daemon_ms <= 1000:
-        return 0.0
-    return daemon_ms / 1000 if (usable_cpus() if cpus is None else cpus) >= AUTO_BUSY_POLL_CPUS else 0.0
 
 
 def busy_poll_seconds(value: str | float, device) -> float:

@@ -6,14 +6,15 @@ Torch-free on purpose: `shardd serve` binds before it imports torch.
 
 from __future__ import annotations
 
-import errno
 import os
-import socket as pysocket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import zmq
+
+from common.endpoints import ipc_file, ipc_in_use
+
 
 
 class BindError(RuntimeError):
@@ -40,50 +41,6 @@ class Listener:
         path = self.ipc_path
         if path and os.path.exists(path):
             os.unlink(path)
-
-
-def endpoint_problem(endpoint: str) -> Optional[str]:
-    """What is wrong with an endpoint as written (no scheme, a port out of range), or None. libzmq itself
-    would take `tcp://H:99999` as some other port and read `H:P` as a host name."""
-    scheme, sep, rest = endpoint.partition("://")
-    if not sep:
-        guess = f"ipc://{endpoint}" if endpoint.startswith("/") else f"tcp://{endpoint}"
-        return f"{endpoint!r} has no transport: write tcp://HOST:PORT or ipc:///PATH (did you mean {guess}?)"
-    if scheme == "ipc":
-        return None if rest else f"{endpoint!r} names no socket path (ipc:///PATH)"
-    if scheme != "tcp":
-        return f"{endpoint!r}: unsupported transport {scheme!r}; use tcp:// or ipc://"
-    host, colon, port = rest.rpartition(":")
-    if not colon or not host:
-        return f"{endpoint!r} names no port: write tcp://HOST:PORT (PORT 1-65535, or * for a free one)"
-    if port == "*":
-        return None
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
-        return f"{endpoint!r}: port {port!r} is not a port number (1-65535, or * for a free one)"
-    return None
-
-
-def ipc_file(endpoint: str) -> Optional[str]:
-    """The filesystem path of an ipc:// endpoint (None for other transports and abstract sockets)."""
-    if not endpoint.startswith("ipc://"):
-        return None
-    path = endpoint[len("ipc://"):]
-    return path if path and not path.startswith("@") and path != "*" else None
-
-
-def ipc_in_use(path: str) -> bool:
-    """Whether a live process accepts connections on this unix socket path (a stale file refuses them)."""
-    with pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(path)
-        except (ConnectionRefusedError, FileNotFoundError):
-            return False
-        except OSError as error:
-            if error.errno in (errno.ENOTSOCK, errno.ECONNREFUSED, errno.ENOENT):
-                return False
-            raise
-    return True
 
 
 def bind(endpoint: str, *, max_message_bytes: Optional[int] = None, configure=None) -> Listener:

@@ -11,14 +11,15 @@ from pathlib import Path
 
 import torch
 
+from common import quantization
+from common.model_config import ModelConfig, check_quantization, dtype_name, load_config, read_config_json
+from common.presets import parse_synthetic, preset_config
 from shardd import quant
-from shardd.config import ModelConfig, check_quantization, dtype_name, load_config, read_config_json
 from shardd.draft.config import DraftConfig, load_draft_config
 from shardd.draft.model import DFlashDrafter
 from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights
 from shardd.model.rollback import RollbackStorage
 from shardd.model.shard import ShardModel
-from shardd.presets import parse_synthetic, preset_config
 from shardd.synthetic import synthetic_tensor, synthetic_tensors
 from shardd.weights import (
     WeightError, checkpoint_keys, draft_name, draft_shapes, embedding_and_head_shapes, head_name, load_tensors,
@@ -43,13 +44,13 @@ class ModelSource:
         if self.quantize is not None:
             if self.synthetic is None:
                 raise ValueError("--quantize applies to --synthetic; a checkpoint's config.json says how it is quantized")
-            if self.quantize not in quant.LAYOUTS:
-                raise ValueError(f"--quantize must be one of {', '.join(quant.LAYOUTS)}, got {self.quantize!r}")
+            if self.quantize not in quantization.LAYOUTS:
+                raise ValueError(f"--quantize must be one of {', '.join(quantization.LAYOUTS)}, got {self.quantize!r}")
 
-    def scheme(self) -> quant.Fp8Scheme | None:
+    def scheme(self) -> quantization.Fp8Scheme | None:
         """How the linears are stored: None for unquantized weights."""
         if self.synthetic is not None:
-            return quant.synthetic_scheme(self.quantize) if self.quantize else None
+            return quantization.synthetic_scheme(self.quantize) if self.quantize else None
         return check_quantization(read_config_json(self.model_dir), self.model_dir)
 
     def config(self) -> ModelConfig:
@@ -93,7 +94,7 @@ class ModelSource:
                 tensors[name] = quant.dequantize(weight, scale, scheme.block).to(dtype)
         return tensors
 
-    def fp8_names(self, shapes: dict[str, tuple[int, ...]], scheme: quant.Fp8Scheme | None) -> set[str]:
+    def fp8_names(self, shapes: dict[str, tuple[int, ...]], scheme: quantization.Fp8Scheme | None) -> set[str]:
         """Our names of the tensors among `shapes` that are stored as FP8."""
         if scheme is None:
             return set()
@@ -102,7 +103,7 @@ class ModelSource:
         return {name for name, shape in shapes.items()
                 if name.endswith(".weight") and len(shape) == 2 and scheme.quantizes(module(name))}
 
-    def _read_fp8(self, fp8: set[str], shapes, scheme: quant.Fp8Scheme, device) -> dict:
+    def _read_fp8(self, fp8: set[str], shapes, scheme: quantization.Fp8Scheme, device) -> dict:
         """(weight, scale) of each FP8 linear, as stored; a WeightError naming the tensor when the checkpoint's
         dtypes disagree with its quantization_config."""
         scale_name = lambda name: name.removesuffix("weight") + scheme.scale_key  # noqa: E731

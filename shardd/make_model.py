@@ -1,7 +1,5 @@
-"""Synthetic checkpoints on disk, by preset and dtype name: what `shardctl make-model` and `shardctl demo` write.
-
-The CLI imports this module only inside those commands: writing weights needs torch, driving shards does not.
-"""
+"""Synthetic checkpoints on disk, by preset and dtype name: what `shardd make-model` writes (shardctl make-model and
+shardctl demo run that command, so shardctl never imports torch)."""
 
 from __future__ import annotations
 
@@ -12,11 +10,11 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
+from common.presets import preset_config
+from common.synthetic_tokenizer import write_tokenizer
 from shardd.draft.synthetic import synthetic_draft_config, write_draft_checkpoint
 from shardd.loading import DEFAULT_SYNTHETIC_DRAFT_LAYERS
-from shardd.presets import preset_config
 from shardd.synthetic import write_checkpoint
-from shardd.synthetic_tokenizer import write_tokenizer
 
 
 def write_synthetic_model(preset: str, seed: int, dtype: str, out: Path, *, show_progress: bool = True,

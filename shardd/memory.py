@@ -14,7 +14,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from shardd.config import ModelConfig
+from common.model_config import ModelConfig
+
 
 GiB = 1 << 30
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -19,10 +19,9 @@ from typing import Callable, Optional
 
 import zmq
 
+from common.endpoints import endpoint_problem, is_loopback
 from protocol import MessageType, ProtocolError, Ring, Rows, decode_reply, encode_request
 from protocol.codec import with_id
-from shardd.listen import endpoint_problem
-from shardd.security import is_loopback
 
 log = logging.getLogger("shardd")
 

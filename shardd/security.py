@@ -10,10 +10,8 @@ cannot touch it; SHUTDOWN is accepted only where the peer is known to be trusted
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
-import socket
 import stat
 import time
 from pathlib import Path
@@ -21,28 +19,6 @@ from pathlib import Path
 import zmq
 
 log = logging.getLogger("shardd")
-
-
-def tcp_host(endpoint: str) -> str | None:
-    """`tcp://HOST:PORT` -> HOST (brackets of an IPv6 literal removed); None for other transports."""
-    if not endpoint.startswith("tcp://"):
-        return None
-    return endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-
-
-def is_loopback(endpoint: str) -> bool:
-    """True for ipc:// and inproc://, and for a TCP host whose every resolved address is loopback:
-    a name that only looks local (`127.evil.example`) is judged by what it resolves to."""
-    if endpoint.startswith("ipc://") or endpoint.startswith("inproc://"):
-        return True
-    host = tcp_host(endpoint)
-    if not host:
-        return False
-    try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
-    except (socket.gaierror, UnicodeError):
-        return False
-    return bool(addresses) and all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addresses)
 
 
 def is_file_ipc(endpoint: str) -> bool:

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from shardd.config import ModelConfig
+from common import quantization
+from common.model_config import ModelConfig
 from shardd.weights import shard_shapes
 
 
@@ -102,7 +103,7 @@ def write_checkpoint(
     """
     from shardd import quant
 
-    scheme = quant.synthetic_scheme(quantize) if quantize else None
+    scheme = quantization.synthetic_scheme(quantize) if quantize else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     text = config.to_hf_dict()
@@ -114,7 +115,7 @@ def write_checkpoint(
         "shardd_synthetic": {"seed": seed, "quantize": quantize},
     }
     if scheme is not None:
-        full["quantization_config"] = quant.quantization_config(quantize, quant.SYNTHETIC_IGNORE[quantize])
+        full["quantization_config"] = quantization.quantization_config(quantize, quantization.SYNTHETIC_IGNORE[quantize])
     (out / "config.json").write_text(json.dumps(full, indent=2) + "\n")
 
     # Plan the files from the shapes first, so each can be named (-of-N) and written as soon as it is full.

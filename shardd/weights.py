@@ -13,8 +13,8 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
+from common.model_config import ModelConfig
 from protocol.layout import owns_embedding, owns_head
-from shardd.config import ModelConfig
 from shardd.draft.config import DraftConfig
 
 _IGNORED_PREFIXES = ("mtp.", "model.visual.", "visual.")

@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """The `tiny` synthetic preset written by our own writer (real Qwen3.5 layout, several files + index)."""
-    from shardd.presets import preset_config
+    from common.presets import preset_config
     from shardd.synthetic import write_checkpoint
 
     out = tmp_path_factory.mktemp("tiny")

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from coordinator.target import RollbackFailed
+from coordinator.relay.target import RollbackFailed
 from protocol import ErrorCode, ProtocolError
 from protocol.layout import CHECKPOINT, coverage_problems
 from shardd.loading import ModelSource, build_shard
@@ -79,7 +79,7 @@ class LocalTarget:
     def forward(self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False, sampling=None,
                 drafts=None) -> list[int]:
         """A batch of one (`forward_batch`): its ids, or the error that refused it raised."""
-        from coordinator.pipeline import BatchForward
+        from coordinator.relay.pipeline import BatchForward
 
         (ids,) = self.forward_batch([BatchForward(seq, pos, list(tokens), checkpoint, sampling, drafts)])
         if isinstance(ids, Exception):
@@ -108,7 +108,7 @@ class LocalTarget:
 
     @torch.inference_mode()
     def forward_batch(self, items: Sequence) -> list:
-        """`forward` for several sequences (`coordinator.pipeline.BatchForward`s), each shard running them as one
+        """`forward` for several sequences (`coordinator.relay.pipeline.BatchForward`s), each shard running them as one
         batch (`shardd.batch.forward_batch`), as the daemons do: per item its ids (TokenIds) or the error `forward`
         raises for it (a shard's ModelError, NO_SUCH_SEQUENCE, ValueError, RollbackFailed of an earlier
         `rollback_batch`); a refused item changes nothing and is dropped from the later shards (a checkpointed one

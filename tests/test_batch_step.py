@@ -18,14 +18,14 @@ from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton", reason="the fast path's kernels need triton")
 
+from common.model_config import config_from_dict  # noqa: E402
+from common.presets import PRESETS  # noqa: E402
 from protocol.layout import CHECKPOINT, REPLAY_SSM  # noqa: E402
 from shardd.batch import BatchItem, forward_batch  # noqa: E402
-from shardd.config import config_from_dict  # noqa: E402
 from shardd.fast.shard import FastShard  # noqa: E402
 from shardd.model import rollback as rb  # noqa: E402
 from shardd.model.errors import BadInput, ModelError, PositionMismatch  # noqa: E402
 from shardd.model.shard import ShardModel  # noqa: E402
-from shardd.presets import PRESETS  # noqa: E402
 from shardd.synthetic import synthetic_weights  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -201,8 +201,9 @@ def test_the_scheduler_over_a_batched_step_speculates_each_stream_as_greedy():
     drafting its own greedy continuation, with misses so that every stream rolls back) give each stream's greedy
     output (the same streams without drafts; each equals itself alone: the bit-for-bit tests above). On the GPU
     (bf16, graphs) this failed from 4 streams on."""
-    from coordinator.drafters import OracleDrafter
-    from coordinator.scheduler import Request, decode_all
+    from coordinator.drafting.drafters import OracleDrafter
+    from coordinator.scheduler.requests import Request
+    from coordinator.scheduler.scheduler import decode_all
     from tests.local import LocalTarget
 
     device = "cuda" if CUDA else "cpu"

@@ -14,10 +14,10 @@ import signal
 import msgpack
 import pytest
 
-from coordinator.client import ShardError
-from coordinator.pipeline import BatchForward, Pipeline
+from coordinator.relay.client import ShardError
+from coordinator.relay.pipeline import BatchForward, Pipeline
+from coordinator.relay.target import RollbackFailed, SequenceLost
 from coordinator.sampling import Sampling
-from coordinator.target import RollbackFailed, SequenceLost
 from protocol import (
     Capture,
     CaptureBatch,

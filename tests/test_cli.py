@@ -17,9 +17,9 @@ import coordinator
 from coordinator.benchstats import tokens_digest
 from coordinator.cli import cli
 from coordinator.cli.bench import benchmark_prompt
-from coordinator.client import CurveKeys, ShardClient, ShardTimeout
 from coordinator.decoding import greedy_decode
 from coordinator.launch import ShardSet, child_env, launched_sets
+from coordinator.relay.client import CurveKeys, ShardClient, ShardTimeout
 from coordinator.tokenizer import HFTokenizer
 from protocol.layout import even_split
 from shardd.loading import ModelSource
@@ -102,11 +102,13 @@ def test_generate_against_running_shards_never_imports_torch(shards, local):
 
 
 def test_the_coordinator_modules_import_without_torch():
-    root = Path(coordinator.__file__).parent
-    modules = ["coordinator", "protocol", "shardd", "shardd.config", "shardd.presets"] + [
-        module.name for module in pkgutil.walk_packages([str(root)], "coordinator.") if not module.name.endswith("__main__")]
-    assert {"coordinator.cli.generate", "coordinator.pipeline", "coordinator.tokenizer"} <= set(modules)
-    code = WITHOUT_TORCH + f"import importlib; [importlib.import_module(name) for name in {modules!r}]"
+    root = Path(coordinator.__file__).parent.parent
+    modules = [module.name for package in ("coordinator", "protocol", "common")
+               for module in pkgutil.walk_packages([str(root / package)], f"{package}.") if not module.name.endswith("__main__")]
+    modules = ["coordinator", "protocol", "common"] + modules
+    assert {"coordinator.cli.generate", "coordinator.tokenizer", "common.model_config", "protocol.codec"} <= set(modules)
+    code = WITHOUT_TORCH + (f"import importlib; [importlib.import_module(name) for name in {modules!r}]; "
+                            "shardd = sorted(m for m in sys.modules if m.split('.')[0] == 'shardd'); assert not shardd, shardd")
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), timeout=60)
     assert completed.returncode == 0, completed.stderr
 
@@ -208,6 +210,19 @@ def test_make_model_writes_a_loadable_checkpoint(tmp_path):
     assert json.loads(result.stdout)["path"] == str(out)
     assert ModelSource(model_dir=str(out)).config().num_layers == 6
     assert shardctl("make-model", "--preset", "tiny", "--out", out).exit_code == 2  # no silent overwrite
+
+
+def test_make_model_into_an_unwritable_place_fails_in_one_line(tmp_path):
+    # The writer runs as `shardd make-model` in a child process; its failure comes back as shardctl's one line.
+    (tmp_path / "a-file").write_text("")
+    completed = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TORCH + "from coordinator.cli import main; main()", "make-model", "--preset",
+         "tiny", "--out", str(tmp_path / "a-file" / "model")],
+        capture_output=True, text=True, env=child_env(), timeout=120,
+    )
+    assert completed.returncode == 1, completed.stderr
+    assert "Traceback" not in completed.stderr and completed.stdout == ""
+    assert completed.stderr.splitlines()[-1] == f"shardctl: error: [Errno 20] Not a directory: '{tmp_path / 'a-file' / 'model'}'"
 
 
 def test_launch_serves_until_sigterm():

@@ -9,11 +9,11 @@ from collections import Counter
 
 import pytest
 
-from coordinator.acceptance import accept_length, commit_tokens
 from coordinator.benchstats import all_identical, drift, summarize_runs, tokens_digest
 from coordinator.decoding import ROLLBACK_MODES, greedy_decode, speculative_decode
-from coordinator.drafters import NgramDrafter, OracleDrafter
-from coordinator.target import ReplayTarget, RollbackFailed, SequenceLost, Target
+from coordinator.drafting.drafters import NgramDrafter, OracleDrafter
+from coordinator.relay.target import ReplayTarget, RollbackFailed, SequenceLost, Target
+from coordinator.scheduler.commit import accept_length, commit_tokens
 from coordinator.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 VOCAB = 50
@@ -541,7 +541,7 @@ def test_load_tokenizer_picks_the_model_tokenizer_or_bytes(tmp_path):
 
 @pytest.mark.parametrize("mode", [None, "checkpoint", "replay-ssm", "replay"])
 def test_a_restarted_shard_is_refilled_from_history_and_the_output_is_unchanged(mode, monkeypatch):
-    monkeypatch.setattr("coordinator.decoding.RETRY_INTERVAL_S", 0.0)
+    monkeypatch.setattr("coordinator.scheduler.recovery.RETRY_INTERVAL_S", 0.0)
     expected = greedy_tokens(mixing_rule, 120)
     # Crash on the 5th and 9th forward, and on the 3rd rollback / restore where the mode has them.
     target = RestartingTarget({"forward": {5, 9}, "rollback": {3}, "restore": {3}})

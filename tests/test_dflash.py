@@ -18,13 +18,14 @@ import torch
 from click.testing import CliRunner
 
 from coordinator.cli import cli
-from coordinator.client import ShardClient, ShardError
 from coordinator.decoding import greedy_decode, speculative_decode
-from coordinator.dflash import CapturedRows, DFlashDrafterClient
-from coordinator.drafters import Drafter
+from coordinator.drafting.dflash import CapturedRows, DFlashDrafterClient
+from coordinator.drafting.drafters import Drafter
 from coordinator.launch import ShardSet, drafter_set, launched_sets
-from coordinator.pipeline import Pipeline, PipelineError, ShardInfo, order_shards
-from coordinator.target import RollbackFailed
+from coordinator.relay.client import ShardClient, ShardError
+from coordinator.relay.pipeline import Pipeline
+from coordinator.relay.shards import PipelineError, ShardInfo, order_shards
+from coordinator.relay.target import RollbackFailed
 from protocol import ErrorCode, WireTensor
 from shardd.draft.model import DFlashDrafter
 from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights
@@ -491,8 +492,9 @@ def test_dflash_requests_share_the_schedulers_steps(daemons, greedy, name, mode)
     """The scheduler runs DFlash requests in its steps beside greedy and n-gram ones: each drafter instance
     (`fresh`) holds its own sequence's features, every stream equals its request alone, and the streams
     shared steps (fewer steps than their forwards)."""
-    from coordinator.drafters import NgramDrafter
-    from coordinator.scheduler import Request, Scheduler
+    from coordinator.drafting.drafters import NgramDrafter
+    from coordinator.scheduler.requests import Request
+    from coordinator.scheduler.scheduler import Scheduler
 
     endpoints, draft_endpoint = pipeline_endpoints(daemons, name)
     with Pipeline.connect(endpoints) as pipeline, ShardClient(draft_endpoint) as draft_client:

@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from shardd.config import ConfigError
+from common.model_config import ConfigError
+from common.presets import preset_config
 from shardd.draft.config import build_target_layer_ids, draft_config_from_dict, load_draft_config
 from shardd.draft.model import DFlashDrafter
 from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights, write_draft_checkpoint
 from shardd.model.errors import BadInput, CapacityExceeded, PositionMismatch
-from shardd.presets import preset_config
 from shardd.synthetic import synthetic_weights
 from shardd.weights import WeightError, draft_name, draft_shapes, load_tensors
 

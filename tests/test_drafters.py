@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from coordinator.acceptance import accept_length
-from coordinator.drafters import NgramDrafter, OracleDrafter, make_drafter
+from coordinator.drafting.drafters import NgramDrafter, OracleDrafter, make_drafter
+from coordinator.scheduler.commit import accept_length
 
 
 def test_ngram_continues_a_repeating_sequence():

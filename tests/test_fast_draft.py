@@ -12,10 +12,10 @@ import torch
 
 triton = pytest.importorskip("triton", reason="the fast path's kernels need triton")
 
+from common.presets import preset_config  # noqa: E402
 from shardd.draft.model import DFlashDrafter  # noqa: E402
 from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights  # noqa: E402
 from shardd.fast.draft import FastDrafter  # noqa: E402
-from shardd.presets import preset_config  # noqa: E402
 from shardd.synthetic import synthetic_weights  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -132,7 +132,7 @@ def test_daemons_serve_the_fast_drafter(tmp_path):
     """`shardd serve --layers none --draft synthetic:2 --engine fast` over a real socket: HELLO says the drafter's
     engine, and PROPOSE (a context in two context steps, then a crop after a rollback) answers the same tokens
     as the reference engine's daemon; a closed sequence's slot serves the next one."""
-    from coordinator.client import ShardClient
+    from coordinator.relay.client import ShardClient
     from protocol import WireTensor
     from tests.daemons import free_tcp_endpoint, start_daemons, stop_all
 
@@ -169,10 +169,10 @@ def test_the_head_shard_proposes_in_the_verify_reply(tmp_path):
     first shard's captured layers ride along as `carried`): one PROPOSE round trip for the whole decode, the same
     proposals as a drafter in its own daemon, the greedy output. A `propose` the shard cannot honour is refused
     before anything changes."""
-    from coordinator.client import ShardClient, ShardError
+    from coordinator.relay.client import ShardClient, ShardError
     from coordinator.decoding import greedy_decode, speculative_decode
-    from coordinator.dflash import DFlashDrafterClient
-    from coordinator.pipeline import Pipeline
+    from coordinator.drafting.dflash import DFlashDrafterClient
+    from coordinator.relay.pipeline import Pipeline
     from protocol import Capture, ErrorCode
     from tests.daemons import free_tcp_endpoint, start_daemons, stop_all
 

@@ -12,16 +12,16 @@ import torch
 
 triton = pytest.importorskip("triton", reason="the fast path's kernels need triton")
 
+from common.model_config import config_from_dict  # noqa: E402
+from common.presets import PRESETS, preset_config  # noqa: E402
 from coordinator.decoding import greedy_decode, speculative_decode  # noqa: E402
-from coordinator.drafters import OracleDrafter  # noqa: E402
-from tests.local import LocalTarget  # noqa: E402
+from coordinator.drafting.drafters import OracleDrafter  # noqa: E402
 from protocol.layout import CHECKPOINT, REPLAY_SSM  # noqa: E402
-from shardd.model import rollback as rb  # noqa: E402
 from shardd.fast.shard import FastShard  # noqa: E402
+from shardd.model import rollback as rb  # noqa: E402
 from shardd.model.shard import ShardModel  # noqa: E402
-from shardd.config import config_from_dict  # noqa: E402
-from shardd.presets import PRESETS, preset_config  # noqa: E402
 from shardd.synthetic import synthetic_weights  # noqa: E402
+from tests.local import LocalTarget  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 if CUDA:  # float32 means float32 on both paths (as build_shard sets for a float32 shard)
@@ -407,7 +407,7 @@ def test_daemons_serve_the_fast_engine(tmp_path):
     """`shardd serve --engine fast` over real sockets (two daemons, tcp and ipc): HELLO names the engine and its T,
     and speculative decoding through them gives exactly their greedy output (on the CPU under Triton's
     interpreter: one short schedule)."""
-    from coordinator.pipeline import Pipeline
+    from coordinator.relay.pipeline import Pipeline
     from tests.daemons import free_tcp_endpoint, start_daemons, stop_all
 
     device = "cuda:0" if CUDA else "cpu"

@@ -23,7 +23,7 @@ from click.testing import CliRunner
 
 from coordinator.cli import cli
 from coordinator.launch import ShardSet, child_env, launched_sets
-from coordinator.pipeline import ShardInfo
+from coordinator.relay.shards import ShardInfo
 from coordinator.tokenizer import load_tokenizer
 from tests.serving import ShardctlServe, free_port
 
@@ -87,7 +87,7 @@ def test_make_model_ships_a_tokenizer_and_a_qwen_chat_template(made):
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer.from_file(str(made / "tokenizer.json"))
-    from shardd.config import load_config
+    from common.model_config import load_config
 
     assert tokenizer.get_vocab_size() == load_config(str(made)).vocab_size == 320
     text = "Shards hand hidden states along, ünïcode too"
@@ -128,8 +128,8 @@ def test_make_model_ships_a_tokenizer_and_a_qwen_chat_template(made):
 def test_every_preset_gets_a_tokenizer_of_its_vocabulary_and_in_memory_synthetic_shards_use_it():
     from tokenizers import Tokenizer
 
-    from shardd.presets import PRESETS
-    from shardd.synthetic_tokenizer import build_tokenizer_json
+    from common.presets import PRESETS
+    from common.synthetic_tokenizer import build_tokenizer_json
 
     for preset in PRESETS.values():
         assert Tokenizer.from_str(build_tokenizer_json(preset["vocab_size"])).get_vocab_size() == preset["vocab_size"]
@@ -209,7 +209,7 @@ def hub_cache(root: Path, repo_id: str, model_dir: Path) -> Path:
 
 
 def test_a_hub_id_resolves_from_the_local_cache_offline_and_says_when_it_is_not_there(made, tmp_path):
-    from shardd.hub import model_name
+    from common.hub import model_name
 
     snapshot = hub_cache(tmp_path / "hub", "shardd-test/tiny-chat", made)
     assert model_name(snapshot) == "shardd-test/tiny-chat"  # served as vLLM serves a hub id
@@ -303,7 +303,7 @@ def test_a_curve_shard_tells_a_client_without_keys_and_logs_the_refusal(tmp_path
     import zmq
     import zmq.auth
 
-    from coordinator.client import CurveKeys
+    from coordinator.relay.client import CurveKeys
 
     keys, allowed = tmp_path / "keys", tmp_path / "allowed"
     keys.mkdir()

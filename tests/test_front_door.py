@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.client import ShardClient
+from coordinator.relay.client import ShardClient
 from tests.daemons import start_pair, stop_all
 from tests.serving import ShardctlServe
 

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from shardd.config import ConfigError, config_from_dict, load_config
+from common.model_config import ConfigError, config_from_dict, load_config
+from common.presets import PRESETS, preset_config
 from shardd.loading import ModelSource, build_shard
 from shardd.model.delta_rule import chunked_delta_rule, recurrent_delta_rule
-from shardd.presets import PRESETS, preset_config
 from shardd.synthetic import synthetic_weights, write_checkpoint
 from shardd.weights import WeightError, load_tensors, shard_shapes
 from tests.reference import hf_logits_and_hidden, hf_model

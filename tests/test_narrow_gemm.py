@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("triton", reason="the kernels need triton")
 
+from common import quantization  # noqa: E402
 from shardd import quant  # noqa: E402
 from shardd.kernels import fp8_gemm  # noqa: E402
 from shardd.kernels.narrow_gemm import narrow_linear  # noqa: E402
@@ -48,7 +49,7 @@ def test_a_narrow_product_lands_in_its_columns_and_its_rows_do_not_depend_on_the
 
 def test_a_stacked_fp8_and_narrow_matrix_writes_each_part_into_one_output():
     gen = torch.Generator().manual_seed(6)
-    fp8_part = quant.Fp8Linear(*quant.quantize(torch.randn(136, 300, generator=gen), quant.FP8_BLOCK), (128, 128),
+    fp8_part = quant.Fp8Linear(*quant.quantize(torch.randn(136, 300, generator=gen), quantization.FP8_BLOCK), (128, 128),
                                kernel=fp8_gemm.fp8_linear)
     fp8_part = quant.Fp8Linear(fp8_part.weight.to(DEVICE), fp8_part.scale.to(DEVICE), (128, 128),
                                kernel=fp8_gemm.fp8_linear)

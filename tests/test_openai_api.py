@@ -18,9 +18,9 @@ import torch
 from click.testing import CliRunner
 
 from coordinator.cli import cli
-from coordinator.client import ShardClient, forward_record
 from coordinator.decoding import greedy_decode, speculative_decode
 from coordinator.launch import ShardSet, launched_sets
+from coordinator.relay.client import ShardClient, forward_record
 from coordinator.sampling import Sampling
 from shardd.loading import ModelSource
 from shardd.penalties import Penalties, penalise

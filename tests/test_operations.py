@@ -297,20 +297,20 @@ def test_busy_polling_auto_is_on_only_for_a_gpu_with_cores_to_spare(monkeypatch)
 def test_a_coordinator_s_auto_follows_its_daemons_on_a_host_with_the_cores(monkeypatch):
     """shardctl --busy-poll-ms auto (Pipeline.connect busy_poll_s=None): a client polls as long as its daemon
     reports polling in HELLO, where this host has AUTO_BUSY_POLL_CPUS too; never for a daemon that sleeps."""
-    from shardd import engine
+    from common.busy_poll import AUTO_BUSY_POLL_CPUS, follow_busy_poll
 
-    assert engine.follow_busy_poll(20.0, cpus=16) == 0.02
-    assert engine.follow_busy_poll(20.0, cpus=engine.AUTO_BUSY_POLL_CPUS - 1) == 0
-    assert engine.follow_busy_poll(0, cpus=16) == 0 and engine.follow_busy_poll(None, cpus=16) == 0
-    assert engine.follow_busy_poll("20", cpus=16) == 0 and engine.follow_busy_poll(5000, cpus=16) == 0
+    assert follow_busy_poll(20.0, cpus=16) == 0.02
+    assert follow_busy_poll(20.0, cpus=AUTO_BUSY_POLL_CPUS - 1) == 0
+    assert follow_busy_poll(0, cpus=16) == 0 and follow_busy_poll(None, cpus=16) == 0
+    assert follow_busy_poll("20", cpus=16) == 0 and follow_busy_poll(5000, cpus=16) == 0
 
 
 def test_a_busy_polling_daemon_and_client_answer_as_sleeping_ones_and_stop_at_once(workdir):
     """--busy-poll-ms (the daemon) and busy_poll_s (the client) change how each waits, not what is answered: the
     same ids as without, requests apart by more than the window are still served, and SIGTERM ends the daemon
     within its poll, not after the window. HELLO reports the daemon's polling, which a client's auto follows."""
-    from coordinator.client import ShardClient
-    from shardd import engine
+    from common.busy_poll import follow_busy_poll
+    from coordinator.relay.client import ShardClient
 
     bind = f"ipc://{workdir}/busy.sock"
     daemon = Daemon("busy", bind, ["--layers", "0:6", "--busy-poll-ms", "300"], workdir)
@@ -320,7 +320,7 @@ def test_a_busy_polling_daemon_and_client_answer_as_sleeping_ones_and_stop_at_on
                 ShardClient(bind, timeout_s=30, busy_poll_s=None) as follower:
             assert busy.hello()["busy_poll_ms"] == 300
             follower.hello()  # follows the daemon where the host has the cores for it (not this test machine's 2)
-            assert follower.busy_poll_s == engine.follow_busy_poll(300)
+            assert follower.busy_poll_s == follow_busy_poll(300)
             busy.open(1)
             plain.open(2)
             ids = busy.forward(1, 0, [1, 2, 3]).result["ids"]

@@ -13,12 +13,13 @@ import threading
 import pytest
 import torch
 
-from coordinator.client import ShardClient, ShardError, ShardTimeout
 from coordinator.decoding import greedy_decode, speculative_decode
-from coordinator.drafters import make_drafter
+from coordinator.drafting.drafters import make_drafter
 from coordinator.launch import ShardSet, launched_sets
-from coordinator.pipeline import CheckpointUnavailable, Pipeline, PipelineError, SequenceInconsistent, ShardInfo, order_shards
-from coordinator.target import RollbackFailed
+from coordinator.relay.client import ShardClient, ShardError, ShardTimeout
+from coordinator.relay.pipeline import CheckpointUnavailable, Pipeline, SequenceInconsistent
+from coordinator.relay.shards import PipelineError, ShardInfo, order_shards
+from coordinator.relay.target import RollbackFailed
 from protocol import ErrorCode, RemoteError
 from protocol.layout import even_split
 from shardd.loading import ModelSource

@@ -16,22 +16,23 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from common import quantization
+from common.model_config import ConfigError, config_from_dict, load_config
+from common.presets import PRESETS, preset_config
 from coordinator.decoding import greedy_decode, speculative_decode
-from coordinator.drafters import OracleDrafter
+from coordinator.drafting.drafters import OracleDrafter
 from protocol.layout import CHECKPOINT, REPLAY, REPLAY_SSM
 from shardd import quant
-from shardd.config import ConfigError, config_from_dict, load_config
 from shardd.loading import ModelSource, build_shard
 from shardd.memory import GiB, parse_memory
 from shardd.model.rollback import RollbackStorage
-from shardd.presets import PRESETS, preset_config
 from shardd.synthetic import write_checkpoint
 from shardd.weights import WeightError, shard_shapes
 from tests.daemons import Daemon, free_tcp_endpoint, serve_command
 from tests.local import LocalTarget
 from tests.reference import hf_logits_and_hidden, hf_model
 
-LAYOUTS = (quant.FP8_BLOCK, quant.FP8_CHANNEL)
+LAYOUTS = (quantization.FP8_BLOCK, quantization.FP8_CHANNEL)
 
 
 def ragged_config(layers: int = 6):
@@ -48,7 +49,7 @@ def dequantized_copy(src: Path, dst: Path) -> Path:
     """The same checkpoint with every FP8 weight multiplied out to float32 and the scales dropped: what transformers
     runs as the reference."""
     raw = json.loads((src / "config.json").read_text())
-    scheme = quant.scheme_from_config(raw)
+    scheme = quantization.scheme_from_config(raw)
     raw.pop("quantization_config")
     dst.mkdir()
     (dst / "config.json").write_text(json.dumps(raw))
@@ -74,7 +75,7 @@ def fp8_model(request, tmp_path_factory):
 
 def test_checkpoint_holds_fp8_bytes_with_their_scales_and_ignored_modules_unquantized(fp8_model):
     raw = json.loads((fp8_model["dir"] / "config.json").read_text())
-    scheme = quant.scheme_from_config(raw)
+    scheme = quantization.scheme_from_config(raw)
     assert scheme.layout == fp8_model["layout"]
     with safe_open(str(next(fp8_model["dir"].glob("*.safetensors"))), framework="pt") as f:
         keys = set(f.keys())
@@ -122,10 +123,10 @@ def test_every_rollback_mode_gives_the_greedy_tokens_of_transformers(fp8_model):
 
 
 def test_synthetic_quantize_equals_the_written_checkpoint(tmp_path):
-    written = write_checkpoint(tmp_path / "m", preset_config("tiny"), seed=0, quantize=quant.FP8_CHANNEL)
+    written = write_checkpoint(tmp_path / "m", preset_config("tiny"), seed=0, quantize=quantization.FP8_CHANNEL)
     shapes = shard_shapes(preset_config("tiny"), 0, 3)
     from_disk = ModelSource(model_dir=str(written)).tensors(shapes, dtype=torch.float32, keep_fp8=True)
-    in_memory = ModelSource(synthetic="tiny", quantize=quant.FP8_CHANNEL).tensors(shapes, dtype=torch.float32,
+    in_memory = ModelSource(synthetic="tiny", quantize=quantization.FP8_CHANNEL).tensors(shapes, dtype=torch.float32,
                                                                                   keep_fp8=True)
     up = "layers.0.mlp.up_proj.weight"
     assert isinstance(from_disk[up], quant.Fp8Linear) and isinstance(in_memory[up], quant.Fp8Linear)
@@ -151,7 +152,7 @@ def test_fast_step_keeps_the_fp8_bytes_and_matches_the_reference(layout, tmp_pat
     in_proj = gdn.mixer.in_proj
     assert isinstance(in_proj, quant.StackedLinear) and not quant.is_quantized(in_proj.groups[-1])  # a: not converted
     assert all(isinstance(g, quant.Fp8Linear) for g in in_proj.groups[:-1])
-    if layout == quant.FP8_BLOCK:
+    if layout == quantization.FP8_BLOCK:
         # qkv has 96 rows (a partial block), q 128 | k 32 | v 32, gate 200: each splits where a block would mix parts
         assert len(in_proj.groups) == 4  # qkv | z | b | a
         assert [g.shape[0] for g in attention.mixer.qkv.groups] == [160, 32]  # q|k, v
@@ -170,7 +171,7 @@ def test_fast_step_keeps_the_fp8_bytes_and_matches_the_reference(layout, tmp_pat
 
 def test_fusing_block_scales_is_exact_only_at_block_boundaries():
     gen = torch.Generator().manual_seed(0)
-    parts = [quant.Fp8Linear(*quant.quantize(torch.randn(n, 200, generator=gen), quant.FP8_BLOCK), (128, 128))
+    parts = [quant.Fp8Linear(*quant.quantize(torch.randn(n, 200, generator=gen), quantization.FP8_BLOCK), (128, 128))
              for n in (256, 128, 48, 48)]
     fused, views = quant.fuse_rows(parts)
     assert isinstance(fused, quant.StackedLinear) and len(fused.groups) == 2  # 256|128|48, then 48
@@ -188,13 +189,13 @@ def test_dequantize_is_the_kernel_modules_reference():
     gen = torch.Generator().manual_seed(1)
     for layout in LAYOUTS:
         weight, scale = quant.quantize(torch.randn(200, 160, generator=gen), layout)
-        block = (128, 128) if layout == quant.FP8_BLOCK else None
+        block = (128, 128) if layout == quantization.FP8_BLOCK else None
         assert torch.equal(quant.dequantize(weight, scale, block), fp8_gemm.dequantize_fp8(weight, scale, block))
 
 
 # ---- refusals ---------------------------------------------------------------------------------------
 
-_CT_FP8 = quant.quantization_config(quant.FP8_CHANNEL, ["lm_head"])
+_CT_FP8 = quantization.quantization_config(quantization.FP8_CHANNEL, ["lm_head"])
 
 
 def _ct(**weights):
@@ -209,11 +210,11 @@ REFUSED = {
     "bitsandbytes": ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
     "nvfp4-modelopt": ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "quant_method 'modelopt'"),
     "gguf": ({"quant_method": "gguf"}, "quant_method 'gguf'"),
-    "fp8-static": ({**quant.quantization_config(quant.FP8_BLOCK, []), "activation_scheme": "static"},
+    "fp8-static": ({**quantization.quantization_config(quantization.FP8_BLOCK, []), "activation_scheme": "static"},
                    "activation_scheme 'static'"),
     "fp8-per-tensor": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "without weight_block_size"),
-    "fp8-e5m2": ({**quant.quantization_config(quant.FP8_BLOCK, []), "fmt": "e5m2"}, "fmt 'e5m2'"),
-    "fp8-64-blocks": ({**quant.quantization_config(quant.FP8_BLOCK, []), "weight_block_size": [64, 64]},
+    "fp8-e5m2": ({**quantization.quantization_config(quantization.FP8_BLOCK, []), "fmt": "e5m2"}, "fmt 'e5m2'"),
+    "fp8-64-blocks": ({**quantization.quantization_config(quantization.FP8_BLOCK, []), "weight_block_size": [64, 64]},
                       "weight_block_size [64, 64]"),
     "ct-int4": ({**_ct(type="int", num_bits=4), "format": "pack-quantized"}, "format 'pack-quantized'"),
     "ct-int8": (_ct(type="int", num_bits=8), "'int' with 8 bits"),
@@ -280,19 +281,19 @@ def test_the_27b_fits_two_24gib_daemons_in_fp8_and_not_in_bf16():
     config = preset_config("qwen3.5-27b")
     options = ServeOptions(max_sequences=1, max_context=4096, max_tokens_per_request=1024)
     plans = {}
-    for layout in (quant.FP8_BLOCK, None):
+    for layout in (quantization.FP8_BLOCK, None):
         source = ModelSource(synthetic="qwen3.5-27b", quantize=layout)
         for layers, draft in (((0, 32), "synthetic:5"), ((32, 64), None)):
             plans[(layout, layers[0])] = daemon_memory_plan(
                 source, config, layers, draft, dtype="bfloat16", keep_fp8=True, engine="fast",
                 storage=RollbackStorage(CHECKPOINT, 16), options=options, cap=24 * GiB)
-    assert all(plans[(quant.FP8_BLOCK, b)].fits() for b in (0, 32)), [plans[(quant.FP8_BLOCK, b)].line() for b in (0, 32)]
+    assert all(plans[(quantization.FP8_BLOCK, b)].fits() for b in (0, 32)), [plans[(quantization.FP8_BLOCK, b)].line() for b in (0, 32)]
     assert not any(plans[(None, b)].fits() for b in (0, 32))
     # FP8 weights are about half the bf16 ones (the embedding / head stay bf16)
-    fp8, bf16 = plans[(quant.FP8_BLOCK, 32)].items["weights"], plans[(None, 32)].items["weights"]
+    fp8, bf16 = plans[(quantization.FP8_BLOCK, 32)].items["weights"], plans[(None, 32)].items["weights"]
     assert 0.5 < fp8 / bf16 < 0.65
-    assert plans[(quant.FP8_BLOCK, 0)].items["checkpoint_buffers"] > GiB  # float32 states after every token
-    assert plans[(quant.FP8_BLOCK, 0)].items["drafter"] > plans[(quant.FP8_BLOCK, 32)].items.get("drafter", 0)
+    assert plans[(quantization.FP8_BLOCK, 0)].items["checkpoint_buffers"] > GiB  # float32 states after every token
+    assert plans[(quantization.FP8_BLOCK, 0)].items["drafter"] > plans[(quantization.FP8_BLOCK, 32)].items.get("drafter", 0)
 
 
 def test_a_daemon_over_its_cap_refuses_to_start_naming_each_part(tmp_path):
@@ -332,7 +333,7 @@ def test_a_quantized_drafter_checkpoint_is_refused_by_name(tmp_path):
 
     draft = write_draft_checkpoint(tmp_path / "draft", synthetic_draft_config(preset_config("tiny"), num_layers=1), 0)
     raw = json.loads((draft / "config.json").read_text())
-    raw["quantization_config"] = quant.quantization_config(quant.FP8_BLOCK, [])
+    raw["quantization_config"] = quantization.quantization_config(quantization.FP8_BLOCK, [])
     (draft / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="quantized drafter .*'fp8'"):
         load_draft_config(draft)
@@ -352,33 +353,33 @@ def test_shardctl_generate_launches_fp8_daemons_with_quantize():
     from shardd.model.rollback import RollbackStorage
 
     ids = list(range(1, 33))
-    result = shardctl("generate", "--synthetic", "tiny", "--split", 2, "--quantize", quant.FP8_BLOCK, "--prompt-ids",
+    result = shardctl("generate", "--synthetic", "tiny", "--split", 2, "--quantize", quantization.FP8_BLOCK, "--prompt-ids",
                       ",".join(map(str, ids)), "--max-new-tokens", 12, "--drafter", "oracle", "--mean-commit", 3,
                       "--block-size", 4, "--json")
     assert result.exit_code == 0, result.output
     tokens = json.loads(result.stdout)["tokens"]
     local = {layout: greedy_decode(LocalTarget(ModelSource(synthetic="tiny", quantize=layout),
                                                storage=RollbackStorage(None, 0)), 1, ids, 12).tokens
-             for layout in (quant.FP8_BLOCK, None)}
-    assert tokens == local[quant.FP8_BLOCK] != local[None]  # the FP8 model's tokens, not the bf16 one's
+             for layout in (quantization.FP8_BLOCK, None)}
+    assert tokens == local[quantization.FP8_BLOCK] != local[None]  # the FP8 model's tokens, not the bf16 one's
 
 
 def test_shardctl_launch_passes_quantize_to_every_daemon_including_the_drafter():
     import signal
 
-    from coordinator.client import ShardClient
+    from coordinator.relay.client import ShardClient
     from coordinator.launch import child_env
 
     process = subprocess.Popen(
         [sys.executable, "-c", "from coordinator.cli import main; main()", "launch", "--synthetic", "tiny", "--split", "2",
-         "--quantize", quant.FP8_CHANNEL, "--draft", "synthetic", "--draft-placement", "own", "--json"],
+         "--quantize", quantization.FP8_CHANNEL, "--draft", "synthetic", "--draft-placement", "own", "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
     try:
         launched = json.loads(process.stdout.readline())
         for endpoint in [*launched["endpoints"], launched["draft_endpoint"]]:
             with ShardClient(endpoint, timeout_s=30) as client:
                 hello = client.hello()
-            assert hello["quantization"]["layout"] == quant.FP8_CHANNEL
+            assert hello["quantization"]["layout"] == quantization.FP8_CHANNEL
             assert hello["model"]["fingerprint"].endswith(":fp8-channel")
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0
@@ -393,8 +394,8 @@ def test_shardctl_quantize_refuses_unknown_layouts_and_checkpoints_by_name(comma
     extra = ["--prompt-ids", "1,2"] if command == "generate" else []
     result = shardctl(command, *source, "--quantize", "gptq", *extra)
     assert result.exit_code == 2 and "'gptq' is not one of 'fp8-block', 'fp8-channel'" in result.output
-    result = shardctl(command, "--model", tmp_path, "--split", "2", "--quantize", quant.FP8_BLOCK, *extra)
+    result = shardctl(command, "--model", tmp_path, "--split", "2", "--quantize", quantization.FP8_BLOCK, *extra)
     assert result.exit_code == 2 and "--quantize goes with --synthetic" in result.output
     if command != "launch":
-        result = shardctl(command, "--shards", "tcp://127.0.0.1:9", "--quantize", quant.FP8_BLOCK, *extra)
+        result = shardctl(command, "--shards", "tcp://127.0.0.1:9", "--quantize", quantization.FP8_BLOCK, *extra)
         assert result.exit_code == 2 and "--quantize goes with --synthetic" in result.output

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import zmq
 
-from coordinator.client import ShardClient, ShardTimeout
 from coordinator.decoding import greedy_decode
-from coordinator.pipeline import Pipeline
+from coordinator.relay.client import ShardClient, ShardTimeout
+from coordinator.relay.pipeline import Pipeline
 from protocol import ErrorCode, MessageType, decode_reply, encode_request
 from protocol.messages import Hello
 from shardd.loading import ModelSource

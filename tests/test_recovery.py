@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from coordinator.decoding import greedy_decode, speculative_decode
-from coordinator.drafters import OracleDrafter
-from coordinator.pipeline import Pipeline
+from coordinator.drafting.drafters import OracleDrafter
+from coordinator.relay.pipeline import Pipeline
 from shardd.loading import ModelSource
 from tests.daemons import Daemon, free_tcp_endpoint, kill_and_replace, stop_all
 from tests.local import LocalTarget
@@ -51,8 +51,8 @@ def test_killed_and_restarted_shard_is_refilled(tmp_path, expected, mode):
 def test_killed_and_restarted_drafter_daemon_is_refilled(tmp_path, expected):
     """A separate DFlash drafter daemon restarts: PROPOSE answers NO_SUCH_SEQUENCE, the loop re-fills
     target and drafter from the history, and the output is unchanged."""
-    from coordinator.client import ShardClient
-    from coordinator.dflash import DFlashDrafterClient
+    from coordinator.relay.client import ShardClient
+    from coordinator.drafting.dflash import DFlashDrafterClient
 
     binds = [free_tcp_endpoint(), free_tcp_endpoint()]
     shard_args = ["--layers", "0:6", "--max-verify-tokens", "16"]

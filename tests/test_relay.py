@@ -8,12 +8,12 @@ import time
 import pytest
 import torch
 
-from coordinator.client import ShardError
 from coordinator.decoding import greedy_decode, speculative_decode
-from coordinator.drafters import make_drafter
+from coordinator.drafting.drafters import make_drafter
 from coordinator.launch import ShardSet, launched_sets
-from coordinator.pipeline import Pipeline
-from coordinator.target import RollbackFailed
+from coordinator.relay.client import ShardError
+from coordinator.relay.pipeline import Pipeline
+from coordinator.relay.target import RollbackFailed
 from protocol import (RECORD_TYPES, ErrorCode, Forward, ForwardBatch, MessageType, Rows, WireTensor, encode_request,
                       pure_chain)
 from protocol.layout import even_split
@@ -352,7 +352,7 @@ def test_a_first_shard_that_stops_mid_step_leaves_the_sequence_inconsistent_and_
     the coordinator's next request at once, its wait ended."""
     import signal
 
-    from coordinator.pipeline import BatchForward, SequenceInconsistent
+    from coordinator.relay.pipeline import BatchForward, SequenceInconsistent
 
     binds = [f"ipc://{tmp_path}/first.sock", f"ipc://{tmp_path}/head.sock"]
     daemons = start_daemons({
@@ -393,8 +393,9 @@ def test_batches_of_rows_from_shard_to_shard_give_the_coordinator_relay_s_tokens
     """Several streams through the scheduler (batched FORWARDs, greedy and oracle speculative with checkpoint
     rollbacks) over daemons that send each batch's rows on as one ROWS: the tokens of the coordinator relaying
     them, and no rows went missing."""
-    from coordinator.drafters import OracleDrafter
-    from coordinator.scheduler import Request, decode_all
+    from coordinator.drafting.drafters import OracleDrafter
+    from coordinator.scheduler.requests import Request
+    from coordinator.scheduler.scheduler import decode_all
 
     binds, _, _ = direct
     prompts = [PROMPT[i:i + 9 + i] for i in range(5)]
@@ -425,7 +426,7 @@ def test_one_sequence_is_a_batch_of_one_on_the_one_sequence_wire_both_ways(direc
     """`forward`, and `forward_batch` of one item, send each shard a plain FORWARD (no batch on the wire: STATS
     `batches` unchanged), two items one batched FORWARD a shard; shard to shard and through the coordinator alike,
     with the same ids for each sequence whichever way it went."""
-    from coordinator.pipeline import BatchForward
+    from coordinator.relay.pipeline import BatchForward
 
     binds, _, _ = direct
     ids = {}
@@ -466,7 +467,7 @@ def test_a_batch_item_a_shard_refuses_is_refused_after_it_alone(direct):
     the middle shard refuses (its sequence is not open there) fail alone with their own errors; the first is
     unchanged everywhere, the second rolled back on the first shard (a checkpointed step); the others ran, with
     the ids each gives alone."""
-    from coordinator.pipeline import BatchForward
+    from coordinator.relay.pipeline import BatchForward
 
     binds, _, _ = direct
     with Pipeline.connect(binds) as pipeline:
@@ -564,7 +565,7 @@ def test_batches_with_refused_items_end_alike_relayed_and_shard_to_shard(direct)
     steps on from where its outcome left it, identically in both."""
     import random
 
-    from coordinator.pipeline import BatchForward
+    from coordinator.relay.pipeline import BatchForward
 
     binds, _, _ = direct
 
@@ -610,7 +611,8 @@ def test_rows_through_the_device_ring_give_the_host_rows_tokens(tmp_path):
     speculative (checkpoint rollbacks) and a batch of streams give the tokens of the same daemons with the rows
     through the host (a second set whose later shards lend no ring, being under --max-gpu-memory: the first one
     asks, is refused, and goes by host), every step's rows in a slot (STATS `rows`)."""
-    from coordinator.scheduler import Request, decode_all
+    from coordinator.scheduler.requests import Request
+    from coordinator.scheduler.scheduler import decode_all
 
     sets = {}
     for name in ("ring", "host"):

@@ -21,13 +21,14 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from coordinator.client import ShardClient
-from coordinator.decoding import RecoveryFailed, greedy_decode
-from coordinator.pipeline import Pipeline, ShardReplaced
+from common.endpoints import is_loopback
+from coordinator.decoding import greedy_decode
+from coordinator.relay.client import ShardClient
+from coordinator.relay.pipeline import Pipeline, ShardReplaced
+from coordinator.scheduler.recovery import RecoveryFailed
 from protocol import ErrorCode, encode_request
 from protocol.messages import Forward
 from shardd.loading import ModelSource
-from shardd.security import is_loopback
 from tests.daemons import PAIR_ARGS, Client, Daemon, free_tcp_endpoint, kill_and_replace, start_pair, stop_all
 from tests.local import LocalTarget
 
@@ -161,7 +162,7 @@ def test_a_different_daemon_on_the_endpoint_is_not_refilled(tmp_path, replacemen
 
 OPEN_AND_VANISH = textwrap.dedent("""
     import sys, time
-    from coordinator.client import ShardClient
+    from coordinator.relay.client import ShardClient
     client = ShardClient(sys.argv[1], timeout_s=30)
     client.open(77)
     client.forward(77, 0, tokens=[1, 2, 3])

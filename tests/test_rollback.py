@@ -139,7 +139,7 @@ def test_snapshot_ends_the_pending_step_and_restores(shards):
 
 
 def test_checkpoint_bytes_reported(shards, tiny_dir):
-    from shardd.config import load_config
+    from common.model_config import load_config
 
     config = load_config(tiny_dir)
     gdn_layers = 4

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from coordinator.decoding import greedy_decode, speculative_decode
-from coordinator.drafters import NgramDrafter
+from coordinator.drafting.drafters import NgramDrafter
 from coordinator.sampling import Sampling
 from shardd import sampling as sm
 from shardd.head import HeadRequest, answer_batch, answer_rows

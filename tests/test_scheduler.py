@@ -13,12 +13,13 @@ import time
 import pytest
 
 from coordinator.decoding import greedy_decode, speculative_decode
-from coordinator.drafters import NgramDrafter
+from coordinator.drafting.drafters import NgramDrafter
 from coordinator.launch import ShardSet, launched_sets
-from coordinator.pipeline import Pipeline
+from coordinator.relay.pipeline import Pipeline
+from coordinator.relay.target import SequenceLost
 from coordinator.sampling import Sampling
-from coordinator.scheduler import LoopBatches, Request, Scheduler, decode_all
-from coordinator.target import SequenceLost
+from coordinator.scheduler.requests import Request
+from coordinator.scheduler.scheduler import LoopBatches, Scheduler, decode_all
 from protocol.layout import CHECKPOINT, REPLAY, REPLAY_SSM
 from tests.test_decoding import VOCAB, FakeTarget, TargetMisuse
 
@@ -105,7 +106,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_streams_keep_flowing():
 def test_prompt_chunks_are_whole_prefill_pieces_of_the_shards():
     """Shards that graph their prefill in pieces of P rows (HELLO `prefill_rows`) get prompt chunks of a multiple
     of P (at least one piece), so no chunk but a prompt's last runs a piece eagerly; without P, half a step."""
-    from coordinator.scheduler import default_prefill_chunk
+    from coordinator.scheduler.scheduler import default_prefill_chunk
 
     assert default_prefill_chunk(1024, None) == 512 and default_prefill_chunk(1024, 0) == 512
     assert default_prefill_chunk(1024, 512) == 512 and default_prefill_chunk(1024, 192) == 384
@@ -293,7 +294,7 @@ def test_the_serve_engine_batches_requests_counts_them_and_cancels_a_dropped_one
     """One engine thread for every request: outputs as alone, the scheduler's metrics, a dropped stream closed."""
     import asyncio
 
-    from coordinator.client import ShardClient
+    from coordinator.relay.client import ShardClient
     from coordinator.serve.engine import Engine, EngineConfig, GenerateParams
     from coordinator.tokenizer import ByteTokenizer
 

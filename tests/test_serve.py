@@ -15,9 +15,9 @@ from click.testing import CliRunner
 
 from coordinator.cli import cli
 from coordinator.decoding import speculative_decode
-from coordinator.drafters import NgramDrafter
+from coordinator.drafting.drafters import NgramDrafter
 from coordinator.launch import ShardSet, child_env, launched_sets
-from coordinator.pipeline import Pipeline
+from coordinator.relay.pipeline import Pipeline
 from coordinator.sampling import Sampling
 from tests.serving import ShardctlServe
 
@@ -263,7 +263,7 @@ def test_generate_samples_with_a_seed(shards, model):
 
 
 def test_a_tokenizer_the_shards_name_but_this_host_lacks_is_refused():
-    from coordinator.pipeline import ShardInfo
+    from coordinator.relay.shards import ShardInfo
     from coordinator.tokenizer import TokenizerUnavailable, load_tokenizer
 
     shard = ShardInfo("tcp://127.0.0.1:1", {"tokenizer": "/nonexistent/model"})
@@ -272,7 +272,7 @@ def test_a_tokenizer_the_shards_name_but_this_host_lacks_is_refused():
 
 
 def test_quantized_checkpoints_are_refused(model, tmp_path):
-    from shardd.config import ConfigError, load_config
+    from common.model_config import ConfigError, load_config
 
     for method in ("gptq", "awq"):  # FP8 loads (tests/test_quant.py)
         quantized = tmp_path / method

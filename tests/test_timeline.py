@@ -90,7 +90,7 @@ def test_two_daemons_on_a_gpu_report_timelines_that_pair_into_steps(tmp_path):
     """Two fast daemons, the rows through the second one's device ring, with SHARDD_TIMELINE: every greedy step
     pairs (a put, a wait, both steps, the reply) and the same tokens come as without the timeline."""
     from coordinator.decoding import greedy_decode
-    from coordinator.pipeline import Pipeline
+    from coordinator.relay.pipeline import Pipeline
     from tests.daemons import start_daemons, stop_all
 
     prompt = list(b"The quick brown fox jumps over the lazy dog")

@@ -12,25 +12,24 @@ import signal
 
 import click
 
-from shardd import __version__
-
+from common import __version__
 from coordinator.cli.bench import BenchError, bench
 from coordinator.cli.demo import demo
 from coordinator.cli.generate import generate
 from coordinator.cli.launch import launch
-from coordinator.cli.make_model import make_model
+from coordinator.cli.make_model import MakeModelFailed, make_model
 from coordinator.cli.options import EXIT_FAILURE, MissingExtra
 from coordinator.cli.plan import ShardUnreachable
 from coordinator.cli.serve import serve
 from coordinator.cli.status import status
-from coordinator.client import ShardTimeout
 from coordinator.launch import LaunchError
-from coordinator.pipeline import PipelineError
-from coordinator.target import RollbackFailed, SequenceLost
+from coordinator.relay.client import ShardTimeout
+from coordinator.relay.shards import PipelineError
+from coordinator.relay.target import RollbackFailed, SequenceLost
 from protocol import ProtocolError
 
 RUNTIME_ERRORS = (ProtocolError, ShardTimeout, ShardUnreachable, PipelineError, LaunchError, BenchError, SequenceLost,
-                  RollbackFailed, MissingExtra)
+                  RollbackFailed, MissingExtra, MakeModelFailed)
 
 
 class ShardctlGroup(click.Group):

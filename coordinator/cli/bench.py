@@ -28,7 +28,7 @@ from coordinator.cli.options import (
 from coordinator.cli.output import emit_json, fmt, fmt_percent, format_table, progress
 from coordinator.cli.plan import connect_pipeline, make_plan, mode_daemon_args
 from coordinator.launch import child_env
-from coordinator.pipeline import PipelineError
+from coordinator.relay.shards import PipelineError
 from protocol.layout import CHECKPOINT, REPLAY, ROLLBACK_MODES
 
 

@@ -12,15 +12,18 @@ from pathlib import Path
 
 import click
 
+from common.model_config import load_config
+from common.synthetic_tokenizer import write_tokenizer
 from coordinator import benchstats
 from coordinator.cli.generate import GREEDY, ORACLE_NOTE, generation_record, run_generation
+from coordinator.cli.make_model import write_model
 from coordinator.cli.options import EXIT_DIFFER, check_mean_commit
 from coordinator.cli.output import emit_json, fmt, fmt_percent, format_table, progress
 from coordinator.cli.plan import mode_daemon_args, model_num_layers
-from coordinator.client import ShardClient
-from coordinator.drafters import DRAFTERS
+from coordinator.drafting.drafters import DRAFTERS
 from coordinator.launch import TRANSPORTS, ShardSet, drafter_set, launched_sets
-from coordinator.pipeline import Pipeline
+from coordinator.relay.client import ShardClient
+from coordinator.relay.pipeline import Pipeline
 from coordinator.tokenizer import load_tokenizer
 from protocol.layout import CHECKPOINT, REPLAY, REPLAY_SSM, SHARD_ROLLBACK_MODES, even_split
 
@@ -39,16 +42,12 @@ def demo_model(seed: int = 0) -> Path:
     if (target / "model.safetensors.index.json").is_file():
         progress(f"using the cached demo model in {target}")
         if not (target / "tokenizer.json").is_file():  # cached by a version that wrote no tokenizer
-            from shardd.synthetic_tokenizer import write_tokenizer
-
             write_tokenizer(target, model_vocab_size(target))
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     progress(f"writing the small synthetic model to {target}")
     staging = Path(tempfile.mkdtemp(prefix=".small-", dir=target.parent))
-    from shardd.make_model import write_synthetic_model  # torch: only writing the model needs it
-
-    write_synthetic_model("small", seed, "float32", staging)
+    write_model("small", seed, "float32", staging)
     shutil.rmtree(target, ignore_errors=True)  # an incomplete earlier attempt
     try:
         staging.rename(target)
@@ -58,8 +57,6 @@ def demo_model(seed: int = 0) -> Path:
 
 
 def model_vocab_size(model_dir: Path) -> int:
-    from shardd.config import load_config
-
     return load_config(str(model_dir)).vocab_size
 
 

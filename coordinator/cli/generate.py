@@ -30,13 +30,15 @@ from coordinator.cli.options import (
 from coordinator.cli.output import emit_json, fmt, fmt_percent, progress
 from coordinator.cli.plan import (DEFAULT_DRAFT_PLACEMENT, DRAFT_PLACEMENTS, connect_pipeline, dflash_daemon, make_plan,
                                   mode_daemon_args)
-from coordinator.client import ShardClient
-from coordinator.decoding import RECOVERY_TIMEOUT_S, DecodeResult
-from coordinator.drafters import DRAFTERS, make_drafter
-from coordinator.pipeline import PipelineError, ShardInfo
+from coordinator.drafting.drafters import DRAFTERS, make_drafter
+from coordinator.relay.client import ShardClient
+from coordinator.relay.shards import PipelineError, ShardInfo
+from coordinator.relay.target import Target
 from coordinator.sampling import Sampling
-from coordinator.scheduler import Request, decode_all
-from coordinator.target import Target
+from coordinator.scheduler.recovery import RECOVERY_TIMEOUT_S
+from coordinator.scheduler.requests import DecodeResult
+from coordinator.scheduler.requests import Request
+from coordinator.scheduler.scheduler import decode_all
 from coordinator.tokenizer import TokenizerUnavailable, load_tokenizer
 from protocol.layout import CHECKPOINT, ROLLBACK_MODES
 

@@ -1,18 +1,45 @@
 """`shardctl make-model`: write a synthetic checkpoint (and its drafter) in the real Qwen3.5 layout.
 
-The writer lives on the shard side (`shardd.make_model`, it needs torch) and is imported only when
-this command runs, so the rest of shardctl never imports torch."""
+The writer lives on the shard side and needs torch, so it runs as `shardd make-model` in a child process: shardctl
+itself never imports torch or shardd."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import click
 
+from common.presets import PRESETS
+from common.quantization import LAYOUTS
 from coordinator.cli.options import DTYPES
 from coordinator.cli.output import MiB, emit_json, progress
-from shardd.presets import PRESETS
+
+
+class MakeModelFailed(RuntimeError):
+    """`shardd make-model` could not write the model; the message is its error."""
+
+
+def write_model(preset: str, seed: int, dtype: str, out: Path, *, quantize: Optional[str] = None,
+                with_drafter: bool = False, draft_layers: Optional[int] = None) -> tuple[Path, Optional[Path]]:
+    """Write the model (and drafter) through `shardd make-model`, its progress bar on this stderr; (model, draft)."""
+    command = [sys.executable, "-m", "shardd", "make-model", "--preset", preset, "--out", str(out), "--seed", str(seed),
+               "--dtype", dtype, "--force", "--json"]
+    command += ["--quantize", quantize] if quantize else []
+    command += ["--with-drafter"] if with_drafter else []
+    command += ["--draft-layers", str(draft_layers)] if draft_layers is not None else []
+    child = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+    try:
+        written = json.loads(child.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise MakeModelFailed(f"shardd make-model exited {child.returncode} without a result") from None
+    if child.returncode != 0 or "error" in written:
+        raise MakeModelFailed(written.get("error") or f"shardd make-model exited {child.returncode}")
+    return Path(written["path"]), None if written["draft"] is None else Path(written["draft"])
 
 
 @click.command("make-model", context_settings={"help_option_names": ["-h", "--help"]})
@@ -20,7 +47,7 @@ from shardd.presets import PRESETS
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Directory to write.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
-@click.option("--quantize", type=click.Choice(("fp8-block", "fp8-channel")), default=None,
+@click.option("--quantize", type=click.Choice(LAYOUTS), default=None,
               help="Write the linears as FP8: fp8-block (quant_method 'fp8', 128x128 weight_scale_inv, partial blocks "
                    "at the edges) or fp8-channel (compressed-tensors, per-channel weight_scale); the head and "
                    "linear_attn.in_proj_a stay in --dtype, listed as not converted.")
@@ -43,13 +70,11 @@ def make_model(preset, out_dir, seed, dtype, quantize, force, with_drafter, draf
     out = Path(out_dir)
     if (out / "config.json").exists() and not force:
         raise click.UsageError(f"{out} already holds a model (config.json); pass --force to overwrite it")
-    from shardd.make_model import write_synthetic_drafter, write_synthetic_model  # torch: only this command needs it
-
     what = dtype + (f", {quantize}" if quantize else "")
     progress(f"writing synthetic {preset} (seed {seed}, {what}) to {out}")
     started = time.perf_counter()
-    path = write_synthetic_model(preset, seed, dtype, out, quantize=quantize)
-    draft = write_synthetic_drafter(path, preset, seed, dtype, draft_layers) if with_drafter else None
+    path, draft = write_model(preset, seed, dtype, out, quantize=quantize, with_drafter=with_drafter,
+                              draft_layers=draft_layers)
     files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
     size = sum((path / name).stat().st_size for name in files)
     record = {"path": str(path), "preset": preset, "seed": seed, "dtype": dtype, "quantize": quantize,

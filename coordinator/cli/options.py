@@ -6,10 +6,10 @@ from typing import Optional
 
 import click
 
-from coordinator.client import CurveKeys
-from coordinator.decoding import RECOVERY_TIMEOUT_S
 from coordinator.launch import TRANSPORTS
-from coordinator.liveness import LIVENESS_TIMEOUT_S
+from coordinator.relay.client import CurveKeys
+from coordinator.relay.liveness import LIVENESS_TIMEOUT_S
+from coordinator.scheduler.recovery import RECOVERY_TIMEOUT_S
 from protocol.layout import SHARD_ROLLBACK_MODES
 
 # Exit codes besides click's 2 for a usage error.
@@ -38,7 +38,7 @@ liveness_timeout_option = click.option(
 
 
 def _busy_poll_ms(ctx, param, value) -> Optional[float]:
-    """--busy-poll-ms as milliseconds, or None for auto (follow the daemons: shardd.engine.follow_busy_poll)."""
+    """--busy-poll-ms as milliseconds, or None for auto (follow the daemons: common.busy_poll.follow_busy_poll)."""
     if str(value).strip().lower() == "auto":
         return None
     try:

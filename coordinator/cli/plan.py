@@ -13,18 +13,19 @@ from typing import Iterator, Optional, Sequence
 
 import click
 
+from common.endpoints import endpoint_problem, ipc_file, ipc_in_use
+from common.hub import ModelNotFound, resolve_model
+from common.model_config import load_config
+from common.presets import parse_synthetic, preset_config
 from coordinator.cli.options import parse_list, seconds
 from coordinator.cli.output import progress
-from coordinator.client import CurveKeys, ShardClient, ShardTimeout, ShardUnavailable
-from coordinator.liveness import LIVENESS_TIMEOUT_S
 from coordinator.launch import ShardSet, drafter_set, launched_sets
-from coordinator.pipeline import Pipeline, PipelineError
+from coordinator.relay.client import CurveKeys, ShardClient, ShardTimeout, ShardUnavailable
+from coordinator.relay.liveness import LIVENESS_TIMEOUT_S
+from coordinator.relay.pipeline import Pipeline
+from coordinator.relay.shards import PipelineError
 from protocol import Hello
 from protocol.layout import REPLAY, check_layer_range, coverage_problems, even_split, parse_layer_ranges
-from shardd.config import load_config
-from shardd.hub import ModelNotFound, resolve_model
-from shardd.listen import endpoint_problem, ipc_file, ipc_in_use
-from shardd.presets import parse_synthetic, preset_config
 
 
 # Where a launched DFlash drafter runs: its own daemon, or beside the first or the last shard's layers (`--draft` on
@@ -313,7 +314,7 @@ def hello_or_wait(client: ShardClient, timeout: float, *, wait_to_start: bool = 
 
 def connect_pipeline(endpoints: Sequence[str], timeout: float, curve: Optional[CurveKeys] = None,
                      liveness_timeout: float = LIVENESS_TIMEOUT_S, busy_poll_ms: Optional[float] = 0.0) -> Pipeline:
-    """`busy_poll_ms` None: each client follows its daemon's polling (shardd.engine.follow_busy_poll)."""
+    """`busy_poll_ms` None: each client follows its daemon's polling (common.busy_poll.follow_busy_poll)."""
     for endpoint in endpoints:
         with ShardClient(endpoint, timeout_s=timeout, curve=curve, liveness_timeout_s=liveness_timeout) as client:
             hello_or_wait(client, timeout, curve=curve)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from common.hub import model_name
+from common.synthetic_tokenizer import chat_template, tokenizer_config
 from coordinator.cli.options import (
     MissingExtra,
     busy_poll_option,
@@ -19,10 +21,10 @@ from coordinator.cli.options import (
 from coordinator.cli.output import emit_json, progress
 from coordinator.cli.plan import (DEFAULT_DRAFT_PLACEMENT, DRAFT_PLACEMENTS, connect_pipeline, dflash_daemon, make_plan,
                                   mode_daemon_args)
-from coordinator.pipeline import PipelineError
+from coordinator.relay.shards import PipelineError
+from coordinator.serve.auth import is_loopback_host
 from coordinator.serve.limits import ACCEPT_BACKLOG, MAX_CONNECTIONS, REQUEST_TIMEOUT_S
 from coordinator.tokenizer import TokenizerUnavailable, load_tokenizer, synthetic_preset
-from shardd.hub import model_name
 from protocol.layout import CHECKPOINT, ROLLBACK_MODES
 
 
@@ -89,8 +91,6 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
     except ImportError as error:  # installed without the serve extra
         raise MissingExtra(error.name or str(error), "serve") from None
 
-    from coordinator.serve.auth import is_loopback_host
-
     if not api_key and not is_loopback_host(host):
         raise click.UsageError(f"--host {host} is not loopback: give --api-key (or SHARDCTL_API_KEY) so that not "
                                f"everyone who reaches it can use the model")
@@ -121,11 +121,9 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
         source_dir = tokenizer.model_dir or plan.model_dir
         template = load_chat_template(source_dir)
         if template is None and getattr(tokenizer, "synthetic", False):  # an in-memory synthetic model's own template
-            from shardd.synthetic_tokenizer import chat_template, tokenizer_config
-
             config = tokenizer_config()
             special = {key: config[key] or "" for key in ("bos_token", "eos_token", "pad_token", "unk_token")}
-            template = ChatTemplate(chat_template(), special, "shardd/chat_template.jinja (the synthetic model's)")
+            template = ChatTemplate(chat_template(), special, "common/chat_template.jinja (the synthetic model's)")
         # The model's name: the directory's (a hub snapshot's: its id, as vLLM serves it), a synthetic preset's.
         name = served_model_name or (model_name(source_dir) if source_dir else
                                      f"synthetic-{preset}" if preset else "shardd")

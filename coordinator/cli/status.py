@@ -12,8 +12,9 @@ import click
 from coordinator.cli.options import EXIT_FAILURE, curve_options, load_curve, parse_list, timeout_option
 from coordinator.cli.output import emit_json, fmt_bytes, format_table
 from coordinator.cli.plan import ShardUnreachable, hello_or_wait
-from coordinator.client import ShardClient
-from coordinator.pipeline import SHARD_FAILURES, PipelineError, ShardInfo, order_shards
+from coordinator.relay.client import ShardClient
+from coordinator.relay.pipeline import SHARD_FAILURES
+from coordinator.relay.shards import PipelineError, ShardInfo, order_shards
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from common import __version__
 from coordinator.serve.auth import authorized, needs_key
 from coordinator.serve.chat import ChatTemplateError
 from coordinator.serve.engine import Engine, GenerateParams, RequestError
@@ -125,8 +126,6 @@ async def complete_all(engine: Engine, choices: list[GenerateParams]) -> list:
 
 
 def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[FrontDoorLimits] = None) -> FastAPI:
-    from shardd import __version__
-
     app = FastAPI(title="shardd", description="OpenAI-compatible API over shardd shard daemons")
     app.router.route_class = OffLoopRoute  # request bodies are parsed on a worker thread
     metrics = engine.metrics

@@ -7,6 +7,8 @@ import hmac
 import ipaddress
 from typing import Optional
 
+from common.endpoints import is_loopback
+
 OPEN_PATHS = ("/health", "/metrics")
 GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/version")
 
@@ -25,8 +27,6 @@ def authorized(header: Optional[str], api_key: str) -> bool:
 
 def is_loopback_host(host: str) -> bool:
     """An HTTP listen address every resolution of which is loopback (a name is resolved, not read)."""
-    from shardd.security import is_loopback
-
     try:
         literal = ipaddress.ip_address(host.strip("[]"))
         return literal.is_loopback

@@ -17,6 +17,7 @@ class ChatTemplateError(ValueError):
 
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str], origin: str) -> None:
+        # jinja2 is the serve extra's: importing this module needs none of it
         from jinja2.exceptions import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 

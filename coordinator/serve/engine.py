@@ -17,13 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable, Optional, Sequence
 
-from coordinator.client import ShardClient
-from coordinator.decoding import RECOVERY_TIMEOUT_S, DecodeResult
-from coordinator.drafters import NgramDrafter, make_drafter
-from coordinator.liveness import LIVENESS_TIMEOUT_S
-from coordinator.pipeline import Pipeline
+from coordinator.drafting.drafters import NgramDrafter, make_drafter
+from coordinator.relay.client import ShardClient
+from coordinator.relay.liveness import LIVENESS_TIMEOUT_S
+from coordinator.relay.pipeline import Pipeline
 from coordinator.sampling import Sampling
-from coordinator.scheduler import Request, Scheduler
+from coordinator.scheduler.recovery import RECOVERY_TIMEOUT_S
+from coordinator.scheduler.requests import DecodeResult
+from coordinator.scheduler.requests import Request
+from coordinator.scheduler.scheduler import Scheduler
 from coordinator.serve.metrics import ServeMetrics
 from protocol.layout import CHECKPOINT
 

@@ -41,7 +41,7 @@ class ServeMetrics:
                                        registry=registry)
 
     def record_step(self, report) -> None:
-        """One scheduler step (`coordinator.scheduler.StepReport`)."""
+        """One scheduler step (`coordinator.scheduler.scheduler.StepReport`)."""
         self.queued.set(report.queued)
         self.running.set(report.running)
         if report.sequences:

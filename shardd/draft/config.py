@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardd.config import ConfigError, ModelConfig, read_config_json
+from common.model_config import ConfigError, ModelConfig, read_config_json
+
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shardd.config import dtype_name
+from common.model_config import dtype_name
 from shardd.draft.config import DraftConfig
 from shardd.model.errors import BadInput, CapacityExceeded, PositionMismatch
 from shardd.model.mlp import MLP

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from shardd.config import ModelConfig
+from common.model_config import ModelConfig
 from shardd.draft.config import FULL_ATTENTION, SLIDING_ATTENTION, DraftConfig, build_target_layer_ids
 from shardd.synthetic import _generator
 from shardd.weights import draft_shapes

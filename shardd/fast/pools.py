@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from common.model_config import ModelConfig
 from protocol.layout import CHECKPOINT, REPLAY_SSM
-from shardd.config import ModelConfig
 from shardd.kernels import gdn as gdn_kernels
 from shardd.kernels import segments
 from shardd.model import rollback as rb

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from shardd.config import ModelConfig
+from common.model_config import ModelConfig
 from shardd.model.norm import rms_norm
 from shardd.model.rope import RotaryEmbedding, apply_rotary
 from shardd.model.state import KVCache

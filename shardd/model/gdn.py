@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shardd.config import ModelConfig
+from common.model_config import ModelConfig
 from shardd.model.delta_rule import chunked_delta_rule, recurrent_delta_rule
 from shardd.model.norm import gated_rms_norm
 from shardd.model.state import GDNState

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.model_config import ModelConfig
 from protocol.layout import CHECKPOINT, SHARD_ROLLBACK_MODES
-from shardd.config import ModelConfig
 from shardd.model.delta_rule import chunked_delta_rule
 from shardd.model.errors import BadInput, NoPendingStep, NoSnapshot
 from shardd.model.state import GDNState, GDNStates, PendingStep, SequenceState

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from common.model_config import ModelConfig
 from protocol.layout import check_layer_range, owns_embedding, owns_head
-from shardd.config import ModelConfig
 from shardd.model import rollback as rb
 from shardd.model.attention import GatedAttention
 from shardd.model.errors import BadInput, CapacityExceeded, PositionMismatch, RollbackUnavailable

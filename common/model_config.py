@@ -1,10 +1,14 @@
-"""Qwen3.5 text-model configuration, read from a Hugging Face `config.json`."""
+"""Qwen3.5 text-model configuration, read from a Hugging Face `config.json` (torch-free: shardctl sizes a launch
+from it, the daemons build their layers from it)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from common.quantization import QuantizationError, scheme_from_config
+
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
@@ -240,10 +244,8 @@ def load_config(model_dir: str | Path) -> ModelConfig:
 
 
 def check_quantization(raw: dict, model_dir: str | Path):
-    """The checkpoint's FP8 scheme (shardd.quant), None when unquantized; a ConfigError naming the method for any
-    quantization we cannot load exactly (GPTQ, AWQ, ...: their scales would be ignored and compute garbage)."""
-    from shardd.quant import QuantizationError, scheme_from_config
-
+    """The checkpoint's FP8 scheme, None when unquantized; a ConfigError naming the method for any quantization we
+    cannot load exactly (GPTQ, AWQ, ...: their scales would be ignored and compute garbage)."""
     try:
         return scheme_from_config(raw, str(model_dir))
     except QuantizationError as exc:

@@ -2,9 +2,8 @@
 state relayed as-is to the next (or sent there by the shard itself, where the daemons were started
 with --relay-to: PROTOCOL.md, "Rows from shard to shard"), argmax ids back from the head shard.
 
-Construction says HELLO to every shard and refuses a set that would compute something
-other than the model: layer ranges that leave a gap or overlap, different weights
-(fingerprints), protocol versions or activation dtypes. Every error names the shard.
+Construction says HELLO to every shard and refuses a set that cannot form the model
+(`coordinator.relay.shards`). Every error names the shard.
 
 Threads: a `Pipeline` (its `ShardClient` sockets) belongs to one thread. To decode
 several sequences at once through the same daemons, each thread builds its own
@@ -18,12 +17,12 @@ import secrets
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-from coordinator.client import CurveKeys, ShardClient, ShardError, ShardTimeout, forward_record
+from coordinator.relay.client import CurveKeys, ShardClient, ShardError, ShardTimeout, forward_record
+from coordinator.relay.liveness import LIVENESS_TIMEOUT_S
+from coordinator.relay.shards import PipelineError, ShardInfo, identity_changes, order_shards
+from coordinator.relay.target import RollbackFailed, SequenceLost
 from coordinator.sampling import TokenIds
-from coordinator.liveness import LIVENESS_TIMEOUT_S
-from coordinator.target import RollbackFailed, SequenceLost
 from protocol import (
-    PROTOCOL_VERSION,
     Batch,
     Close,
     ErrorCode,
@@ -36,8 +35,8 @@ from protocol import (
     RollbackBatch,
     WireTensor,
 )
+from protocol.layout import REPLAY, SHARD_ROLLBACK_MODES
 from protocol.tensors import concat_rows
-from protocol.layout import REPLAY, SHARD_ROLLBACK_MODES, coverage_problems
 
 SHARD_FAILURES = (ShardError, ShardTimeout, ProtocolError)
 
@@ -66,10 +65,6 @@ class _Step:
     head: Optional[dict] = None  # the head shard's extra fields (sampling, drafts, propose, carried_layers)
 
 
-class PipelineError(RuntimeError):
-    """The shard set cannot serve a request as asked; the message names the shard(s)."""
-
-
 class CheckpointUnavailable(PipelineError):
     """A checkpointed step the shard set cannot hold (no rollback storage, or too many tokens).
     Raised before any shard sees the request, so no state changed."""
@@ -85,118 +80,8 @@ class SequenceInconsistent(PipelineError, SequenceLost):
     disagree on the sequence's length. Close it and re-fill it from the committed history."""
 
 
-@dataclass(frozen=True)
-class ShardInfo:
-    """A shard as its HELLO describes it."""
-
-    endpoint: str
-    hello: dict
-
-    @property
-    def owns_layers(self) -> bool:
-        """False for a daemon that hosts only a drafter (HELLO `layers: null`)."""
-        return self.hello["layers"] is not None
-
-    @property
-    def begin(self) -> int:
-        return self.hello["layers"][0]
-
-    @property
-    def end(self) -> int:
-        return self.hello["layers"][1]
-
-    @property
-    def layers(self) -> str:
-        return f"{self.begin}:{self.end}"
-
-    @property
-    def model(self) -> dict:
-        return self.hello["model"]
-
-    @property
-    def owns_head(self) -> bool:
-        return bool(self.hello["owns_head"])
-
-    @property
-    def rollback_mode(self) -> Optional[str]:
-        return self.hello["rollback"]["mode"]
-
-    @property
-    def max_verify_tokens(self) -> int:
-        return self.hello["rollback"]["max_verify_tokens"]
-
-    @property
-    def max_tokens_per_request(self) -> int:
-        return self.hello["limits"]["max_tokens_per_request"]
-
-    @property
-    def has_gdn_layers(self) -> bool:
-        if not self.owns_layers:
-            return False
-        types = self.model["layer_types"][self.begin:self.end]
-        return any(kind == "linear_attention" for kind in types)
-
-    def __str__(self) -> str:
-        if not self.owns_layers:
-            return f"{self.endpoint} (drafter only)"
-        return f"{self.endpoint} (layers {self.layers})"
-
-
-# What makes a daemon the same shard: a restarted one must match in all of these before it is re-filled.
-SHARD_IDENTITY = {
-    "protocol": lambda h: h.get("protocol_version"),
-    "fingerprint": lambda h: (h.get("model") or {}).get("fingerprint"),
-    "layers": lambda h: h.get("layers"),
-    "dtype": lambda h: h.get("dtype"),
-    "head": lambda h: h.get("owns_head"),
-    "embedding": lambda h: h.get("owns_embedding"),
-}
-
-
-def identity_changes(before: dict, now: dict) -> list[str]:
-    """How the daemon described by HELLO `now` differs from the shard of HELLO `before`."""
-    changes = []
-    for name, key in SHARD_IDENTITY.items():
-        if key(now) != key(before):
-            changes.append(f"{name} {key(now)!r} (was {key(before)!r})")
-    return changes
-
-
-def order_shards(shards: Sequence[ShardInfo]) -> list[ShardInfo]:
-    """The shards that own layers, in layer order, or PipelineError listing every reason the
-    set cannot form the model: protocol version, fingerprint, dtype, gaps and overlaps.
-    Drafter-only daemons must agree on version, fingerprint and dtype but cover no layers."""
-    if not shards:
-        raise PipelineError("no shards given")
-    problems = []
-    for shard in shards:
-        if shard.hello.get("protocol_version") != PROTOCOL_VERSION:
-            problems.append(
-                f"{shard.endpoint} speaks protocol version {shard.hello.get('protocol_version')!r}, "
-                f"this coordinator speaks {PROTOCOL_VERSION}"
-            )
-    for what, key in (("model fingerprints", lambda s: s.model["fingerprint"]), ("dtypes", lambda s: s.hello["dtype"])):
-        groups: dict[str, list[str]] = {}
-        for shard in shards:
-            groups.setdefault(str(key(shard)), []).append(shard.endpoint)
-        if len(groups) > 1:
-            listed = "; ".join(f"{value}: {', '.join(endpoints)}" for value, endpoints in groups.items())
-            problems.append(f"shards disagree on {what} ({listed})")
-    if problems:
-        raise PipelineError("refusing this shard set: " + "; ".join(problems))
-
-    ordered = sorted((s for s in shards if s.owns_layers), key=lambda s: (s.begin, s.end))
-    if not ordered:
-        raise PipelineError(f"no shard owns target layers: {', '.join(map(str, shards))} host only a drafter")
-    num_layers = ordered[0].model["num_layers"]
-    problems = coverage_problems([(s.begin, s.end) for s in ordered], num_layers, names=map(str, ordered))
-    if problems:
-        raise PipelineError(f"refusing this shard set for a {num_layers}-layer model: " + "; ".join(problems))
-    return ordered
-
-
 class Pipeline:
-    """Implements `coordinator.target.Target` over shard daemons, in layer order."""
+    """Implements `coordinator.relay.target.Target` over shard daemons, in layer order."""
 
     def __init__(self, clients: Sequence[ShardClient]) -> None:
         clients = list(clients)
@@ -238,7 +123,7 @@ class Pipeline:
     def connect(cls, endpoints: Iterable[str], timeout_s: float = 120.0, curve: Optional[CurveKeys] = None,
                 liveness_timeout_s: float = LIVENESS_TIMEOUT_S, busy_poll_s: Optional[float] = 0.0) -> "Pipeline":
         """`busy_poll_s` None: each client polls as its daemon does (HELLO `busy_poll_ms`, on a host with the CPUs
-        for it: shardd.engine.follow_busy_poll)."""
+        for it: common.busy_poll.follow_busy_poll)."""
         clients = [ShardClient(endpoint, timeout_s=timeout_s, curve=curve, liveness_timeout_s=liveness_timeout_s,
                                busy_poll_s=busy_poll_s) for endpoint in endpoints]
         try:

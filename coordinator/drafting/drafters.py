@@ -10,9 +10,9 @@ import random
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-from coordinator.client import ShardClient
-from coordinator.dflash import DFlashDrafterClient
-from coordinator.pipeline import Pipeline
+from coordinator.drafting.dflash import DFlashDrafterClient
+from coordinator.relay.client import ShardClient
+from coordinator.relay.pipeline import Pipeline
 
 DRAFTERS = ("ngram", "oracle", "dflash")
 

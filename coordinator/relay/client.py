@@ -19,7 +19,8 @@ from typing import Any, Optional
 
 import zmq
 
-from coordinator.liveness import LIVENESS_TIMEOUT_S, ConnectionWatch, enable_heartbeats
+from common.busy_poll import follow_busy_poll
+from coordinator.relay.liveness import LIVENESS_TIMEOUT_S, ConnectionWatch, enable_heartbeats
 from protocol import (
     Batch,
     Capture,
@@ -97,7 +98,7 @@ class CurveKeys:
     @classmethod
     def load(cls, server_key_file: str, client_secret_file: str) -> "CurveKeys":
         """From `shardd keygen` files: the server's NAME.key and the client's NAME.key_secret."""
-        import zmq.auth
+        import zmq.auth  # Curve only: a loopback client never loads it
 
         server_public, _ = zmq.auth.load_certificate(server_key_file)
         public, secret = zmq.auth.load_certificate(client_secret_file)
@@ -118,7 +119,7 @@ class ShardClient:
         self.endpoint = endpoint
         # a reply awaited for up to this long is polled for without sleeping (a core kept busy, no wake-up on its way
         # in; the daemons' --busy-poll-ms is the same on their side). None: as the daemon does, from its HELLO
-        # (shardd.engine.follow_busy_poll; 0 until then)
+        # (common.busy_poll.follow_busy_poll; 0 until then)
         self.follow_busy_poll = busy_poll_s is None
         self.busy_poll_s = busy_poll_s or 0.0
         self.timeout_s = timeout_s  # compute timeout of a request without tokens; more per token
@@ -311,8 +312,6 @@ class ShardClient:
     def hello(self, timeout_s: Optional[float] = None) -> dict:
         result = self.request(Hello(id=0), timeout_s).result
         if self.follow_busy_poll:
-            from shardd.engine import follow_busy_poll
-
             self.busy_poll_s = follow_busy_poll(result.get("busy_poll_ms"))
         return result
 

@@ -6,7 +6,8 @@ without importing torch; `shardd.synthetic` builds the weights.
 
 from __future__ import annotations
 
-from shardd.config import ModelConfig, config_from_dict
+from common.model_config import ModelConfig, config_from_dict
+
 
 _COMMON = {"model_type": "qwen3_5_text", "hidden_act": "silu", "rms_norm_eps": 1e-6, "eos_token_id": None}
 

@@ -23,8 +23,9 @@ import copy
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from coordinator.client import ShardClient, ShardError
-from coordinator.pipeline import SHARD_FAILURES, Pipeline, PipelineError, as_sequence_lost
+from coordinator.relay.client import ShardClient, ShardError
+from coordinator.relay.pipeline import SHARD_FAILURES, Pipeline, as_sequence_lost
+from coordinator.relay.shards import PipelineError
 from protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, WireTensor
 
 

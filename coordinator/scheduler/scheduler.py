@@ -18,9 +18,10 @@ Rules, in the order a step applies them:
   shared its step (the fixed-shape step), so every request's tokens equal the same request run alone.
 - Each request samples with its own settings on the head shard and has its own drafter and rollback; a
   failure of one request's item (its SequenceLost, a bad input) is handled for that request alone: it is
-  re-filled from its committed history as `coordinator.decoding` does, or it fails, and the others go on.
+  re-filled from its committed history (`coordinator.scheduler.recovery`), or it fails, and the others go on.
 
-The commit rule (`commit_tokens`), the logprob bookkeeping and the recovery are `coordinator.decoding`'s.
+The commit rule and its bookkeeping (`coordinator.scheduler.commit`) and the recovery are the same functions the
+reference loop in `coordinator.decoding` calls.
 The `replay` baseline runs batched too (`ReplayBatches`: snapshots, then the step; restores, then the kept
 tokens again as one more batch). A drafter that reads the target's features (DFlash: its `target` captures them
 on every forward) runs in the same steps, but its rows go through that target one sequence at a time, beside
@@ -39,39 +40,22 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from coordinator.decoding import (
-    LENGTH,
-    RECOVERY_TIMEOUT_S,
-    STOP,
-    DecodeResult,
-    StopDecoding,
-    check_prompt_fits,
-    check_request,
-    commit_block,
-    committed_ids,
-    context_limit,
-    count_rollback,
-    finished,
-    keep_logprobs,
-    last_row,
-    record_commit,
-    recover,
-    room_left,
-    sampled_keywords,
-    step_keywords,
-    with_drafts,
+from coordinator.relay.pipeline import BatchForward
+from coordinator.relay.target import ReplayTarget, RollbackFailed, SequenceLost
+from coordinator.scheduler.commit import (
+    commit_block, committed_ids, count_rollback, finished, keep_logprobs, last_row, record_commit,
 )
-from coordinator.drafters import Drafter
-from coordinator.pipeline import BatchForward
-from coordinator.target import ReplayTarget, RollbackFailed, SequenceLost
+from coordinator.scheduler.recovery import RECOVERY_TIMEOUT_S, recover
+from coordinator.scheduler.requests import (
+    DECODE, DONE, LENGTH, PREFILL, STOP, DecodeResult, Request, StopDecoding, check_prompt_fits, context_limit,
+    step_keywords, with_drafts,
+)
 from protocol.layout import CHECKPOINT, REPLAY, ROLLBACK_MODES
 
 # Rows per step at least, as vLLM's `max_num_batched_tokens` (8,192 for its OpenAI server): prompts that arrive
 # together are prefilled in one step, and a prompt takes at most half a step (`default_prefill_chunk`), which bounds
 # how long the running streams wait for a token behind it.
 DEFAULT_BATCH_ROWS = 8192
-
-QUEUED, PREFILL, DECODE, DONE = "queued", "prefill", "decode", "done"
 
 
 def default_prefill_chunk(batch_rows: int, prefill_rows: Optional[int]) -> int:
@@ -82,74 +66,6 @@ def default_prefill_chunk(batch_rows: int, prefill_rows: Optional[int]) -> int:
     if prefill_rows and prefill_rows <= batch_rows:
         chunk = max(prefill_rows, chunk // prefill_rows * prefill_rows)
     return chunk
-
-
-class Request:
-    """One generation: a prompt, its budget and sampling, and, when speculating, its drafter.
-
-    `on_commit(ids)` runs on the scheduler's thread as tokens commit (ids carry `.logprobs` when asked for);
-    raising `StopDecoding` there ends the request after this commit. `on_finish(request)` runs once at the
-    end, whether it finished, failed or was cancelled. `cancel()` may be called from any thread."""
-
-    def __init__(
-        self,
-        prompt: Sequence[int],
-        max_new_tokens: int,
-        *,
-        eos_ids: Iterable[int] = (),
-        sampling=None,
-        drafter: Optional[Drafter] = None,
-        block_size: int = 16,
-        on_commit: Optional[Callable[[list[int]], None]] = None,
-        on_finish: Optional[Callable[["Request"], None]] = None,
-    ) -> None:
-        check_request(list(prompt), max_new_tokens)
-        if drafter is not None and block_size < 2:
-            raise ValueError(f"block_size must be >= 2 to speculate, got {block_size}")
-        self.prompt = list(prompt)
-        self.max_new_tokens = max_new_tokens
-        self.eos = frozenset(eos_ids)
-        self.sampled = sampled_keywords(sampling)
-        self.drafter = drafter
-        # A drafter that reads the target's features names the target its rows must go through (DFlash).
-        self.feature_target = getattr(drafter, "target", None)
-        self.target = None  # where this request's rows go, chosen by the scheduler at admission
-        self.block_size = block_size
-        self.on_commit = on_commit
-        self.on_finish = on_finish
-        self.result = DecodeResult(prompt_tokens=len(self.prompt))
-        if self.sampled and self.sampled["sampling"].logprobs is not None:
-            self.result.logprobs = []
-        self.state = QUEUED
-        self.seq: Optional[int] = None
-        self.history: list[int] = []  # prompt + committed, once prefilled
-        self.prefilled = 0  # prompt tokens in the state
-        self.error: Optional[BaseException] = None
-        self.cancelled = False
-        self.arrived = time.monotonic()
-        self.queued_seconds: Optional[float] = None
-        self.last_step = -1  # the step this request last had rows in (fairness when rows run short)
-        self.done = threading.Event()
-        self._started = 0.0
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-    def outcome(self) -> DecodeResult:
-        """The result once done; the request's error raised."""
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-    def room(self, limit: Optional[int]) -> int:
-        """Tokens this request may still commit: its budget, and the context the shards hold."""
-        return room_left(self.max_new_tokens, self.result.tokens, self.history, limit)
-
-    def rows_wanted(self, limit: Optional[int]) -> int:
-        if self.drafter is None:
-            return 1
-        return min(self.block_size, self.room(limit))
 
 
 @dataclass
@@ -539,7 +455,7 @@ class Scheduler:
         self._notify(request, [first])
 
     def _verified(self, item: _Item, verified, rollbacks: list[tuple[Request, int]]) -> list[int]:
-        """Commit what a decode or verify row answered (coordinator.decoding's rule); queue its rollback."""
+        """Commit what a decode or verify row answered (coordinator.scheduler.commit's rule); queue its rollback."""
         request, result = item.request, item.request.result
         if item.drafts is None:
             (token,) = verified

@@ -23,8 +23,8 @@ _VOWELS = "aeiou"
 
 
 def chat_template() -> str:
-    """The package's chat template (shardd/chat_template.jinja)."""
-    return resources.files("shardd").joinpath("chat_template.jinja").read_text(encoding="utf-8")
+    """The package's chat template (common/chat_template.jinja)."""
+    return resources.files("common").joinpath("chat_template.jinja").read_text(encoding="utf-8")
 
 
 def _words():
@@ -42,6 +42,7 @@ def min_vocab_size() -> int:
 @lru_cache(maxsize=4)
 def build_tokenizer_json(vocab_size: int) -> str:
     """tokenizer.json (text) of exactly `vocab_size` ids."""
+    # tokenizers only when one is built: importing this module needs none of it
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     if vocab_size < min_vocab_size():
