@@ -165,7 +165,7 @@ def run_batch_local(args) -> dict:
     from shardd.model.shard import ShardModel
     from shardd.presets import preset_config
     from shardd.synthetic import synthetic_weights
-    from tests.local import LocalTarget
+    from shardd.local import LocalTarget
 
     device = torch.device("cuda:0")
     torch.cuda.set_device(device)

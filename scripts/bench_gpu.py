@@ -118,7 +118,7 @@ def run_local(args) -> dict:
 
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafters import OracleDrafter
-    from tests.local import LocalTarget
+    from shardd.local import LocalTarget
     from protocol.layout import CHECKPOINT, REPLAY_SSM
     from shardd.model import rollback as rb
     from shardd.fast.shard import FastShard

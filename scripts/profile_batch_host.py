@@ -26,11 +26,11 @@ from coordinator.drafters import OracleDrafter
 from coordinator.scheduler import Request, Scheduler
 from protocol.layout import CHECKPOINT
 from shardd.config import config_from_dict
+from shardd.local import LocalTarget
 from shardd.model import rollback as rb
 from shardd.model.shard import ShardModel
 from shardd.presets import PRESETS
 from shardd.synthetic import synthetic_weights
-from tests.local import LocalTarget
 
 BLOCK = 16
 
