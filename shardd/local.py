@@ -1,8 +1,8 @@
-"""The `Target` in one process: the same `ShardModel`s the daemons run, no sockets.
+"""The coordinator's `Target` in one process: the same shards the daemons run, no sockets.
 
-It is the single-process reference the tests compare the pipeline with (plain greedy
-decoding of the same model in one process). A request the shards refuse raises their own
-`ModelError`; a rollback that cannot be done raises `RollbackFailed`, as the pipeline does.
+The single-process reference that tests compare the pipeline with, and the one-process arm of the benchmarks
+(scripts/bench_gpu.py, bench_batch.py). A request the shards refuse raises their own `ModelError`; a rollback that
+cannot be done raises `RollbackFailed`, as the pipeline does.
 """
 
 from __future__ import annotations
