@@ -31,7 +31,7 @@ one-hot and standard speculative rejection sampling (accept with min(1, p/q), el
 residual max(0, p - q)) becomes: accept draft d with probability p(d); on rejection sample from p with d
 removed, renormalised; when every draft is accepted, sample the bonus token from p at the last row. Every
 draft row's accept test runs at once; the first rejection is found with a cumulative product. The committed
-tokens then follow exactly the distribution of plain sampling (tests/test_sampling.py checks it).
+tokens then follow exactly the distribution of plain sampling (tests/unit/test_sampling.py checks it).
 """
 
 from __future__ import annotations

@@ -854,8 +854,8 @@ def test_bad_request_gets_an_error_and_changes_nothing(case, mode, request, refe
 def test_bad_cases_cover_every_error_code_a_request_can_cause():
     codes = {case.code for case in BAD_CASES}
     # CAPACITY has its own tests; INTERNAL and SEQUENCE_FAILED need a compute error (test_compute_error_...);
-    # FORBIDDEN needs a peer of another kind (tests/test_exposure.py); ROWS_MISSING a second shard's ROWS
-    # (tests/test_relay.py, "rows from shard to shard").
+    # FORBIDDEN needs a peer of another kind (test_reliability.py); ROWS_MISSING a second shard's ROWS
+    # (test_relay.py, "rows from shard to shard").
     assert set(ErrorCode) - codes == {ErrorCode.CAPACITY, ErrorCode.INTERNAL, ErrorCode.SEQUENCE_FAILED, ErrorCode.FORBIDDEN,
                                       ErrorCode.ROWS_MISSING}
 

@@ -250,7 +250,7 @@ def test_metrics_hello_health_and_json_logs(workdir):
         assert samples["shardd_checkpoint_bytes"] > 0
         assert samples['shardd_request_seconds_count{type="FORWARD"}'] == 3
         assert samples['shardd_device_memory_total_bytes{device="cpu"}'] > 0
-        # a whole model sends no rows on and waits for none (tests/test_relay.py counts them where it does)
+        # a whole model sends no rows on and waits for none (test_relay.py counts them where it does)
         assert [samples[f'shardd_rows_total{{event="{event}"}}'] for event in ("sent", "received", "waited",
                                                                              "missing")] == [0, 0, 0, 0]
         assert samples["shardd_rows_waiting"] == 0

@@ -22,7 +22,7 @@ def expected():
     return greedy_decode(LocalTarget(ModelSource(synthetic="tiny")), 1, PROMPT, NEW_TOKENS).tokens
 
 
-@pytest.mark.parametrize("mode", ["checkpoint"])  # every mode: tests/test_decoding.py
+@pytest.mark.parametrize("mode", ["checkpoint"])  # every mode: tests/unit/test_decoding.py
 def test_killed_and_restarted_shard_is_refilled(tmp_path, expected, mode):
     binds = [free_tcp_endpoint(), free_tcp_endpoint()]
     args = [["--layers", "0:3", "--max-verify-tokens", "16"], ["--layers", "3:6", "--max-verify-tokens", "16"]]

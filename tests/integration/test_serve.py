@@ -173,7 +173,7 @@ def test_a_tokenizer_the_shards_name_but_this_host_lacks_is_refused():
 def test_quantized_checkpoints_are_refused(model, tmp_path):
     from shardd.config import ConfigError, load_config
 
-    for method in ("gptq", "awq"):  # FP8 loads (tests/test_quant.py)
+    for method in ("gptq", "awq"):  # FP8 loads (tests/unit/test_quant.py)
         quantized = tmp_path / method
         quantized.mkdir()
         raw = json.loads((Path(model["dir"]) / "config.json").read_text())

@@ -2,7 +2,7 @@
 
 On the CPU its Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1, conftest.py), float32, tiny
 drafters; on a CUDA machine the same checks run with CUDA graphs, in float32 and bf16 (the interpreter's bf16 is
-not the GPU's, so bf16 is GPU-only, as in tests/test_fast_path.py).
+not the GPU's, so bf16 is GPU-only, as in test_fast_path.py).
 """
 
 from __future__ import annotations
