@@ -18,8 +18,6 @@ is integer arithmetic computed on the host (`uniform`), as are every other per-r
 runs only the ops that read the logits (about 35 per chunk). A seed reproduces the output whatever the batch,
 the rollback mode, chunking or engine. The draw is an inverse-CDF lookup in vocabulary order, done in
 62-bit fixed point (an exact integer cumulative sum), so no rounding of a parallel scan can move it.
-This stream replaced the one of `random.Random(f"{seed}:{pos}")` per row (issue 20): a seed gives different
-tokens than before that change, equally distributed.
 
 Batch invariance: a row's result depends on its own logits and parameters alone. The top-k, sort, softmax
 and cumulative sums run on chunks of exactly `CHUNK_ROWS` rows (the last padded), so the same kernels run
