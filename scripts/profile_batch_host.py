@@ -1,4 +1,4 @@
-"""The scheduler's host cost per step, on the CPU (issue 20, speed): many streams through `Scheduler` over
+"""The scheduler's host cost per step, on the CPU: many streams through `Scheduler` over
 `LocalTarget`, with the 27B's vocabulary (248,320: a 16-row verify's logits are 16 MB of float32) and tiny
 layers, so what is left is the host path (planning, drafting, packing, the head's answer, commits, rollbacks).
 

@@ -71,12 +71,12 @@ class TileConfig:
     prefetch: int = 0
 
 
-# Fixed per 27B shape (N, K, blockwise): the configs scripts/bench_fp8_gemm.py's sweep finds fastest at 16 rows
-# (every one with HOPPER_CONVERT "asm"; its JSON has each one's time against its floor). out_proj takes the sweep's
-# second (split 4: about split 8's time at 16 rows, faster at 64). A shape not listed takes `_rule`. The shapes: GDN in_proj qkv|z|b|a 16480x5120 and
-# its FP8 part when the checkpoint keeps in_proj_a (qkv|z|b, 16432) or in_proj_b and in_proj_a (qkv|z, 16384) in
-# bf16 (shardd.quant.fuse_rows runs those as a second GEMM), out_proj and o_proj 5120x6144, attention q|k|v
-# 14336x5120, MLP gate|up 34816x5120, down 5120x17408.
+# Fixed per 27B shape (N, K, blockwise): the configs scripts/bench_fp8_gemm.py's sweep finds fastest at 16 rows (every
+# one with HOPPER_CONVERT "asm"; its JSON has each one's time against its floor). out_proj takes the sweep's second
+# (split 4: about split 8's time at 16 rows, faster at 64). A shape not listed takes `_rule`. The shapes: GDN in_proj
+# qkv|z|b|a 16480x5120 and its FP8 part when the checkpoint keeps in_proj_a (qkv|z|b, 16432) or in_proj_b and
+# in_proj_a (qkv|z, 16384) in bf16 (shardd.quant.fuse_rows runs those as a second GEMM), out_proj and o_proj
+# 5120x6144, attention q|k|v 14336x5120, MLP gate|up 34816x5120, down 5120x17408.
 _GDN_IN_PROJ = TileConfig(block_n=32, block_k=256, split_k=1, warps=2, stages=3)
 TILE_TABLE: dict[tuple[int, int, bool], TileConfig] = {
     (16480, 5120, True): _GDN_IN_PROJ,
