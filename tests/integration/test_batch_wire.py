@@ -1,4 +1,4 @@
-"""Batched FORWARD / CAPTURE / ROLLBACK (issue 20, PROTOCOL.md "Batches") over real daemons on real sockets.
+"""Batched FORWARD / CAPTURE / ROLLBACK (PROTOCOL.md "Batches") over real daemons on real sockets.
 
 A batch gives each item exactly what the item alone gives (ids, and hidden rows bit for bit); a bad item fails
 alone with its own error and changes nothing; a malformed envelope is refused whole; the `Pipeline` relays one

@@ -700,7 +700,7 @@ BAD_CASES = [
     Case("tensor-wrong-name", "last", ErrorCode.BAD_REQUEST, lambda c: c.hidden(name="hiddens"), message="hiddens"),
     Case("descriptor-extra-key", "last", ErrorCode.BAD_REQUEST, lambda c: c.message(
         "FORWARD", bytes(4 * 2 * HIDDEN), tensors=[{"name": "hidden", "dtype": "float32", "shape": [2, HIDDEN], "order": "C"}])),
-    # more frames than FORWARD can carry at all: refused by count as they arrive (issue 19), not by descriptor
+    # more frames than FORWARD can carry at all: refused by count as they arrive, not by descriptor
     Case("too-many-frames", "last", ErrorCode.BAD_REQUEST, hidden_frame_count(2), message="at most 2 frame.*3 frames"),
     Case("too-few-frames", "last", ErrorCode.BAD_REQUEST, hidden_frame_count(0), message="1 tensor.*0 tensor frame"),
     Case("frame-without-descriptor", "full", ErrorCode.BAD_REQUEST, lambda c: c.message("FORWARD", b"\x00" * 8)),

@@ -1,4 +1,4 @@
-"""The OpenAI API as vLLM serves it (issue 21), with the real `openai` client against `shardctl serve` over real
+"""The OpenAI API as vLLM serves it, with the real `openai` client against `shardctl serve` over real
 daemons: logprobs equal to the head shard's log-softmax (plain and speculative), `n` choices equal to seeded
 single requests, penalties (a reference written here; plain and speculative sampling alike by chi-square), tool
 calls through a chat template that defines tools (a model built to answer with one), `--api-key`, the tokenizer

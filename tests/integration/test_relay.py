@@ -1,4 +1,4 @@
-"""The relay between the coordinator and its daemons (issue 15): where a request's time goes (phase clocks at
+"""The relay between the coordinator and its daemons: where a request's time goes (phase clocks at
 both ends, STATS `phases`), over real `shardd serve` daemons on real sockets."""
 
 from __future__ import annotations

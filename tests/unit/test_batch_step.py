@@ -1,4 +1,4 @@
-"""The batched fixed-shape step (issue 20): several sequences' rows in one step of R rows, each row's result the
+"""The batched fixed-shape step: several sequences' rows in one step of R rows, each row's result the
 same as its sequence stepped alone.
 
 On a CUDA machine: bf16, CUDA graphs, a 27B-like layer shape, every rollback mode, bit for bit. Without one:

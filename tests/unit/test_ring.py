@@ -35,7 +35,7 @@ def test_a_wait_ends_at_its_limit_when_nothing_happens():
 
 
 def test_a_wait_ends_a_second_after_its_sender_is_seen_dead():
-    """A killed sender's event never happens (measured on the H200: cuda_ipc_probe_7321bfe.json); the wait ends
+    """A killed sender's event never happens (scripts/probe_cuda_ipc.py shows it on a GPU); the wait ends
     about a second after the sender is seen gone, long before its limit."""
     started = time.monotonic()
     assert not wait_for_event(_Event(None), timeout_s=60, alive=lambda: False)
