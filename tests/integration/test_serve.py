@@ -1,6 +1,6 @@
 """`shardctl serve` end to end: a checkpoint written by transformers with a BPE tokenizer.json and a chat
-template built here, two real `shardd serve` daemons on loopback, the real server on a free port, the real
-`openai` client. Greedy text must equal transformers' greedy text."""
+template (tests/support/served_model.py), two real `shardd serve` daemons on loopback, the real server on a free
+port, the real `openai` client. Greedy text must equal transformers' greedy text."""
 
 from __future__ import annotations
 
