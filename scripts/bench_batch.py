@@ -1,4 +1,4 @@
-"""The `batch` parts of scripts/bench_gpu.py (issue 20): many streams sharing each step through the scheduler.
+"""The `batch` parts of scripts/bench_gpu.py: many streams sharing each step through the scheduler.
 
 - `batch-local`: one process, the whole model as one FastShard (bf16, replay-ssm storage for 33 sequences):
   `batch_tok_s` by concurrency 1/4/8/16/32, greedy and with the oracle drafter (mean commit ~7 of 16); then
@@ -124,7 +124,7 @@ def sweep(target, prompts, args, label: str) -> dict:
 def in_step_prefill(target, prompts, args, checks: dict) -> dict:
     """Greedy aggregate tok/s at 1/8/32 streams with every prompt in chunks of one sequence's step (BLOCK rows)
     inside the batched step beside the decode rows, not through the prefill path: the spare rows of a fixed step
-    cost little (R = 128: one 16-row block 19.5 ms, eight 22.8), so many streams' prompts should go faster so.
+    cost little (the batch-step part times them), so many streams' prompts should go faster so.
     The chunking changes a prompt's bits (the prefill path rounds differently), so its checks compare these runs
     with each other: each stream the same whatever the concurrency."""
     chunked = argparse.Namespace(**{**vars(args), "prefill_chunk": BLOCK})
@@ -166,7 +166,7 @@ def run_batch_local(args) -> dict:
     from shardd.model.shard import ShardModel
     from common.presets import preset_config
     from shardd.synthetic import synthetic_weights
-    from tests.local import LocalTarget
+    from shardd.local import LocalTarget
 
     device = torch.device("cuda:0")
     torch.cuda.set_device(device)
@@ -365,8 +365,8 @@ def http_streams(args, endpoints, prompts, run_dir: Path, pyspy: Path | None = N
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         # one client with a connection per stream, made and connected before the clock starts (as a load generator
         # keeps its connections): a fresh httpx client per request costs milliseconds of the client's own CPU (its
-        # SSL context among them), which spread the 8 requests' arrival over tens of ms and was counted as the
-        # server's time; the threads wait at a barrier and post together, as the run without HTTP submits together
+        # SSL context among them), which would spread the requests' arrival and count as the server's time; the
+        # threads wait at a barrier and post together, as the run without HTTP submits together
         client = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=len(prompts)))
 
         def complete(prompt, answers, index, barrier):

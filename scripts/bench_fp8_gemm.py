@@ -5,8 +5,8 @@ For each shape and row count (1, 16, 64): our kernel as fp8_linear runs it (its 
 conversion), the same tiles with Triton's native FP8 conversion, bf16 cuBLAS on the same matrix in bf16,
 and torch._scaled_mm (FP8 activations, row-wise scales, fast accumulation: the library FP8 GEMM), each as
 one CUDA graph replayed over enough distinct copies of the matrix (1 GiB of FP8) that L2 holds none of
-them; "before" is what commit bef3bcc measured (its faster path, the first asm conversion). Against the
-floor: the FP8 bytes and their scales at the copy bandwidth measured in the same run. The step's sum weighs
+them; "before" is a reference run's time (`BEFORE`: the first asm conversion). Against the floor: the FP8
+bytes and their scales at the copy bandwidth measured in the same run. The step's sum weighs
 each shape by its count in the 64 layers (the bf16 head, 248320 x 5120, timed with cuBLAS and added apart).
 
 Then a sweep at 16 rows, within --budget-s: per shape a coordinate descent from the TILE_TABLE config over
@@ -48,12 +48,12 @@ SHAPES = [
 ]
 HEAD = (248320, 5120)
 BLOCK = (128, 128)
-COPY_BYTES = 1 << 30  # FP8 bytes of distinct copies per shape: 20x the H200's L2
+COPY_BYTES = 1 << 30  # FP8 bytes of distinct copies per shape: about 20x an H100's or H200's L2
 # The sweep's axes (coordinate descent: one axis moved at a time from the best so far; the likeliest first, in
 # case the budget ends a round: the native conversion is in the main table already)
-# The second H200 sweep (session 2, from 95f786d's table): asm won every shape (native 20-35% slower, asm_v1 3-9%),
-# 3 stages beat 4 and 6 on four shapes of five, 2 warps beat 4 on three: this one tries 2 stages and 1 warp, and
-# spends its budget on the tile axes (the conversion column of the table still measures native).
+# An earlier sweep found asm fastest on every shape, 3 stages ahead of 4 and 6 on most, 2 warps ahead of 4 on
+# several: this one tries 2 stages and 1 warp, and spends its budget on the tile axes (the conversion column of the
+# table still times native).
 AXES = {"block_n": [16, 32, 64, 128], "split_k": [1, 2, 4, 8], "warps": [1, 2, 4, 8], "block_k": [128, 256, 512],
         "stages": [2, 3, 4], "swap": [False, True], "convert": ["asm"], "pdl": [False, True], "prefetch": [0, 1, 2, 4]}
 # joint moves tried in each round (fewer warps with wider tiles: fewer x reloads per weight byte;
@@ -64,7 +64,7 @@ JOINT = [{"pdl": True, "prefetch": 2}, {"pdl": True, "prefetch": 4},
          {"block_n": 32, "warps": 2, "split_k": 2}, {"block_n": 64, "warps": 2, "split_k": 2}, {"block_n": 32, "split_k": 2},
          {"block_n": 128, "warps": 8, "split_k": 2}, {"warps": 2, "stages": 2}, {"block_k": 256, "stages": 2},
          {"swap": True, "split_k": 8}, {"swap": True, "warps": 2}]
-# What commit bef3bcc measured on an H200 (us per matrix; fp8_ampere, the first asm conversion, its faster path)
+# The table's "before": a reference run on an H200 (us per matrix; fp8_ampere, the first asm conversion, its faster path)
 PACKED_MODE = False  # --packed: the weights also as fp8.PackedWeight (timed beside, read-only baselines, the sweep)
 BEFORE = {16: {"gdn_in_proj": 30.19, "out_proj": 17.28, "attn_qkv": 29.63, "gate_up": 62.34, "down": 36.92},
           64: {"gdn_in_proj": 91.66, "out_proj": 41.01, "attn_qkv": 85.6, "gate_up": 188.68, "down": 102.77},

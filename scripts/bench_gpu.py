@@ -18,8 +18,8 @@ Parts, each in its own process (so one part's memory never weighs on the next):
   STATS phases and the coordinator's client phases, protocol/timing.py, per verify step).
 - `batch` (`batch-local`, `batch-daemons`; scripts/bench_batch.py): many streams through the scheduler,
   aggregate tok/s by concurrency, greedy and oracle, one process and two daemons, HTTP at 8 streams, and
-  `batch_identical` (issue 20).
-- `batch-step`: one process, the batched step (issue 20) by R = 16 .. 256 rows: ms per step filled with 16-row
+  `batch_identical`.
+- `batch-step`: one process, the batched step by R = 16 .. 256 rows: ms per step filled with 16-row
   blocks of 1 .. R/16 sequences and with R one-row greedy sequences (`step_rows_ms`), tokens/s if every row
   commits, and a row of a full step bit-identical to its sequence alone (`batch_step_identical`).
 
@@ -118,7 +118,7 @@ def run_local(args) -> dict:
 
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafting.drafters import OracleDrafter
-    from tests.local import LocalTarget
+    from shardd.local import LocalTarget
     from protocol.layout import CHECKPOINT, REPLAY_SSM
     from shardd.model import rollback as rb
     from shardd.fast.shard import FastShard
@@ -259,7 +259,7 @@ def run_local(args) -> dict:
     out["rollback_wall_ms"] = rollback_wall_ms  # host call plus a synchronize
     out["floor_ratio_step"] = {mode: round(ms / out["floor_ms"], 3) for mode, ms in step_ms.items()}
     out["floor_ratio_greedy"] = round(out["greedy_ms_per_token"] / out["floor_ms"], 3)
-    if args.fp8:  # issue 17's targets for FP8 weights, against the FP8 floor
+    if args.fp8:  # the FP8 step's targets, as multiples of the FP8 floor
         out["fp8_targets"] = {"greedy": 1.35, "verify": 1.45,
                               "greedy_met": out["floor_ratio_greedy"] <= 1.35,
                               "verify_met": all(r <= 1.45 for m, r in out["floor_ratio_step"].items() if m != "replay")}
@@ -877,8 +877,7 @@ def daemon_profile_top(path: Path, top: int = 25) -> list[str]:
 # as shardctl ships it: each shard's rows straight to the next (--relay-to, on a GPU through its device ring), the
 # daemons' --busy-poll-ms left at its default (auto: polling on a GPU host with the CPUs for it) and the coordinator
 # following its daemons (Pipeline.connect(busy_poll_s=None)). The arms below change one thing each; `-plain` is
-# the split with neither (rows through the coordinator, nobody polling: what the headline measured before
-# 2026-12-04).
+# the split with neither (rows through the coordinator, nobody polling).
 SHIPPED_DIRECT_ROWS = True
 SHIPPED_BUSY_POLL_S = None  # the coordinator follows its daemons' HELLO
 SHIPPED_TAGS = ("", "-direct-busy-timeline", "-direct-busy-pyspy")  # the headline runs and the profiled ones
@@ -1140,7 +1139,7 @@ def run_dflash_relay(args) -> dict:
     """Two target shards and a daemon hosting the synthetic DFlash drafter (three daemons; on one GPU when one is
     there): CAPTURE features and PROPOSE ride the same relay as FORWARD and ROLLBACK. `e2e_dflash_step_ms` per
     rollback mode, and where the step's time goes (`dflash_relay_by_phase`, the drafter daemon as the last shard).
-    The drafter's own compute is issue 16's; its share shows as that daemon's PROPOSE phases."""
+    The drafter's own compute shows as that daemon's PROPOSE phases."""
     from coordinator.relay.client import ShardClient
     from coordinator.decoding import speculative_decode
     from coordinator.drafting.dflash import DFlashDrafterClient
@@ -1294,7 +1293,7 @@ def phase_table(by_phase: dict) -> str:
     return "\n".join(lines)
 
 
-# ---- batch-step: the batched fixed-shape step by R (issue 20) ----------------------------------------------
+# ---- batch-step: the batched fixed-shape step by R -------------------------------------------------------
 
 
 def run_batch_step(args) -> dict:
@@ -1430,7 +1429,7 @@ def batch_step_table(merged: dict) -> str:
 PARTS = {"local": run_local, "transformers": run_transformers, "e2e": run_e2e, "relay": run_relay,
          "delay": run_relay_vs_delay, "relay-dflash": run_dflash_relay, "dflash": run_dflash,
          "batch-local": run_batch_local, "batch-daemons": run_batch_daemons, "batch-step": run_batch_step}
-BUNDLES = {"batch": ("batch-local", "batch-daemons")}  # --parts batch: issue 20's throughput sweep (scripts/bench_batch.py)
+BUNDLES = {"batch": ("batch-local", "batch-daemons")}  # --parts batch: the throughput sweep (scripts/bench_batch.py)
 
 
 def main() -> int:

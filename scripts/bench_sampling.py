@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
-"""Micro-benchmark of the head shard's sampling (issue 20): ms per call to answer a speculative verify of R rows
-(R / block sequences of `block` rows, each its own seed, temperature 0.7, top-p 0.9), the per-row sampler the
-head shard ran before issue 20 (one sequence at a time, a host round trip per row) against
-`shardd.head.answer_batch` (every row at once, one copy back), on the GPU when there is one.
+"""Micro-benchmark of the head shard's sampling: ms per call to answer a speculative verify of R rows (R / block
+sequences of `block` rows, each its own seed, temperature 0.7, top-p 0.9), a per-row sampler (one sequence at a
+time, a host round trip per row) against `shardd.head.answer_batch` (every row at once, one copy back), on the GPU
+when there is one.
 
 Also checks, on the same device, that each sequence's answer in the batch equals its answer alone
-(`batch_identical`), the share of sequences answered as on the CPU (`answers_equal_cpu`, up to 16 rows), the
-host syncs per call and the torch ops per call that produce a tensor on the device (`device_ops_per_call`, about
-the kernel launches; the seeded uniforms are computed on the host since this session's change), on CUDA the
-chunks op by op against their CUDA graphs (`batched_ms_op_by_op`, `graphs_equal_op_by_op`); with --chunk-rows
-several values, the batched sampler is timed at each (rows per fixed-shape sort/softmax call).
+(`batch_identical`), the share of sequences answered as on the CPU (`answers_equal_cpu`, up to 16 rows), the host
+syncs per call and the torch ops per call that produce a tensor on the device (`device_ops_per_call`, about the
+kernel launches; the seeded uniforms are computed on the host), on CUDA the chunks op by op against their CUDA
+graphs (`batched_ms_op_by_op`, `graphs_equal_op_by_op`); with --chunk-rows several values, the batched sampler is
+timed at each (rows per fixed-shape sort/softmax call).
 
     python3 scripts/bench_sampling.py --json $OUT/sampling.json         # about a minute at most
 """
@@ -33,7 +33,7 @@ from shardd.head import HeadRequest, answer_batch, answer_rows  # noqa: E402
 from shardd.sampling import SamplingParams  # noqa: E402
 
 
-# ---- the per-row sampler as it was before issue 20 (shardd/sampling.py at 808c484), for comparison ----------
+# ---- a per-row sampler (one sequence at a time), the batched one's baseline ---------------------------------
 
 def legacy_target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     scaled = logits.float() / params.temperature

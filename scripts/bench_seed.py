@@ -80,9 +80,8 @@ def write_json(path: str | None, value: dict) -> None:
 
 def layer_ranges(args) -> list[tuple[int, int]]:
     """The two daemons' layers. The first one also holds the drafter (6.2 GB for the 27B shape's five draft layers),
-    so by default it takes 7/16 of the layers: 28:36 of the 27B's 64, whose FP8 memory plans are about 20.7 and 20.0
-    GiB, where 32:32 planned 22.8 and 18.0 GiB and the first daemon ran out of its 24 GiB cap (allocator
-    fragmentation at a 72 MiB request) on the fourth run (2026-12-04)."""
+    so by default it takes 7/16 of the layers (28 of the 27B's 64): an even split leaves the first daemon too little
+    of its 24 GiB cap for the allocator's fragmentation."""
     from common.presets import preset_config
 
     layers = preset_config(args.preset).num_layers

@@ -1,4 +1,4 @@
-"""A standing chaos run (issue 19): two `shardd serve` daemons (tiny synthetic model) and `shardctl serve` on
+"""A standing chaos run: two `shardd serve` daemons (tiny synthetic model) and `shardctl serve` on
 loopback, knocked about on purpose, and one table of how they came back.
 
     python scripts/chaos.py --budget 900 --json bench/results/chaos.json | tee bench/results/chaos.txt

@@ -3,20 +3,21 @@
 #
 #     scripts/gpu_run.sh RUN [RUN...] [-- ARGS]      # ARGS go to each named run's benchmark (name one run with them)
 #
-# | run           | builds / installs        | GPU tests                                           | measures (under $OUT)                                   |
-# |---------------|--------------------------|-----------------------------------------------------|---------------------------------------------------------|
-# | check         | wheels                   | prefill against the reference, rollbacks bit-exact  | prefill host vs kernel time (prefill_profile.json)      |
-# | local         | wheels                   | tests/test_fast_path.py, all of it                  | one process + transformers baseline (gpu_bench_local.json) |
-# | relay         | wheels                   | rollback off the critical path, bf16 = greedy       | relay host cost (relay_host_profile.json); one process and two daemons, GPU timeline (gpu_bench_relay.json) |
-# | relay-profile | wheels                   | -                                                   | two daemons under cProfile (relay_profile.json)         |
-# | ring          | wheels                   | the device ring and its waits                       | CUDA IPC across processes (cuda_ipc_probe.json)         |
-# | batch         | wheels, HTTP stack       | -                                                   | many streams, one process / two daemons / HTTP (gpu_bench_batch.json) |
-# | batch-step    | wheels                   | tests/test_batch_step.py, fast-path step tests      | ms per batched step by R rows (gpu_bench_batch_step.json) |
-# | dflash        | wheels                   | the drafter's graphs, the kernels it shares         | PROPOSE, drafter placements vs oracle (gpu_bench_dflash.json) |
-# | fp8           | wheels                   | FP8 loading, fast step, narrow GEMM, FP8 kernel     | one process with FP8 weights (gpu_bench_fp8.json)       |
-# | fp8-gemm      | -                        | tests/test_fp8_gemm.py                              | each 27B FP8 matrix vs its floor, tile sweep (fp8_gemm.json); NCU=1: Nsight Compute (fp8_gemm_ncu.txt) |
-# | seed          | wheels                   | -                                                   | the seed's benchmark, within SEED_BUDGET s (seed_bench.json) |
-# | sampling      | -                        | the head shard's sampler on CUDA                    | per-row vs batched sampling (gpu_bench_sampling.json)   |
+# | run           | builds / installs  | GPU tests                                           | measures (under $OUT) |
+# |---------------|--------------------|-----------------------------------------------------|-----------------------|
+# | check         | wheels             | prefill against the reference, rollbacks bit-exact  | prefill host vs kernel time (prefill_profile.json) |
+# | local         | wheels             | tests/unit/test_fast_path.py, all of it             | one process + transformers baseline (gpu_bench_local.json) |
+# | relay         | wheels             | rollback off the critical path, bf16 = greedy       | relay host cost (relay_host_profile.json); one process and two daemons, GPU timeline (gpu_bench_relay.json) |
+# | relay-profile | wheels             | -                                                   | two daemons under cProfile (relay_profile.json) |
+# | ring          | wheels             | the device ring and its waits                       | CUDA IPC across processes (cuda_ipc_probe.json) |
+# | batch         | wheels, HTTP stack | -                                                   | many streams, one process / two daemons / HTTP (gpu_bench_batch.json) |
+# | batch-step    | wheels             | tests/unit/test_batch_step.py, fast-path step tests | ms per batched step by R rows (gpu_bench_batch_step.json) |
+# | dflash        | wheels             | the drafter's graphs, the kernels it shares         | PROPOSE, drafter placements vs oracle (gpu_bench_dflash.json) |
+# | fp8           | wheels             | FP8 loading, fast step, narrow GEMM, FP8 kernel     | one process with FP8 weights (gpu_bench_fp8.json) |
+# | fp8-gemm      | -                  | tests/unit/test_fp8_gemm.py                         | each 27B FP8 matrix vs its floor, tile sweep (fp8_gemm.json); NCU=1: Nsight Compute (fp8_gemm_ncu.txt) |
+# | seed          | wheels             | -                                                   | the seed's benchmark, within SEED_BUDGET s (seed_bench.json) |
+# | sampling      | -                  | the head shard's sampler on CUDA                    | per-row vs batched sampling (gpu_bench_sampling.json) |
+# | gpu-tests     | wheels             | every test marked gpu (`pytest -m gpu tests`)       | - |
 #
 # Each run also writes RUN.log (its tests' tail and the benchmark's output); a short summary of every run is printed
 # last, since the device tool's reply carries the end of the output. The device tool brings back at most 8 files
@@ -44,7 +45,7 @@ runs=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do runs+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 ARGS=("$@")
-known=" check local relay relay-profile ring batch batch-step dflash fp8 fp8-gemm seed sampling "
+known=" check local relay relay-profile ring batch batch-step dflash fp8 fp8-gemm seed sampling gpu-tests "
 if [ ${#runs[@]} -eq 0 ]; then
     sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
     exit 2
@@ -111,16 +112,16 @@ bench_before() {
 }
 
 run_check() {
-    gpu_tests check 150 tests/test_fast_path.py tests/test_batch_step.py -k "prefill or bit_identical or replay"
+    gpu_tests check 150 tests/unit/test_fast_path.py tests/unit/test_batch_step.py -k "prefill or bit_identical or replay"
     bench check 90 python3 scripts/profile_prefill.py --lengths 256,512,1024 --rule both \
         --json "$OUT/prefill_profile.json" "${ARGS[@]}"
 }
 run_local() {
-    gpu_tests local 170 tests/test_fast_path.py
+    gpu_tests local 170 tests/unit/test_fast_path.py
     bench local 400 python3 scripts/bench_gpu.py --parts local,transformers --json "$OUT/gpu_bench_local.json" "${ARGS[@]}"
 }
 run_relay() {
-    gpu_tests relay 150 tests/test_fast_path.py -k "critical_path or bit_identical or bf16 or graph_replay"
+    gpu_tests relay 150 tests/unit/test_fast_path.py -k "critical_path or bit_identical or bf16 or graph_replay"
     bench relay 60 python3 scripts/profile_relay_host.py --json "$OUT/relay_host_profile.json"
     bench relay 380 python3 scripts/bench_gpu.py --parts "${PARTS:-relay,local}" --tokens 64 --repeats 10 --timeline \
         --json "$OUT/gpu_bench_relay.json" "${ARGS[@]}"
@@ -131,25 +132,25 @@ run_relay-profile() {
 }
 run_ring() {
     bench ring 80 python3 scripts/probe_cuda_ipc.py --json "$OUT/cuda_ipc_probe.json"
-    gpu_tests ring 270 tests/test_ring_wait.py tests/test_relay.py tests/test_timeline.py -k "device_ring or device_wait or stamps"
+    gpu_tests ring 270 tests/gpu/test_ring_wait.py tests/integration/test_relay.py tests/integration/test_timeline.py -k "device_ring or device_wait or stamps"
 }
 run_batch() {
     bench batch 450 python3 scripts/bench_gpu.py --parts batch --tokens 64 --prompt-len 512 \
         --json "$OUT/gpu_bench_batch.json" "${ARGS[@]}"
 }
 run_batch-step() {
-    gpu_tests batch-step 150 tests/test_batch_step.py
-    gpu_tests batch-step 100 tests/test_fast_path.py -k "gpu or bf16 or graph or prefill"
+    gpu_tests batch-step 150 tests/unit/test_batch_step.py
+    gpu_tests batch-step 100 tests/unit/test_fast_path.py -k "gpu or bf16 or graph or prefill"
     bench batch-step 180 python3 scripts/bench_gpu.py --parts batch-step --repeats 10 --batch-step-budget-s 120 \
         --json "$OUT/gpu_bench_batch_step.json" "${ARGS[@]}"
 }
 run_dflash() {
     bench dflash 330 python3 scripts/bench_gpu.py --parts dflash --json "$OUT/gpu_bench_dflash.json" "${ARGS[@]}"
-    gpu_tests dflash 170 tests/test_fast_draft.py tests/test_fast_path.py \
+    gpu_tests dflash 170 tests/unit/test_fast_draft.py tests/unit/test_fast_path.py \
         -k "fast_drafter or verify_reply or step_and_rollback or bf16 or graph_replay"
 }
 run_fp8() {
-    gpu_tests fp8 180 -x tests/test_quant.py tests/test_narrow_gemm.py tests/test_fp8_gemm.py
+    gpu_tests fp8 180 -x tests/unit/test_quant.py tests/unit/test_narrow_gemm.py tests/unit/test_fp8_gemm.py
     bench fp8 150 python3 scripts/bench_gpu.py --fp8 fp8-block --parts local --tokens 96 --repeats 10 \
         --json "$OUT/gpu_bench_fp8.json" "${ARGS[@]}"
 }
@@ -161,7 +162,7 @@ run_fp8-gemm() {
         grep -E "_fp8_gemm_kernel|Duration|DRAM Throughput|No Eligible|Achieved Occupancy" "$OUT/fp8-gemm.log" \
             > "$OUT/fp8_gemm_ncu.txt"
     fi
-    gpu_tests fp8-gemm 110 tests/test_fp8_gemm.py
+    gpu_tests fp8-gemm 110 tests/unit/test_fp8_gemm.py
     bench fp8-gemm 230 python3 scripts/bench_fp8_gemm.py --json "$OUT/fp8_gemm.json" --budget-s 60 --sweep-s 130 "${ARGS[@]}"
 }
 run_seed() {
@@ -170,7 +171,10 @@ run_seed() {
 }
 run_sampling() {
     bench sampling 90 python3 scripts/bench_sampling.py --json "$OUT/gpu_bench_sampling.json" --chunk-rows 16,8,32,64,128 "${ARGS[@]}"
-    gpu_tests sampling 150 tests/test_sampling.py -k "cuda or whatever_its_batch or stream or edges"
+    gpu_tests sampling 150 tests/unit/test_sampling.py -k "cuda or whatever_its_batch or stream or edges"
+}
+run_gpu-tests() {
+    gpu_tests gpu-tests 540 -m gpu tests
 }
 
 # The figures that matter of each run's JSON, and its tables, printed after all runs.
@@ -197,6 +201,8 @@ for run in runs:
     if run == "seed":  # the seed's own table is the last thing bench_seed.py prints
         text = log.read_text() if log.exists() else ""
         print(text[text.find("| weights |"):] if "| weights |" in text else "no seed table (see seed.log)")
+        continue
+    if run not in FILES:  # tests only
         continue
     try:
         result = json.loads((out / FILES[run]).read_text())

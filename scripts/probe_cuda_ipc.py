@@ -1,4 +1,4 @@
-"""Does CUDA IPC work between two daemons of this host? (the relay's device-to-device rows, issue 15)
+"""Does CUDA IPC work between two daemons of this host? (the relay's device-to-device rows)
 
 Two independent processes (this script as `--role writer` and `--role reader`, started apart, as two `shardd serve`
 are) over a ZeroMQ pair on ipc://: the reader allocates a ring of row buffers and interprocess events and sends

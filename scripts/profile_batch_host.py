@@ -1,4 +1,4 @@
-"""The scheduler's host cost per step, on the CPU (issue 20, speed): many streams through `Scheduler` over
+"""The scheduler's host cost per step, on the CPU: many streams through `Scheduler` over
 `LocalTarget`, with the 27B's vocabulary (248,320: a 16-row verify's logits are 16 MB of float32) and tiny
 layers, so what is left is the host path (planning, drafting, packing, the head's answer, commits, rollbacks).
 
@@ -28,10 +28,10 @@ from coordinator.drafting.drafters import OracleDrafter
 from coordinator.scheduler.requests import Request
 from coordinator.scheduler.scheduler import Scheduler
 from protocol.layout import CHECKPOINT
+from shardd.local import LocalTarget
 from shardd.model import rollback as rb
 from shardd.model.shard import ShardModel
 from shardd.synthetic import synthetic_weights
-from tests.local import LocalTarget
 
 BLOCK = 16
 

@@ -1,4 +1,4 @@
-"""Several sequences in one request to a shard (issue 20): what each asks, and the loop any engine runs.
+"""Several sequences in one request to a shard: what each asks, and the loop any engine runs.
 
 A batch runs each item as the one-sequence `forward` would, validated first: an item the shard refuses
 (a `ModelError`: bad input, a position that no longer matches, capacity) gets that error in its place and

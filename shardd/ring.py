@@ -10,8 +10,8 @@ polls `written`), copies the rows out of the slot and records `consumed`, which 
 writes that slot again.
 
 The reader creates all of it (memory and both events' objects), so the writer's death frees nothing the reader
-uses. A stream wait on an event a dead process recorded may never end (its context and work are torn down,
-measured), so neither wait uses one. The device wait (`DeviceRing.await_rows`) has the reader's stream wait for
+uses. A stream wait on an event a dead process recorded may never end (its context and work are torn down;
+scripts/probe_cuda_ipc.py shows it), so neither wait uses one. The device wait (`DeviceRing.await_rows`) has the reader's stream wait for
 the slot's flag, which the writer sets to the put's generation after its rows (shardd/kernels/ring.py), through
 the GPU's front end (cuStreamWaitValue32: no SM taken); a watcher thread of the reader ends a wait that has not
 landed after --rows-wait or once the writer's process is gone. The step runs after it either way, and the daemon

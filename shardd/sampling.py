@@ -18,8 +18,6 @@ is integer arithmetic computed on the host (`uniform`), as are every other per-r
 runs only the ops that read the logits (about 35 per chunk). A seed reproduces the output whatever the batch,
 the rollback mode, chunking or engine. The draw is an inverse-CDF lookup in vocabulary order, done in
 62-bit fixed point (an exact integer cumulative sum), so no rounding of a parallel scan can move it.
-This stream replaced the one of `random.Random(f"{seed}:{pos}")` per row (issue 20): a seed gives different
-tokens than before that change, equally distributed.
 
 Batch invariance: a row's result depends on its own logits and parameters alone. The top-k, sort, softmax
 and cumulative sums run on chunks of exactly `CHUNK_ROWS` rows (the last padded), so the same kernels run
@@ -31,7 +29,7 @@ one-hot and standard speculative rejection sampling (accept with min(1, p/q), el
 residual max(0, p - q)) becomes: accept draft d with probability p(d); on rejection sample from p with d
 removed, renormalised; when every draft is accepted, sample the bonus token from p at the last row. Every
 draft row's accept test runs at once; the first rejection is found with a cumulative product. The committed
-tokens then follow exactly the distribution of plain sampling (tests/test_sampling.py checks it).
+tokens then follow exactly the distribution of plain sampling (tests/unit/test_sampling.py checks it).
 """
 
 from __future__ import annotations

@@ -1,3 +1,6 @@
+"""What every test shares: the CPU fallbacks set before anything imports the kernels, the `gpu` marker's skip,
+and the `tiny` checkpoint. Helpers that tests import live in tests/support/."""
+
 import os
 import sys
 from pathlib import Path
@@ -18,6 +21,16 @@ if _workers > 1:
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test marked `gpu` (pyproject.toml's markers) needs CUDA: without it, it is skipped with one reason."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -278,7 +278,7 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
     speculating = drafter != GREEDY
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
                      # one generation is one sequence: shards launched for it hold one, so their fast step is
-                     # one sequence's rows (shardd's batch default, 128 rows for 8 sequences, costs a stream ~20%)
+                     # one sequence's rows (shardd's batch default, 128 rows for 8 sequences, slows a lone stream)
                      daemon_args_from(dtype=dtype, max_sequences=max_sequences or 1, max_context=max_context,
                                       busy_poll_ms="auto" if busy_poll_ms is None else busy_poll_ms),
                      curve=curve_server_key or curve_client_key, quantize=quantize)

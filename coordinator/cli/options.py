@@ -60,9 +60,8 @@ def busy_poll_option(default: str):
         "--busy-poll-ms", default=default, show_default=True, callback=_busy_poll_ms, metavar="MS|auto",
         help="Poll for each shard's reply without sleeping for this long (a core kept busy, no wake-up on the reply's "
              "way in), and launched shards the same for their next request (shardd serve --busy-poll-ms). auto: "
-             "as the shards do (they poll on a GPU host with at least 8 usable CPUs), when this host has 8 too. On an "
-             "H200 host both ends polling cut the relay of a two-daemon verify step 3.7 -> 2.6 ms; on a small one it "
-             "takes the cores the daemons need.")
+             "as the shards do (they poll on a GPU host with at least 8 usable CPUs), when this host has 8 too. Both "
+             "ends polling shorten the relay between daemons; on a small host it takes the cores the daemons need.")
 
 
 def parse_ids(text: str, what: str) -> list[int]:

@@ -31,7 +31,7 @@ from protocol.layout import REPLAY, check_layer_range, coverage_problems, even_s
 # Where a launched DFlash drafter runs: its own daemon, or beside the first or the last shard's layers (`--draft` on
 # that shard's daemon: no third process, and it borrows that shard's embedding or head instead of loading one).
 # Beside the last shard it proposes inside the verify reply (no PROPOSE round trip per step), hence the default;
-# `scripts/bench_gpu.py --parts dflash` measures every placement (bench/NOTES.md, issue 16).
+# `scripts/bench_gpu.py --parts dflash` measures every placement (docs/performance.md).
 DRAFT_PLACEMENTS = ("own", "first", "last")
 DEFAULT_DRAFT_PLACEMENT = "last"
 
@@ -230,7 +230,7 @@ def not_listening(endpoint: str) -> Optional[str]:
 
 
 # A daemon binds its socket within seconds of starting (before it loads weights): a shard with nothing
-# listening for this long is down, not starting (a dead shard is reported within seconds, issue 9).
+# listening for this long is down, not starting, so a dead shard is reported within seconds.
 START_GRACE_S = 10.0
 
 

@@ -39,7 +39,7 @@ class NgramDrafter:
     tokens that are new since the last call while the history starts with the tokens indexed (a decode's,
     grown), else built again: a scan of the whole history per step would grow with every token, per stream, on
     the engine thread.
-    tests/test_drafters.py holds the scan the index is checked against.
+    tests/unit/test_drafters.py holds the scan the index is checked against.
     """
 
     name = "ngram"

@@ -324,8 +324,8 @@ class TextTracker:
     The text is decoded incrementally, as vLLM and TGI detokenize: each commit decodes the window of the tokens
     last turned into text (their context: a tokenizer may render a token differently at the start) and the
     tokens after it, and keeps the difference, instead of decoding the whole history again (quadratic over a
-    long generation). The end (`finish`) decodes the whole once, as the reference does (tests/test_serve.py holds the
-    whole-history version the incremental one is checked against)."""
+    long generation). The end (`finish`) decodes the whole once, as the reference does
+    (tests/integration/test_serve.py holds the whole-history version the incremental one is checked against)."""
 
     def __init__(self, tokenizer, stop: Sequence[str], eos_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer

@@ -1,5 +1,5 @@
 """Triton kernels of the GPU step (shardd/fast/), one op per module, each tested against the readable
-reference in shardd/model/ (tests/test_kernels.py).
+reference in shardd/model/ (tests/unit/test_fast_path.py, test_batch_step.py, test_fp8_gemm.py, test_narrow_gemm.py).
 
 Every kernel computes a row (a token) the same way whatever the other rows of its launch hold and
 however many of them are real: that is what makes a token's result independent of how many tokens

@@ -10,7 +10,7 @@ A row's keys are cut into chunks of CHUNK positions that do not depend on the st
 is the same whichever row of whichever step it is in. Chunks past the step's last position cost one
 early exit, so the cost grows with the real context, not the preallocated one.
 
-A step's rows hold several sequences (issue 20): the device `control` is a table of segments, one per
+A step's rows hold several sequences: the device `control` is a table of segments, one per
 sequence, each its own contiguous rows (shardd.kernels.segment: slot, n, pos, first row, ...). A row finds
 its segment in the table; a row of no segment (padding) writes nothing to any cache and outputs zeros.
 The split kernel runs one program per (heads, chunk, segment) over that segment's rows in a tile of a fixed
@@ -31,9 +31,8 @@ from shardd.kernels.segments import segment_of
 CHUNK = 1024  # key positions per split; fixed, so a row's reduction order never depends on its step
 # Launch shape of the split kernel: (query heads of one GQA group per program, keys per inner block, warps),
 # by the cache length a shard was built for (fixed per shard, so every token of it takes the same kernel).
-# On an H200 (scripts/tune_kernels.py, bench/results/h200/tune_kernels.json): one head per program is the
-# fastest at short contexts (46 us per layer at 600 tokens vs 95 for three); three heads, which read each
-# key once for three, at long ones (164 us per layer at 32k vs 279).
+# scripts/tune_kernels.py times them (bench/results/h200/tune_kernels.json): one head per program is the faster
+# at short contexts; three heads, which read each key once for three, at long ones.
 LONG_CONTEXT = 8192
 SHORT_LAUNCH = (1, 64, 4)
 LONG_LAUNCH = (3, 32, 4)

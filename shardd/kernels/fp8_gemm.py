@@ -18,7 +18,7 @@ product (the FP8 value itself is exact in bf16), the channel scale the sum.
 Two ways to turn the bytes into bf16 before the bf16 MMA (neither uses FP8 tensor cores, which would
 need FP8 activations):
 - `native` (sm_89 and later): Triton's float8e4nv load and conversion;
-- `ampere`/`asm` (needs no FP8 type; sm_80/86, and the faster one on an H200 too): the bytes are loaded as
+- `ampere`/`asm` (needs no FP8 type; sm_80/86, and the faster one on Hopper too): the bytes are loaded as
   uint8 and rebuilt as bf16 by bit manipulation, four at a time in PTX (`prmt`, `and`, `shl`, one
   `fma.rn.bf16x2` by 2^120, all sm_80 instructions), or in plain Triton integer ops (`bits`: the
   interpreter's version, and a fallback). `fp8_linear(..., ampere=True)` forces it on any GPU.
@@ -44,8 +44,8 @@ LARGE_M = 128         # more rows than this take the dequantize-then-matmul path
 MAX_ROW_TILES = LARGE_M // BLOCK_M  # row tiles one program computes from one read of each weight tile
 CHUNK_ELEMENTS = 1 << 23  # weight elements dequantized at once on the large-M path (32 MiB in float32)
 AMPERE_CONVERT = "asm"    # how the Ampere path rebuilds bf16 on a GPU: "asm" (PTX, 4 bytes a time) or "bits"
-# The sm_89+ path: the asm bit shuffle measured faster on an H200 than Triton's conversion ("native": e4m3x2 ->
-# f16x2, then one f16 -> bf16 per value; 11.46 vs 9.38 ms for the 64 layers at 16 rows, commit bef3bcc)
+# The sm_89+ path: the asm bit shuffle, faster than Triton's conversion ("native" goes through f16: e4m3x2 ->
+# f16x2, then one f16 -> bf16 per value); scripts/bench_fp8_gemm.py times both
 HOPPER_CONVERT = "asm"
 # "asm_v1": the first asm shuffle (4 integer ops a pair instead of 2), kept for the benchmark's comparison
 _CONVERTS = {"native": 0, "asm": 1, "bits": 2, "asm_v1": 3}
@@ -71,27 +71,26 @@ class TileConfig:
     prefetch: int = 0
 
 
-# Fixed per 27B shape (N, K, blockwise): the configs scripts/bench_fp8_gemm.py's sweep measured fastest at 16 rows on
-# an H200 (every one with HOPPER_CONVERT "asm"; session 2 run of 95f786d: the 64 layers' matrices 8.46 -> 7.98 ms,
-# 1.38x their 5.80 ms floor). out_proj takes the sweep's second (split 4: 13.82 us at 16 rows, 1% slower than split
-# 8, and 15% faster at 64 rows). A shape not listed takes `_rule`. The shapes: GDN in_proj qkv|z|b|a 16480x5120 and
-# its FP8 part when the checkpoint keeps in_proj_a (qkv|z|b, 16432) or in_proj_b and in_proj_a (qkv|z, 16384) in
-# bf16 (shardd.quant.fuse_rows runs those as a second GEMM), out_proj and o_proj 5120x6144, attention q|k|v
-# 14336x5120, MLP gate|up 34816x5120, down 5120x17408.
-_GDN_IN_PROJ = TileConfig(block_n=32, block_k=256, split_k=1, warps=2, stages=3)  # 25.19 us, 1.25x its floor
+# Fixed per 27B shape (N, K, blockwise): the configs scripts/bench_fp8_gemm.py's sweep finds fastest at 16 rows (every
+# one with HOPPER_CONVERT "asm"; its JSON has each one's time against its floor). out_proj takes the sweep's second
+# (split 4: about split 8's time at 16 rows, faster at 64). A shape not listed takes `_rule`. The shapes: GDN in_proj
+# qkv|z|b|a 16480x5120 and its FP8 part when the checkpoint keeps in_proj_a (qkv|z|b, 16432) or in_proj_b and
+# in_proj_a (qkv|z, 16384) in bf16 (shardd.quant.fuse_rows runs those as a second GEMM), out_proj and o_proj
+# 5120x6144, attention q|k|v 14336x5120, MLP gate|up 34816x5120, down 5120x17408.
+_GDN_IN_PROJ = TileConfig(block_n=32, block_k=256, split_k=1, warps=2, stages=3)
 TILE_TABLE: dict[tuple[int, int, bool], TileConfig] = {
     (16480, 5120, True): _GDN_IN_PROJ,
     (16432, 5120, True): _GDN_IN_PROJ,
     (16384, 5120, True): _GDN_IN_PROJ,
-    (5120, 6144, True): TileConfig(block_n=32, block_k=128, split_k=4, warps=2, stages=3, swap=True),  # 13.82 us, 1.84x
-    (14336, 5120, True): TileConfig(block_n=64, block_k=128, split_k=2, warps=4, stages=3),  # 25.53 us, 1.46x
-    (34816, 5120, True): TileConfig(block_n=32, block_k=128, split_k=2, warps=2, stages=4, swap=True),  # 55.23 us, 1.30x
-    (5120, 17408, True): TileConfig(block_n=32, block_k=256, split_k=4, warps=4, stages=3),  # 30.56 us, 1.44x
+    (5120, 6144, True): TileConfig(block_n=32, block_k=128, split_k=4, warps=2, stages=3, swap=True),
+    (14336, 5120, True): TileConfig(block_n=64, block_k=128, split_k=2, warps=4, stages=3),
+    (34816, 5120, True): TileConfig(block_n=32, block_k=128, split_k=2, warps=2, stages=4, swap=True),
+    (5120, 17408, True): TileConfig(block_n=32, block_k=256, split_k=4, warps=4, stages=3),
 }
 
 
 def _rule(n: int, k: int, blockwise: bool) -> TileConfig:
-    """Enough programs to fill a GPU (132 SMs on an H200) ~3 deep: 32-wide N tiles, and a split of K when N
+    """Enough programs to fill a GPU (132 SMs on an H100 or H200) ~3 deep: 32-wide N tiles, and a split of K when N
     alone is short (each split keeps at least 8 K tiles)."""
     block_k = 128 if blockwise else 256
     block_n = 32
@@ -527,8 +526,8 @@ def _dequantize_kernel(w_ptr, scale_ptr, out_ptr, N, K, scale_stride_n, scale_st
 def dequantized(weight: torch.Tensor, scale2d: torch.Tensor, block, dtype: torch.dtype) -> torch.Tensor:
     """`dequantize_fp8(weight, scale, block).to(dtype)`, bit for bit, by `_dequantize_kernel` (the weight's
     device, or the interpreter): 3 bytes of memory traffic a weight where the PyTorch expression moves ~35
-    (float32 copies of the weight, of its expanded scale, of their product), which made an FP8 prefill ~5x
-    slower than a bf16 one (1,450 tok/s against 6,543 on an H200, its time in PyTorch's elementwise kernels)."""
+    (float32 copies of the weight, of its expanded scale, of their product), which kept an FP8 prefill in
+    PyTorch's elementwise kernels."""
     if weight.device.type != "cuda" and not interpreted():  # a CPU caller (no kernel here): the same values
         return dequantize_fp8(weight, scale2d, block).to(dtype)
     weight = weight.contiguous()

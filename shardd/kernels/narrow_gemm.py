@@ -1,13 +1,12 @@
 """out[:, :N] = x @ w.T for a narrow matrix (a few dozen output columns: the GDN `a` and `b` projections a
 checkpoint leaves unquantized beside an FP8 in_proj), straight into a column slice of a wider output.
 
-cuBLAS runs such a matrix at 16 rows as a split-K GEMM and a reduction (~6.6 us of two kernels on an H200), and
-the fused projection then needed a torch.cat of its parts. Here too a split of K and a reduction, but of a fixed
+cuBLAS runs such a matrix at 16 rows as a split-K GEMM and a reduction (two kernels), and the fused projection
+then needs a torch.cat of its parts. Here too a split of K and a reduction, but of a fixed
 shape: one program per (16 output columns, 16-row tile, 4 K tiles of 128), each storing its float32 partial, then
 one program per 16 columns adding the partials in split order and rounding once to x's dtype; the tiling is a
-function of N and K only, so a row's bits do not depend on the other rows or their number. (The first version,
-the whole K loop in one program per 16 columns, measured 16.8 us a call on an H200: 3 programs for the GDN `a`,
-too few bytes in flight; bench/NOTES.md.)
+function of N and K only, so a row's bits do not depend on the other rows or their number. K is split because
+the whole K loop in one program per 16 columns leaves the GDN `a` 3 programs: too few bytes in flight.
 """
 
 from __future__ import annotations

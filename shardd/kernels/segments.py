@@ -1,4 +1,4 @@
-"""The step's control (issue 20): a device int32 table of segments, one per sequence sharing the step, then
+"""The step's control: a device int32 table of segments, one per sequence sharing the step, then
 the segment of each of the step's rows.
 
 A step of R rows holds several sequences, each in contiguous rows: a segment. Its 8 fields are the

@@ -1,0 +1,550 @@
+"""DFlash drafting over real daemons: features captured across shards, PROPOSE on a drafter daemon.
+
+Daemons (all start once, together): a 2-way tcp set with checkpoint rollback, a drafter-only tcp
+daemon (synthetic drafter built in memory), a 3-way ipc set of a checkpoint written by
+`shardctl make-model --with-drafter` with replay-ssm rollback, 8-token requests (so prefill and
+the first PROPOSE go in chunks) and the drafter from `draft/` hosted by its last shard, and a
+tail shard without rollback storage. The synthetic drafter is untrained (acceptance near zero):
+what counts is that its output is exactly greedy and that its context follows the commits.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from coordinator.cli import cli
+from coordinator.decoding import greedy_decode, speculative_decode
+from coordinator.drafting.dflash import CapturedRows, DFlashDrafterClient
+from coordinator.drafting.drafters import Drafter
+from coordinator.launch import ShardSet, drafter_set, launched_sets
+from coordinator.relay.client import ShardClient, ShardError
+from coordinator.relay.pipeline import Pipeline
+from coordinator.relay.shards import PipelineError, ShardInfo, order_shards
+from coordinator.relay.target import RollbackFailed
+from protocol import ErrorCode, WireTensor
+from shardd.draft.model import DFlashDrafter
+from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights
+from shardd.loading import ModelSource, build_drafter, build_shard
+from shardd.local import LocalTarget
+from shardd.model.rollback import RollbackStorage
+from shardd.weights import embedding_and_head_shapes, load_tensors
+from tests.support.reference import hf_logits_and_hidden, hf_model
+
+TINY = ("--synthetic", "tiny")
+PROMPT = list(b"The quick brown fox jumps over the lazy dog; the quick brown fox")
+NEW_TOKENS = 32
+BLOCK = 8
+LAYER_IDS = [1, 3]  # synthetic:2 on the 6-layer tiny model (build_target_layer_ids)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dflash") / "tiny"
+    result = CliRunner().invoke(cli, ["make-model", "--preset", "tiny", "--out", str(out), "--with-drafter", "--json"])
+    assert result.exit_code == 0, result.output
+    assert (out / "draft" / "config.json").is_file() and (out / "draft" / "model.safetensors").is_file()
+    return out
+
+
+@pytest.fixture(scope="module")
+def daemons(model_dir):
+    model = ("--model", str(model_dir))
+    sets = {
+        "pair": ShardSet(TINY, [(0, 3), (3, 6)], "tcp", ("--rollback-mode", "checkpoint", "--max-verify-tokens", str(BLOCK))),
+        "drafter": drafter_set(TINY, "synthetic", "tcp"),
+        "triple": ShardSet(
+            model, [(0, 2), (2, 4), (4, 6)], "ipc",
+            ("--rollback-mode", "replay-ssm", "--max-verify-tokens", str(BLOCK), "--max-tokens-per-request", "8"),
+            shard_args=((), (), ("--draft", str(model_dir / "draft"))),
+        ),
+        "bare": ShardSet(TINY, [(3, 6)], "tcp", ("--max-verify-tokens", "0")),
+    }
+    with launched_sets(list(sets.values()), ready_timeout_s=120) as started:
+        yield {name: [shard.endpoint for shard in shards] for name, shards in zip(sets, started)}
+
+
+def pipeline_endpoints(daemons, name):
+    """Shards of a pipeline and the daemon of its drafter."""
+    if name == "pair":
+        return daemons["pair"], daemons["drafter"][0]
+    if name == "triple":
+        return daemons["triple"], daemons["triple"][2]  # the last shard hosts the drafter too
+    return [daemons["pair"][0], daemons["bare"][0]], daemons["drafter"][0]  # layer 3 on a shard without storage
+
+
+@pytest.fixture(scope="module")
+def local():
+    return LocalTarget(ModelSource(synthetic="tiny"), storage=RollbackStorage(None, 0))
+
+
+@pytest.fixture(scope="module")
+def greedy(local):
+    return greedy_decode(local, 1, PROMPT, NEW_TOKENS).tokens
+
+
+# ---- features --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["pair", "triple"])
+def test_features_captured_across_shards_equal_one_process_and_transformers(daemons, local, model_dir, name):
+    layers = list(range(6))
+    with Pipeline.connect(pipeline_endpoints(daemons, name)[0]) as pipeline:
+        pipeline.open(10)
+        try:
+            ids, captured = pipeline.capture(10, 0, PROMPT, layers)  # triple: in 8-token chunks
+        finally:
+            pipeline.close(10)
+    local.open(10)
+    try:
+        want_ids, want = local.capture(10, 0, PROMPT, layers)
+    finally:
+        local.close(10)
+    _, hidden_states = hf_logits_and_hidden(hf_model(model_dir), PROMPT)
+    assert ids == want_ids and sorted(captured) == layers
+    for layer in layers:
+        got = captured[layer].to_torch()
+        assert got.shape == (len(PROMPT), 64)
+        assert torch.allclose(got, want[layer], atol=1e-5, rtol=0)
+        if layer < 5:  # transformers' last entry is after the final norm, not a layer output
+            assert (got - hidden_states[layer + 1]).abs().max().item() <= 1e-4
+
+
+def test_capture_goes_only_to_shards_owning_a_layer(daemons):
+    endpoints, _ = pipeline_endpoints(daemons, "triple")
+    with Pipeline.connect(endpoints) as pipeline:
+        before = pipeline.stats()
+        pipeline.open(11)
+        try:
+            pipeline.capture(11, 0, PROMPT[:6], LAYER_IDS)
+        finally:
+            pipeline.close(11)
+        after = pipeline.stats()
+    captures = [a["captures"] - b["captures"] for a, b in zip(after, before)]
+    forwards = [a["forwards"] - b["forwards"] for a, b in zip(after, before)]
+    assert captures == [1, 1, 0] and forwards == [1, 1, 1]  # layers 1 and 3 live on 0:2 and 2:4
+
+
+def test_feature_rows_interleave_layers_in_target_order():
+    rows = CapturedRows([3, 1])
+    layer = {i: WireTensor.from_torch(torch.arange(8, dtype=torch.float32).view(4, 2) + 100 * i) for i in (1, 3)}
+    rows.record(10, layer)  # positions 10..13
+    rows.record(12, {i: WireTensor.from_torch(t.to_torch()[:1] + 1000) for i, t in layer.items()})  # 12, 13 rolled back
+    features = rows.take(10, 13).to_torch()
+    assert features.shape == (3, 4)
+    assert features.tolist() == [[300, 301, 100, 101], [302, 303, 102, 103], [1300, 1301, 1100, 1101]]
+    with pytest.raises(ValueError, match="never captured"):
+        rows.take(12, 14)
+
+
+# ---- speculative decoding ---------------------------------------------------------------------
+
+
+# (shard set, rollback mode): tcp and ipc, drafter alone and beside layers, a shard without storage in replay.
+MATRIX = [("pair", "checkpoint"), ("pair", "replay"), ("triple", "replay-ssm"), ("triple", "replay"), ("bare", "replay")]
+
+
+class Recording:
+    """A drafter as it is, noting the committed length (len(history) - 1) of each proposal it makes."""
+
+    def __init__(self, drafter):
+        self.drafter, self.name, self.committed = drafter, drafter.name, []
+
+    def propose(self, history, n):
+        if n:
+            self.committed.append(len(history) - 1)
+        return self.drafter.propose(history, n)
+
+
+@pytest.mark.parametrize("name,mode", MATRIX, ids=[f"{n}-{m}" for n, m in MATRIX])
+def test_dflash_equals_greedy(daemons, greedy, name, mode):
+    endpoints, draft_endpoint = pipeline_endpoints(daemons, name)
+    with Pipeline.connect(endpoints) as pipeline, ShardClient(draft_endpoint) as draft_client:
+        pipeline.check_speculation(mode, BLOCK)
+        drafter = DFlashDrafterClient(draft_client, pipeline)
+        assert drafter.shares_pipeline_daemon == (name == "triple")
+        recording = Recording(drafter)
+        before = draft_client.stats()["drafter"]
+        result = speculative_decode(drafter.target, 20, PROMPT, recording, block_size=BLOCK, rollback=mode,
+                                    max_new_tokens=NEW_TOKENS)
+        after = draft_client.stats()["drafter"]
+        stats = pipeline.stats()
+    assert result.tokens == greedy
+    assert result.drafted > 0 and result.rollbacks_fallback == 0
+    assert after["proposals"] - before["proposals"] >= len(recording.committed) == result.steps - 1
+    # Only committed rows reach the drafter, each once: by the last proposal, the committed length.
+    assert after["context_rows_added"] - before["context_rows_added"] == recording.committed[-1]
+    assert after["crops"] == before["crops"] and "20" not in after["context_rows"]
+    assert all(shard["open_sequences"] == 0 for shard in stats)
+
+
+def test_captures_work_on_a_shard_without_rollback_storage(daemons, greedy):
+    endpoints, draft_endpoint = pipeline_endpoints(daemons, "bare")
+    with Pipeline.connect(endpoints) as pipeline, ShardClient(draft_endpoint) as draft_client:
+        assert pipeline.shards[1].max_verify_tokens == 0
+        with pytest.raises(PipelineError, match="--max-verify-tokens 0"):
+            pipeline.check_speculation("checkpoint", BLOCK)
+        before = pipeline.stats()[1]
+        drafter = DFlashDrafterClient(draft_client, pipeline)
+        result = speculative_decode(drafter.target, 21, PROMPT, drafter, block_size=BLOCK, rollback="replay",
+                                    max_new_tokens=NEW_TOKENS)
+        after = pipeline.stats()[1]
+    assert result.tokens == greedy and result.replays > 0
+    # CAPTURE and ROLLBACK are separate: the storage-less shard captured every forward and wrote no checkpoint.
+    assert after["captures"] - before["captures"] == after["forwards"] - before["forwards"] > result.steps
+    assert after["checkpoint_writes"] == 0 and after["recurrence_log_tokens"] == 0 and after["checkpointed_steps"] == 0
+    assert after["rollbacks"] == {} and after["restores"] - before["restores"] == result.replays
+
+
+class OracleMix:
+    """The dflash drafter (so its daemon sees every step) with a seeded number of its drafts
+    replaced by the greedy truth, so steps accept 0 .. n drafts; checks after every proposal that
+    the drafter daemon's context holds exactly the committed length."""
+
+    name = "dflash+oracle"
+
+    def __init__(self, drafter: DFlashDrafterClient, stats: ShardClient, truth: list[int], seq: int):
+        self.drafter, self.stats, self.truth, self.seq = drafter, stats, truth, seq
+        self.rng = random.Random(5)
+        self.checked = 0
+
+    def propose(self, history: list[int], n: int) -> list[int]:
+        drafts = self.drafter.propose(history, n)
+        if n:
+            context = self.stats.stats()["drafter"]["context_rows"][str(self.seq)]
+            assert context == len(history) - 1, f"drafter context {context}, committed length {len(history) - 1}"
+            self.checked += 1
+        generated = len(history) - len(PROMPT)
+        right = self.rng.randint(0, n)
+        return self.truth[generated:generated + right] + drafts[right:]
+
+
+@pytest.mark.parametrize("name,mode", [("pair", "checkpoint"), ("triple", "replay")])
+def test_drafter_context_follows_partial_accepts(daemons, local, name, mode):
+    truth = greedy_decode(local, 2, PROMPT, 3 * NEW_TOKENS).tokens
+    endpoints, draft_endpoint = pipeline_endpoints(daemons, name)
+    with Pipeline.connect(endpoints) as pipeline, ShardClient(draft_endpoint) as draft_client:
+        dflash = DFlashDrafterClient(draft_client, pipeline)
+        # STATS lists only the asking client's sequence ids: ask over the connection that drafts
+        mix = OracleMix(dflash, dflash.client, truth + [0] * BLOCK, seq=30)
+        assert isinstance(mix, Drafter)
+        result = speculative_decode(dflash.target, 30, PROMPT, mix, block_size=BLOCK, rollback=mode,
+                                    max_new_tokens=3 * NEW_TOKENS)
+    assert result.tokens == truth
+    kept = [commit for commit in result.commits if 1 < commit < BLOCK]
+    assert len(kept) > 5 and mix.checked >= result.steps - 1  # many partial accepts, each checked
+
+
+class FailingRollback:
+    """Every third fast rollback fails, so the loop re-fills the sequence: CLOSE, OPEN, forward the history."""
+
+    def __init__(self, target):
+        self.target, self.rollbacks = target, 0
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def rollback(self, seq, keep):
+        self.rollbacks += 1
+        if self.rollbacks % 3 == 0:
+            raise RollbackFailed("injected")
+        self.target.rollback(seq, keep)
+
+
+def test_refill_rebuilds_the_drafter_context(daemons, greedy):
+    endpoints, draft_endpoint = pipeline_endpoints(daemons, "triple")
+    with Pipeline.connect(endpoints) as pipeline, ShardClient(draft_endpoint) as draft_client:
+        drafter = DFlashDrafterClient(draft_client, pipeline)
+        before = draft_client.stats()["drafter"]
+        result = speculative_decode(FailingRollback(drafter.target), 40, PROMPT, drafter, block_size=BLOCK,
+                                    rollback="replay-ssm", max_new_tokens=NEW_TOKENS)
+        after = draft_client.stats()["drafter"]
+    assert result.tokens == greedy and result.rollbacks_fallback > 2
+    # After each re-fill the drafter starts over: the whole committed history again (in 8-row PROPOSEs).
+    assert after["context_rows_added"] - before["context_rows_added"] > len(PROMPT) * (1 + result.rollbacks_fallback)
+
+
+def test_drafts_equal_the_in_process_drafter_on_single_process_features(daemons, local):
+    endpoints, draft_endpoint = pipeline_endpoints(daemons, "pair")
+    with Pipeline.connect(endpoints) as pipeline, ShardClient(draft_endpoint) as draft_client:
+        drafter = DFlashDrafterClient(draft_client, pipeline)
+        drafter.target.open(50)
+        try:
+            first = drafter.target.forward(50, 0, PROMPT)[-1]
+            drafts = drafter.propose(PROMPT + [first], BLOCK - 1)
+        finally:
+            drafter.target.close(50)
+    local.open(50)
+    try:
+        _, captured = local.capture(50, 0, PROMPT, LAYER_IDS)
+    finally:
+        local.close(50)
+    shard = local.shards[0]
+    config = synthetic_draft_config(local.config, num_layers=2)
+    model = DFlashDrafter(config, synthetic_draft_weights(config, 0), target_embed=shard.embed_tokens,
+                          target_lm_head=shard.lm_head)
+    state = model.new_state(256)
+    model.add_context(state, torch.cat([captured[i] for i in config.target_layer_ids], dim=1))
+    want, _ = model.propose(state, first, BLOCK)
+    assert list(config.target_layer_ids) == LAYER_IDS and drafts == want.tolist()
+
+
+# ---- the daemon --------------------------------------------------------------------------------
+
+
+def test_hello_describes_the_drafter(daemons, model_dir):
+    with ShardClient(daemons["drafter"][0]) as alone, ShardClient(daemons["triple"][2]) as beside:
+        only, both = alone.hello(), beside.hello()
+    assert only["layers"] is None and not only["owns_embedding"] and not only["owns_head"]
+    assert only["rollback"]["mode"] is None and only["model"]["fingerprint"] == "synthetic:tiny:0:cpu"
+    drafter = only["drafter"]
+    assert drafter["name"] == "dflash" and drafter["target_layer_ids"] == LAYER_IDS
+    assert (drafter["block_size"], drafter["max_draft_tokens"], drafter["mask_token_id"]) == (16, 15, 319)
+    assert drafter["feature_size"] == 2 * 64 and drafter["fingerprint"].startswith("synthetic-dflash:")
+    assert both["layers"] == [4, 6] and both["owns_head"] and both["rollback"]["mode"] == "replay-ssm"
+    assert both["drafter"]["fingerprint"].startswith("sha256:") and both["drafter"]["target_layer_ids"] == LAYER_IDS
+
+
+def test_a_drafter_daemon_is_no_pipeline_shard(daemons):
+    pair, drafter = daemons["pair"], daemons["drafter"][0]
+    with pytest.raises(PipelineError, match="not a pipeline shard"):
+        Pipeline.connect([*pair, drafter])
+    with ShardClient(drafter) as client:
+        infos = [ShardInfo(drafter, client.hello())]
+    with Pipeline.connect(pair) as pipeline:
+        infos += pipeline.shards
+    assert [str(s) for s in order_shards(infos)] == [str(s) for s in infos[1:]]  # counted for no layers
+    with pytest.raises(PipelineError, match="no shard owns target layers"):
+        order_shards(infos[:1])
+    result = CliRunner().invoke(cli, ["status", "--shards", ",".join([*pair, drafter]), "--json"])
+    assert result.exit_code == 0, result.output
+    assert '"ok": true' in result.output and "1 drafter-only daemon" in result.output
+
+
+def propose(client, seq, pos, n, *, width=128, dtype=torch.float32, last_token=7, block_size=4, seed=0):
+    features = None
+    if n is not None:
+        rows = torch.randn(n, width, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        features = WireTensor.from_torch(rows)
+    return client.propose(seq, pos, last_token, block_size, features)
+
+
+def error_code(call):
+    with pytest.raises(ShardError) as error:
+        call()
+    return error.value.code
+
+
+def test_propose_rejections_change_nothing(daemons):
+    with ShardClient(daemons["bare"][0]) as bare:
+        bare.open(60)
+        try:
+            assert error_code(lambda: propose(bare, 60, 0, None)) is ErrorCode.NO_DRAFTER
+        finally:
+            bare.close(60)
+    with ShardClient(daemons["drafter"][0]) as client:
+        assert error_code(lambda: propose(client, 61, 0, None)) is ErrorCode.NO_SUCH_SEQUENCE
+        client.open(61)
+        try:
+            assert propose(client, 61, 3, 3)["context_length"] == 3
+            cases = {
+                "wrong width": (lambda: propose(client, 61, 5, 2, width=64), ErrorCode.BAD_REQUEST),
+                "wrong dtype": (lambda: propose(client, 61, 5, 2, dtype=torch.float16), ErrorCode.BAD_REQUEST),
+                "block too large": (lambda: propose(client, 61, 5, 2, block_size=16), ErrorCode.BAD_REQUEST),
+                "token outside vocabulary": (lambda: propose(client, 61, 5, 2, last_token=320), ErrorCode.BAD_REQUEST),
+                "rows before position 0": (lambda: propose(client, 61, 1, 2), ErrorCode.BAD_REQUEST),
+                "rows missing": (lambda: propose(client, 61, 6, 2), ErrorCode.POSITION_MISMATCH),
+            }
+            for what, (call, code) in cases.items():
+                assert error_code(call) is code, what
+                assert client.stats()["drafter"]["context_rows"]["61"] == 3, what
+            with ShardClient(daemons["drafter"][0]) as other:
+                assert error_code(lambda: other.forward(61, 3, tokens=[1])) is ErrorCode.BAD_REQUEST  # no layers here
+            assert propose(client, 61, 5, 2, seed=1)["context_length"] == 5
+        finally:
+            client.close(61)
+
+
+def test_propose_crops_rows_of_rolled_back_tokens(daemons):
+    with ShardClient(daemons["drafter"][0]) as client:
+        before = client.stats()["drafter"]
+        client.open(62)
+        client.open(63)
+        try:
+            propose(client, 62, 6, 6, seed=2)  # six rows, of which the last three get rolled back
+            cropped = propose(client, 62, 4, 1, seed=3, block_size=8)  # crops to 3, adds one row
+            propose(client, 63, 3, 3, seed=2)  # the same rows 0..2 straight away
+            fresh = propose(client, 63, 4, 1, seed=3, block_size=8)
+            without_rows = propose(client, 62, 2, None)  # no rows: a crop to the committed length alone
+        finally:
+            client.close(62)
+            client.close(63)
+        after = client.stats()["drafter"]
+    assert cropped["context_length"] == 4 and cropped["tokens"] == fresh["tokens"] and len(fresh["tokens"]) == 8
+    assert without_rows["context_length"] == 2
+    assert (after["crops"] - before["crops"], after["rows_cropped"] - before["rows_cropped"]) == (2, 5)
+
+
+def test_loader_reads_only_the_embedding_and_head_for_a_drafter(model_dir):
+    config = ModelSource(model_dir=str(model_dir)).config()
+    loaded = load_tensors(model_dir, embedding_and_head_shapes(config))
+    assert sorted(loaded.keys_read) == ["lm_head.weight", "model.language_model.embed_tokens.weight"]
+    source = ModelSource(model_dir=str(model_dir))
+    alone = build_drafter(source, str(model_dir / "draft"))
+    beside = build_drafter(source, str(model_dir / "draft"), shard=build_shard(source, 0, 6))
+    assert alone.borrowed_bytes == 2 * 320 * 64 * 4 and beside.borrowed_bytes == 0  # the shard's own tensors, shared
+    # The checkpoint make-model wrote is the drafter `--draft synthetic` builds in memory.
+    synthetic = build_drafter(ModelSource(synthetic="tiny"), "synthetic")
+    assert synthetic.config == alone.config
+    assert torch.equal(synthetic.model.fc, alone.model.fc)
+
+
+# ---- shardctl ----------------------------------------------------------------------------------
+
+
+def shardctl(*args):
+    return CliRunner().invoke(cli, [str(arg) for arg in args])
+
+
+def test_shardctl_generate_dflash(daemons, model_dir, greedy):
+    shards, draft_shard = pipeline_endpoints(daemons, "pair")
+    ids = ",".join(map(str, PROMPT))
+    common = ("--prompt-ids", ids, "--max-new-tokens", NEW_TOKENS, "--block-size", BLOCK, "--json")
+    result = shardctl("generate", "--shards", ",".join(shards), "--drafter", "dflash", "--draft-shard", draft_shard, *common)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["drafter"] == "dflash" and record["tokens"] == greedy and record["steps"] > 1
+    # Launched shards come with a drafter daemon: here the one make-model wrote into MODEL/draft.
+    result = shardctl("generate", "--model", model_dir, "--split", 2, "--drafter", "dflash", "--rollback", "replay", *common)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["tokens"] == greedy
+    usage = [
+        ("--shards", ",".join(shards), "--drafter", "dflash"),  # no --draft-shard
+        ("--shards", ",".join(shards), "--drafter", "ngram", "--draft-shard", draft_shard),
+        ("--shards", ",".join(shards), "--drafter", "dflash", "--draft", "synthetic"),
+        ("--shards", ",".join(shards), "--drafter", "dflash", "--draft-shard", shards[0]),  # hosts no drafter
+    ]
+    for args in usage:
+        assert shardctl("generate", *args, *common).exit_code == 2, args
+    too_wide = shardctl("generate", "--shards", ",".join(shards), "--drafter", "dflash", "--draft-shard", draft_shard,
+                        "--prompt-ids", ids, "--block-size", 17, "--rollback", "replay")
+    assert too_wide.exit_code == 2 and "at most 16" in too_wide.output
+
+
+# ---- sampling -------------------------------------------------------------------------------
+
+def continuation_probs(shard, prompt: list[int], new: int, params) -> dict[tuple[int, ...], float]:
+    """The exact distribution plain sampling draws `new` tokens after `prompt` from: each continuation's
+    probability is the product of the head shard's per-step distribution (`target_probs`) along its prefixes."""
+    from shardd.sampling import target_probs
+
+    probs = {(): 1.0}
+    for _ in range(new):
+        grown = {}
+        for prefix, p in probs.items():
+            state = shard.new_state(64)
+            try:
+                logits = shard.forward(state, 0, tokens=prompt + list(prefix)).logits[-1]
+            finally:
+                shard.release_state(state)
+            step = target_probs(logits, params)
+            for token in step.nonzero().flatten().tolist():
+                grown[prefix + (token,)] = p * float(step[token])
+        probs = grown
+    return probs
+
+
+def test_sampling_with_dflash_drafts_keeps_the_distribution(daemons, local):
+    """Speculative rejection sampling with the dflash drafter's drafts: the sampled continuations follow the
+    distribution of plain sampling (computed exactly from the one-process model's logits and the head shard's
+    `target_probs`), by chi-square. 400 samples against the exact distribution test at least the power of the
+    two-sample test this replaced (1200 plain samples against 500 speculative ones: 353 effective)."""
+    from collections import Counter
+
+    from coordinator.sampling import Sampling
+    from shardd.sampling import SamplingParams
+    from tests.support.stats import chi2_against, chi2_critical
+
+    prompt, new, samples = PROMPT[:12], 3, 400
+    exact = continuation_probs(local.shards[0], prompt, new, SamplingParams(1.0, top_k=2))
+    outcomes = list(exact)
+    assert len(outcomes) == 2**new and abs(sum(exact.values()) - 1) < 1e-5
+    endpoints, draft_endpoint = pipeline_endpoints(daemons, "pair")
+    drafted = Counter()
+    with Pipeline.connect(endpoints) as pipeline, ShardClient(draft_endpoint) as client:
+        drafter = DFlashDrafterClient(client, pipeline)
+        for s in range(samples):
+            result = speculative_decode(drafter.target, 40, prompt, drafter, block_size=4, rollback="checkpoint",
+                                        max_new_tokens=new, sampling=Sampling(1.0, top_k=2, seed=10_000 + s))
+            tokens = tuple(result.tokens)
+            drafted[outcomes.index(tokens) if tokens in exact else len(outcomes)] += 1  # outside: chi2_against fails
+        assert result.drafted > 0
+    stat, df = chi2_against(drafted, torch.tensor([exact[o] for o in outcomes]), samples)
+    assert df >= 2 and stat < chi2_critical(df), (stat, df, exact, drafted)
+
+
+@pytest.mark.parametrize("name,mode", [("pair", "checkpoint"), ("pair", "replay"), ("triple", "replay-ssm")])
+def test_dflash_requests_share_the_schedulers_steps(daemons, greedy, name, mode):
+    """The scheduler runs DFlash requests in its steps beside greedy and n-gram ones: each drafter instance
+    (`fresh`) holds its own sequence's features, every stream equals its request alone, and the streams
+    shared steps (fewer steps than their forwards)."""
+    from coordinator.drafting.drafters import NgramDrafter
+    from coordinator.scheduler.requests import Request
+    from coordinator.scheduler.scheduler import Scheduler
+
+    endpoints, draft_endpoint = pipeline_endpoints(daemons, name)
+    with Pipeline.connect(endpoints) as pipeline, ShardClient(draft_endpoint) as draft_client:
+        first = DFlashDrafterClient(draft_client, pipeline)
+        drafters = [first, first.fresh(), first.fresh(), NgramDrafter(), None]
+        requests = [Request(PROMPT, NEW_TOKENS, drafter=drafter, block_size=BLOCK) for drafter in drafters]
+        scheduler = Scheduler(pipeline, max_sequences=len(requests), rollback=mode)
+        results = [request.outcome() for request in scheduler.run_all(requests)]
+        stats = pipeline.stats()
+    assert [result.tokens for result in results] == [greedy] * len(requests)
+    assert all(result.drafted > 0 for result in results[:4])
+    assert scheduler.steps < sum(result.steps + 1 for result in results[:3])
+    assert len({id(drafter.target) for drafter in drafters[:3]}) == 3
+    assert all(shard["open_sequences"] == 0 for shard in stats)
+
+
+def test_shardctl_generate_dflash_streams_together(daemons, greedy):
+    shards, draft_shard = pipeline_endpoints(daemons, "pair")
+    result = shardctl("generate", "--shards", ",".join(shards), "--drafter", "dflash", "--draft-shard", draft_shard,
+                      "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", NEW_TOKENS,
+                      "--block-size", BLOCK, "--concurrency", 3, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["tokens"] == greedy
+
+
+def test_the_serve_engine_runs_dflash_requests_in_its_scheduler(daemons, greedy):
+    """`shardctl serve --drafter dflash` serves through the one scheduler, as every drafter: two requests at once,
+    each streamed as deltas, each the greedy continuation, in shared steps."""
+    import asyncio
+
+    from coordinator.sampling import Sampling
+    from coordinator.serve.engine import Engine, EngineConfig, GenerateParams
+    from coordinator.tokenizer import ByteTokenizer
+
+    endpoints, draft_endpoint = pipeline_endpoints(daemons, "pair")
+    engine = Engine(endpoints, ByteTokenizer(), EngineConfig(model_name="m", drafter="dflash",
+                                                              draft_endpoint=draft_endpoint, block_size=BLOCK))
+    params = GenerateParams(PROMPT, NEW_TOKENS, Sampling(), ignore_eos=True)
+
+    async def stream():
+        deltas = [delta async for delta in engine.generate(params)]
+        return deltas[-1].result, sum(delta.result is None for delta in deltas)
+
+    async def run():
+        return await asyncio.gather(stream(), stream())
+
+    try:
+        outcomes = asyncio.run(run())
+        for result, text_deltas in outcomes:
+            assert result.tokens == greedy and text_deltas >= 1 and result.drafted > 0
+        assert engine.scheduler.steps < sum(result.steps + 1 for result, _ in outcomes)
+    finally:
+        engine.close()

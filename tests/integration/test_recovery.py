@@ -1,0 +1,78 @@
+"""A shard that dies and is restarted mid-generation: the coordinator keeps every committed token, re-fills
+the restarted shard from that history, and the output is exactly plain greedy decoding (README, "Running it")."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from coordinator.decoding import greedy_decode, speculative_decode
+from coordinator.drafting.drafters import OracleDrafter
+from coordinator.relay.pipeline import Pipeline
+from shardd.loading import ModelSource
+from shardd.local import LocalTarget
+from tests.support.daemons import Daemon, free_tcp_endpoint, kill_and_replace, stop_all
+
+PROMPT = list(b"restart me, then carry on: ")
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return greedy_decode(LocalTarget(ModelSource(synthetic="tiny")), 1, PROMPT, NEW_TOKENS).tokens
+
+
+@pytest.mark.parametrize("mode", ["checkpoint"])  # every mode: tests/unit/test_decoding.py
+def test_killed_and_restarted_shard_is_refilled(tmp_path, expected, mode):
+    binds = [free_tcp_endpoint(), free_tcp_endpoint()]
+    args = [["--layers", "0:3", "--max-verify-tokens", "16"], ["--layers", "3:6", "--max-verify-tokens", "16"]]
+    daemons = [Daemon(f"shard{i}", binds[i], args[i], tmp_path) for i in range(2)]
+    try:
+        for daemon in daemons:
+            daemon.wait_ready()
+        pipeline = Pipeline.connect(binds, timeout_s=30.0)
+        commits = []
+
+        def kill_and_restart_second_shard(new_ids):
+            commits.append(new_ids)
+            if len(commits) == 3:  # mid-generation: the head shard loses every sequence
+                kill_and_replace(daemons, 1, "shard1-restarted", args[1], tmp_path)
+
+        drafter = OracleDrafter.with_mean_commit(expected, len(PROMPT), block_size=8, mean_commit=3.0, seed=1)
+        result = speculative_decode(pipeline, 7, PROMPT, drafter, block_size=8, rollback=mode,
+                                    max_new_tokens=NEW_TOKENS, on_commit=kill_and_restart_second_shard)
+        pipeline.disconnect()
+        assert result.tokens == expected
+        assert result.recoveries >= 1
+    finally:
+        stop_all(daemons)
+
+
+def test_killed_and_restarted_drafter_daemon_is_refilled(tmp_path, expected):
+    """A separate DFlash drafter daemon restarts: PROPOSE answers NO_SUCH_SEQUENCE, the loop re-fills
+    target and drafter from the history, and the output is unchanged."""
+    from coordinator.relay.client import ShardClient
+    from coordinator.drafting.dflash import DFlashDrafterClient
+
+    binds = [free_tcp_endpoint(), free_tcp_endpoint()]
+    shard_args = ["--layers", "0:6", "--max-verify-tokens", "16"]
+    drafter_args = ["--layers", "none", "--draft", "synthetic"]
+    daemons = [Daemon("shard", binds[0], shard_args, tmp_path), Daemon("drafter", binds[1], drafter_args, tmp_path)]
+    try:
+        for daemon in daemons:
+            daemon.wait_ready()
+        commits = []
+
+        def kill_and_restart_drafter(new_ids):
+            commits.append(new_ids)
+            if len(commits) == 3:
+                kill_and_replace(daemons, 1, "drafter-restarted", drafter_args, tmp_path)
+
+        with Pipeline.connect(binds[:1], timeout_s=30.0) as pipeline, ShardClient(binds[1], timeout_s=30.0) as client:
+            drafter = DFlashDrafterClient(client, pipeline)
+            result = speculative_decode(drafter.target, 9, PROMPT, drafter, block_size=8, rollback="checkpoint",
+                                        max_new_tokens=NEW_TOKENS, on_commit=kill_and_restart_drafter)
+        assert result.tokens == expected
+        assert result.recoveries >= 1
+    finally:
+        stop_all(daemons)
