@@ -1,7 +1,7 @@
 """The synthetic model shapes (`tiny`, `small`, `qwen3.5-27b`) as plain data, and `PRESET[:SEED]` parsing.
 
 Torch-free, so the coordinator can size a launch (`shardctl generate --synthetic small --split 2`)
-without importing torch; `shardd.synthetic` builds the weights.
+without importing torch; `shardd.synthetic.model` builds the weights.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Loaded (weights only; activations stay in the model's dtype):
   none; an `ignore` list (names, or `re:` patterns).
 Everything else (GPTQ, AWQ, bitsandbytes, NVFP4/modelopt, GGUF, int4/int8 compressed-tensors, static activation
 scales, FP8 KV caches) is refused by name: loading it with its scales ignored would compute garbage.
-The weights themselves (dequantizing, the FP8 linear) are shardd.quant's.
+The weights themselves (dequantizing, the FP8 linear) are shardd.weights.quant's.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A request's sampling settings on the coordinator side (torch-free); the math runs on the head shard
-(`shardd.sampling`). Temperature 0 is greedy: the shards' argmax, exactly as without sampling."""
+(`shardd.engine.head.sampling`). Temperature 0 is greedy: the shards' argmax, exactly as without sampling."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
-    # vLLM's penalties (shardd.penalties) and logprobs (shardd.logprobs), applied on the head shard.
+    # vLLM's penalties (shardd.engine.head.penalties) and logprobs (shardd.engine.head.logprobs), applied on the head shard.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

@@ -18,7 +18,7 @@ PROTOCOL_VERSION = 1
 
 ID_LIMIT = 1 << 63      # ids and sequence numbers: 0 <= x < 2**63
 TOKEN_LIMIT = 1 << 31   # token ids: 0 <= t < 2**31
-RING_SLOTS_LIMIT = 16   # slots of a device ring a ROWS may name (shardd.ring.SLOTS uses 2)
+RING_SLOTS_LIMIT = 16   # slots of a device ring a ROWS may name (shardd.server.ring.SLOTS uses 2)
 
 
 class MessageType(str, enum.Enum):
@@ -154,7 +154,7 @@ class Forward(_SequenceRequest):
     parents: Optional[list[int]] = _header(
         "int_list", "verify geometry, one entry per token; required with checkpoint, rejected without", default=None)
     return_logits: bool = _header("bool", "head shard also returns float32 logits [n, V]", default=False)
-    # Sampling on the head shard (shardd.sampling); temperature 0 (the default) is the argmax path.
+    # Sampling on the head shard (shardd.engine.head.sampling); temperature 0 (the default) is the argmax path.
     # Absent (None) on a greedy request, so its header is exactly what it was before sampling.
     temperature: Optional[float] = _header("float", "head shard samples at this temperature (absent or 0: argmax)",
                                            minimum=0, limit=100, default=None)
@@ -167,7 +167,7 @@ class Forward(_SequenceRequest):
     drafts: Optional[list[int]] = _header(
         "int_list", "draft tokens of a speculative verify: the last len(drafts)+1 rows are verified by rejection "
         "sampling (needs temperature > 0, a penalty or logprobs)", minimum=0, limit=TOKEN_LIMIT, default=None)
-    # Head-shard extras (shardd.head): penalties over the output so far, and logprobs of the answered rows.
+    # Head-shard extras (shardd.engine.head.answer): penalties over the output so far, and logprobs of the answered rows.
     logprobs: Optional[int] = _header("int", "also answer the logprob of each answered row's id and this many top "
                                       "logprobs (absent: none)", minimum=0, limit=21, default=None)
     presence_penalty: Optional[float] = _header("float", "vLLM's presence penalty over the output (absent: 0)",

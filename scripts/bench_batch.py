@@ -149,7 +149,7 @@ def fixed_step(args, fast_shard) -> dict:
     if args.daemon_step_rows:
         return {"step_rows": args.daemon_step_rows}
     try:
-        from shardd.engine import DEFAULT_STEP_ROWS
+        from shardd.engine.select import DEFAULT_STEP_ROWS
     except ImportError:
         return {}
     return {"step_rows": max(DEFAULT_STEP_ROWS, BLOCK)}
@@ -161,11 +161,11 @@ def run_batch_local(args) -> dict:
     from coordinator.sampling import Sampling
     from coordinator.scheduler.scheduler import DEFAULT_BATCH_ROWS as SCHEDULER_ROWS
     from protocol.layout import CHECKPOINT, REPLAY_SSM
-    from shardd.fast.shard import FastShard
-    from shardd.model import rollback as rb
-    from shardd.model.shard import ShardModel
+    from shardd.engine.fast.shard import FastShard
+    from shardd.engine.reference import rollback as rb
+    from shardd.engine.reference.shard import ShardModel
     from common.presets import preset_config
-    from shardd.synthetic import synthetic_weights
+    from shardd.synthetic.model import synthetic_weights
     from shardd.local import LocalTarget
 
     device = torch.device("cuda:0")
@@ -224,7 +224,7 @@ def run_batch_daemons(args) -> dict:
     # the one process's R, always named: bench_gpu.start_daemons otherwise gives the daemons BLOCK rows (the relay
     # benchmark's one-process reference), and a token's bits follow the step's rows (cuBLAS picks its kernel by
     # them), so daemons_equal_one_process compared two different steps
-    from shardd.fast.shard import FastShard
+    from shardd.engine.fast.shard import FastShard
 
     rows = fixed_step(args, FastShard).get("step_rows")
     extra = ["--step-rows", str(rows)] if rows and args.e2e_engine == "fast" else []

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Time the weight-only FP8 GEMM (shardd/kernels/fp8_gemm.py) on every matrix shape of the 27B step.
+"""Time the weight-only FP8 GEMM (shardd/engine/kernels/fp8_gemm.py) on every matrix shape of the 27B step.
 
 For each shape and row count (1, 16, 64): our kernel as fp8_linear runs it (its TILE_TABLE config and
 conversion), the same tiles with Triton's native FP8 conversion, bf16 cuBLAS on the same matrix in bf16,
@@ -36,7 +36,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from bench_gpu import copy_bandwidth  # noqa: E402
-from shardd.kernels import fp8_gemm as fp8  # noqa: E402
+from shardd.engine.kernels import fp8_gemm as fp8  # noqa: E402
 
 # (name, N, K, matrices of this shape in the 64 layers: 48 GDN + 16 attention)
 SHAPES = [

@@ -120,11 +120,11 @@ def run_local(args) -> dict:
     from coordinator.drafting.drafters import OracleDrafter
     from shardd.local import LocalTarget
     from protocol.layout import CHECKPOINT, REPLAY_SSM
-    from shardd.model import rollback as rb
-    from shardd.fast.shard import FastShard
-    from shardd.model.shard import ShardModel
+    from shardd.engine.reference import rollback as rb
+    from shardd.engine.fast.shard import FastShard
+    from shardd.engine.reference.shard import ShardModel
     from common.presets import preset_config
-    from shardd.synthetic import synthetic_weights
+    from shardd.synthetic.model import synthetic_weights
 
     device = torch.device("cuda:0")
     torch.cuda.set_device(device)
@@ -136,15 +136,15 @@ def run_local(args) -> dict:
     out["bf16_matmul_tflop_s"] = round(peak / 1e12, 1)
 
     t0 = time.perf_counter()
-    if args.fp8:  # FP8 linears (shardd.quant.Fp8Linear, the weight-only GEMM); the floor counts their bytes + scales
-        from shardd.loading import ModelSource
-        from shardd.weights import shard_shapes
+    if args.fp8:  # FP8 linears (shardd.weights.quant.Fp8Linear, the weight-only GEMM); the floor counts their bytes + scales
+        from shardd.weights.loading import ModelSource
+        from shardd.weights.reader import shard_shapes
 
         out["quantize"] = args.fp8
         if args.fp8_pdl:  # every fixed tile config with programmatic dependent launch: the A/B against a plain run
             import dataclasses
 
-            from shardd.kernels import fp8_gemm
+            from shardd.engine.kernels import fp8_gemm
 
             fp8_gemm.TILE_TABLE.update({key: dataclasses.replace(c, pdl=True) for key, c in fp8_gemm.TILE_TABLE.items()})
             out["fp8_pdl"] = True
@@ -230,7 +230,7 @@ def run_local(args) -> dict:
         for i in range(args.repeats):
             forwards += timed(lambda: shard.forward(state, pos, tokens=block, checkpoint=True), 1)
             measure = device_timed if i % 2 == 0 else timed
-            (rollbacks if i % 2 == 0 else walls).extend(measure(lambda: rb.rollback(state, int(MEAN_COMMIT)), 1))
+            (rollbacks if i % 2 == 0 else walls).extend(measure(lambda: shard.rollback(state, int(MEAN_COMMIT)), 1))
             state.length = pos  # timing only: the next step goes to the same position
         step_ms[mode], rollback_ms[mode], rollback_wall_ms[mode] = median_ms(forwards), median_ms(rollbacks), median_ms(walls)
         shard.release_state(state)
@@ -241,9 +241,9 @@ def run_local(args) -> dict:
     pos = state.length
 
     def replay_step():
-        rb.snapshot(state)
+        shard.snapshot(state)
         shard.forward(state, pos, tokens=block)
-        rb.restore(state)
+        shard.restore(state)
         shard.forward(state, pos, tokens=block[: int(MEAN_COMMIT)])
         state.length = pos
 
@@ -291,17 +291,17 @@ def run_local(args) -> dict:
     pos = args.long_context
     state.length = pos
     shard.forward(state, pos, tokens=block, checkpoint=True)
-    rb.rollback(state, 0)
+    shard.rollback(state, 0)
     samples = []
     for _ in range(args.repeats):
         samples += timed(lambda: shard.forward(state, pos, tokens=block, checkpoint=True), 1)
-        rb.rollback(state, 0)
+        shard.rollback(state, 0)
     out["step_ms_at_32k_context"] = median_ms(samples)
     out["floor_ratio_step_at_32k"] = round(out["step_ms_at_32k_context"] / out["floor_ms"], 3)
 
     def step_and_back():
         shard.forward(state, pos, tokens=block, checkpoint=True)
-        rb.rollback(state, 0)
+        shard.rollback(state, 0)
 
     out["profile_step_at_32k_top"] = profile_top(torch, step_and_back, 5)
     shard.release_state(state)
@@ -324,7 +324,7 @@ def run_transformers(args) -> dict:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     from common.presets import preset_config
-    from shardd.synthetic import synthetic_tensor
+    from shardd.synthetic.model import synthetic_tensor
 
     device = torch.device("cuda:0")
     config = preset_config(args.preset)
@@ -526,10 +526,10 @@ def drafter_in_process(args) -> dict:
 
     from shardd.draft.model import DFlashDrafter
     from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights
-    from shardd.fast.draft import FastDrafter
-    from shardd.loading import parse_draft
+    from shardd.engine.fast.draft import FastDrafter
+    from shardd.weights.loading import parse_draft
     from common.presets import preset_config
-    from shardd.synthetic import synthetic_tensor
+    from shardd.synthetic.model import synthetic_tensor
 
     device = torch.device(args.dflash_device)
     torch.cuda.set_device(device)
@@ -987,7 +987,7 @@ def run_relay(args) -> dict:
 
 
 PYSPY_RATE = 1000  # samples a second: ~19 a verify step
-PYSPY_STEADY = {"within": "ShardDaemon.serve", "without": ("_capture", "prefill", "_freeze_heap")}
+PYSPY_STEADY = {"within": "serve_loop", "without": ("_capture", "prefill", "_freeze_heap")}
 
 
 def pyspy_decodes(pipeline, prompt, args, coordinator_file: Path) -> None:
@@ -1023,7 +1023,7 @@ TIMELINE_STAMPS = 16384  # per daemon: a timeline run's three greedy and three s
 
 
 def timeline_run(pipeline, prompt, args) -> dict:
-    """The two daemons' GPU timelines (shardd/timeline.py) over greedy and speculative (checkpoint) decodes: per
+    """The two daemons' GPU timelines (shardd/obs/timeline.py) over greedy and speculative (checkpoint) decodes: per
     kind, the median intervals of a step (relay_step_intervals)."""
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafting.drafters import OracleDrafter
@@ -1305,13 +1305,13 @@ def run_batch_step(args) -> dict:
     the fullest step is bit-identical to that sequence stepped alone (`batch_step_identical`)."""
     import torch
 
-    from shardd.batch import BatchItem
-    from shardd.fast.shard import FastShard
-    from shardd.fast.weights import fuse_layers
-    from shardd.model import rollback as rb
-    from shardd.model.shard import ShardModel
+    from shardd.engine.batch import BatchItem
+    from shardd.engine.fast.shard import FastShard
+    from shardd.engine.fast.weights import fuse_layers
+    from shardd.engine.reference import rollback as rb
+    from shardd.engine.reference.shard import ShardModel
     from common.presets import preset_config
-    from shardd.synthetic import synthetic_weights
+    from shardd.synthetic.model import synthetic_weights
 
     device = torch.device(args.batch_step_device)
     cuda = device.type == "cuda"

@@ -36,10 +36,10 @@ from protocol.layout import (  # noqa: E402
     check_layer_range,
     parse_layer_range,
 )
-from shardd.loading import DTYPES  # noqa: E402
-from shardd.model import rollback as rb  # noqa: E402
-from shardd.model.shard import ShardModel  # noqa: E402
-from shardd.synthetic import synthetic_weights  # noqa: E402
+from shardd.weights.loading import DTYPES  # noqa: E402
+from shardd.engine.reference import rollback as rb  # noqa: E402
+from shardd.engine.reference.shard import ShardModel  # noqa: E402
+from shardd.synthetic.model import synthetic_weights  # noqa: E402
 
 MODES = (REPLAY, CHECKPOINT, REPLAY_SSM)
 
@@ -70,10 +70,10 @@ def run_mode(mode, shards, prompt, blocks, keeps, device, timings):
         pos = state.length
         start = time.perf_counter()
         if mode == REPLAY:
-            rb.snapshot(state)
+            shard.snapshot(state)
             shard.forward(state, pos, tokens=block)
             if keep < len(block):
-                rb.restore(state)
+                shard.restore(state)
                 shard.forward(state, pos, tokens=block[:keep])
             sync(device)
             rollback_s = None
@@ -82,7 +82,7 @@ def run_mode(mode, shards, prompt, blocks, keeps, device, timings):
             sync(device)
             mid = time.perf_counter()
             if keep < len(block):
-                rb.rollback(state, keep)
+                shard.rollback(state, keep)
             sync(device)
             rollback_s = time.perf_counter() - mid
         timings["step"].append(time.perf_counter() - start)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Micro-benchmark of the head shard's sampling: ms per call to answer a speculative verify of R rows (R / block
 sequences of `block` rows, each its own seed, temperature 0.7, top-p 0.9), a per-row sampler (one sequence at a
-time, a host round trip per row) against `shardd.head.answer_batch` (every row at once, one copy back), on the GPU
+time, a host round trip per row) against `shardd.engine.head.answer.answer_batch` (every row at once, one copy back), on the GPU
 when there is one.
 
 Also checks, on the same device, that each sequence's answer in the batch equals its answer alone
@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from shardd import sampling  # noqa: E402
-from shardd.head import HeadRequest, answer_batch, answer_rows  # noqa: E402
-from shardd.sampling import SamplingParams  # noqa: E402
+from shardd.engine.head import sampling  # noqa: E402
+from shardd.engine.head.answer import HeadRequest, answer_batch, answer_rows  # noqa: E402
+from shardd.engine.head.sampling import SamplingParams  # noqa: E402
 
 
 # ---- a per-row sampler (one sequence at a time), the batched one's baseline ---------------------------------

@@ -285,10 +285,10 @@ def release(cuda: bool) -> None:
 def run_compare(args) -> dict:
     import torch
 
-    from shardd.fast.shard import FastShard
-    from shardd.loading import ModelSource, build_shard
-    from shardd.model import rollback as rb
-    from shardd.quant import Fp8Linear
+    from shardd.engine.fast.shard import FastShard
+    from shardd.weights.loading import ModelSource, build_shard
+    from shardd.engine.reference import rollback as rb
+    from shardd.weights.quant import Fp8Linear
 
     device = resolve_devices(args.devices)[0]
     cuda = device.startswith("cuda")
@@ -347,7 +347,7 @@ def run_compare(args) -> dict:
 # ---- the whole run ------------------------------------------------------------------------------------------
 
 def size(value) -> str:
-    from shardd.memory import fmt_gib
+    from shardd.weights.memory import fmt_gib
 
     return fmt_gib(value) if value is not None else "?"
 

@@ -15,10 +15,9 @@ import torch  # noqa: E402
 
 from common.presets import preset_config  # noqa: E402
 from protocol.layout import SHARD_ROLLBACK_MODES  # noqa: E402
-from shardd.loading import ModelSource, build_shard  # noqa: E402
-from shardd.model import rollback as rb  # noqa: E402
-from shardd.model.rollback import RollbackStorage  # noqa: E402
-from shardd.synthetic import write_checkpoint  # noqa: E402
+from shardd.weights.loading import ModelSource, build_shard  # noqa: E402
+from shardd.engine.reference.rollback import RollbackStorage  # noqa: E402
+from shardd.synthetic.model import write_checkpoint  # noqa: E402
 
 
 def main() -> int:
@@ -45,7 +44,7 @@ def main() -> int:
                     state = shard.new_state(256)
                     shard.forward(state, 0, tokens=tokens[:60])
                     shard.forward(state, 60, tokens=tokens[60:76], checkpoint=True)
-                    rb.rollback(state, keep)
+                    shard.rollback(state, keep)
                     fresh = gpu.new_state(256)
                     gpu.forward(fresh, 0, tokens=tokens[: 60 + keep])
                     nxt = shard.forward(state, 60 + keep, tokens=tokens[80:83]).logits

@@ -29,9 +29,9 @@ from coordinator.scheduler.requests import Request
 from coordinator.scheduler.scheduler import Scheduler
 from protocol.layout import CHECKPOINT
 from shardd.local import LocalTarget
-from shardd.model import rollback as rb
-from shardd.model.shard import ShardModel
-from shardd.synthetic import synthetic_weights
+from shardd.engine.reference import rollback as rb
+from shardd.engine.reference.shard import ShardModel
+from shardd.synthetic.model import synthetic_weights
 
 BLOCK = 16
 
@@ -44,7 +44,7 @@ def build(engine: str, vocab: int, step_rows: int, sequences: int, context: int)
                        storage=rb.RollbackStorage(CHECKPOINT, BLOCK))
     if engine == "reference":
         return LocalTarget.from_shards([model], context)
-    from shardd.fast.shard import FastShard
+    from shardd.engine.fast.shard import FastShard
 
     shard = FastShard(model, max_sequences=sequences, max_context=context, step_rows=step_rows, use_graphs=False)
     shard.prefill_kernels = False

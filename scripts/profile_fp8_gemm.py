@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from shardd.kernels import fp8_gemm as fp8  # noqa: E402
+from shardd.engine.kernels import fp8_gemm as fp8  # noqa: E402
 
 SHAPES = {"gdn_in_proj": (16480, 5120), "out_proj": (5120, 6144), "attn_qkv": (14336, 5120), "gate_up": (34816, 5120),
           "down": (5120, 17408)}

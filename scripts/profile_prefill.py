@@ -37,13 +37,13 @@ def main() -> int:
     from bench_gpu import profile_top
     from bench_seed import write_json
     from protocol.layout import CHECKPOINT
-    from shardd.fast import prefill
-    from shardd.fast.graph import PrefillGraphs
-    from shardd.fast.shard import FastShard
-    from shardd.model import rollback as rb
-    from shardd.model.shard import ShardModel
+    from shardd.engine.fast import prefill
+    from shardd.engine.fast.graph import PrefillGraphs
+    from shardd.engine.fast.shard import FastShard
+    from shardd.engine.reference import rollback as rb
+    from shardd.engine.reference.shard import ShardModel
     from common.presets import preset_config
-    from shardd.synthetic import synthetic_weights
+    from shardd.synthetic.model import synthetic_weights
 
     device = torch.device("cuda:0")
     config = preset_config(args.preset)

@@ -32,11 +32,12 @@ from coordinator.relay.client import forward_record
 from coordinator.relay.pipeline import _head_fields
 from protocol import Close, ForwardBatch, Open, Rollback, RollbackBatch, decode_reply, encode_request, split_batch_reply
 from protocol.layout import CHECKPOINT
-from shardd.daemon import ServeOptions, ShardDaemon
-from shardd.fast.shard import FastShard
-from shardd.model import rollback as rb
-from shardd.model.shard import ShardModel
-from shardd.synthetic import synthetic_weights
+from shardd.config import ShardConfig
+from shardd.server.daemon import ShardDaemon
+from shardd.engine.fast.shard import FastShard
+from shardd.engine.reference import rollback as rb
+from shardd.engine.reference.shard import ShardModel
+from shardd.synthetic.model import synthetic_weights
 
 BLOCK = 16
 ROUNDS = 5  # of --steps steps each; the fastest is reported
@@ -53,7 +54,7 @@ def daemons(hidden: int, sequences: int, step_rows: int) -> list[ShardDaemon]:
         shard = FastShard(model, max_sequences=sequences, max_context=4096, use_graphs=False, step_rows=step_rows)
         shard.prefill_kernels = False
         shard.runner.run = lambda capture=(): {}  # the device step: a graph replay on the GPU, not host work
-        out.append(ShardDaemon(shard, ServeOptions(max_sequences=sequences)))
+        out.append(ShardDaemon(shard, ShardConfig(max_sequences=sequences)))
     return out
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time the launch shapes of the step's two latency-bound kernels on the GPU, on the 27B shape: the GDN
 recurrence (16 tokens, 48 value heads, checkpoint writes on) and the split-KV attention at a short and a
-32k-token context. Prints one JSON line per variant; the module constants in shardd/kernels/ are set from it.
+32k-token context. Prints one JSON line per variant; the module constants in shardd/engine/kernels/ are set from it.
 
     python3 scripts/tune_kernels.py --json bench/results/h200/tune_kernels.json
 """
@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
-from shardd.kernels import attention as attention_kernels  # noqa: E402
-from shardd.kernels import gdn as gdn_kernels  # noqa: E402
-from shardd.kernels import segments  # noqa: E402
+from shardd.engine.kernels import attention as attention_kernels  # noqa: E402
+from shardd.engine.kernels import gdn as gdn_kernels  # noqa: E402
+from shardd.engine.kernels import segments  # noqa: E402
 
 
 def recurrence(rows=16, k_heads=16, v_heads=48, k=128, v=128, slots=2, layers=1):

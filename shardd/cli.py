@@ -13,17 +13,17 @@ import click
 
 from common import __version__
 from common.busy_poll import AUTO_BUSY_POLL_CPUS, AUTO_BUSY_POLL_MS
-from common.endpoints import endpoint_problem
-from common.hub import ModelNotFound, resolve_model
 from common.presets import PRESETS
 from common.quantization import LAYOUTS
-from protocol.layout import CHECKPOINT, SHARD_ROLLBACK_MODES, check_layer_range, parse_layer_range
-from shardd import logs, systemd, timeline
-from shardd.logs import FORMATS, LEVELS
-from shardd.progress import LoadProgress
-from shardd.engine import DEFAULT_STEP_ROWS, ENGINES, PREFILL_ROWS, busy_poll_seconds, step_rows_for
-from shardd.ring import DEFAULT_ROWS as RING_ROWS
-from shardd.rows import WAIT_S, check_relay_to
+from protocol.layout import CHECKPOINT, SHARD_ROLLBACK_MODES
+from shardd.config import FlagError, ShardConfig
+from shardd.engine.select import DEFAULT_STEP_ROWS, ENGINES, PREFILL_ROWS
+from shardd.obs import logs, timeline
+from shardd.obs.logs import FORMATS, LEVELS
+from shardd.obs.progress import LoadProgress
+from shardd.server import systemd
+from shardd.server.ring import DEFAULT_ROWS as RING_ROWS
+from shardd.server.rows import WAIT_S
 
 MiB = 1 << 20
 
@@ -156,83 +156,48 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
 
     signal.signal(signal.SIGTERM, stop_while_loading)
     signal.signal(signal.SIGINT, stop_while_loading)
-    if (model_dir is None) == (synthetic is None):
-        raise click.UsageError("give exactly one of --model DIR or --synthetic PRESET[:SEED]")
-    problem = endpoint_problem(bind)
-    if problem is not None:
-        raise click.BadParameter(problem, param_hint="--bind")
-    if model_dir is not None:
-        try:  # a Hugging Face id: its snapshot in the hub cache, downloaded when missing
-            model_dir = resolve_model(model_dir)
-        except ModelNotFound as error:
-            raise click.BadParameter(str(error), param_hint="--model") from None
     if max_gpu_memory is not None:
         expandable_segments()
-    draft_only = layers == "none"
-    if draft_only and draft is None:
-        raise click.UsageError("--layers none serves only a drafter: give --draft DIR|synthetic[:LAYERS]")
+    try:
+        config = ShardConfig.from_flags(
+            model_dir=model_dir, synthetic=synthetic, quantize=quantize, layers=layers, draft=draft, device=device,
+            dtype=dtype, engine=engine, max_verify_tokens=max_verify_tokens, rollback_mode=rollback_mode,
+            step_rows=step_rows, prefill_rows=prefill_rows, max_sequences=max_sequences, max_context=max_context,
+            max_tokens_per_request=max_tokens_per_request, max_gpu_memory=max_gpu_memory,
+            sequence_idle_timeout=sequence_idle_timeout, bind=bind, endpoint_file=endpoint_file,
+            curve_secret_key=curve_secret_key, curve_allow_dir=curve_allow_dir, busy_poll_ms=busy_poll_ms,
+            relay_to=relay_to, relay_to_file=relay_to_file, rows_wait_s=rows_wait, threads=threads,
+            metrics_port=metrics_port, metrics_host=metrics_host)
+        timeline.capacity(config.device)  # SHARDD_TIMELINE, a diagnostic: refused where it cannot stamp
+    except FlagError as error:
+        if error.flag is not None:
+            raise click.BadParameter(str(error), param_hint=error.flag) from None
+        raise click.UsageError(str(error)) from None
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+    run(config, log)
+
+
+def run(config: ShardConfig, log) -> None:
+    """Plan the memory, bind, load the weights and serve `config` until stopped (exit 1, one line, when it cannot)."""
     import torch
 
-    from shardd.daemon import ServeOptions, ShardDaemon, is_loopback, largest_frame_bytes, listen
-    from shardd.engine import draft_with, resolve_engine, serve_with
-    from shardd.listen import BindError, write_endpoint_file
-    from shardd.loading import ModelSource, build_drafter, build_shard, daemon_memory_plan, draft_feature_size, parse_draft
-    from shardd.memory import MemoryBudgetError, fmt_gib, parse_memory
-    from shardd.model.rollback import RollbackStorage
+    from shardd.engine.select import draft_with, serve_with
+    from shardd.server.daemon import ShardDaemon
+    from shardd.server.listen import BindError, largest_frame_bytes, listen, write_endpoint_file
+    from shardd.weights.loading import build_drafter, build_shard, daemon_memory_plan, draft_feature_size
+    from shardd.weights.memory import MemoryBudgetError, fmt_gib
 
-    if curve_secret_key is None and not is_loopback(bind):
-        raise click.UsageError(
-            f"refusing to bind {bind} without encryption: a non-loopback bind needs --curve-secret-key "
-            "(from `shardd keygen`) and --curve-allow DIR"
-        )
-    if threads:
-        torch.set_num_threads(threads)
-    elif device.startswith("cuda"):
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    elif config.on_gpu:
         # A pool of OpenMP workers, spinning after each parallel copy, competes for the host's cores with the
-        # serving thread, libzmq's I/O thread and the other daemons: milliseconds a request (issue 15).
+        # serving thread, libzmq's I/O thread and the other daemons.
         torch.set_num_threads(1)
+    source = config.source()
+    model = source.config()
     try:
-        check_device(torch, device)
-        timeline.capacity(torch.device(device))  # SHARDD_TIMELINE, a diagnostic: refused where it cannot stamp
-        source = ModelSource(model_dir=model_dir, synthetic=synthetic, quantize=quantize)
-        config = source.config()
-        begin, end = 0, config.num_layers
-        if layers and not draft_only:
-            begin, end = parse_layer_range(layers)
-            check_layer_range(begin, end, config.num_layers)
-        if draft is not None:
-            parse_draft(draft)
-        engine = resolve_engine(engine, device)
-        # FP8 weights stay FP8 on a GPU (and in the fast step); the CPU reference dequantizes them at load
-        keep_fp8 = engine == "fast" or torch.device(device).type == "cuda"
-        scheme = source.scheme()
-        step_rows = step_rows_for(engine, step_rows, max_verify_tokens, max_sequences=max_sequences,
-                                  fp8=scheme is not None and keep_fp8)
-        cap = None
-        if max_gpu_memory is not None:
-            from shardd.health import device_memory
-
-            # a fraction is of the GPU; of the host's memory for a CPU shard (the accounting is the same)
-            cap = parse_memory(max_gpu_memory, device_memory(torch.device(device))["total_bytes"])
-        busy_poll_s = busy_poll_seconds(busy_poll_ms, device)
-        if relay_to is not None:
-            check_relay_to(relay_to, curve=curve_secret_key is not None)
-        if relay_to_file is not None and (relay_to is not None or curve_secret_key is not None):
-            raise ValueError("--relay-to-file names the next shard as --relay-to does: give one of them, and "
-                             "neither with --curve-secret-key")
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
-    storage = RollbackStorage(rollback_mode if max_verify_tokens else None, max_verify_tokens)
-    options = ServeOptions(bind=bind, max_sequences=max_sequences, max_context=max_context,
-                           max_tokens_per_request=max_tokens_per_request, curve_secret_key=curve_secret_key,
-                           curve_allow_dir=curve_allow_dir, sequence_idle_timeout=sequence_idle_timeout,
-                           busy_poll_s=busy_poll_s, relay_to=relay_to, relay_to_file=relay_to_file,
-                           rows_wait_s=rows_wait)
-    try:
-        plan = daemon_memory_plan(source, config, None if draft_only else (begin, end), draft, dtype=dtype,
-                                  keep_fp8=keep_fp8, engine=engine, storage=storage, options=options, cap=cap,
-                                  step_rows=step_rows,
-                                  prefill_rows=prefill_rows if torch.device(device).type == "cuda" else 0)
+        plan = daemon_memory_plan(source, model, config)
     except (ValueError, OSError) as exc:
         log.error("cannot plan memory: %s", exc)
         sys.exit(EXIT_FAILURE)
@@ -241,51 +206,55 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
     except MemoryBudgetError as exc:
         log.error("refusing to start: %s", exc)
         sys.exit(EXIT_FAILURE)
-    options.memory = plan.describe()
-    options.quantization = scheme.describe() if scheme is not None else None
-    if cap is not None and torch.device(device).type == "cuda":
-        limit_device_memory(torch, torch.device(device), cap)
-    if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
-        options.tokenizer_dir = str(Path(model_dir).resolve())  # HELLO names it: the coordinator must not guess
+    scheme = source.scheme()
+    cap = config.max_gpu_memory
+    if cap is not None and config.on_gpu:
+        limit_device_memory(torch, torch.device(config.device), cap)
     try:  # the drafter's feature width sizes the frame limit; a bad drafter config fails at its load below
-        feature_size = draft_feature_size(config, draft) if draft is not None else 0
+        feature_size = draft_feature_size(model, config.draft) if config.draft is not None else 0
     except (ValueError, OSError):
         feature_size = 0
     try:
         # before the weights: a taken port fails now, not after minutes of loading
-        listener = listen(options, largest_frame_bytes(config.hidden_size, feature_size, max_tokens_per_request))
+        listener = listen(config, largest_frame_bytes(model.hidden_size, feature_size, config.max_tokens_per_request))
     except BindError as exc:
         log.error("%s", exc)
         sys.exit(EXIT_FAILURE)
     log.info("bound %s", listener.endpoint)
-    if busy_poll_s:
-        log.info("polling for the next request %g ms after each reply without sleeping (--busy-poll-ms)", busy_poll_s * 1000)
+    if config.busy_poll_s:
+        log.info("polling for the next request %g ms after each reply without sleeping (--busy-poll-ms)",
+                 config.busy_poll_s * 1000)
     # after the bind: a port that is taken fails in one line, before anything else is said
     log.info("memory plan: %s = %s%s", plan.line(), fmt_gib(plan.total),
              f" of --max-gpu-memory {fmt_gib(cap)}" if cap else "")
-    if endpoint_file:
-        write_endpoint_file(endpoint_file, listener.endpoint)
+    if config.endpoint_file:
+        write_endpoint_file(config.endpoint_file, listener.endpoint)
 
-    what = " + ".join(([] if draft_only else [f"layers {begin}:{end}"]) + ([f"drafter {draft}"] if draft else []))
+    layers = config.layers
+    what = " + ".join(([] if layers is None else [f"layers {layers[0]}:{layers[1]}"])
+                      + ([f"drafter {config.draft}"] if config.draft else []))
     systemd.notify(f"STATUS=loading {what}")
     started = time.perf_counter()
     try:
-        model = None if draft_only else build_shard(
-            source, begin, end, dtype=dtype, device=device, storage=storage, progress=LoadProgress(what, log),
-            keep_fp8=keep_fp8,
+        loaded = None if layers is None else build_shard(
+            source, *layers, dtype=config.dtype, device=config.device, storage=config.storage(),
+            progress=LoadProgress(what, log), keep_fp8=config.keeps_fp8,
         )
         # the drafter's weights before the engines' pools and graphs: loading's transients (a synthetic vocab
         # matrix in float32) come while the least is held, which is what lets a capped daemon load
-        draft_model = build_drafter(source, draft, dtype=dtype, device=device, shard=model) if draft else None
-        if torch.device(device).type == "cuda":
+        draft_model = build_drafter(source, config.draft, dtype=config.dtype, device=config.device,
+                                    shard=loaded) if config.draft else None
+        if config.on_gpu:
             # and handed back before the pools: a capped allocator counts what it caches, so the checkpoint
             # buffers (one 2.4 GiB block for the 27B shape) failed under 24 GiB with 2.7 GiB cached and free
             torch.cuda.empty_cache()
-        shard = None if model is None else serve_with(engine, model, max_sequences=max_sequences, max_context=max_context,
-                                                      step_rows=step_rows, prefill_rows=prefill_rows)
-        drafter = draft_with(engine, draft_model, max_sequences=max_sequences, max_context=max_context)
-        del model, draft_model
-        if torch.device(device).type == "cuda":
+        shard = None if loaded is None else serve_with(config.engine, loaded, max_sequences=config.max_sequences,
+                                                       max_context=config.max_context, step_rows=config.step_rows,
+                                                       prefill_rows=config.prefill_rows)
+        drafter = draft_with(config.engine, draft_model, max_sequences=config.max_sequences,
+                             max_context=config.max_context)
+        del loaded, draft_model
+        if config.on_gpu:
             torch.cuda.empty_cache()  # loading's freed transients back to the device: what it holds is what it uses
     except BaseException as exc:  # a signal while loading (SystemExit) too: no socket file left behind
         listener.close()
@@ -294,30 +263,31 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
         # a clear one-line reason beats a traceback for an operator
         log.error("failed to load %s: %s", what, exc)
         sys.exit(EXIT_FAILURE)
-    daemon = ShardDaemon(shard, options, drafter)
-    if metrics_port is not None:
-        from shardd.metrics import serve_metrics
+    daemon = ShardDaemon(shard, config, drafter, memory=plan.describe(),
+                         quantization=scheme.describe() if scheme is not None else None)
+    if config.metrics_port is not None:
+        from shardd.obs.metrics import serve_metrics
 
-        log.info("metrics on %s", serve_metrics(daemon, metrics_host, metrics_port))
+        log.info("metrics on %s", serve_metrics(daemon, config.metrics_host, config.metrics_port))
     if drafter is not None:
         c = drafter.config
         log.info(
             "loaded dflash drafter %s: %d layers, target layers %s, block %d, weights %.1f MiB; fingerprint %s",
-            draft, c.num_hidden_layers, list(c.target_layer_ids), c.block_size, drafter.weight_bytes() / MiB,
+            config.draft, c.num_hidden_layers, list(c.target_layer_ids), c.block_size, drafter.weight_bytes() / MiB,
             drafter.fingerprint,
         )
-    if shard is None:
-        daemon.serve(listener)
-        return
-    log.info(
-        "loaded layers %d:%d of %d (%d GDN, %d attention)%s%s dtype=%s device=%s weights=%.1f MiB in %.1fs; "
-        "per sequence: state %.1f MiB (context %d), rollback storage %s %.1f MiB; fingerprint %s",
-        begin, end, config.num_layers, len(shard.gdn_layers), len(shard.attention_layers),
-        " +embedding" if shard.owns_embedding else "", " +head" if shard.owns_head else "",
-        dtype, device, shard.weight_bytes() / MiB, time.perf_counter() - started,
-        shard.state_bytes_per_sequence(max_context) / MiB, max_context,
-        storage.mode if storage.enabled else "none", shard.checkpoint_bytes_per_sequence() / MiB, shard.fingerprint,
-    )
+    if shard is not None:
+        storage = shard.storage
+        log.info(
+            "loaded layers %d:%d of %d (%d GDN, %d attention)%s%s dtype=%s device=%s weights=%.1f MiB in %.1fs; "
+            "per sequence: state %.1f MiB (context %d), rollback storage %s %.1f MiB; fingerprint %s",
+            shard.begin, shard.end, model.num_layers, len(shard.gdn_layers), len(shard.attention_layers),
+            " +embedding" if shard.owns_embedding else "", " +head" if shard.owns_head else "",
+            config.dtype, config.device, shard.weight_bytes() / MiB, time.perf_counter() - started,
+            shard.state_bytes_per_sequence(config.max_context) / MiB, config.max_context,
+            storage.mode if storage.enabled else "none", shard.checkpoint_bytes_per_sequence() / MiB,
+            shard.fingerprint,
+        )
     daemon.serve(listener)
 
 
@@ -338,24 +308,6 @@ def limit_device_memory(torch, device, cap: int) -> None:
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
 
 
-def check_device(torch, device: str) -> None:
-    """ValueError with the reason when `device` cannot be used here (before any weight is loaded)."""
-    try:
-        parsed = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"--device must be cpu or cuda:N, got {device!r}") from None
-    if parsed.type == "cpu":
-        return
-    if parsed.type != "cuda":
-        raise ValueError(f"--device must be cpu or cuda:N, got {device!r}")
-    if not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: no CUDA device was found (torch {torch.__version__}"
-                         + ("" if torch.version.cuda else ", a CPU-only build") + ")")
-    count = torch.cuda.device_count()
-    if parsed.index is not None and parsed.index >= count:
-        raise ValueError(f"--device {device}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
-
-
 @main.command(context_settings=CONTEXT)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Directory for the key files.")
 @click.option("--name", default="shardd", show_default=True, help="Base name of the key files.")
@@ -367,7 +319,7 @@ def keygen(out_dir, name, as_json):
     Example:
       shardd keygen --out /etc/shardd/keys --name server
     """
-    from shardd.security import write_private_keys
+    from shardd.server.security import write_private_keys
 
     public, secret = write_private_keys(out_dir, name)
     if as_json:
@@ -396,7 +348,7 @@ def make_model(preset, out_dir, seed, dtype, quantize, force, with_drafter, draf
     out = Path(out_dir)
     if (out / "config.json").exists() and not force:
         raise click.UsageError(f"{out} already holds a model (config.json); pass --force to overwrite it")
-    from shardd.make_model import write_synthetic_drafter, write_synthetic_model  # torch: only this command needs it
+    from shardd.synthetic.checkpoint import write_synthetic_drafter, write_synthetic_model  # torch: only this command needs it
 
     try:
         path = write_synthetic_model(preset, seed, dtype, out, quantize=quantize)

@@ -14,11 +14,10 @@ import torch
 from coordinator.relay.target import RollbackFailed
 from protocol import ErrorCode, ProtocolError
 from protocol.layout import CHECKPOINT, coverage_problems
-from shardd.loading import ModelSource, build_shard
-from shardd.model import rollback as rb
-from shardd.model.errors import ModelError
-from shardd.model.rollback import RollbackStorage
-from shardd.model.state import SequenceState
+from shardd.weights.loading import ModelSource, build_shard
+from shardd.engine.reference.errors import ModelError
+from shardd.engine.reference.rollback import RollbackStorage
+from shardd.engine.reference.state import SequenceState
 
 DEFAULT_MAX_CONTEXT = 4096
 
@@ -109,14 +108,13 @@ class LocalTarget:
     @torch.inference_mode()
     def forward_batch(self, items: Sequence) -> list:
         """`forward` for several sequences (`coordinator.relay.pipeline.BatchForward`s), each shard running them as one
-        batch (`shardd.batch.forward_batch`), as the daemons do: per item its ids (TokenIds) or the error `forward`
+        batch (the engine's `forward_batch`), as the daemons do: per item its ids (TokenIds) or the error `forward`
         raises for it (a shard's ModelError, NO_SUCH_SEQUENCE, ValueError, RollbackFailed of an earlier
         `rollback_batch`); a refused item changes nothing and is dropped from the later shards (a checkpointed one
         is taken back where it ran)."""
         from coordinator.sampling import TokenIds
-        from shardd.batch import BatchItem
-        from shardd.batch import forward_batch as run_batch
-        from shardd.head import answer_batch
+        from shardd.engine.batch import BatchItem
+        from shardd.engine.head.answer import answer_batch
 
         items = list(items)
         results: list = [None] * len(items)
@@ -141,12 +139,12 @@ class LocalTarget:
                                **({"tokens": list(items[i].tokens)} if shard.owns_embedding else {"hidden": hidden.pop(i)}))
                      for i in live]
             survivors, heads = [], []
-            for index, out in zip(live, run_batch(shard, batch)):
+            for index, out in zip(live, shard.forward_batch(batch)):
                 item = items[index]
                 if isinstance(out, ModelError):
                     if item.checkpoint:  # the shards before took the step: take it back
-                        for state in self.states[item.seq][:k]:
-                            rb.rollback(state, 0)
+                        for before, state in zip(self.shards, self.states[item.seq][:k]):
+                            before.rollback(state, 0)
                     results[index] = out
                 elif out.ids is None:
                     hidden[index] = out.hidden
@@ -155,9 +153,9 @@ class LocalTarget:
                     results[index] = TokenIds(out.ids.tolist())
                     if item.sampling is not None and not item.sampling.plain:
                         heads.append((index, out))
-            if heads:  # what the head shard's daemon does (shardd.head)
+            if heads:  # what the head shard's daemon does (shardd.engine.head.answer)
                 from protocol.messages import Forward
-                from shardd.daemon import head_request
+                from shardd.server.handlers.forward import head_request
 
                 rows = []
                 for index, out in heads:
@@ -182,16 +180,16 @@ class LocalTarget:
 
     def rollback(self, seq: int, keep: int) -> None:
         self._raise_deferred(seq)
-        for state in self._states(seq):
+        for shard, state in zip(self.shards, self._states(seq)):
             try:
-                rb.rollback(state, keep)
+                shard.rollback(state, keep)
             except ModelError as error:
                 raise RollbackFailed(str(error)) from error
 
     def snapshot(self, seq: int) -> None:
-        for state in self._states(seq):
-            rb.snapshot(state)
+        for shard, state in zip(self.shards, self._states(seq)):
+            shard.snapshot(state)
 
     def restore(self, seq: int) -> None:
-        for state in self._states(seq):
-            rb.restore(state)
+        for shard, state in zip(self.shards, self._states(seq)):
+            shard.restore(state)

@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config, items):
 def tiny_dir(tmp_path_factory):
     """The `tiny` synthetic preset written by our own writer (real Qwen3.5 layout, several files + index)."""
     from common.presets import preset_config
-    from shardd.synthetic import write_checkpoint
+    from shardd.synthetic.model import write_checkpoint
 
     out = tmp_path_factory.mktemp("tiny")
     return write_checkpoint(out, preset_config("tiny"), seed=0, max_file_bytes=64 << 10)

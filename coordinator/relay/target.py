@@ -29,7 +29,7 @@ class SequenceLost(Exception):
 @runtime_checkable
 class Target(Protocol):
     """A target may also name `step_rows`: inputs of at most that many tokens take its shards' fixed-shape
-    GPU step (shardd/fast), so a re-fill forwards the generated tokens in steps no longer than that."""
+    GPU step (shardd/engine/fast), so a re-fill forwards the generated tokens in steps no longer than that."""
 
     def open(self, seq: int) -> None:
         """Create an empty sequence (length 0)."""

@@ -195,7 +195,7 @@ class Scheduler:
         if rollback == REPLAY:
             self.batches = ReplayBatches(self.target, self.batches)
         self.max_sequences = max_sequences
-        # A step of more rows than the shards' fixed step runs there as several (shardd.batch); a row's bits stay.
+        # A step of more rows than the shards' fixed step runs there as several (shardd.engine.batch); a row's bits stay.
         self.batch_rows = batch_rows or max(getattr(target, "step_rows", None) or 0, DEFAULT_BATCH_ROWS)
         self.prefill_chunk = prefill_chunk or default_prefill_chunk(self.batch_rows, getattr(target, "prefill_rows", None))
         if not 1 <= self.prefill_chunk <= self.batch_rows:

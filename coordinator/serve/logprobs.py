@@ -1,4 +1,4 @@
-"""The head shard's logprobs (shardd.logprobs: the raw distribution, as vLLM reports by default) in the
+"""The head shard's logprobs (shardd.engine.head.logprobs: the raw distribution, as vLLM reports by default) in the
 OpenAI response shapes: completions' `{tokens, token_logprobs, top_logprobs, text_offset}` and chat's
 `{content: [{token, logprob, bytes, top_logprobs}]}`. A token's text is the tokenizer's decoding of that one
 id, as vLLM writes it."""

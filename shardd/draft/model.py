@@ -25,12 +25,12 @@ import torch.nn.functional as F
 
 from common.model_config import dtype_name
 from shardd.draft.config import DraftConfig
-from shardd.model.errors import BadInput, CapacityExceeded, PositionMismatch
-from shardd.model.mlp import MLP
-from shardd.model.norm import plain_rms_norm
-from shardd.model.rope import RotaryEmbedding, apply_rotary
-from shardd.model.state import KVCache
-from shardd.weights import WeightError, draft_shapes
+from shardd.engine.reference.errors import BadInput, CapacityExceeded, PositionMismatch
+from shardd.engine.reference.mlp import MLP
+from shardd.engine.reference.norm import plain_rms_norm
+from shardd.engine.reference.rope import RotaryEmbedding, apply_rotary
+from shardd.engine.reference.state import KVCache
+from shardd.weights.reader import WeightError, draft_shapes
 
 
 @dataclass
@@ -121,7 +121,7 @@ class DraftLayer:
 class DFlashDrafter:
     """The draft layers plus the target's embedding and lm_head (shared, not copied)."""
 
-    engine = "reference"  # shardd/fast/draft.py's FastDrafter serves the same model as the "fast" engine
+    engine = "reference"  # shardd/engine/fast/draft.py's FastDrafter serves the same model as the "fast" engine
 
     def __init__(
         self,

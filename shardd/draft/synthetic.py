@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 
 from common.model_config import ModelConfig
 from shardd.draft.config import FULL_ATTENTION, SLIDING_ATTENTION, DraftConfig, build_target_layer_ids
-from shardd.synthetic import _generator
-from shardd.weights import draft_shapes
+from shardd.synthetic.model import _generator
+from shardd.weights.reader import draft_shapes
 
 _NORMS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "hidden_norm", "norm")
 

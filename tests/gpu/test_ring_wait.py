@@ -1,4 +1,4 @@
-"""The device ring's device wait (shardd/ring.py DeviceRing.await_rows, shardd/kernels/ring.py) on a GPU: a
+"""The device ring's device wait (shardd/server/ring.py DeviceRing.await_rows, shardd/engine/kernels/ring.py) on a GPU: a
 reader in this process, a writer in a child process that opens the ring from its handles, as a next and a
 previous shard do, through the GPU front end's wait (cuStreamWaitValue32). The wait ends in
 every case, and says how: the rows landed (and they are the writer's), the writer's own rows never did
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 WRITER = textwrap.dedent("""
     import pickle, sys, time
     import torch
-    from shardd.ring import RingWriter
+    from shardd.server.ring import RingWriter
 
     class Own:  # a stand-in for this writer's own DeviceWait: its ring's flags as seen, its slot, the generation
         def __init__(self, device, landed):
@@ -59,8 +59,8 @@ def _writer(tmp_path, ring, action: str) -> subprocess.Popen:
 
 
 def test_a_device_wait_ends_landed_poisoned_cancelled_or_timed_out(tmp_path):
-    from shardd.kernels import ring as kernels
-    from shardd.ring import DeviceRing, front_end_waits
+    from shardd.engine.kernels import ring as kernels
+    from shardd.server.ring import DeviceRing, front_end_waits
 
     if not front_end_waits():
         pytest.skip("this driver has no stream memory operations")

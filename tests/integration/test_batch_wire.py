@@ -31,9 +31,9 @@ from protocol import (
     pure_chain,
     split_batch_reply,
 )
-from shardd.loading import ModelSource
+from shardd.weights.loading import ModelSource
 from shardd.local import LocalTarget
-from shardd.model.errors import PositionMismatch
+from shardd.engine.reference.errors import PositionMismatch
 from tests.support.daemons import PAIR_ARGS, free_tcp_endpoint, start_daemons, stop_all
 
 PROMPTS = [list(b"The quick brown fox"), list(b"1, 2, 3, 5"), list(b"hello")]

@@ -22,9 +22,9 @@ from coordinator.launch import ShardSet, child_env, launched_sets
 from coordinator.relay.client import CurveKeys, ShardClient, ShardTimeout
 from coordinator.tokenizer import HFTokenizer
 from protocol.layout import even_split
-from shardd.loading import ModelSource
+from shardd.weights.loading import ModelSource
 from shardd.local import LocalTarget
-from shardd.model.rollback import RollbackStorage
+from shardd.engine.reference.rollback import RollbackStorage
 
 TINY = ("--synthetic", "tiny")
 PROMPT = "Shards hand hidden states along; shards hand hidden states"

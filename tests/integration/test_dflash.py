@@ -29,10 +29,10 @@ from coordinator.relay.target import RollbackFailed
 from protocol import ErrorCode, WireTensor
 from shardd.draft.model import DFlashDrafter
 from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights
-from shardd.loading import ModelSource, build_drafter, build_shard
+from shardd.weights.loading import ModelSource, build_drafter, build_shard
 from shardd.local import LocalTarget
-from shardd.model.rollback import RollbackStorage
-from shardd.weights import embedding_and_head_shapes, load_tensors
+from shardd.engine.reference.rollback import RollbackStorage
+from shardd.weights.reader import embedding_and_head_shapes, load_tensors
 from tests.support.reference import hf_logits_and_hidden, hf_model
 
 TINY = ("--synthetic", "tiny")
@@ -440,7 +440,7 @@ def test_shardctl_generate_dflash(daemons, model_dir, greedy):
 def continuation_probs(shard, prompt: list[int], new: int, params) -> dict[tuple[int, ...], float]:
     """The exact distribution plain sampling draws `new` tokens after `prompt` from: each continuation's
     probability is the product of the head shard's per-step distribution (`target_probs`) along its prefixes."""
-    from shardd.sampling import target_probs
+    from shardd.engine.head.sampling import target_probs
 
     probs = {(): 1.0}
     for _ in range(new):
@@ -466,7 +466,7 @@ def test_sampling_with_dflash_drafts_keeps_the_distribution(daemons, local):
     from collections import Counter
 
     from coordinator.sampling import Sampling
-    from shardd.sampling import SamplingParams
+    from shardd.engine.head.sampling import SamplingParams
     from tests.support.stats import chi2_against, chi2_critical
 
     prompt, new, samples = PROMPT[:12], 3, 400

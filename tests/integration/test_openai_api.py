@@ -22,9 +22,9 @@ from coordinator.decoding import greedy_decode, speculative_decode
 from coordinator.launch import ShardSet, launched_sets
 from coordinator.relay.client import ShardClient, forward_record
 from coordinator.sampling import Sampling
-from shardd.loading import ModelSource
+from shardd.weights.loading import ModelSource
 from shardd.local import LocalTarget
-from shardd.penalties import Penalties, penalise
+from shardd.engine.head.penalties import Penalties, penalise
 from tests.support.served_model import PROMPT, build_tokenizer, hf_greedy, model, model_name, shards  # noqa: F401 (fixtures)
 from tests.support.serving import Server
 from tests.support.stats import chi2_critical, two_sample_chi2
@@ -183,7 +183,7 @@ def test_penalise_equals_the_reference():
 def test_each_verify_row_sees_the_drafts_before_it():
     """Four equal rows: plain greedy decoding with a presence penalty picks a new token each time, so the drafts
     of that chain are all accepted only if row j counts drafts 0..j-1 as output."""
-    from shardd.head import HeadRequest, answer_rows
+    from shardd.engine.head.answer import HeadRequest, answer_rows
 
     logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(2)).repeat(4, 1)
     prompt, output = [1, 2], [3]

@@ -283,14 +283,14 @@ def test_every_shardctl_command_has_an_example_and_json():
 def test_busy_polling_auto_is_on_only_for_a_gpu_with_cores_to_spare(monkeypatch):
     """--busy-poll-ms auto: AUTO_BUSY_POLL_MS on a CUDA device with enough usable CPUs, else 0 (on
     a small host polling takes the cores the daemons' threads need); a number is taken as given."""
-    from shardd import engine
+    from shardd import config
 
-    monkeypatch.setattr(engine, "usable_cpus", lambda: 16)
-    assert engine.busy_poll_seconds("auto", "cuda:0") == engine.AUTO_BUSY_POLL_MS / 1000
-    assert engine.busy_poll_seconds("auto", "cpu") == 0
-    assert engine.busy_poll_seconds("0", "cuda:0") == 0 and engine.busy_poll_seconds("2.5", "cpu") == 0.0025
-    monkeypatch.setattr(engine, "usable_cpus", lambda: engine.AUTO_BUSY_POLL_CPUS - 1)
-    assert engine.busy_poll_seconds("AUTO", "cuda:1") == 0
+    monkeypatch.setattr(config, "usable_cpus", lambda: 16)
+    assert config.busy_poll_seconds("auto", "cuda:0") == config.AUTO_BUSY_POLL_MS / 1000
+    assert config.busy_poll_seconds("auto", "cpu") == 0
+    assert config.busy_poll_seconds("0", "cuda:0") == 0 and config.busy_poll_seconds("2.5", "cpu") == 0.0025
+    monkeypatch.setattr(config, "usable_cpus", lambda: config.AUTO_BUSY_POLL_CPUS - 1)
+    assert config.busy_poll_seconds("AUTO", "cuda:1") == 0
 
 
 def test_a_coordinator_s_auto_follows_its_daemons_on_a_host_with_the_cores(monkeypatch):

@@ -22,9 +22,9 @@ from coordinator.relay.shards import PipelineError, ShardInfo, order_shards
 from coordinator.relay.target import RollbackFailed
 from protocol import ErrorCode, RemoteError
 from protocol.layout import even_split
-from shardd.loading import ModelSource
+from shardd.weights.loading import ModelSource
 from shardd.local import LocalTarget
-from shardd.model.rollback import RollbackStorage
+from shardd.engine.reference.rollback import RollbackStorage
 
 TINY = ("--synthetic", "tiny")
 NEW_TOKENS = 40

@@ -20,7 +20,7 @@ from coordinator.relay.client import ShardClient, ShardTimeout
 from coordinator.relay.pipeline import Pipeline
 from protocol import ErrorCode, MessageType, decode_reply, encode_request
 from protocol.messages import Hello
-from shardd.loading import ModelSource
+from shardd.weights.loading import ModelSource
 from shardd.local import LocalTarget
 from tests.support.daemons import Daemon, free_tcp_endpoint, start_pair, stop_all
 

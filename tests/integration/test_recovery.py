@@ -9,7 +9,7 @@ import pytest
 from coordinator.decoding import greedy_decode, speculative_decode
 from coordinator.drafting.drafters import OracleDrafter
 from coordinator.relay.pipeline import Pipeline
-from shardd.loading import ModelSource
+from shardd.weights.loading import ModelSource
 from shardd.local import LocalTarget
 from tests.support.daemons import Daemon, free_tcp_endpoint, kill_and_replace, stop_all
 

@@ -267,7 +267,7 @@ def test_rows_on_the_device_are_refused_by_a_cpu_shard_and_a_slot_rows_refuses_i
     BAD_REQUEST (so its previous shard's rows go through the host, as they did above), and a ROWS naming a slot
     it has no ring for is refused, its ticket refused with it: the FORWARD waiting for those rows is refused
     ROWS_MISSING at once (not at --rows-wait) and changes nothing. The sender side on a CPU never asks."""
-    from shardd.rows import RowsLink
+    from shardd.server.rows import RowsLink
 
     binds, _, _ = direct
     first, middle = clients = _clients(binds[:2])
@@ -319,7 +319,7 @@ def test_a_sender_whose_slot_rows_are_refused_drops_its_ring_and_the_rows_count_
     the slot on that answer and drops its ring (the next rows ask again, or go by host), and the receiver keeps
     the ticket as refused: a FORWARD that comes later for those rows is refused ROWS_MISSING at once, changing
     nothing."""
-    from shardd.rows import RowsLink
+    from shardd.server.rows import RowsLink
 
     binds, _, _ = direct
     middle = Client(binds[1])
@@ -644,7 +644,7 @@ def test_rows_through_the_device_ring_give_the_host_rows_tokens(tmp_path):
                 assert stats[0]["sent_on_device"] == stats[0]["sent"] > 0
                 assert stats[1]["on_device"] == stats[1]["received"] and stats[2]["on_device"] == stats[2]["received"]
                 # the GPU's front end waits where the driver can (no SM taken), else the host
-                from shardd.ring import front_end_waits
+                from shardd.server.ring import front_end_waits
 
                 waits = "device" if front_end_waits() else "host"
                 assert stats[1]["ring_wait"] == stats[2]["ring_wait"] == waits

@@ -28,7 +28,7 @@ from coordinator.relay.pipeline import Pipeline, ShardReplaced
 from coordinator.scheduler.recovery import RecoveryFailed
 from protocol import ErrorCode, encode_request
 from protocol.messages import Forward
-from shardd.loading import ModelSource
+from shardd.weights.loading import ModelSource
 from shardd.local import LocalTarget
 from common.endpoints import is_loopback
 from tests.support.daemons import PAIR_ARGS, Client, Daemon, free_tcp_endpoint, kill_and_replace, start_pair, stop_all

@@ -1,4 +1,4 @@
-"""The relay's GPU timeline (shardd/timeline.py, SHARDD_TIMELINE): refused where it cannot stamp, before any weight
+"""The relay's GPU timeline (shardd/obs/timeline.py, SHARDD_TIMELINE): refused where it cannot stamp, before any weight
 loads; its stamps in order on a GPU; and the benchmark's pairing of two daemons' stamps into a step's intervals."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def test_a_timeline_that_cannot_stamp_is_refused_before_any_weight_loads(value, 
 
 @pytest.mark.gpu
 def test_stamps_follow_the_stream_in_order_on_the_gpu_clock():
-    from shardd.timeline import Timeline
+    from shardd.obs.timeline import Timeline
 
     device = torch.device("cuda", 0)
     timeline = Timeline(device, capacity=8)

@@ -21,12 +21,12 @@ triton = pytest.importorskip("triton", reason="the fast path's kernels need trit
 from common.model_config import config_from_dict  # noqa: E402
 from common.presets import PRESETS  # noqa: E402
 from protocol.layout import CHECKPOINT, REPLAY_SSM  # noqa: E402
-from shardd.batch import BatchItem, forward_batch  # noqa: E402
-from shardd.fast.shard import FastShard  # noqa: E402
-from shardd.model import rollback as rb  # noqa: E402
-from shardd.model.errors import BadInput, ModelError, PositionMismatch  # noqa: E402
-from shardd.model.shard import ShardModel  # noqa: E402
-from shardd.synthetic import synthetic_weights  # noqa: E402
+from shardd.engine.batch import BatchItem  # noqa: E402
+from shardd.engine.fast.shard import FastShard  # noqa: E402
+from shardd.engine.reference import rollback as rb  # noqa: E402
+from shardd.engine.reference.errors import BadInput, ModelError, PositionMismatch  # noqa: E402
+from shardd.engine.reference.shard import ShardModel  # noqa: E402
+from shardd.synthetic.model import synthetic_weights  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 
@@ -62,7 +62,7 @@ def hidden_rows(shard, n: int, seed: int) -> torch.Tensor:
 
 
 def state_bits(shard, state):
-    rb.settle(state)
+    shard.settle(state)
     kv = [(c.key[:, : state.length].clone(), c.value[:, : state.length].clone()) for c in state.kv.values()]
     return state.length, state.gdn.recurrent.clone(), state.gdn.conv.clone(), kv
 
@@ -95,20 +95,20 @@ def run_schedule(batched, alone, schedule, *, prompts, keeps):
     `alone` (same R), stepped by itself, and so does the state after each rollback."""
     states = [batched.new_state(batched.pools.max_context) for _ in prompts]
     solo = [alone.new_state(alone.pools.max_context) for _ in prompts]
-    results = forward_batch(batched, [item(batched, s, 0, n, 10 + i) for i, (s, n) in enumerate(zip(states, prompts))])
+    results = batched.forward_batch([item(batched, s, 0, n, 10 + i) for i, (s, n) in enumerate(zip(states, prompts))])
     for i, n in enumerate(prompts):
         outputs_equal(results[i], alone.forward(solo[i], 0, **_args(item(alone, solo[i], 0, n, 10 + i))))
     for step, lengths in enumerate(schedule):
         capture = (batched.begin,) if step == 0 else ()
         items = [item(batched, s, s.length, n, 100 * step + i, checkpoint=True, capture=capture)
                  for i, (s, n) in enumerate(zip(states, lengths))]
-        results = forward_batch(batched, items)
+        results = batched.forward_batch(items)
         for i, it in enumerate(items):
             ref = alone.forward(solo[i], it.pos, **_args(it))
             outputs_equal(results[i], ref)
         for i, (s, keep) in enumerate(zip(states, keeps[step])):
-            rb.rollback(s, keep)
-            rb.rollback(solo[i], keep)
+            batched.rollback(s, keep)
+            alone.rollback(solo[i], keep)
             assert_same_state(state_bits(batched, s), state_bits(alone, solo[i]))
 
 
@@ -139,10 +139,10 @@ def test_rollback_after_a_batched_step_equals_a_fresh_recompute(mode):
     vocab = batched.config.vocab_size
     a, b = batched.new_state(16), batched.new_state(16)
     prompt, block = ids(1, vocab, 1), ids(2, vocab, 3)
-    forward_batch(batched, [BatchItem(a, 0, tokens=prompt), BatchItem(b, 0, tokens=prompt)])
-    forward_batch(batched, [BatchItem(a, 1, tokens=block, checkpoint=True), BatchItem(b, 1, tokens=block[:1])])
-    rb.rollback(a, 1)
-    out = forward_batch(batched, [BatchItem(b, 2, tokens=[5, 6]), BatchItem(a, 2, tokens=[5, 6])])
+    batched.forward_batch([BatchItem(a, 0, tokens=prompt), BatchItem(b, 0, tokens=prompt)])
+    batched.forward_batch([BatchItem(a, 1, tokens=block, checkpoint=True), BatchItem(b, 1, tokens=block[:1])])
+    batched.rollback(a, 1)
+    out = batched.forward_batch([BatchItem(b, 2, tokens=[5, 6]), BatchItem(a, 2, tokens=[5, 6])])
     outputs_equal(out[0], out[1])
     assert_same_state(state_bits(batched, a), state_bits(batched, b))
 
@@ -155,7 +155,7 @@ def _two_verified_two_forwarded(*, block: int, seed: int, forwarded: tuple[int, 
                       dtype=torch.float32, device=device)
     a, b, c, d = (batched.new_state(8) for _ in range(4))
     tokens = ids(block, batched.config.vocab_size, seed)
-    forward_batch(batched, [BatchItem(a, 0, tokens=tokens, checkpoint=True),
+    batched.forward_batch([BatchItem(a, 0, tokens=tokens, checkpoint=True),
                             BatchItem(b, 0, tokens=tokens, checkpoint=True),
                             BatchItem(c, 0, tokens=tokens[:forwarded[0]]), BatchItem(d, 0, tokens=tokens[:forwarded[1]])])
     return batched, (a, b, c, d)
@@ -170,8 +170,8 @@ def test_replay_ssm_rollbacks_of_one_batch_back_to_back():
     batched, (a, b, c, d) = _two_verified_two_forwarded(block=3, seed=7, forwarded=(1, 2))
     if CUDA:
         torch.cuda._sleep(200_000_000)  # the stream busy (~0.1 s): both rollbacks below are queued, neither has run
-    rb.rollback(a, 1)
-    rb.rollback(b, 2)
+    batched.rollback(a, 1)
+    batched.rollback(b, 2)
     assert_same_state(state_bits(batched, a), state_bits(batched, c))
     assert_same_state(state_bits(batched, b), state_bits(batched, d))
 
@@ -182,15 +182,15 @@ def test_replay_ssm_re_runs_ride_in_the_next_batched_step():
     the next batched step, which holds all four (a re-run in the first and third segments, none in the others),
     `a`'s rows equal `c`'s and `b`'s equal `d`'s, and so do their states after it; nothing is pending after."""
     batched, (a, b, c, d) = _two_verified_two_forwarded(block=4, seed=9, forwarded=(1, 3))
-    rb.rollback(a, 1)
-    rb.rollback(b, 3)
+    batched.rollback(a, 1)
+    batched.rollback(b, 3)
     assert batched.pools.replay[a.slot] == 1 and batched.pools.replay[b.slot] == 3
-    out = forward_batch(batched, [BatchItem(a, 1, tokens=[5, 6], checkpoint=True), BatchItem(c, 1, tokens=[5, 6]),
+    out = batched.forward_batch([BatchItem(a, 1, tokens=[5, 6], checkpoint=True), BatchItem(c, 1, tokens=[5, 6]),
                                   BatchItem(b, 3, tokens=[7]), BatchItem(d, 3, tokens=[7])])
     outputs_equal(out[0], out[1])
     outputs_equal(out[2], out[3])
     assert not any(batched.pools.replay)
-    rb.rollback(a, 2)  # keeps all of its step: nothing to re-run
+    batched.rollback(a, 2)  # keeps all of its step: nothing to re-run
     assert_same_state(state_bits(batched, a), state_bits(batched, c))
     assert_same_state(state_bits(batched, b), state_bits(batched, d))
 
@@ -259,11 +259,11 @@ def test_a_refused_item_changes_nothing_and_the_others_run():
     vocab = batched.config.vocab_size
     a, b, c = (batched.new_state(16) for _ in range(3))
     fa = alone.new_state(16)
-    forward_batch(batched, [BatchItem(a, 0, tokens=[1, 2]), BatchItem(b, 0, tokens=[3], checkpoint=True),
+    batched.forward_batch([BatchItem(a, 0, tokens=[1, 2]), BatchItem(b, 0, tokens=[3], checkpoint=True),
                             BatchItem(c, 0, tokens=[4])])
     alone.forward(fa, 0, tokens=[1, 2])
     before, pending = state_bits(batched, b), b.pending  # b has a pending window
-    results = forward_batch(batched, [
+    results = batched.forward_batch([
         BatchItem(a, 2, tokens=[5], checkpoint=True),
         BatchItem(b, 0, tokens=[6]),                 # stale position
         BatchItem(c, 1, tokens=[vocab + 3]),         # outside the vocabulary
@@ -284,7 +284,7 @@ def test_a_refused_item_changes_nothing_and_the_others_run():
     d = batched.new_state(16)
     fd = alone.new_state(16)
     assert d.slot == slot and d.length == 0 and not d.gdn.recurrent.any()
-    results = forward_batch(batched, [BatchItem(a, 4, tokens=[2]), BatchItem(d, 0, tokens=[3, 1])])
+    results = batched.forward_batch([BatchItem(a, 4, tokens=[2]), BatchItem(d, 0, tokens=[3, 1])])
     outputs_equal(results[1], alone.forward(fd, 0, tokens=[3, 1]))
 
 
@@ -342,16 +342,16 @@ def test_bf16_batched_step_past_one_attention_chunk():
     states, solo = [batched.new_state(1400) for _ in range(3)], [alone.new_state(1400) for _ in range(3)]
     for i, n in enumerate((1030, 5, 1019)):  # the prompt through the prefill path, the same on both
         prompt = ids(n, vocab, i)
-        forward_batch(batched, [BatchItem(states[i], 0, tokens=prompt)])
+        batched.forward_batch([BatchItem(states[i], 0, tokens=prompt)])
         alone.forward(solo[i], 0, tokens=prompt)
     for step in range(3):
         items = [BatchItem(s, s.length, tokens=ids(16 - 5 * i, vocab, 50 + step * 3 + i), checkpoint=True)
                  for i, s in enumerate(states)]
-        results = forward_batch(batched, items)
+        results = batched.forward_batch(items)
         for i, it in enumerate(items):
             outputs_equal(results[i], alone.forward(solo[i], it.pos, tokens=it.tokens, checkpoint=True))
-            rb.rollback(states[i], step + i)
-            rb.rollback(solo[i], step + i)
+            batched.rollback(states[i], step + i)
+            alone.rollback(solo[i], step + i)
             assert_same_state(state_bits(batched, states[i]), state_bits(alone, solo[i]))
 
 
@@ -365,11 +365,11 @@ def test_bf16_failing_item_and_slot_reuse_on_the_gpu():
     states = [batched.new_state(256) for _ in range(4)]
     solo = [alone.new_state(256) for _ in range(4)]
     for i, s in enumerate(states):
-        forward_batch(batched, [BatchItem(s, 0, tokens=ids(3 + i, vocab, i))])
+        batched.forward_batch([BatchItem(s, 0, tokens=ids(3 + i, vocab, i))])
         alone.forward(solo[i], 0, tokens=ids(3 + i, vocab, i))
     items = [BatchItem(s, s.length, tokens=ids(4, vocab, 20 + i), checkpoint=True) for i, s in enumerate(states)]
     items[2] = BatchItem(states[2], 0, tokens=[1])  # stale position: refused
-    results = forward_batch(batched, items)
+    results = batched.forward_batch(items)
     assert isinstance(results[2], PositionMismatch)
     for i in (0, 1, 3):
         outputs_equal(results[i], alone.forward(solo[i], items[i].pos, tokens=items[i].tokens, checkpoint=True))
@@ -383,13 +383,13 @@ def test_bf16_failing_item_and_slot_reuse_on_the_gpu():
         assert states[-1].slot == slot and states[-1].length == 0
         items = [BatchItem(s, s.length, tokens=ids(1 + (i + round_) % 16, vocab, 100 * round_ + i))
                  for i, s in enumerate(states)]
-        results = forward_batch(batched, items)
+        results = batched.forward_batch(items)
         for i, it in enumerate(items):
             outputs_equal(results[i], alone.forward(solo[i], it.pos, tokens=it.tokens))
 
 
 def test_the_default_step_rows_are_what_a_daemon_can_fill():
-    from shardd.engine import DEFAULT_STEP_ROWS, step_rows_for
+    from shardd.engine.select import DEFAULT_STEP_ROWS, step_rows_for
 
     assert step_rows_for("fast", None, 16) == DEFAULT_STEP_ROWS
     assert step_rows_for("fast", None, 16, max_sequences=8) == DEFAULT_STEP_ROWS
@@ -410,7 +410,7 @@ def test_the_step_s_row_copies_join_only_rows_that_lie_end_to_end(parts):
     """FastShard's RowSpans (one copy for consecutive items whose rows are consecutive rows of one tensor, a
     batch's hidden frame) puts in the step's buffer exactly what one copy per item puts there: rows of the same
     frame that skip rows, rows of another tensor, a non-contiguous view and a different dtype break a span."""
-    from shardd.fast.shard import RowSpans
+    from shardd.engine.fast.shard import RowSpans
     from protocol.tensors import WireTensor, row_slice
 
     width = 6

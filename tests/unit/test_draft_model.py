@@ -13,9 +13,9 @@ from common.presets import preset_config
 from shardd.draft.config import build_target_layer_ids, draft_config_from_dict, load_draft_config
 from shardd.draft.model import DFlashDrafter
 from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights, write_draft_checkpoint
-from shardd.model.errors import BadInput, CapacityExceeded, PositionMismatch
-from shardd.synthetic import synthetic_weights
-from shardd.weights import WeightError, draft_name, draft_shapes, load_tensors
+from shardd.engine.reference.errors import BadInput, CapacityExceeded, PositionMismatch
+from shardd.synthetic.model import synthetic_weights
+from shardd.weights.reader import WeightError, draft_name, draft_shapes, load_tensors
 
 TOLERANCE = 1e-4
 

@@ -1,4 +1,4 @@
-"""The DFlash drafter's fast path (shardd/fast/draft.py) against the reference drafter (shardd/draft/model.py).
+"""The DFlash drafter's fast path (shardd/engine/fast/draft.py) against the reference drafter (shardd/draft/model.py).
 
 On the CPU its Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1, conftest.py), float32, tiny
 drafters; on a CUDA machine the same checks run with CUDA graphs, in float32 and bf16 (the interpreter's bf16 is
@@ -15,8 +15,8 @@ triton = pytest.importorskip("triton", reason="the fast path's kernels need trit
 from common.presets import preset_config  # noqa: E402
 from shardd.draft.model import DFlashDrafter  # noqa: E402
 from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights  # noqa: E402
-from shardd.fast.draft import FastDrafter  # noqa: E402
-from shardd.synthetic import synthetic_weights  # noqa: E402
+from shardd.engine.fast.draft import FastDrafter  # noqa: E402
+from shardd.synthetic.model import synthetic_weights  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 if CUDA:

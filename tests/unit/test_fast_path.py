@@ -1,4 +1,4 @@
-"""The GPU step (shardd/fast, shardd/kernels) against the reference model code.
+"""The GPU step (shardd/engine/fast, shardd/engine/kernels) against the reference model code.
 
 On a CUDA machine this runs the real Triton kernels and CUDA graphs, in float32 and bf16. Without
 one it runs the same kernels under Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py) on
@@ -18,10 +18,10 @@ from coordinator.decoding import greedy_decode, speculative_decode  # noqa: E402
 from coordinator.drafting.drafters import OracleDrafter  # noqa: E402
 from shardd.local import LocalTarget  # noqa: E402
 from protocol.layout import CHECKPOINT, REPLAY_SSM  # noqa: E402
-from shardd.fast.shard import FastShard  # noqa: E402
-from shardd.model import rollback as rb  # noqa: E402
-from shardd.model.shard import ShardModel  # noqa: E402
-from shardd.synthetic import synthetic_weights  # noqa: E402
+from shardd.engine.fast.shard import FastShard  # noqa: E402
+from shardd.engine.reference import rollback as rb  # noqa: E402
+from shardd.engine.reference.shard import ShardModel  # noqa: E402
+from shardd.synthetic.model import synthetic_weights  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 if CUDA:  # float32 means float32 on both paths (as build_shard sets for a float32 shard)
@@ -74,10 +74,10 @@ def test_step_and_rollback_match_the_reference(mode):
         b = step.forward(fast_state, pos, tokens=block, checkpoint=True)
         torch.testing.assert_close(b.logits.cpu(), a.logits.cpu(), rtol=1e-4, atol=1e-4)
         assert b.ids.tolist() == a.ids.tolist()
-        rb.rollback(ref_state, keep)
-        rb.rollback(fast_state, keep)
+        reference.rollback(ref_state, keep)
+        step.rollback(fast_state, keep)
         assert fast_state.length == ref_state.length == pos + keep
-        rb.settle(fast_state)  # a checkpoint rollback only points the next step at the kept slot
+        step.settle(fast_state)  # a checkpoint rollback only points the next step at the kept slot
         torch.testing.assert_close(fast_state.gdn.recurrent, ref_state.gdn.recurrent, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(fast_state.gdn.conv, ref_state.gdn.conv, rtol=1e-4, atol=1e-5)
         pos += keep
@@ -98,8 +98,8 @@ def test_checkpoint_and_replay_ssm_states_are_bit_identical():
         block = ids(ROWS, vocab, 100 + pos)
         for mode, s in shards.items():
             s.forward(states[mode], pos, tokens=block, checkpoint=True)
-            rb.rollback(states[mode], keep)
-            rb.settle(states[mode])
+            s.rollback(states[mode], keep)
+            s.settle(states[mode])
         a, b = states[CHECKPOINT], states[REPLAY_SSM]
         assert torch.equal(a.gdn.recurrent, b.gdn.recurrent)
         assert torch.equal(a.gdn.conv, b.gdn.conv)
@@ -127,13 +127,13 @@ def _rollback_against_the_copy(mode: str, *, preset: str, rows: int, dtype) -> N
         out_b = served.forward(b, pos, tokens=block, checkpoint=True)
         assert torch.equal(out_a.logits.cpu(), out_b.logits.cpu()), f"step after keep {keep - 1}"
         assert torch.equal(a.gdn.recurrent, b.gdn.recurrent) and torch.equal(a.gdn.conv, b.gdn.conv)
-        rb.rollback(a, keep)
-        rb.settle(a)
-        rb.rollback(b, keep)
+        copied.rollback(a, keep)
+        copied.settle(a)
+        served.rollback(b, keep)
         pos += keep
     last = served.forward(b, pos, tokens=[3])  # a plain step after a rollback reads the kept slot too
     assert torch.equal(copied.forward(a, pos, tokens=[3]).logits.cpu(), last.logits.cpu())
-    rb.settle(b)
+    served.settle(b)
     assert torch.equal(a.gdn.recurrent, b.gdn.recurrent) and torch.equal(a.gdn.conv, b.gdn.conv)
 
 
@@ -244,8 +244,8 @@ def test_gpu_prefill_matches_the_reference():
 def test_the_prefill_calls_fla_s_forward_with_the_public_function_s_bits():
     """`prefill.fla_rule()` (fla's forward functions without the public wrapper's layers) gives the public
     `chunk_gated_delta_rule`'s bits: a prefill in two calls through each, logits and every layer's state equal."""
-    from shardd.fast import prefill
-    from shardd.fast.graph import PrefillGraphs
+    from shardd.engine.fast import prefill
+    from shardd.engine.fast.graph import PrefillGraphs
 
     step = fast(CHECKPOINT, preset="small")
     states = [step.new_state(CONTEXT), step.new_state(CONTEXT)]
@@ -255,7 +255,7 @@ def test_the_prefill_calls_fla_s_forward_with_the_public_function_s_bits():
         x = torch.nn.functional.embedding(torch.tensor(block, device=DEVICE), step.model.embed_tokens)
         outs = []
         for state, rule in zip(states, (prefill.fla_rule(), prefill.fla_rule(direct=False))):
-            rb.settle(state)
+            step.settle(state)
             outs.append(prefill.prefill(step.model, step.layers, state, pos, x, (), chunk_rule=rule))
             state.length = pos + n
         assert torch.equal(outs[0].logits, outs[1].logits)
@@ -270,8 +270,8 @@ def test_the_prefill_graphs_replay_the_eager_prefill_s_bits(dtype):
     """PrefillGraphs on the GPU (fla's rule, real CUDA graphs): a prompt in pieces of 32 rows gives the eager
     pieces' bits (logits, captures, every layer's state, the KV rows), the first call's check keeps the graphs,
     and a second sequence in another slot at another position replays them with the same bits."""
-    from shardd.fast import prefill
-    from shardd.fast.graph import PrefillGraphs
+    from shardd.engine.fast import prefill
+    from shardd.engine.fast.graph import PrefillGraphs
 
     model = shard(CHECKPOINT, preset="small", dtype=dtype)
     step = FastShard(model, max_sequences=2, max_context=CONTEXT, prefill_rows=32)
@@ -286,7 +286,7 @@ def test_the_prefill_graphs_replay_the_eager_prefill_s_bits(dtype):
         tokens = ids(n, vocab, seq)
         out = step.forward(a, pos, tokens=tokens, capture_layers=capture)
         x = torch.nn.functional.embedding(torch.tensor(tokens, device=DEVICE), model.embed_tokens)
-        rb.settle(b)
+        eager.settle(b)
         pieces = [prefill.prefill(model, eager.layers, b, pos + first, x[first:first + 32], capture)
                   for first in range(0, n, 32)]
         assert torch.equal(out.logits, torch.cat([piece.logits for piece in pieces]))
@@ -302,9 +302,9 @@ def test_the_prefill_graphs_replay_the_eager_prefill_s_bits(dtype):
 
 def reference_chunk_rule(q, k, v, *, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
     """fla's `chunk_gated_delta_rule` calling convention ([1, n, heads, dim] inputs, q/k l2-normalised in the
-    kernel), computed by the reference model's token-by-token recurrence (shardd/model/delta_rule.py)."""
-    from shardd.model.delta_rule import recurrent_delta_rule
-    from shardd.model.gdn import l2_normalize
+    kernel), computed by the reference model's token-by-token recurrence (shardd/engine/reference/delta_rule.py)."""
+    from shardd.engine.reference.delta_rule import recurrent_delta_rule
+    from shardd.engine.reference.gdn import l2_normalize
 
     assert use_qk_l2norm_in_kernel and output_final_state
     repeat = v.shape[2] // q.shape[2]  # each q/k head serves consecutive value heads
@@ -317,11 +317,11 @@ def reference_chunk_rule(q, k, v, *, g, beta, scale, initial_state, output_final
 
 @pytest.mark.parametrize("layers", [None, (0, 4)], ids=["whole", "first-half"])  # 0:4 ends on attention
 def test_the_gpu_prefill_path_matches_the_reference_with_the_reference_recurrence(layers):
-    """shardd.fast.prefill (the fused norms and residual adds, the SwiGLU kernel, flash attention's SDPA call)
+    """shardd.engine.fast.prefill (the fused norms and residual adds, the SwiGLU kernel, flash attention's SDPA call)
     with fla's chunked rule swapped for the reference's own recurrence: on the CPU (the kernels under Triton's
     interpreter) it agrees with the reference model, logits or hidden rows, captures and state, over two calls."""
-    from shardd.fast import prefill
-    from shardd.fast.graph import PrefillGraphs
+    from shardd.engine.fast import prefill
+    from shardd.engine.fast.graph import PrefillGraphs
 
     begin, end = layers or (0, None)
     reference = shard(CHECKPOINT, preset="small", begin=begin, end=end)
@@ -338,7 +338,7 @@ def test_the_gpu_prefill_path_matches_the_reference_with_the_reference_recurrenc
         else:
             x = torch.randn(n, reference.config.hidden_size, generator=generator).to(DEVICE)
             a = reference.forward(a_state, pos, hidden=x, capture_layers=capture)
-        rb.settle(b_state)
+        step.settle(b_state)
         b = prefill.prefill(step.model, step.layers, b_state, pos, x, capture, chunk_rule=reference_chunk_rule)
         b_state.length = pos + n
         if reference.owns_head:
@@ -358,8 +358,8 @@ def test_the_prefill_in_pieces_replays_its_stages_with_the_eager_path_s_bits(lay
     the GPU test and the first-call check cover): bit-identical to the eager prefill of the same pieces, from
     the first call (the check) and after it (the replay through the staged GDN state), on two sequences whose
     slots differ; captures too; and within rounding of the reference model, which prefills in one call."""
-    from shardd.fast import prefill
-    from shardd.fast.graph import PrefillGraphs
+    from shardd.engine.fast import prefill
+    from shardd.engine.fast.graph import PrefillGraphs
 
     monkeypatch.setattr(prefill, "fla_rule", lambda direct=True: reference_chunk_rule)
     begin, end = layers or (0, None)
@@ -434,7 +434,7 @@ def test_daemons_serve_the_fast_engine(tmp_path):
 
 
 def test_engine_choice_is_checked_before_loading():
-    from shardd.engine import resolve_engine
+    from shardd.engine.select import resolve_engine
 
     assert resolve_engine("reference", "cpu") == "reference"
     assert resolve_engine("auto", "cpu") == "reference"
@@ -452,13 +452,13 @@ def test_engine_choice_is_checked_before_loading():
 
 @pytest.mark.parametrize("n", [1, 2, 3, 37])
 def test_the_prefill_s_conv_kernel_is_the_window_concatenation_conv1d_and_silu_it_replaces(n):
-    """shardd.kernels.gdn.prefill_conv and the window's advance: the prefill's old PyTorch expression (the window
+    """shardd.engine.kernels.gdn.prefill_conv and the window's advance: the prefill's old PyTorch expression (the window
     and the rows concatenated, a depthwise conv1d, its silu; the window's last rows kept), for prompts shorter
     than the window and longer, rows that are a strided view (the conv part of the in_proj output); float32
     to the last few ulps (the taps' sum order), bf16 within its rounding (the interpreter truncates where the
     GPU rounds to nearest)."""
-    from shardd.fast.prefill import advance_window
-    from shardd.kernels.gdn import prefill_conv
+    from shardd.engine.fast.prefill import advance_window
+    from shardd.engine.kernels.gdn import prefill_conv
 
     rng = torch.Generator().manual_seed(n)
     C, W = 200, 3

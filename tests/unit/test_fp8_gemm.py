@@ -1,4 +1,4 @@
-"""The weight-only FP8 GEMM (shardd/kernels/fp8_gemm.py) against dequantize-then-matmul in float32.
+"""The weight-only FP8 GEMM (shardd/engine/kernels/fp8_gemm.py) against dequantize-then-matmul in float32.
 
 Without a GPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py) on small
 shapes with partial blocks, in float32; on a GPU, every fused matrix shape of the 27B model in bf16, on the
@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton", reason="the FP8 kernel needs triton")
 
-from shardd.kernels import fp8_gemm as fp8  # noqa: E402
+from shardd.engine.kernels import fp8_gemm as fp8  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 BLOCK = (128, 128)
@@ -251,7 +251,7 @@ def test_dequantize_applies_each_blocks_scale():
 
 # ---- the GPU: the 27B shapes ----------------------------------------------------------------------------
 
-# The fused matrices of Qwen3.5-27B (shardd/fast/weights.py): GDN in_proj qkv|z|b|a, out_proj (and attention
+# The fused matrices of Qwen3.5-27B (shardd/engine/fast/weights.py): GDN in_proj qkv|z|b|a, out_proj (and attention
 # o_proj), attention q|k|v, MLP gate|up, down.
 SHAPES_27B = {"gdn_in_proj": (16480, 5120), "out_proj": (5120, 6144), "attn_qkv": (14336, 5120),
               "gate_up": (34816, 5120), "down": (5120, 17408)}

@@ -11,13 +11,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("common", "coordinator", "protocol", "shardd")
 
-# Cycles inside shardd/ still to be broken, each as its sorted modules.
-SHARDD_CYCLES_TO_BREAK = {
-    ("shardd.engine", "shardd.fast.shard"),  # fast.shard reads PREFILL_ROWS; engine builds a FastShard in a function
-    ("shardd.fast.sampling", "shardd.sampling"),  # each imports the other inside a function
-    ("shardd.model.rollback", "shardd.model.state"),  # state names rollback's classes under TYPE_CHECKING
-}
-
 
 def project_modules() -> dict[str, Path]:
     modules = {}
@@ -138,5 +131,4 @@ def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import():
 
 def test_no_import_cycles():
     cycles = set(strongly_connected(GRAPH))
-    assert cycles - SHARDD_CYCLES_TO_BREAK == set(), "import cycles (module- or function-level imports)"
-    assert SHARDD_CYCLES_TO_BREAK - cycles == set(), "broken: drop them from SHARDD_CYCLES_TO_BREAK"
+    assert cycles == set(), "import cycles (module- or function-level imports)"

@@ -9,10 +9,10 @@ import torch
 
 from common.model_config import ConfigError, config_from_dict, load_config
 from common.presets import PRESETS, preset_config
-from shardd.loading import ModelSource, build_shard
-from shardd.model.delta_rule import chunked_delta_rule, recurrent_delta_rule
-from shardd.synthetic import synthetic_weights, write_checkpoint
-from shardd.weights import WeightError, load_tensors, shard_shapes
+from shardd.weights.loading import ModelSource, build_shard
+from shardd.engine.reference.delta_rule import chunked_delta_rule, recurrent_delta_rule
+from shardd.synthetic.model import synthetic_weights, write_checkpoint
+from shardd.weights.reader import WeightError, load_tensors, shard_shapes
 from tests.support.reference import hf_logits_and_hidden, hf_model
 
 PROMPT_LEN = 70  # longer than one GDN chunk (64) and than the recurrent threshold
@@ -201,7 +201,7 @@ def test_deep_synthetic_stays_finite_in_bfloat16():
     """64 layers in bf16 with the synthetic initialisation (narrow, so it runs on a CPU)."""
     deep = config_from_dict({**PRESETS["tiny"], "num_hidden_layers": 64, "full_attention_interval": 4})
     weights = synthetic_weights(deep, 0, 64, seed=0, dtype=torch.bfloat16)
-    from shardd.model.shard import ShardModel
+    from shardd.engine.reference.shard import ShardModel
 
     shard = ShardModel(deep, weights, 0, 64, dtype=torch.bfloat16)
     out = shard.forward(shard.new_state(128), 0, tokens=prompt(80, deep.vocab_size), capture_layers=range(64))

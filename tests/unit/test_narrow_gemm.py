@@ -1,4 +1,4 @@
-"""The narrow GEMM (shardd/kernels/narrow_gemm.py) and a StackedLinear writing its groups into one output (an FP8
+"""The narrow GEMM (shardd/engine/kernels/narrow_gemm.py) and a StackedLinear writing its groups into one output (an FP8
 part and an unquantized narrow part, as a checkpoint that leaves the GDN `a` projection in bf16 has): against
 x @ w.T and the torch.cat of the parts. Under Triton's interpreter on the CPU (conftest sets it), in float32; on
 a GPU in bf16."""
@@ -11,9 +11,9 @@ import torch
 pytest.importorskip("triton", reason="the kernels need triton")
 
 from common import quantization  # noqa: E402
-from shardd import quant  # noqa: E402
-from shardd.kernels import fp8_gemm  # noqa: E402
-from shardd.kernels.narrow_gemm import narrow_linear  # noqa: E402
+from shardd.weights import quant  # noqa: E402
+from shardd.engine.kernels import fp8_gemm  # noqa: E402
+from shardd.engine.kernels.narrow_gemm import narrow_linear  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -27,7 +27,7 @@ def _close(y, reference, x, w):
 
 @pytest.mark.parametrize("k", [300, 1100], ids=["one-split", "three-splits"])  # K tiles of 128, 4 a split
 def test_a_narrow_product_lands_in_its_columns_and_its_rows_do_not_depend_on_the_others(k):
-    from shardd.kernels.narrow_gemm import splits
+    from shardd.engine.kernels.narrow_gemm import splits
 
     assert splits(k) == (1 if k == 300 else 3)
     gen = torch.Generator().manual_seed(5)

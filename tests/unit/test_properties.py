@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 
 from protocol import ErrorCode, MessageType, decode_reply, pure_chain
 from protocol.messages import ID_LIMIT, REQUEST_FIELDS, REQUEST_TENSORS
-from shardd.daemon import ServeOptions, ShardDaemon
-from shardd.loading import ModelSource, build_shard
-from shardd.model.rollback import RollbackStorage
+from shardd.config import ShardConfig
+from shardd.server.daemon import ShardDaemon
+from shardd.weights.loading import ModelSource, build_shard
+from shardd.engine.reference.rollback import RollbackStorage
 
 HIDDEN = 64
 OWNER = b"client-a"
@@ -121,7 +122,7 @@ def shard():
 
 
 def fresh_daemon(shard) -> ShardDaemon:
-    daemon = ShardDaemon(shard, ServeOptions(max_sequences=3, max_context=24, max_tokens_per_request=8))
+    daemon = ShardDaemon(shard, ShardConfig(max_sequences=3, max_context=24, max_tokens_per_request=8))
     for seq in (1, 2):
         for request in ({"type": "OPEN", "seq": seq}, {"type": "FORWARD", "seq": seq, "pos": 0, "tokens": [5, 6, 7]}):
             assert decode_reply(daemon.handle([msgpack.packb({"v": 1, "id": 1, **request})], OWNER)).ok
@@ -138,7 +139,7 @@ def fresh_daemon(shard) -> ShardDaemon:
 def test_every_request_gets_one_reply_and_errors_change_nothing(shard, batch):
     daemon = fresh_daemon(shard)
     for frames in batch:
-        before = digest(daemon.sequences)
+        before = digest(daemon.sequences.entries)
         reply_frames = daemon.handle(frames, OWNER)
         reply = decode_reply(reply_frames)  # exactly one message, and a valid reply
         header = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
@@ -146,7 +147,7 @@ def test_every_request_gets_one_reply_and_errors_change_nothing(shard, batch):
             assert reply.id == header["id"]
         if not reply.ok:
             assert reply.error_code is not ErrorCode.INTERNAL, reply.error_message
-            assert digest(daemon.sequences) == before, (header, reply.error_code, reply.error_message)
+            assert digest(daemon.sequences.entries) == before, (header, reply.error_code, reply.error_message)
 
 
 # ---- the codec's fast field check against its field-by-field reference ---------------------------------

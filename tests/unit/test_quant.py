@@ -1,4 +1,4 @@
-"""FP8 checkpoints (shardd/quant.py): both layouts load and match transformers running the dequantized weights in
+"""FP8 checkpoints (shardd/weights/quant.py): both layouts load and match transformers running the dequantized weights in
 float32, through several shards and every rollback mode, and through the fast step with the FP8 bytes kept; every
 other quantization is refused by name; the memory budget adds up and refuses what does not fit."""
 
@@ -22,13 +22,13 @@ from common.presets import PRESETS, preset_config
 from coordinator.decoding import greedy_decode, speculative_decode
 from coordinator.drafting.drafters import OracleDrafter
 from protocol.layout import CHECKPOINT, REPLAY, REPLAY_SSM
-from shardd import quant
-from shardd.loading import ModelSource, build_shard
+from shardd.weights import quant
+from shardd.weights.loading import ModelSource, build_shard
 from shardd.local import LocalTarget
-from shardd.memory import GiB, parse_memory
-from shardd.model.rollback import RollbackStorage
-from shardd.synthetic import write_checkpoint
-from shardd.weights import WeightError, shard_shapes
+from shardd.weights.memory import GiB, parse_memory
+from shardd.engine.reference.rollback import RollbackStorage
+from shardd.synthetic.model import write_checkpoint
+from shardd.weights.reader import WeightError, shard_shapes
 from tests.support.daemons import Daemon, free_tcp_endpoint, serve_command
 from tests.support.reference import hf_logits_and_hidden, hf_model
 
@@ -140,7 +140,7 @@ def test_fast_step_keeps_the_fp8_bytes_and_matches_the_reference(layout, tmp_pat
     """The fused matrices hold FP8 bytes and per-part scales (block scales fuse into one matrix only where the parts
     before the last are whole blocks; the unquantized `a` sits beside), and the step's tokens are the reference's."""
     pytest.importorskip("triton")
-    from shardd.fast.shard import FastShard
+    from shardd.engine.fast.shard import FastShard
 
     written = write_checkpoint(tmp_path / "m", ragged_config(layers=3), seed=5, quantize=layout)
     source = ModelSource(model_dir=str(written))
@@ -184,8 +184,8 @@ def test_fusing_block_scales_is_exact_only_at_block_boundaries():
 
 
 def test_dequantize_is_the_kernel_modules_reference():
-    """shardd.quant.dequantize (Triton-free, for the CPU) and the kernel's dequantize_fp8 are the same function."""
-    fp8_gemm = pytest.importorskip("shardd.kernels.fp8_gemm")
+    """shardd.weights.quant.dequantize (Triton-free, for the CPU) and the kernel's dequantize_fp8 are the same function."""
+    fp8_gemm = pytest.importorskip("shardd.engine.kernels.fp8_gemm")
     gen = torch.Generator().manual_seed(1)
     for layout in LAYOUTS:
         weight, scale = quant.quantize(torch.randn(200, 160, generator=gen), layout)
@@ -275,18 +275,18 @@ def test_memory_sizes_parse():
 def test_the_27b_fits_two_24gib_daemons_in_fp8_and_not_in_bf16():
     """The seed's configuration as bench_seed.py starts it: 0:32 with the 5-layer DFlash drafter and 32:64, one
     sequence at 4,096 tokens with checkpoint storage for 16-token verify steps, the fast engine, bf16 activations."""
-    from shardd.daemon import ServeOptions
-    from shardd.loading import daemon_memory_plan
+    from shardd.config import ShardConfig
+    from shardd.weights.loading import daemon_memory_plan
 
     config = preset_config("qwen3.5-27b")
-    options = ServeOptions(max_sequences=1, max_context=4096, max_tokens_per_request=1024)
     plans = {}
     for layout in (quantization.FP8_BLOCK, None):
         source = ModelSource(synthetic="qwen3.5-27b", quantize=layout)
         for layers, draft in (((0, 32), "synthetic:5"), ((32, 64), None)):
-            plans[(layout, layers[0])] = daemon_memory_plan(
-                source, config, layers, draft, dtype="bfloat16", keep_fp8=True, engine="fast",
-                storage=RollbackStorage(CHECKPOINT, 16), options=options, cap=24 * GiB)
+            shard = ShardConfig(layers=layers, draft=draft, dtype="bfloat16", engine="fast", max_verify_tokens=16,
+                                rollback_mode=CHECKPOINT, max_sequences=1, max_context=4096,
+                                max_tokens_per_request=1024, max_gpu_memory=24 * GiB)
+            plans[(layout, layers[0])] = daemon_memory_plan(source, config, shard)
     assert all(plans[(quantization.FP8_BLOCK, b)].fits() for b in (0, 32)), [plans[(quantization.FP8_BLOCK, b)].line() for b in (0, 32)]
     assert not any(plans[(None, b)].fits() for b in (0, 32))
     # FP8 weights are about half the bf16 ones (the embedding / head stay bf16)
@@ -350,7 +350,7 @@ def shardctl(*args):
 
 
 def test_shardctl_generate_launches_fp8_daemons_with_quantize():
-    from shardd.model.rollback import RollbackStorage
+    from shardd.engine.reference.rollback import RollbackStorage
 
     ids = list(range(1, 33))
     result = shardctl("generate", "--synthetic", "tiny", "--split", 2, "--quantize", quantization.FP8_BLOCK, "--prompt-ids",

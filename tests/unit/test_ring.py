@@ -1,4 +1,4 @@
-"""The device ring's host-side rules (shardd/ring.py) that run without a GPU: how a wait for a sender's rows ends
+"""The device ring's host-side rules (shardd/server/ring.py) that run without a GPU: how a wait for a sender's rows ends
 (its event happened, the time limit, or the sender's death), and how the sender's life is read."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from shardd.ring import pid_alive, wait_for_event
+from shardd.server.ring import pid_alive, wait_for_event
 
 
 class _Event:

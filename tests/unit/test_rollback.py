@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardd.loading import ModelSource, build_shard
-from shardd.model import rollback as rb
-from shardd.model.errors import BadInput, NoPendingStep, NoSnapshot, PositionMismatch, RollbackUnavailable
-from shardd.model.rollback import RollbackStorage
+from shardd.weights.loading import ModelSource, build_shard
+from shardd.engine.reference.errors import BadInput, NoPendingStep, NoSnapshot, PositionMismatch, RollbackUnavailable
+from shardd.engine.reference.rollback import RollbackStorage
 
 PREFIX = 20
 STEP = 6
@@ -53,15 +52,15 @@ def test_rollback_equals_fresh_forward(shards, mode, keep):
     state = shard.new_state(64)
     shard.forward(state, 0, tokens=prefix)
     if mode == "snapshot":
-        rb.snapshot(state)
+        shard.snapshot(state)
         shard.forward(state, PREFIX, tokens=step)
-        rb.restore(state)
+        shard.restore(state)
         if keep:
             shard.forward(state, PREFIX, tokens=step[:keep])
     else:
         shard.forward(state, PREFIX, tokens=step, checkpoint=True)
         assert state.pending is not None and state.length == PREFIX + STEP
-        rb.rollback(state, keep)
+        shard.rollback(state, keep)
         assert state.pending is None
     reference = shards["none"]
     fresh = fresh_state(reference, prefix, step[:keep])
@@ -82,7 +81,7 @@ def test_rollback_on_a_middle_shard(tiny_dir):
     state = middle.new_state(64)
     middle.forward(state, 0, hidden=h[:PREFIX])
     middle.forward(state, PREFIX, hidden=h[PREFIX:], checkpoint=True)
-    rb.rollback(state, 2)
+    middle.rollback(state, 2)
     fresh = plain.new_state(64)
     plain.forward(fresh, 0, hidden=h[: PREFIX + 2])
     assert_same_state(state, fresh)
@@ -93,15 +92,15 @@ def test_pending_window_rules(shards):
     state = shard.new_state(64)
     shard.forward(state, 0, tokens=tokens(5, 1))
     with pytest.raises(NoPendingStep):
-        rb.rollback(state, 0)
+        shard.rollback(state, 0)
     shard.forward(state, 5, tokens=tokens(4, 2), checkpoint=True)
     with pytest.raises(BadInput):
-        rb.rollback(state, 5)
+        shard.rollback(state, 5)
     assert state.length == 9 and state.pending is not None
     shard.forward(state, 9, tokens=[7])  # ends the pending window: all 4 kept
     assert state.pending is None and state.length == 10
     with pytest.raises(NoPendingStep):
-        rb.rollback(state, 1)
+        shard.rollback(state, 1)
 
 
 def test_checkpoint_refused_without_storage_and_over_limit(shards):
@@ -124,18 +123,18 @@ def test_snapshot_ends_the_pending_step_and_restores(shards):
     shard = shards["checkpoint"]
     state = shard.new_state(64)
     with pytest.raises(NoSnapshot):
-        rb.restore(state)
+        shard.restore(state)
     shard.forward(state, 0, tokens=tokens(3, 1))
-    rb.snapshot(state)
+    shard.snapshot(state)
     shard.forward(state, 3, tokens=tokens(6, 1), checkpoint=True)
-    rb.rollback(state, 2)
-    rb.restore(state)
+    shard.rollback(state, 2)
+    shard.restore(state)
     assert state.length == 3
     shard.forward(state, 3, tokens=tokens(6, 1), checkpoint=True)
-    rb.snapshot(state)  # ends the pending step, all 6 kept: nothing left to roll back
+    shard.snapshot(state)  # ends the pending step, all 6 kept: nothing left to roll back
     assert state.length == 9
     with pytest.raises(NoPendingStep):
-        rb.rollback(state, 0)
+        shard.rollback(state, 0)
 
 
 def test_checkpoint_bytes_reported(shards, tiny_dir):
@@ -153,7 +152,7 @@ def test_checkpoint_bytes_reported(shards, tiny_dir):
 
 
 def test_every_model_refusal_has_a_wire_code():
-    from shardd.daemon import MODEL_ERROR_CODES
-    from shardd.model.errors import ModelError
+    from shardd.server.errors import MODEL_ERROR_CODES
+    from shardd.engine.reference.errors import ModelError
 
     assert set(MODEL_ERROR_CODES) == set(ModelError.__subclasses__())

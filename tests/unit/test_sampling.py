@@ -1,4 +1,4 @@
-"""Sampling on the head shard (shardd.sampling, shardd.head): the target distribution, the seeded stream,
+"""Sampling on the head shard (shardd.engine.head.sampling, shardd.engine.head.answer): the target distribution, the seeded stream,
 batch invariance (a row's answer whatever else is in its batch), and losslessness of speculative rejection
 sampling, by chi-square tests over thousands of samples drawn in one batched call with fixed seeds."""
 
@@ -13,13 +13,13 @@ import torch
 from coordinator.decoding import greedy_decode, speculative_decode
 from coordinator.drafting.drafters import NgramDrafter
 from coordinator.sampling import Sampling
-from shardd import sampling as sm
-from shardd.head import HeadRequest, answer_batch, answer_rows
-from shardd.loading import ModelSource
+from shardd.engine.head import sampling as sm
+from shardd.engine.head.answer import HeadRequest, answer_batch, answer_rows
+from shardd.weights.loading import ModelSource
 from shardd.local import LocalTarget
-from shardd.logprobs import row_logprobs
-from shardd.penalties import Penalties, PenaltyRows, penalise, penalise_rows
-from shardd.sampling import CHUNK_ROWS, SamplingParams, sample_rows, target_probs, uniform
+from shardd.engine.head.logprobs import row_logprobs
+from shardd.engine.head.penalties import Penalties, PenaltyRows, penalise, penalise_rows
+from shardd.engine.head.sampling import CHUNK_ROWS, SamplingParams, sample_rows, target_probs, uniform
 from tests.support.stats import chi2_against, chi2_critical, two_sample_chi2
 
 N = 4000
@@ -163,9 +163,9 @@ def test_the_stream_and_the_answers_are_the_same_on_cuda():
 
 
 def test_a_top_k_cut_reads_the_same_kth_value_whatever_k_max():
-    """The CUDA graphs of the sampler (shardd/fast/sampling.py) round top_k_max up to a power of two: the k-th
+    """The CUDA graphs of the sampler (shardd/engine/fast/sampling.py) round top_k_max up to a power of two: the k-th
     largest value, and so every answer, is the same for any k_max >= k."""
-    from shardd.fast.sampling import k_bucket
+    from shardd.engine.fast.sampling import k_bucket
 
     assert [k_bucket(k, 100) for k in (0, 1, 2, 3, 5, 64, 65, 99)] == [0, 1, 2, 4, 8, 64, 100, 100]
     generator = torch.Generator().manual_seed(11)
@@ -196,7 +196,7 @@ def test_the_chunk_graphs_answer_as_op_by_op_on_cuda(monkeypatch):
     monkeypatch.setattr(sm, "GRAPHS", False)
     eager = [answer_batch(items) for items in batches] * 2
     assert graphed == eager
-    from shardd.fast.sampling import chunk_graphs
+    from shardd.engine.fast.sampling import chunk_graphs
 
     assert any(graph is not None for graph in chunk_graphs(torch.device("cuda")).graphs.values())
 

@@ -259,8 +259,8 @@ def test_every_stream_equals_its_request_alone_through_daemons(daemons, mode):
 
 
 def test_every_stream_equals_its_request_alone_in_one_process():
-    from shardd.loading import ModelSource
-    from shardd.model.rollback import RollbackStorage
+    from shardd.weights.loading import ModelSource
+    from shardd.engine.reference.rollback import RollbackStorage
     from shardd.local import LocalTarget
 
     import torch

@@ -1,0 +1,234 @@
+"""`FastDrafter`: the DFlash drafter (shardd/draft/model.py) as two fixed-shape steps captured as CUDA graphs.
+
+- the context step: C feature rows -> `fc` -> `hidden_norm` -> per layer the fused k|v GEMM and the attention
+  kernel's append (k norm, RoPE, written in place into the sequence's cache slot at its context length);
+- the block step: T = block_size rows `[last token, mask, ...]` through the layers (fused q|k|v and gate|up,
+  the target's split-KV attention kernels over context + block: non-causal within the block, causal with a
+  window in sliding layers), the final norm, the head's GEMM for the T-1 mask rows only, argmax on the device.
+
+Both read the slot, the number of real rows and the position from a device `control` tensor (one segment of
+the target step's table, shardd/engine/kernels/segments.py), so a graph serves every sequence, block size and
+context length. The block's own K/V go into the cache past the context (never counted in it: the next context
+rows overwrite them), so attention reads context and block from one place. A PROPOSE costs one context step per
+C committed rows (one in steady state) and one block step. The reference drafter stays the readable model and
+owns validation (check_propose).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shardd.draft.model import DFlashDrafter
+from shardd.engine.fast.graph import CapturedCall
+from shardd.engine.fast.weights import _fuse
+from shardd.engine.kernels import attention as attention_kernels
+from shardd.engine.kernels import elementwise
+from shardd.engine.kernels import segments
+
+
+@dataclass
+class FastDraftState:
+    """One sequence's drafter context: a slot of the drafter's caches and the number of context rows it holds."""
+
+    slot: int
+    max_context: int
+    length: int = 0
+
+
+@dataclass
+class _DraftLayer:
+    input_layernorm: torch.Tensor
+    post_attention_layernorm: torch.Tensor
+    qkv: torch.Tensor  # [(H + 2 * HKV) * D, hidden]: q | k | v
+    kv: torch.Tensor   # the k | v rows of qkv (a view): the context step's projection
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o_proj: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+    window: int  # 0: full attention
+
+
+def fuse_draft_layers(drafter: DFlashDrafter) -> list[_DraftLayer]:
+    """The reference layers' matrices fused in place (the reference keeps views into them: no extra memory)."""
+    c = drafter.config
+    q_rows = c.num_attention_heads * c.head_dim
+    fused = []
+    for layer in drafter.layers:
+        attn = layer.self_attn
+        qkv = _fuse(attn, ["q_proj", "k_proj", "v_proj"])
+        fused.append(_DraftLayer(
+            layer.input_layernorm, layer.post_attention_layernorm, qkv, qkv[q_rows:], attn.q_norm, attn.k_norm,
+            attn.o_proj, _fuse(layer.mlp, ["gate_proj", "up_proj"]), layer.mlp.down_proj, attn.window or 0,
+        ))
+    return fused
+
+
+class FastDrafter:
+    """Serves in place of a DFlashDrafter (same new_state / check_propose / crop / add_context / propose)."""
+
+    engine = "fast"
+
+    def __init__(self, reference: DFlashDrafter, *, max_sequences: int, max_context: int,
+                 use_graphs: bool | None = None, context_rows: int | None = None):
+        self.reference = reference
+        c, device, dtype = reference.config, reference.device, reference.dtype
+        self.config, self.device, self.dtype, self.vocab_size = c, device, dtype, reference.vocab_size
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)
+        self.rows = rows = c.block_size  # T: the block step's rows (last committed token + the drafts)
+        self.context_rows = context_rows or c.block_size  # C: feature rows per context step (a verify's commits)
+        self.max_context = max_context
+        self.scratch_slot = max_sequences
+        self.free = list(range(max_sequences - 1, -1, -1))
+        self.layers = fuse_draft_layers(reference)
+        heads, kv_heads, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        # the cache holds the context and, past it, the block's own K/V (positions up to max_context + T - 1)
+        cache_len = max_context + rows
+        shape = (max_sequences + 1, kv_heads, cache_len, d)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+
+        def zeros(*size, dtype=dtype):
+            return torch.zeros(size, dtype=dtype, device=device)
+
+        self.features = zeros(self.context_rows, c.feature_size)
+        self.context = zeros(self.context_rows, c.hidden_size)
+        self.context_normed = zeros(self.context_rows, c.hidden_size)
+        self.context_control = zeros(segments.size(1, self.context_rows), dtype=torch.int32)
+        self.tokens = zeros(rows, dtype=torch.long)
+        self.control = zeros(segments.size(1, rows), dtype=torch.int32)
+        self.hidden = zeros(rows, c.hidden_size)
+        self.normed = zeros(rows, c.hidden_size)
+        self.query = zeros(rows, heads, d)
+        self.key_scratch = zeros(self.context_rows, kv_heads, d)
+        self.attn_out = zeros(rows, heads * d)
+        splits = attention_kernels.num_splits(cache_len)
+        self.partials = (zeros(rows, heads, splits, dtype=torch.float32), zeros(rows, heads, splits, dtype=torch.float32),
+                         zeros(rows, heads, splits, d, dtype=torch.float32))
+        self.act = zeros(rows, c.intermediate_size)
+        self.logits = zeros(rows - 1, reference.vocab_size, dtype=torch.float32)
+        self.ids = zeros(rows - 1, dtype=torch.long)
+        positions = torch.arange(cache_len, device=device)
+        self.cos, self.sin = (t.contiguous() for t in reference.rope.cos_sin(positions, dtype))
+
+        if use_graphs is None:
+            use_graphs = device.type == "cuda"
+        pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self.context_step = CapturedCall(self._context_step, use_graphs=use_graphs, pool=pool)
+        self.block_step = CapturedCall(self._block_step, use_graphs=use_graphs, pool=pool)
+        pin = device.type == "cuda"
+        self._tokens = torch.full((rows,), c.mask_token_id, dtype=torch.long, pin_memory=pin)
+        self._control = torch.zeros(segments.size(1, rows), dtype=torch.int32, pin_memory=pin)
+        self._ids = torch.zeros(rows - 1, dtype=torch.long, pin_memory=pin)
+        if use_graphs:  # capture now, on the scratch slot, so no request pays for it and no sequence is touched
+            for control, steps_rows in ((self.context_control, self.context_rows), (self.control, rows)):
+                control.copy_(self._one_segment(self.scratch_slot, 1, 0, steps_rows))
+            self.context_step.capture()
+            self.block_step.capture()
+            torch.cuda.synchronize(device)
+
+    def _one_segment(self, slot: int, n: int, pos: int, rows: int) -> torch.Tensor:
+        """The control of a step of `rows` rows over one sequence's n rows at pos (the target step's layout)."""
+        return torch.tensor(segments.table([segments.segment(slot, n, pos)], 1, self.scratch_slot, rows), dtype=torch.int32)
+
+    def weight_bytes(self) -> int:
+        return self.reference.weight_bytes()
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.reference.max_draft_tokens
+
+    # ---- sequences -------------------------------------------------------------------------------
+
+    def new_state(self, max_context: int) -> FastDraftState:
+        if max_context > self.max_context:
+            raise ValueError(f"this drafter's slots hold {self.max_context} rows, asked for {max_context}")
+        if not self.free:
+            raise MemoryError(f"all {self.scratch_slot} drafter slots are in use")
+        return FastDraftState(slot=self.free.pop(), max_context=max_context)
+
+    def release_state(self, state: FastDraftState) -> None:
+        self.free.append(state.slot)
+
+    def state_bytes_per_sequence(self, max_context: int) -> int:
+        c = self.config
+        return len(self.layers) * 2 * c.num_key_value_heads * (max_context + self.rows) * c.head_dim * self.dtype.itemsize
+
+    def check_propose(self, state, pos, features, last_token, draft_tokens) -> None:
+        self.reference.check_propose(state, pos, features, last_token, draft_tokens)
+
+    def crop(self, state: FastDraftState, length: int) -> None:
+        state.length = length
+
+    # ---- compute: the arguments are those check_propose accepted ----------------------------------
+
+    @torch.inference_mode()
+    def add_context(self, state: FastDraftState, features: torch.Tensor) -> None:
+        """Append n committed rows' features [n, feature_size] at positions state.length .., C rows per step."""
+        for begin in range(0, features.shape[0], self.context_rows):
+            chunk = features[begin : begin + self.context_rows]
+            n = chunk.shape[0]
+            # copies from pageable memory, ordered on the stream: no wait between chunks (a prompt is many)
+            self.features[:n].copy_(chunk)
+            self.features[n:].zero_()
+            self.context_control.copy_(self._one_segment(state.slot, n, state.length, self.context_rows))
+            self.context_step()
+            state.length += n
+
+    @torch.inference_mode()
+    def propose(self, state: FastDraftState, last_token: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As DFlashDrafter.propose: (ids [block_size-1], logits [block_size-1, vocab] float32, a view of a buffer
+        the next proposal reuses). The state is not changed."""
+        self._tokens[0] = last_token
+        self._control.copy_(self._one_segment(state.slot, block_size, state.length, self.rows))
+        self.tokens.copy_(self._tokens, non_blocking=True)
+        self.control.copy_(self._control, non_blocking=True)
+        self.block_step()
+        self._ids.copy_(self.ids, non_blocking=True)
+        if self.ids.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        return self._ids[: block_size - 1].clone(), self.logits[: block_size - 1]
+
+    # ---- the two steps (run eagerly or captured) ---------------------------------------------------
+
+    def _context_step(self) -> None:
+        c, ref = self.config, self.reference
+        eps = c.rms_norm_eps
+        self.context.copy_(F.linear(self.features, ref.fc))
+        elementwise.add_rms_norm(self.context, ref.hidden_norm, eps, out=self.context_normed, zero_centred=False)
+        for layer, keys, values in zip(self.layers, self.keys, self.values):
+            attention_kernels.append_kv(
+                F.linear(self.context_normed, layer.kv), layer.k_norm, self.cos, self.sin, keys, values,
+                self.key_scratch, self.context_control, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                rotary_dim=c.head_dim, eps=eps, rows=self.context_rows, zero_centred=False,
+            )
+
+    def _block_step(self) -> None:
+        c, ref = self.config, self.reference
+        eps = c.rms_norm_eps
+        self.hidden.copy_(F.embedding(self.tokens, ref.embed_tokens))
+        delta = None  # the last branch's output, added to the residual stream by the next norm
+        for layer, keys, values in zip(self.layers, self.keys, self.values):
+            self._add_norm(delta, layer.input_layernorm)
+            attention_kernels.attention_step(
+                F.linear(self.normed, layer.qkv), layer.q_norm, layer.k_norm, self.cos, self.sin, keys, values,
+                self.query, self.partials, self.attn_out, self.control,
+                num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                rotary_dim=c.head_dim, eps=eps, rows=self.rows,
+                gated=False, zero_centred=False, causal=layer.window > 0, window=layer.window,
+            )
+            delta = F.linear(self.attn_out, layer.o_proj)
+            self._add_norm(delta, layer.post_attention_layernorm)
+            delta = F.linear(elementwise.silu_mul(F.linear(self.normed, layer.gate_up), self.act), layer.down)
+        self._add_norm(delta, ref.norm)
+        # logits for the mask rows only (row 0 holds the last committed token)
+        self.logits.copy_(F.linear(self.normed[1:], ref.lm_head))
+        torch.argmax(self.logits, dim=-1, out=self.ids)
+
+    def _add_norm(self, delta, weight) -> None:
+        elementwise.residual_rms_norm(self.hidden, delta, weight, self.config.rms_norm_eps, self.normed,
+                                      zero_centred=False)

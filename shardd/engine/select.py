@@ -1,0 +1,92 @@
+"""Which implementation of the step a daemon serves a shard with.
+
+- `reference`: the readable model code of shardd/engine/reference/ (any device; the CPU path).
+- `fast`: shardd/engine/fast/, the fixed-shape T-row step with Triton kernels and CUDA graphs (a CUDA device), which
+  makes a token's result independent of how many tokens shared its step: bf16 speculative output equals greedy.
+- `auto` (the default): `fast` on a CUDA device where Triton is installed, else `reference`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from shardd.engine.sizes import DEFAULT_STEP_ROWS, PREFILL_ROWS  # noqa: F401 (the flags' defaults, named here too)
+
+
+ENGINES = ("auto", "reference", "fast")
+
+
+def _interpreted() -> bool:
+    """Triton's interpreter runs the fast path's kernels on the CPU (tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve_engine(engine: str, device) -> str:
+    import torch
+
+    device = torch.device(device)
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    try:
+        import triton  # noqa: F401
+        has_triton = True
+    except ImportError:
+        has_triton = False
+    if engine == "auto":
+        return "fast" if device.type == "cuda" and has_triton else "reference"
+    if engine == "fast":
+        if not has_triton:
+            raise ValueError("--engine fast needs triton (installed with torch on CUDA machines)")
+        if device.type != "cuda" and not _interpreted():
+            raise ValueError(f"--engine fast needs a CUDA device, got {device} (use --engine reference)")
+    return engine
+
+
+def step_rows_for(engine: str, step_rows: int | None, max_verify_tokens: int, *, max_sequences: int | None = None,
+                  fp8: bool = False) -> int | None:
+    """The fast engine's R for `--step-rows` (None: the default); None for the reference engine, which has no
+    step (and refuses an explicit --step-rows by name). R must hold one sequence's step (max_verify_tokens, or
+    the fast engine's 16 rows without rollback storage).
+
+    The default is DEFAULT_STEP_ROWS, but never more rows than `max_sequences` sequences' steps can fill (a
+    daemon of one sequence steps 16 rows: unused rows still cost their GEMM), and one sequence's step with FP8
+    weights: the weight-only FP8 GEMM's time grows with the rows (past bf16's at 64), so FP8 batching is an
+    operator's explicit --step-rows."""
+    one_sequence = max_verify_tokens or 16  # shardd.engine.fast.shard.DEFAULT_ROWS
+    if engine != "fast":
+        if step_rows is not None:
+            raise ValueError(f"--step-rows sizes the fast engine's step; the {engine} engine has none")
+        return None
+    if step_rows is None:
+        if fp8:
+            return one_sequence
+        rows = DEFAULT_STEP_ROWS if max_sequences is None else min(DEFAULT_STEP_ROWS, max_sequences * one_sequence)
+        return max(rows, one_sequence)
+    if step_rows < one_sequence:
+        raise ValueError(f"--step-rows {step_rows} must hold one sequence's step of {one_sequence} rows "
+                         "(--max-verify-tokens)")
+    return step_rows
+
+
+def serve_with(engine: str, shard, *, max_sequences: int, max_context: int, step_rows: int | None = None,
+               prefill_rows: int | None = None):
+    """The shard as the daemon serves it: itself, or a FastShard over it (state pools sized here; `step_rows`: the
+    batched step's R, default one sequence's rows; `prefill_rows`: the GPU prefill's graphed piece, default
+    PREFILL_ROWS)."""
+    if engine != "fast":
+        return shard
+    from shardd.engine.fast.shard import FastShard
+
+    return FastShard(shard, max_sequences=max_sequences, max_context=max_context, step_rows=step_rows,
+                     prefill_rows=PREFILL_ROWS if prefill_rows is None else prefill_rows)
+
+
+def draft_with(engine: str, hosted, *, max_sequences: int, max_context: int):
+    """The hosted drafter as the daemon serves it: its reference model, or a FastDrafter over it (shardd/engine/fast/draft.py:
+    the layers as CUDA graphs over fused weights, caches in slots sized here)."""
+    if engine != "fast" or hosted is None:
+        return hosted
+    from shardd.engine.fast.draft import FastDrafter
+
+    hosted.model = FastDrafter(hosted.model, max_sequences=max_sequences, max_context=max_context)
+    return hosted

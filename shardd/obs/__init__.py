@@ -1,0 +1,1 @@
+"""Observability of a daemon: logs, loading progress, Prometheus metrics, device memory, GPU timelines."""

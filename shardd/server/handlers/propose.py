@@ -1,0 +1,108 @@
+"""PROPOSE on a daemon that hosts a DFlash drafter, and the block a CAPTURE with `propose` drafts in its reply
+(the verify's committed rows join the drafter's context first)."""
+
+from __future__ import annotations
+
+import torch
+
+from common.model_config import dtype_name
+from protocol import ErrorCode, ProtocolError
+from shardd.server.peer import Peer
+from shardd.server.sequences import SequenceTable
+from shardd.server.stats import Counters
+
+
+class Propose:
+    """The drafter's handlers; `drafter` is the hosted drafter (None: every proposal refused NO_DRAFTER),
+    `hidden_size` the target's (the width of one carried layer)."""
+
+    def __init__(self, drafter, sequences: SequenceTable, counters: Counters, hidden_size: int):
+        self.drafter, self.sequences, self.counters, self.hidden_size = drafter, sequences, counters, hidden_size
+
+    def _drafter(self):
+        if self.drafter is None:
+            raise ProtocolError(ErrorCode.NO_DRAFTER, "this shard hosts no drafter")
+        return self.drafter
+
+    def propose(self, request, peer: Peer):
+        """Features of positions pos-n .. pos-1 into the drafter's context, then a block after `last_token`.
+
+        Context rows at or past pos-n belong to tokens rolled back since they were sent: they are cropped first
+        (the only way the context shrinks). A context shorter than pos-n misses rows: POSITION_MISMATCH.
+        The target layers' state of the sequence (on a daemon that has both) is not touched."""
+        model = self._drafter().model
+        draft = self.sequences.get(peer.owner, request.seq).draft
+        features = request.features.to_torch() if request.features is not None else None
+        model.check_propose(draft, request.pos, features, request.last_token, request.block_size)
+        n = features.shape[0] if features is not None else 0
+        start = request.pos - n
+
+        counters = self.counters
+        if draft.length > start:
+            counters.draft_crops += 1
+            counters.draft_rows_cropped += draft.length - start
+            model.crop(draft, start)
+        if n:
+            model.add_context(draft, features)
+            counters.draft_context_rows += n
+        ids, _ = model.propose(draft, request.last_token, request.block_size + 1)
+        counters.proposals += 1
+        counters.draft_tokens += request.block_size
+        return {"seq": request.seq, "tokens": ids.tolist(), "context_length": draft.length}, {}
+
+    def check(self, request, shard, entry) -> None:
+        """A CAPTURE with `propose`, before it changes anything: the drafter, the head and every feature it needs."""
+        drafter = self._drafter()
+        if not shard.owns_head:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "propose asks a shard without the head (it needs the verify's ids)")
+        model, config = drafter.model, drafter.config
+        if request.propose > model.max_draft_tokens:
+            raise ProtocolError(ErrorCode.BAD_REQUEST,
+                                f"propose {request.propose} exceeds the drafter's {model.max_draft_tokens} draft tokens")
+        own = [layer for layer in request.layers if shard.begin <= layer < shard.end]
+        carried = list(request.carried_layers or ())
+        missing = [layer for layer in config.target_layer_ids if layer not in own and layer not in carried]
+        if missing:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"propose needs target layer {missing[0]}'s output: capture it "
+                                                       f"here or carry it from its shard (carried_layers)")
+        if request.carried is not None:
+            width = len(carried) * self.hidden_size
+            if request.carried.shape[1] != width or request.carried.dtype != dtype_name(model.dtype):
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"tensor 'carried' must be {dtype_name(model.dtype)} "
+                                                           f"[n, {width}], got {request.carried.dtype}{list(request.carried.shape)}")
+        if entry.draft.length < request.pos:
+            raise ProtocolError(ErrorCode.POSITION_MISMATCH,
+                                f"the drafter's context holds {entry.draft.length} rows, this verify starts at {request.pos}: "
+                                f"send rows {entry.draft.length}..{request.pos - 1} with PROPOSE first")
+
+    def after_verify(self, request, entry, ids: list[int], captured: dict) -> dict:
+        """The verify's committed rows (the accepted drafts' prefix plus its first row) join the drafter's context,
+        then the next block is drafted after the bonus token: what PROPOSE would answer after this step."""
+        model, config = self.drafter.model, self.drafter.config
+        drafts = request.drafts
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == ids[accepted]:
+            accepted += 1
+        keep = accepted + 1  # rows pos .. pos+accepted: the block's first token and the accepted drafts
+        carried = request.carried.to_torch() if request.carried is not None else None
+        width = self.hidden_size
+        columns = []
+        for layer in config.target_layer_ids:
+            if layer in captured:
+                columns.append(captured[layer][:keep])
+            else:
+                j = request.carried_layers.index(layer)
+                columns.append(carried[:keep, j * width:(j + 1) * width])
+        draft, counters = entry.draft, self.counters
+        if draft.length > request.pos:
+            counters.draft_crops += 1
+            counters.draft_rows_cropped += draft.length - request.pos
+            model.crop(draft, request.pos)
+        model.add_context(draft, torch.cat(columns, dim=1))
+        counters.draft_context_rows += keep
+        tokens, _ = model.propose(draft, ids[accepted], request.propose + 1)
+        counters.proposals += 1
+        counters.proposals_in_reply += 1
+        counters.draft_tokens += request.propose
+        return {"accepted": accepted, "pos": request.pos + keep, "last_token": ids[accepted], "tokens": tokens.tolist(),
+                "context_length": draft.length}

@@ -1,0 +1,218 @@
+"""Rows from shard to shard (PROTOCOL.md, "Rows from shard to shard").
+
+A FORWARD with `send_rows` sends its output rows straight to the daemon's next shard (`shardd serve --relay-to`)
+as a ROWS under the coordinator's ticket; the next shard's FORWARD with that `rows_ticket` waits for them instead
+of the coordinator carrying them: per hop one delivery and the coordinator's decode and encode of the rows fewer.
+`RowsLink` is the sending side, `RowsInbox` the receiving one (the rows that came first, and the FORWARDs that
+wait, one per connection: the next request of that connection ends the wait).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import zmq
+
+from common.endpoints import endpoint_problem, is_loopback
+from protocol import MessageType, ProtocolError, Ring, Rows, decode_reply, encode_request
+from protocol.codec import with_id
+from shardd.server.peer import Peer
+
+log = logging.getLogger("shardd")
+
+WAIT_S = 120.0  # the longest a FORWARD waits for its rows (the coordinator's default compute timeout)
+
+
+def check_relay_to(endpoint: str, curve: bool) -> None:
+    """ValueError unless `endpoint` can take this daemon's ROWS: ipc:// or loopback tcp, without CurveZMQ (the
+    rows between two daemons of one host go unencrypted, as the loopback traffic of a daemon does)."""
+    problem = endpoint_problem(endpoint)
+    if problem:
+        raise ValueError(f"--relay-to {endpoint}: {problem}")
+    if curve:
+        raise ValueError("--relay-to sends rows unencrypted between daemons of one host; it does not go with "
+                         "--curve-secret-key (the coordinator carries the rows then)")
+    if endpoint.endswith(":*"):
+        raise ValueError(f"--relay-to {endpoint}: name the next shard's port")
+    if not is_loopback(endpoint):
+        raise ValueError(f"--relay-to {endpoint}: only ipc:// or a loopback tcp:// endpoint (a daemon of this host)")
+
+
+class RowsLink:
+    """The ROWS this daemon sends to its next shard: one DEALER, never waited on. The next shard acknowledges
+    each ROWS; the acknowledgements (and refusals, logged) are read and dropped before each send.
+
+    With `device_rows` (a GPU shard), the first rows on a GPU ask the next shard for its device ring (RING,
+    shardd/server/ring.py) and, when it has one, every step's rows that fit go through a slot of it: a ROWS naming the
+    slot, sent without waiting for the device. A slot is written again only once the ROWS that last used it is
+    acknowledged (the reader has copied it out by then, or is about to on its stream)."""
+
+    RING_REPLY_S = 5.0  # how long the first rows wait for the next shard's RING reply before going by host
+    ACK_WAIT_S = 1.0  # how long rows wait for the acknowledgement that frees their slot, else they go by host
+
+    def __init__(self, endpoint: str, device_rows: int = 0):
+        self.endpoint = endpoint
+        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(endpoint)
+        self._ids = itertools.count(1)
+        self.sent = self.refused = self.dropped = 0
+        self.device_rows = device_rows
+        self.ring = None  # shardd.server.ring.RingWriter once the next shard gave its ring
+        self.ring_problem: Optional[str] = None if device_rows else "off (not a GPU shard)"
+        self.on_device = 0  # ROWS whose rows went through the ring
+        self._slot_ids: dict[int, int] = {}  # slot -> id of the ROWS that used it, until acknowledged
+        self._replies: dict[int, object] = {}  # id -> reply, for the one request whose reply is awaited (RING)
+
+    def send(self, rows) -> int:
+        """Send `rows` (Rows or RowsBatch); its id."""
+        self.drain()
+        request_id = next(self._ids)
+        try:
+            frames = encode_request(with_id(rows, request_id), validate=False)
+            self.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            self.sent += 1
+        except zmq.Again:  # the next shard is gone and its queue full: its FORWARD ends waiting, by itself
+            self.dropped += 1
+            log.warning("ROWS of ticket %s dropped: %s takes nothing", getattr(rows, "ticket", "?"), self.endpoint)
+        return request_id
+
+    def send_on_device(self, parts: list, make_rows: Callable[[int, int], object], own=None) -> bool:
+        """Put `parts` (GPU tensors, rows end to end) in the next shard's ring and send `make_rows(slot, gen)`, the
+        ROWS naming the slot and the put's generation: True; False when they must go through the host (no ring,
+        they do not fit, or the slot is not free in time), nothing sent then. `own`: this shard's own device wait for
+        its input rows (shardd.server.ring.DeviceWait: the next shard's wait ends poisoned when they never landed)."""
+        if self.ring is None:
+            if self.ring_problem is not None or not parts or parts[0].device.type != "cuda":
+                return False
+            self._open_ring(parts[0].device)
+            if self.ring is None:
+                return False
+        if not self.ring.fits(parts):
+            return False
+        slot = self.ring.next
+        if not self._acknowledged(slot):
+            log.warning("ring slot %d of %s not acknowledged in %g s: these rows go through the host", slot,
+                        self.endpoint, self.ACK_WAIT_S)
+            return False
+        if self.ring.put(parts, self.ACK_WAIT_S, own) is None:
+            return False
+        self._slot_ids[slot] = self.send(make_rows(slot, self.ring.generations[slot]))
+        self.on_device += 1
+        return True
+
+    def _open_ring(self, device=None) -> None:
+        """RING to the next shard (`device`: where this shard's rows are, its GPU named in the request)."""
+        from shardd.server.ring import RingUnavailable, RingWriter, gpu_uuid
+
+        request_id = next(self._ids)
+        try:
+            gpu = gpu_uuid(device) if device is not None and device.type == "cuda" else None
+            ring = Ring(id=request_id, rows=self.device_rows, pid=os.getpid(), gpu=gpu)
+            self.socket.send_multipart(encode_request(ring), flags=zmq.NOBLOCK)
+            reply = self._await(request_id, self.RING_REPLY_S)
+            if reply is None:
+                raise RingUnavailable(f"no RING reply in {self.RING_REPLY_S:g} s")
+            if not reply.ok:
+                raise RingUnavailable(f"{reply.error_code}: {reply.error_message}")
+            self.ring = RingWriter(reply.result)
+            log.info("rows to %s go through its device ring (%d slots of %d rows)", self.endpoint, self.ring.slots,
+                     self.ring.rows)
+        except (RingUnavailable, zmq.Again) as error:
+            self.ring_problem = str(error) or type(error).__name__
+            log.info("rows to %s go through the host: %s", self.endpoint, self.ring_problem)
+
+    def _await(self, request_id: int, timeout_s: float):
+        self._drain_until(lambda: request_id in self._replies, timeout_s)
+        return self._replies.pop(request_id, None)
+
+    def _acknowledged(self, slot: int) -> bool:
+        return self._drain_until(lambda: slot not in self._slot_ids, self.ACK_WAIT_S)
+
+    def _drain_until(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Read the next shard's replies until `done()` (True) or `timeout_s` has passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        self.drain()
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.socket.poll(max(1, int(left * 1000)))
+            self.drain()
+        return True
+
+    def drain(self) -> None:
+        while self.socket.poll(0):
+            frames = self.socket.recv_multipart()
+            try:
+                reply = decode_reply(frames)
+            except ProtocolError as error:
+                log.warning("%s answered a ROWS with a malformed reply: %s", self.endpoint, error)
+                continue
+            if reply.type == MessageType.RING:
+                self._replies[reply.id] = reply
+                continue
+            freed = [slot for slot, sent in self._slot_ids.items() if sent == reply.id]
+            for slot in freed:
+                del self._slot_ids[slot]
+            if not reply.ok:
+                self.refused += 1
+                log.warning("%s refused a ROWS: %s %s", self.endpoint, reply.error_code, reply.error_message)
+                if freed:  # the next shard has no ring now (restarted?): ask again on the next rows
+                    self.ring = None
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+@dataclass
+class Waiting:
+    """A FORWARD waiting for its rows: what its reply needs later."""
+
+    envelope: list
+    request: object
+    peer: Peer  # who sent it: its reply is handled as theirs
+    deadline: float
+
+
+class RowsInbox:
+    """ROWS that came before their FORWARD, by ticket (at most `capacity`, none older than WAIT_S), and the
+    FORWARDs waiting for theirs, by connection."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.rows: OrderedDict[int, tuple[Rows, float]] = OrderedDict()
+        self.waiting: dict[bytes, Waiting] = {}
+
+    def put(self, rows: Rows, now: Optional[float] = None) -> Optional[Waiting]:
+        """Keep `rows` for its FORWARD; the FORWARD already waiting for them, if one is (its wait ends)."""
+        now = time.monotonic() if now is None else now
+        self.rows[rows.ticket] = (rows, now)
+        self.rows.move_to_end(rows.ticket)
+        while len(self.rows) > self.capacity or (self.rows and next(iter(self.rows.values()))[1] < now - WAIT_S):
+            self.rows.popitem(last=False)
+        for owner, waiting in self.waiting.items():
+            if waiting.request.rows_ticket == rows.ticket:
+                return self.waiting.pop(owner)
+        return None
+
+    def take(self, ticket: int) -> Optional[Rows]:
+        kept = self.rows.pop(ticket, None)
+        return kept[0] if kept is not None else None
+
+    def wait(self, waiting: Waiting) -> None:
+        self.waiting[waiting.peer.owner] = waiting
+
+    def cancel(self, owner: bytes) -> Optional[Waiting]:
+        """The FORWARD of `owner`'s connection still waiting, taken off the wait (a later request of it came)."""
+        return self.waiting.pop(owner, None)
+
+    def expired(self, now: float) -> list[Waiting]:
+        done = [owner for owner, waiting in self.waiting.items() if waiting.deadline <= now]
+        return [self.waiting.pop(owner) for owner in done]

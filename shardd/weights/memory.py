@@ -1,0 +1,142 @@
+"""A daemon's memory budget: what it will allocate, line by line, computed from the config and the options before
+anything loads (`shardd serve --max-gpu-memory`), so a configuration that cannot fit is refused in one line instead
+of running out of memory minutes later; HELLO reports the same breakdown.
+
+The accounting is device-independent (bytes of the tensors the daemon will allocate), so a CPU shard computes and
+checks it too; on CUDA the cap is also handed to the allocator (torch.cuda.set_per_process_memory_fraction).
+What no tensor of ours owns (the CUDA context, cuBLAS/Triton workspaces, allocator fragmentation) is not counted:
+leave some headroom under the card's size.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from common.model_config import ModelConfig
+
+
+GiB = 1 << 30
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+GRAPH_POOL_BYTES = 64 << 20  # what capturing the step's CUDA graphs keeps besides its static buffers (measured < 40 MiB)
+
+
+class MemoryBudgetError(ValueError):
+    """The configuration does not fit the cap; the message is the one line an operator reads."""
+
+    @staticmethod
+    def message(plan: "MemoryPlan") -> str:
+        return (f"does not fit in --max-gpu-memory {fmt_gib(plan.cap)}: needs {fmt_gib(plan.total)} ({plan.line()}), "
+                f"{fmt_gib(plan.total - plan.cap)} over; lower --max-sequences / --max-context / --max-verify-tokens, "
+                f"split the layers further, or load an FP8 checkpoint")
+
+
+def parse_memory(text: str, device_total: int | None) -> int:
+    """'24GiB', '24GB', '24000MiB', '25769803776' (bytes) or a fraction of the device '0.9' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"--max-gpu-memory takes a size (24GiB, 24GB, 20000MiB) or a fraction of the device "
+                         f"(0.9), got {text!r}")
+    value, unit = float(match.group(1)), match.group(2).lower()
+    if not unit and value <= 1 and "." in match.group(1):
+        if device_total is None:
+            raise ValueError(f"--max-gpu-memory {text}: a fraction needs a device whose size is known")
+        if value <= 0:
+            raise ValueError(f"--max-gpu-memory fraction must be in (0, 1], got {text}")
+        return int(value * device_total)
+    if value <= 0:
+        raise ValueError(f"--max-gpu-memory must be positive, got {text!r}")
+    return int(value * _UNITS[unit])
+
+
+def fmt_gib(nbytes: int) -> str:
+    """2.50 GiB, or 12.3 MiB below a GiB."""
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / (1 << 20):.1f} MiB"
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes by what holds them (weights, kv_cache, gdn_states, checkpoint_buffers, step_buffers_and_graphs,
+    drafter), and the cap they must fit in (None: no cap)."""
+
+    items: dict[str, int] = field(default_factory=dict)
+    cap: int | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.items.values())
+
+    def fits(self) -> bool:
+        return self.cap is None or self.total <= self.cap
+
+    def line(self) -> str:
+        return ", ".join(f"{name} {fmt_gib(n)}" for name, n in self.items.items() if n)
+
+    def check(self) -> None:
+        if not self.fits():
+            raise MemoryBudgetError(MemoryBudgetError.message(self))
+
+    def describe(self) -> dict:
+        """HELLO's `memory` field."""
+        return {"cap_bytes": self.cap, "total_bytes": self.total, "items": dict(self.items)}
+
+
+def plan_memory(
+    config: ModelConfig, begin: int, end: int, *, weight_bytes: int, dtype_bytes: int, engine: str,
+    max_sequences: int, max_context: int, max_tokens_per_request: int, checkpoint_bytes_per_sequence: int,
+    step_rows: int, drafter_bytes: int = 0, cap: int | None = None, prefill_rows: int = 0,
+) -> MemoryPlan:
+    """What a daemon serving layers [begin, end) will allocate with these options. The fast engine allocates every
+    sequence slot (plus one scratch slot) at start; the reference engine allocates as sequences open, so its plan is
+    the worst case of `max_sequences` open at once. `prefill_rows`: the GPU prefill's graphed piece (0: none)."""
+    c = config
+    attention = [i for i in range(begin, end) if not c.is_gdn(i)]
+    gdn = [i for i in range(begin, end) if c.is_gdn(i)]
+    slots = max_sequences + (1 if engine == "fast" else 0)
+    positions = max_context + (step_rows if engine == "fast" else 0)  # the fast pools hold a step past the end
+    kv = 2 * c.num_key_value_heads * c.head_dim * dtype_bytes * len(attention) * slots * positions
+    states = (c.recurrent_state_bytes() + c.conv_state_bytes()) * len(gdn) * slots
+    head = begin < end and end == c.num_layers
+    items = {
+        "weights": weight_bytes,
+        "kv_cache": kv,
+        "gdn_states": states,
+        "checkpoint_buffers": checkpoint_bytes_per_sequence * slots,
+    }
+    if engine == "fast":
+        rows = step_rows
+        buffers = rows * (c.hidden_size * 4 * dtype_bytes + c.intermediate_size * 3 * dtype_bytes
+                          + 2 * c.linear_conv_dim * 4 + c.num_attention_heads * c.head_dim * 3 * dtype_bytes
+                          + (c.vocab_size * 4 * 2 if head else 0))
+        buffers += (max_context + rows) * c.rotary_dim * dtype_bytes  # the cos / sin tables
+        items["step_buffers_and_graphs"] = buffers + GRAPH_POOL_BYTES
+    # the largest transient of a prefill request: its chunk's MLP activations (and logits on the head shard)
+    tokens = min(max_tokens_per_request, max_context)
+    def activations(rows: int) -> int:  # a prefill call's MLP activations and residual-stream transients
+        return rows * (c.intermediate_size * 3 + c.hidden_size * 4) * dtype_bytes
+
+    items["prefill_activations"] = activations(min(tokens, prefill_rows or 1024)) + (
+        tokens * c.vocab_size * 4 if head else 0)
+    if engine == "fast" and prefill_rows and prefill_rows <= max_context:
+        # shardd.engine.fast.prefill.PrefillGraphs, once a piece of prefill_rows has run: a staging copy of one sequence's
+        # GDN state, the static buffers (the residual stream, its norm, the SwiGLU product, an attention core's
+        # output) and the graphs' pool, the transients of one piece kept
+        static = prefill_rows * (c.hidden_size * 3 + c.intermediate_size) * dtype_bytes
+        items["prefill_graphs"] = (c.recurrent_state_bytes() + c.conv_state_bytes()) * len(gdn) + static + (
+            activations(prefill_rows) + GRAPH_POOL_BYTES)
+    if drafter_bytes:
+        items["drafter"] = drafter_bytes
+    return MemoryPlan(items, cap)
+
+
+def drafter_weight_bytes(draft_config, target: ModelConfig, dtype_bytes: int, *, shares_embedding: bool,
+                         shares_head: bool) -> int:
+    """A hosted DFlash drafter's weights plus the target embedding / head it reads where its daemon's layers do
+    not hold them already."""
+    from shardd.weights.reader import draft_shapes
+
+    total = sum(math.prod(shape) for shape in draft_shapes(draft_config).values()) * dtype_bytes
+    embedding = target.vocab_size * target.hidden_size * dtype_bytes
+    return total + (0 if shares_embedding else embedding) + (0 if shares_head else embedding)
