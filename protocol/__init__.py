@@ -12,6 +12,7 @@ from .codec import (
     encode_request,
     pack_message,
     peek_id,
+    peek_kind,
     peek_type,
     split_batch_reply,
 )
@@ -20,6 +21,7 @@ from .geometry import check_verify_geometry, pure_chain
 from .limits import Limits
 from .messages import (
     BATCH_RECORD_TYPES,
+    BATCH_TENSORS,
     Batch,
     PROTOCOL_VERSION,
     RECORD_TYPES,
@@ -53,9 +55,9 @@ __all__ = [
     "PROTOCOL_VERSION", "MessageType", "Request", "RECORD_TYPES", "REQUEST_FIELDS", "REQUEST_TENSORS",
     "FieldSpec", "TensorSpec",
     "Hello", "Open", "Close", "Forward", "Capture", "Rollback", "Snapshot", "Restore", "Propose",
-    "Rows", "Ring", "Stats", "Shutdown", "Batch", "ForwardBatch", "CaptureBatch", "RollbackBatch", "RowsBatch", "BATCH_RECORD_TYPES", "split_batch_reply",
+    "Rows", "Ring", "Stats", "Shutdown", "Batch", "ForwardBatch", "CaptureBatch", "RollbackBatch", "RowsBatch", "BATCH_RECORD_TYPES", "BATCH_TENSORS", "split_batch_reply",
     "encode_request", "decode_request", "encode_reply", "encode_error", "decode_reply", "Reply",
-    "pack_message", "peek_id", "peek_type",
+    "pack_message", "peek_id", "peek_kind", "peek_type",
     "ErrorCode", "ProtocolError", "RemoteError", "ItemRefused",
     "check_verify_geometry", "pure_chain",
     "Limits", "WireTensor", "DTYPE_SIZES",

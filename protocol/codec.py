@@ -21,6 +21,7 @@ from .limits import Limits
 from .messages import (
     BATCH_RECORD_TYPES,
     BATCH_REFUSED_FIELDS,
+    BATCH_TENSORS,
     COMMON_FIELDS,
     ID_LIMIT,
     PROTOCOL_VERSION,
@@ -68,8 +69,8 @@ class _Fields:
 _REQUEST_SCHEMA = {mtype: _Fields.of(specs) for mtype, specs in REQUEST_FIELDS.items()}
 # per type, the header keys a one-sequence request may carry
 _REQUEST_KEYS = {mtype: _COMMON_KEYS | {spec.name for spec in specs} for mtype, specs in REQUEST_FIELDS.items()}
-# per batchable type, the fields a batch item may carry, and their names
-_BATCH_FIELDS = {mtype: (_Fields.of(specs), frozenset(spec.name for spec in specs)) for mtype, specs in (
+# per record type of a batch item, the fields it may carry, and their names
+_ITEM_FIELDS = {RECORD_TYPES[mtype]: (_Fields.of(specs), frozenset(spec.name for spec in specs)) for mtype, specs in (
     (mtype, tuple(spec for spec in REQUEST_FIELDS[mtype] if spec.name not in BATCH_REFUSED_FIELDS))
     for mtype in BATCH_RECORD_TYPES)}
 _REPLY_KEYS = frozenset({"v", "id", "type", "ok", "result", "tensors", "error"})
@@ -95,8 +96,9 @@ _ENCODE_NAMES = {record: (tuple(name for name in names if name != "id" and name 
 # per type, its tensor frames' specs by name; a batch carries tensor 'hidden' alone
 _TENSOR_SPECS = {mtype: {spec.name: spec for spec in specs} for mtype, specs in REQUEST_TENSORS.items()}
 _NO_TENSORS = {mtype: {name: None for name in specs} for mtype, specs in _TENSOR_SPECS.items()}  # read only
-_HIDDEN_SPECS = {mtype: {name: spec for name, spec in _TENSOR_SPECS[mtype].items() if name == "hidden"}
-                 for mtype in BATCH_RECORD_TYPES}
+# per batchable type, its batch's tensor frames' specs by name (a FORWARD batch's `carried` is its CAPTURE items')
+_BATCH_TENSOR_SPECS = {mtype: {name: _TENSOR_SPECS[mtype].get(name) or _TENSOR_SPECS[MessageType.CAPTURE][name]
+                               for name in names} for mtype, names in BATCH_TENSORS.items()}
 # Per record type, the default of each field that has one: a decoded record is filled in from these (_record).
 _DEFAULTS = {record: {f.name: f.default for f in dataclasses.fields(record) if f.default is not dataclasses.MISSING}
              for record in RECORD_TYPES.values()}
@@ -410,7 +412,8 @@ def _decode_batch(header: dict, views: list[memoryview], mtype: MessageType, lim
     tickets = {name: _check_int(header[name], f"field '{name}' of a batched {mtype.value}", 0, ID_LIMIT)
                for name in _TICKET_FIELDS if name in header}
     found = _tensors(header.get("tensors", []), views[1:])
-    hidden = _request_tensors(found, _HIDDEN_SPECS[mtype], mtype).get("hidden")
+    tensors = _request_tensors(found, _BATCH_TENSOR_SPECS[mtype], mtype)
+    hidden, carried = tensors.get("hidden"), tensors.get("carried")
     rows_ticket = tickets.get("rows_ticket")
     if rows_ticket is not None and hidden is not None:
         raise _bad(f"a batched {mtype.value} with field 'rows_ticket' takes its rows from the previous shard's ROWS, "
@@ -426,24 +429,59 @@ def _decode_batch(header: dict, views: list[memoryview], mtype: MessageType, lim
             raise _bad(f"sequence {seq} appears twice in one batch (items name distinct sequences)")
         seqs.add(seq)
     rows = _batch_rows(items, hidden, mtype, ticketed=rows_ticket is not None)
+    carried_rows = _carried_rows(items, rows, carried, mtype, counted=hidden is not None or rows_ticket is not None)
     total = sum(rows) if hidden is not None else sum(len(item["tokens"]) for item in items
                                                       if type(item.get("tokens")) is list)
     if total > limits.max_tokens_per_request:
         raise _too_large(f"{total} rows in one batch, limit {limits.max_tokens_per_request}")
-    record_type = RECORD_TYPES[mtype]
-    fields, names = _BATCH_FIELDS[mtype]
     decoded: list = []
-    start = 0
+    start = carried_start = 0
     ticket = {"rows_ticket": rows_ticket} if rows_ticket is not None else None
-    for item, n in zip(items, rows):
-        part = row_slice(hidden, start, n) if hidden is not None else None
-        start += n
+    for item, n, m in zip(items, rows, carried_rows):
+        parts = {}
+        if hidden is not None:
+            parts["hidden"] = row_slice(hidden, start, n)
+            start += n
+        if m:
+            parts["carried"] = row_slice(carried, carried_start, m)
+            carried_start += m
         try:
-            decoded.append(_decode_item(item, part, record_type, fields, names, mtype, limits,
-                                        ticket and {**ticket, "ticket_rows": n}))
+            decoded.append(_decode_item(item, parts, mtype, limits, ticket and {**ticket, "ticket_rows": n}))
         except ProtocolError as error:
             decoded.append(ItemRefused(error.code, error.message, item["seq"]))
     return BATCH_RECORD_TYPES[mtype](id=request_id, items=tuple(decoded), **tickets)
+
+
+def _item_record(mtype: MessageType, item: dict) -> type:
+    """A batch item's record type: its batch's, but a FORWARD batch's item with `layers` is a CAPTURE."""
+    if mtype is MessageType.FORWARD and "layers" in item:
+        return Capture
+    return RECORD_TYPES[mtype]
+
+
+def _carried_rows(items: list, rows: list[int], carried: Optional[WireTensor], mtype: MessageType,
+                  counted: bool) -> list[int]:
+    """Each item's rows of tensor `carried`: a CAPTURE item with `carried_layers` takes one per input row (its
+    `rows`, or its `tokens`), in item order, and together they are the tensor's rows."""
+    if "carried" not in BATCH_TENSORS[mtype]:
+        return [0] * len(items)
+    taken = []
+    for index, (item, n) in enumerate(zip(items, rows)):
+        if "carried_layers" not in item or _item_record(mtype, item) is not Capture:
+            taken.append(0)
+            continue
+        if not counted:
+            tokens = item.get("tokens")
+            if type(tokens) is not list:
+                raise _bad(f"items[{index}] has field 'carried_layers' but no 'tokens' to count its rows of tensor "
+                           f"'carried' by")
+            n = len(tokens)
+        taken.append(n)
+    have = carried.shape[0] if carried is not None else 0
+    if sum(taken) != have or (carried is not None and not any(taken)):
+        raise _bad(f"the rows of the items with 'carried_layers' add up to {sum(taken)}, tensor 'carried' has "
+                   f"{have if carried is not None else 'none'}")
+    return taken
 
 
 def _batch_rows(items: list, hidden: Optional[WireTensor], mtype: MessageType, ticketed: bool = False) -> list[int]:
@@ -506,19 +544,21 @@ def with_id(record: Any, request_id: int) -> Any:
     return copy
 
 
-def _decode_item(item: dict, hidden: Optional[WireTensor], record_type: type, fields: _Fields, names: set,
-                 mtype: MessageType, limits: Limits, ticket: Optional[dict] = None):
+def _decode_item(item: dict, tensors: dict, mtype: MessageType, limits: Limits, ticket: Optional[dict] = None):
+    """One item of a batch as its record (`tensors`: its rows of the batch's tensors, by name)."""
+    record_type = _item_record(mtype, item)
+    fields, names = _ITEM_FIELDS[record_type]
+    kind = record_type.type
     keys = item.keys() - _ROWS
     if keys & BATCH_REFUSED_FIELDS:
         refused = sorted(keys & BATCH_REFUSED_FIELDS)
-        raise _bad(f"field '{refused[0]}' of {mtype.value} is not available in a batch: send that request alone")
+        raise _bad(f"field '{refused[0]}' of {kind.value} is not available in a batch: send that request alone")
     if not keys <= names:
         unknown = sorted(str(key) for key in keys - names)
-        raise _bad(f"unknown field(s) {unknown} in a {mtype.value} item; allowed: {sorted(names | {'rows'})}")
-    values = _field_values(item, fields, mtype)
+        raise _bad(f"unknown field(s) {unknown} in a {kind.value} item; allowed: {sorted(names | {'rows'})}")
+    values = _field_values(item, fields, kind)
     values["id"] = 0
-    if hidden is not None:
-        values["hidden"] = hidden
+    values.update(tensors)
     if ticket is not None:  # the batch's rows_ticket and this item's rows of it, as a one-sequence FORWARD has them
         values.update(ticket)
     record = _record(record_type, values)
@@ -662,7 +702,7 @@ def encode_request(record: Request, validate: bool = True) -> Frames:
 def _encode_batch(record: Batch, validate: bool) -> Frames:
     """A batched request: each item's fields in `items`, its hidden rows (if any) after the previous item's in
     one `hidden` frame, with `rows` saying how many."""
-    items, hidden = [], []
+    items, hidden, carried = [], [], []
     for item in record.items:
         # the fields that are set, read off the record's __dict__ at once (a getattr for each of a FORWARD's ~25
         # fields would be most of the time of encoding an item)
@@ -674,12 +714,15 @@ def _encode_batch(record: Batch, validate: bool) -> Frames:
                 raise _bad(f"an item's rows_ticket {ticket} is not its batch's ({getattr(record, 'rows_ticket', None)})")
             entry["rows"] = entry.pop("ticket_rows", None)
         rows = entry.pop("hidden", None)
+        carried_rows = entry.pop("carried", None)
         for name, value in entry.items():
             if type(value) is tuple:
                 entry[name] = list(value)
         if rows is not None:
             entry["rows"] = rows.shape[0]
             hidden.append(rows)
+        if carried_rows is not None:
+            carried.append(carried_rows)
         items.append(entry)
     header = {"v": PROTOCOL_VERSION, "type": record.type.value, "id": record.id, "items": items}
     for name in _TICKET_FIELDS:
@@ -687,10 +730,13 @@ def _encode_batch(record: Batch, validate: bool) -> Frames:
             header[name] = getattr(record, name)
     if hidden and validate and len(hidden) != len(items):
         raise _bad("a batch carries hidden rows for every item or for none")
-    try:
-        tensors = {"hidden": concat_rows(hidden)} if hidden else {}
-    except ProtocolError as error:  # rows of different widths or dtypes
-        raise _bad(f"the items' hidden rows do not stack: {error.message}") from error
+    tensors = {}
+    for name, parts in (("hidden", hidden), ("carried", carried)):
+        try:
+            if parts:
+                tensors[name] = concat_rows(parts)
+        except ProtocolError as error:  # rows of different widths or dtypes
+            raise _bad(f"the items' {name} rows do not stack: {error.message}") from error
     frames = _pack_or_raise(ErrorCode.BAD_REQUEST, header, tensors)
     if validate:  # as the receiver decodes it (the header as built: msgpack would hand back the same values)
         described = {**header, "tensors": [t.descriptor(name) for name, t in tensors.items()]}
@@ -721,9 +767,15 @@ def peek_id(frames: Any) -> Optional[int]:
 
 def peek_type(frames: Any) -> Optional[str]:
     """Best-effort message type of a message that may not decode (None unless a known type)."""
+    return peek_kind(frames)[0]
+
+
+def peek_kind(frames: Any) -> tuple[Optional[str], bool]:
+    """`peek_type`, and whether the message names several sequences (header field `items`): what says how many
+    tensor frames it may carry."""
     header = _peek_header(frames)
     value = header.get("type") if header else None
-    return value if type(value) is str and value in _TYPE_NAMES else None
+    return (value if type(value) is str and value in _TYPE_NAMES else None), bool(header) and "items" in header
 
 
 # --- replies -----------------------------------------------------------------------------

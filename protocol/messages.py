@@ -320,9 +320,16 @@ class RowsBatch(Batch):
 
 BatchRequest = Union[ForwardBatch, CaptureBatch, RollbackBatch, RowsBatch]
 BATCH_RECORD_TYPES: dict[MessageType, type] = {record.type: record for record in get_args(BatchRequest)}
-# Fields of a one-sequence request that a batch item may not carry: the proposal rides on one verify alone, and
-# rows go from shard to shard for one sequence.
-BATCH_REFUSED_FIELDS = frozenset({"propose", "carried_layers", "send_rows", "rows_ticket", "ticket_rows"})
+# Fields of a one-sequence request that a batch item may not carry: a batch's rows go from shard to shard under
+# the batch's own tickets.
+BATCH_REFUSED_FIELDS = frozenset({"send_rows", "rows_ticket", "ticket_rows"})
+# The tensor frames of a batch, one per name for all its items (their rows end to end, in item order).
+BATCH_TENSORS: dict[MessageType, tuple[str, ...]] = {
+    MessageType.FORWARD: ("hidden", "carried"),  # a FORWARD batch's item with `layers` is a CAPTURE
+    MessageType.CAPTURE: ("hidden", "carried"),
+    MessageType.ROLLBACK: (),
+    MessageType.ROWS: ("hidden",),
+}
 
 RECORD_TYPES: dict[MessageType, type] = {record.type: record for record in get_args(Request)}
 

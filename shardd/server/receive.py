@@ -18,19 +18,22 @@ from typing import Optional
 
 import zmq
 
-from protocol import REQUEST_TENSORS, ErrorCode, MessageType, peek_type
+from protocol import BATCH_TENSORS, REQUEST_TENSORS, ErrorCode, MessageType, peek_kind
 
 log = logging.getLogger("shardd")
 
 # A header whose type cannot be read is refused for its header; the frames it may bring are the most any type allows.
-MOST_FRAMES = 1 + max(len(specs) for specs in REQUEST_TENSORS.values())
+MOST_FRAMES = 1 + max(max(len(specs) for specs in REQUEST_TENSORS.values()), max(map(len, BATCH_TENSORS.values())))
 
 
-def frames_allowed(type_name: Optional[str]) -> int:
-    """Frames a request of this type may have: its header and one per tensor it carries."""
+def frames_allowed(type_name: Optional[str], batched: bool = False) -> int:
+    """Frames a request of this type may have: its header and one per tensor it carries (a batch: its batch's)."""
     if type_name is None:
         return MOST_FRAMES
-    return 1 + len(REQUEST_TENSORS[MessageType(type_name)])
+    mtype = MessageType(type_name)
+    if batched and mtype in BATCH_TENSORS:
+        return 1 + len(BATCH_TENSORS[mtype])
+    return 1 + len(REQUEST_TENSORS[mtype])
 
 
 @dataclass
@@ -50,10 +53,10 @@ class Received:
         """Why the message is refused before it is decoded (None: decode it)."""
         if not self.dropped:
             return None
-        type_name = peek_type(self.body)
+        type_name, batched = peek_kind(self.body)
         allowed = len(self.body)
         total = allowed + self.dropped
-        what = f"a {type_name} request" if type_name else "a request whose type cannot be read"
+        what = f"a {type_name} {'batch' if batched else 'request'}" if type_name else "a request whose type cannot be read"
         return (f"{what} has at most {allowed} frame(s) (the header and its tensors); this message had {total} "
                 f"frames ({self.dropped_bytes} bytes past the first {allowed} dropped unread)")
 
@@ -75,7 +78,7 @@ def receive_request(socket: zmq.Socket) -> Received:
             continue
         received.body.append(frame)
         if len(received.body) == 1:
-            limit = frames_allowed(peek_type(received.body))
+            limit = frames_allowed(*peek_kind(received.body))
     return received
 
 

@@ -176,7 +176,11 @@ def test_every_bad_item_fails_alone_with_its_code_and_changes_nothing(daemons):
     assert parts[3].result["captured_layers"] == [4] and set(parts[3].tensors) == {"layer.4"}
     assert bytes(parts[3].tensors["layer.4"].data) == bytes(parts[0].tensors["layer.4"].data)
     assert parts[1].error_code is ErrorCode.BAD_REQUEST and "capture layer 6" in parts[1].error_message
-    assert parts[2].error_code is ErrorCode.BAD_REQUEST and "propose" in parts[2].error_message
+    # `propose` is checked as the one-sequence CAPTURE checks it: this daemon hosts no drafter
+    single = client.exchange(encode_request(Capture(id=client.next_id(), seq=5, pos=0, tokens=[1], layers=[1],
+                                                    propose=2, drafts=[])))
+    assert (parts[2].error_code, parts[2].error_message) == (single.error_code, single.error_message)
+    assert parts[2].error_code is ErrorCode.NO_DRAFTER
     length_is(client, 4, 0)
     length_is(client, 5, 0)
     closed(client, *range(1, 8))
@@ -215,6 +219,17 @@ def test_a_malformed_envelope_is_refused_whole_and_changes_nothing(daemons):
                                     "items": [{"seq": 1, "pos": 0, "rows": 1}, {"seq": 2, "pos": 0, "rows": 2}]},
                            bytes(2 * 64 * 4))
     assert (ok, got) == (False, ErrorCode.BAD_REQUEST) and "add up" in message
+    # a batch's third frame is its tensor 'carried' (the CAPTURE items' carried rows), read and checked; a fourth
+    # is one too many
+    carried = {"name": "carried", "dtype": "float32", "shape": [1, 128]}
+    verify = {"seq": 1, "pos": 0, "rows": 2, "layers": [5], "checkpoint": True, "parents": [-1, 0], "drafts": [3],
+              "propose": 1, "carried_layers": [1, 3]}
+    frames = (bytes(2 * 64 * 4), bytes(128 * 4))
+    ok, got, message = raw(client, {"type": "FORWARD", "tensors": [hidden, carried], "items": [verify]}, *frames)
+    assert (ok, got) == (False, ErrorCode.BAD_REQUEST) and "tensor 'carried' has 1" in message
+    ok, got, message = raw(client, {"type": "FORWARD", "tensors": [hidden, carried], "items": [verify]}, *frames,
+                           bytes(4))
+    assert (ok, got) == (False, ErrorCode.BAD_REQUEST) and "FORWARD batch has at most 3 frame(s)" in message
     length_is(client, 1, 0)
     length_is(client, 2, 0)
     closed(client, 1, 2)

@@ -20,6 +20,9 @@ from protocol import (
     PROTOCOL_VERSION,
     Ring,
     Capture,
+    CaptureBatch,
+    ForwardBatch,
+    ItemRefused,
     Close,
     ErrorCode,
     Forward,
@@ -44,7 +47,9 @@ from protocol import (
     encode_reply,
     encode_request,
     peek_id,
+    peek_kind,
     peek_type,
+    pure_chain,
 )
 from protocol.tensors import concat_rows, row_slice
 
@@ -295,6 +300,82 @@ def test_a_batch_relayed_whole_is_passed_on_without_a_copy():
         assert copied.shape == (sum(part.shape[0] for part in parts), 1)
     # a slice of a slice remembers the first tensor
     assert concat_rows([row_slice(rows[1], 0, 1), row_slice(rows[1], 1, 1), rows[2]]) == row_slice(received, 1, 3)
+
+
+# --- batches with CAPTURE items: propose and carried rows ----------------------------------------------------
+
+def rows_of(seq: int, n: int, width: int) -> WireTensor:
+    return wire(torch.arange(n * width, dtype=torch.float32).reshape(n, width) + 1000 * seq)
+
+
+def verify_item(seq: int, n: int, *, carried: bool = True, **fields) -> Capture:
+    """A DFlash verify of `n` rows on the head shard: capture layer 3, propose, layers 0 and 1 carried."""
+    extra = dict(carried_layers=[0, 1], carried=rows_of(-seq, n, 8)) if carried else {}
+    fields = {"drafts": list(range(1, n)), **extra, **fields}
+    return Capture(0, seq=seq, pos=5, hidden=rows_of(seq, n, 4), checkpoint=True, parents=pure_chain(n), layers=[3],
+                   propose=2, **fields)
+
+
+def test_a_forward_batch_carries_capture_items_with_propose_and_their_carried_rows_end_to_end():
+    items = (Forward(0, seq=1, pos=0, hidden=rows_of(1, 2, 4)), verify_item(2, 3),
+             Capture(0, seq=3, pos=0, hidden=rows_of(3, 1, 4), layers=[3]), verify_item(4, 2))
+    for batch in (ForwardBatch(9, items=items), CaptureBatch(9, items=items[1:])):
+        frames = encode_request(batch)
+        header = msgpack.unpackb(frames[0])
+        assert [(t["name"], t["shape"]) for t in header["tensors"]] == [
+            ("hidden", [sum(item.n_tokens for item in batch.items), 4]), ("carried", [5, 8])]
+        assert bytes(frames[2]) == bytes(items[1].carried.data) + bytes(items[3].carried.data)  # in item order
+        decoded = decode_request([bytes(frame) for frame in frames])
+        assert type(decoded) is type(batch) and decoded.items == batch.items
+        assert [type(item) for item in decoded.items] == [type(item) for item in batch.items]
+    assert peek_kind(frames) == ("CAPTURE", True) and peek_kind(encode_request(items[1])) == ("CAPTURE", False)
+
+
+def test_a_batch_items_bad_propose_is_its_error_alone():
+    """Each item's propose and carried rows are checked as the one-sequence CAPTURE checks them: the item is
+    refused with the same code and message, the others decode."""
+    bad = [verify_item(2, 3, drafts=[1]),  # drafts of another length than n - 1
+           verify_item(3, 2, temperature=0.5),  # propose is greedy
+           Capture(0, seq=4, pos=5, hidden=rows_of(4, 2, 4), layers=[3], carried_layers=[0, 1],
+                   carried=rows_of(4, 2, 8))]  # carried rows without propose
+    plain_propose = {"seq": 6, "pos": 0, "tokens": [1], "propose": 1}  # not a CAPTURE item: an unknown field
+    items = (verify_item(1, 2), *bad, verify_item(5, 1, carried=False))
+    frames = encode_request(ForwardBatch(9, items=items), validate=False)
+    decoded = decode_request(frames)
+    assert decoded.items[0] == items[0] and decoded.items[-1] == items[-1]
+    for item, refused in zip(bad, decoded.items[1:-1]):
+        with pytest.raises(ProtocolError) as alone:
+            encode_request(item)
+        assert isinstance(refused, ItemRefused) and refused.seq == item.seq
+        assert (refused.code, refused.message) == (alone.value.code, alone.value.message)
+    header = {"v": 1, "type": "FORWARD", "id": 3, "items": [{"seq": 1, "pos": 0, "tokens": [1]}, plain_propose]}
+    refused = decode_request(message(header)).items[1]
+    assert refused.code is ErrorCode.BAD_REQUEST and "unknown field(s) ['propose'] in a FORWARD item" in refused.message
+
+
+def test_carried_rows_that_do_not_add_up_refuse_the_batch_whole():
+    def batch(items, carried_rows):
+        hidden = {"name": "hidden", "dtype": "float32", "shape": [sum(item["rows"] for item in items), 4]}
+        carried = {"name": "carried", "dtype": "float32", "shape": [carried_rows, 8]}
+        header = {"v": 1, "type": "FORWARD", "id": 3, "items": items, "tensors": [hidden, carried]}
+        return message(header, bytes(16 * hidden["shape"][0]), bytes(32 * carried_rows))
+
+    verify = {"pos": 5, "rows": 2, "layers": [3], "checkpoint": True, "parents": [-1, 0], "drafts": [1], "propose": 2,
+              "carried_layers": [0, 1]}
+    plain = {"seq": 2, "pos": 0, "rows": 3}
+    assert len(decode_request(batch([{"seq": 1, **verify}, plain], 2)).items) == 2
+    for what, frames in {
+        "too few carried rows": batch([{"seq": 1, **verify}, plain], 1),
+        "too many": batch([{"seq": 1, **verify}, plain], 3),
+        "no item takes them": batch([plain], 2),
+        "an item's carried_layers without the tensor": message({"v": 1, "type": "CAPTURE", "id": 3, "items": [
+            {"seq": 1, "tokens": [1, 2], **{k: v for k, v in verify.items() if k != "rows"}}]}),
+        "rows that cannot be counted": message({"v": 1, "type": "CAPTURE", "id": 3, "items": [
+            {"seq": 1, "tokens": 5, **{k: v for k, v in verify.items() if k != "rows"}}],
+            "tensors": [{"name": "carried", "dtype": "float32", "shape": [2, 8]}]}, bytes(64)),
+    }.items():
+        error = rejection(frames)
+        assert error.code is ErrorCode.BAD_REQUEST and "carried" in error.message, what
 
 
 def test_int_lists_refuse_bools_floats_and_out_of_range_ids_by_item():
