@@ -47,9 +47,6 @@ class Forward:
         if request.rows_ticket is not None:
             request = self._with_rows(request, shard, peer)  # or WaitsForRows: the rows are not here yet
         entry, head, layers = self._check(request, shard, peer)
-        proposing = request.type == MessageType.CAPTURE and request.propose is not None
-        if proposing:
-            self.proposer.check(request, shard, entry)
         PHASES.lap("lookup")
         wait = getattr(request.hidden, "wait", None)  # rows copied out of the ring behind a device wait (DeviceWait)
         out = shard.forward(  # validates everything (shard.check_forward) before it changes the state
@@ -61,7 +58,7 @@ class Forward:
         if out.ids is not None and head.needed:  # on out.logits now: the fast path's buffer is valid until the next step
             answer = answer_rows(out.logits, out.ids.tolist(), request.pos, head)
         result, tensors = self._result(request, entry, out, answer)
-        if proposing:
+        if proposing(request):
             result["proposal"] = self.proposer.after_verify(request, entry, result["ids"], out.captured)
         if request.send_rows is not None:  # the rows go on to the next shard first: they are what it waits for
             self.relay.send(request, tensors.pop("hidden"), wait)
@@ -97,7 +94,8 @@ class Forward:
 
     def _check(self, request, shard, peer: Peer):
         """What a FORWARD/CAPTURE (one sequence, alone or an item of a batch) needs before it runs: its sequence,
-        its head-shard extras and the capture layers this shard owns; ProtocolError when it cannot run here."""
+        its head-shard extras and the capture layers this shard owns, and the drafter's part of a `propose`;
+        ProtocolError when it cannot run here."""
         entry = self.sequences.get(peer.owner, request.seq)
         layers = list(request.layers) if request.type == MessageType.CAPTURE else []
         bad = [layer for layer in layers if layer >= shard.config.num_layers]
@@ -109,6 +107,8 @@ class Forward:
         if head.needed and not shard.owns_head:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "sampling (temperature > 0), penalties or logprobs ask a shard "
                                                        "without the head")
+        if proposing(request):
+            self.proposer.check(request, shard, entry)
         return entry, head, [layer for layer in layers if shard.begin <= layer < shard.end]
 
     def _result(self, request, entry: Sequence, out, answer) -> tuple[dict, dict]:
@@ -202,9 +202,24 @@ class Forward:
                 answers[index] = out
                 continue
             answers[index] = self._result(item, entry, outputs[i], head_answers.get(i))
+            if proposing(item):
+                answers[index] = self._propose_after(item, entry, answers[index], outputs[i])
         if getattr(request, "send_rows", None) is not None:  # the rows go on first: they are what the next shard waits for
             self._send_batch_rows(request, answers, peer)
         return batch_reply(request, answers, self.refusals)
+
+    def _propose_after(self, item, entry: Sequence, answer: tuple, out):
+        """A batch item's `proposal` after its verify ran (the drafter one item at a time); a failure fails its own
+        sequence (INTERNAL: its drafter context may be half-updated), not the batch's others."""
+        result, _ = answer
+        try:
+            result["proposal"] = self.proposer.after_verify(item, entry, result["ids"], out.captured)
+        except Exception as exc:
+            message = f"{type(exc).__name__}: {exc}"
+            log.error("internal error proposing for sequence %s: %s\n%s", item.seq, message, traceback.format_exc())
+            self.sequences.fail(entry, message)
+            return ProtocolError(ErrorCode.INTERNAL, message)
+        return answer
 
     def _batch_with_rows(self, request):
         """A batched FORWARD with `rows_ticket`, each item as if its rows had come in tensor `hidden`; an item the
@@ -285,6 +300,11 @@ HEAD_FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "fre
                "prompt_tokens", "output_tokens", "drafts", "logprobs")
 _head_values = operator.attrgetter(*HEAD_FIELDS)
 PLAIN_HEAD = HeadRequest()
+
+
+def proposing(request) -> bool:
+    """Whether a FORWARD/CAPTURE asks for the next block in its reply (PROTOCOL.md, "Proposing in the verify reply")."""
+    return request.type == MessageType.CAPTURE and request.propose is not None
 
 
 def head_request(request) -> HeadRequest:
