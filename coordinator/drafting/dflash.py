@@ -1,14 +1,18 @@
 """DFlash drafting from the coordinator: target-layer features go from the shards that CAPTURE
-them to the daemon that hosts the drafter, as PROPOSE's `features`.
+them to the daemon that hosts the drafter, as PROPOSE's `features` (or, with the drafter beside
+the head shard, into its context by the verify itself, which proposes the next block in its reply).
 
-`DFlashDrafterClient` implements `Drafter`. Its `target` is the pipeline with every forward
-turned into a capture of the drafter's target layers (prefill chunks, verify steps, replay and
-re-fill forwards alike): the shards that own one of those layers answer CAPTURE, the others
-FORWARD, and the rows wait in `CapturedRows` by position. `propose(history, n)` knows the
-committed length (`len(history) - 1`), so it sends exactly the rows committed since its last
-call; rows of rejected tokens are never sent, and the next forward at their position drops
-them. The speculative loop itself is unchanged: the scheduler sends a DFlash request's rows
-through its `target`, beside the batch (`coordinator.scheduler`).
+`DFlashDrafterClient` implements `Drafter`. Every forward of its sequence is a capture of the
+drafter's target layers (prefill chunks, verify steps, replay and re-fill forwards alike): the
+shards that own one of those layers answer CAPTURE, the others FORWARD, and the rows wait in
+`CapturedRows` by position. `prepare` turns a forward into that capture (`BatchForward.capture`,
+and `propose` where the head can propose in its reply); `collect` takes the rows and the
+proposal out of its answer (`Captured`). The scheduler puts the prepared forward in the step's
+one batch (`coordinator.scheduler`); `target` does the same for one sequence (the reference loop
+in `coordinator.decoding`, and the scheduler's OPEN, CLOSE and re-fill, which the drafter must
+follow). `propose(history, n)` knows the committed length (`len(history) - 1`), so it sends
+exactly the rows committed since its last call; rows of rejected tokens are never sent, and the
+next forward at their position drops them.
 
 Feature rows travel as one `features` tensor [n, k * H], the k layers side by side in
 `target_layer_ids` order (PROTOCOL.md), built here by copying rows of the k captured frames
@@ -20,12 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from coordinator.relay.client import ShardClient, ShardError
-from coordinator.relay.pipeline import SHARD_FAILURES, Pipeline, as_sequence_lost
+from coordinator.relay.pipeline import SHARD_FAILURES, BatchForward, Captured, Pipeline, as_sequence_lost
 from coordinator.relay.shards import PipelineError
+from coordinator.sampling import TokenIds
 from protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, WireTensor
 
 
@@ -198,6 +203,28 @@ class DFlashDrafterClient:
                 return list(result["tokens"])
             begin = end
 
+    # ---- its sequence's forwards -----------------------------------------------------------
+
+    def prepare(self, forward: BatchForward) -> BatchForward:
+        """`forward` of this drafter's sequence as a capture of its target layers; a greedy checkpointed verify also
+        asks the head shard (hosting the drafter) for the next block when its context holds the rows before it."""
+        propose = None
+        if (self.proposes_in_reply and forward.checkpoint and forward.sampling is None and len(forward.tokens) > 1
+                and self.next_block is not None and self.context_length >= forward.pos):
+            propose = self.next_block
+        return replace(forward, capture=list(self.layer_ids), propose=propose)
+
+    def collect(self, forward: BatchForward, answer) -> TokenIds:
+        """The ids of a prepared forward's answer (a `Captured`); its rows wait by position, its proposal for
+        `propose`."""
+        if not isinstance(answer, Captured):
+            raise PipelineError(f"the target answered {type(answer).__name__} for a capture of layers "
+                                f"{self.layer_ids}: the dflash drafter needs the shards' captured layers")
+        self.captured(forward.pos, answer.outputs)
+        if answer.proposal is not None:
+            self.proposed(answer.proposal)
+        return answer.ids
+
     # ---- driven by FeatureCapture ----------------------------------------------------------
 
     def opened(self, seq: int) -> None:
@@ -251,19 +278,13 @@ class FeatureCapture:
         finally:
             self.drafter.closed(seq)
 
-    def forward(self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False, **sampled) -> list[int]:
-        drafter = self.drafter
-        if (drafter.proposes_in_reply and checkpoint and not sampled and len(tokens) > 1
-                and drafter.next_block is not None and drafter.context_length >= pos):
-            ids, outputs, proposal = self.pipeline.capture_and_propose(
-                seq, pos, tokens, drafter.layer_ids, propose=drafter.next_block)
-            drafter.captured(pos, outputs)
-            if proposal is not None:
-                drafter.proposed(proposal)
-            return ids
-        ids, outputs = self.pipeline.capture(seq, pos, tokens, drafter.layer_ids, checkpoint=checkpoint, **sampled)
-        drafter.captured(pos, outputs)
-        return ids
+    def forward(self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False, sampling=None,
+                drafts=None) -> list[int]:
+        forward = self.drafter.prepare(BatchForward(seq, pos, list(tokens), checkpoint, sampling, drafts))
+        (answer,) = self.pipeline.forward_batch([forward])
+        if isinstance(answer, Exception):
+            raise answer
+        return self.drafter.collect(forward, answer)
 
     def rollback(self, seq: int, keep: int) -> None:
         self.pipeline.rollback(seq, keep)

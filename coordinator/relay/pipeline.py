@@ -43,7 +43,8 @@ SHARD_FAILURES = (ShardError, ShardTimeout, ProtocolError)
 
 @dataclass
 class BatchForward:
-    """One sequence's part of `Pipeline.forward_batch`: the arguments of `Pipeline.forward` for it."""
+    """One sequence's part of `Pipeline.forward_batch`: the arguments of `Pipeline.forward` for it (and, for a
+    feature drafter, of `Pipeline.capture`)."""
 
     seq: int
     pos: int
@@ -51,6 +52,18 @@ class BatchForward:
     checkpoint: bool = False
     sampling: object = None  # a coordinator.sampling.Sampling, or None for greedy
     drafts: Optional[list[int]] = None
+    capture: Optional[list[int]] = None  # layers whose outputs come back: the item's answer is a `Captured`
+    propose: Optional[int] = None  # a greedy verify [t0, drafts...]: the head, hosting the drafter, proposes so many
+
+
+@dataclass
+class Captured:
+    """`forward_batch`'s answer for an item that captured: the head's ids, each captured layer's outputs
+    (`WireTensor` [n, hidden_size]), and the head's `proposal` when the item asked to `propose`."""
+
+    ids: TokenIds
+    outputs: dict[int, WireTensor]
+    proposal: Optional[dict] = None
 
 
 @dataclass
@@ -289,28 +302,29 @@ class Pipeline:
         (`WireTensor` [n, hidden_size] in the shards' dtype), for feature drafters. The shards
         that own one of `layers` get CAPTURE, the others FORWARD; a long input is chunked as in
         `forward`, and each layer's chunks are joined."""
-        layers = sorted(set(layers))
-        if not layers or not all(0 <= layer < self.num_layers for layer in layers):
-            raise ValueError(f"capture layers must be a non-empty subset of 0..{self.num_layers - 1}, got {layers}")
-        step = self._step(seq, pos, tokens, checkpoint, _head_fields(sampling, drafts), capture=layers)
-        ids, outputs, _ = self._relay_one(step)
+        item = BatchForward(seq, pos, list(tokens), checkpoint, sampling, drafts, capture=list(layers))
+        ids, outputs, _ = self._relay_one(self._batch_step(item))
         return ids, outputs
 
-    def capture_and_propose(
-        self, seq: int, pos: int, tokens: list[int], layers: Sequence[int], *, propose: int,
-    ) -> tuple[list[int], dict[int, WireTensor], Optional[dict]]:
-        """A greedy checkpointed verify `tokens` = [t0, drafts...] captured as `capture` does, whose head shard also
-        hosts the drafter: it proposes `propose` tokens for the next block in its reply (PROTOCOL.md, "Proposing in
-        the verify reply"); `layers` captured by earlier shards ride along with the hidden rows as `carried`.
-        Returns (ids, outputs, the head's `proposal`)."""
-        layers = sorted(set(layers))
-        head_layers = [layer for layer in layers if self.shards[-1].begin <= layer < self.shards[-1].end]
-        if not head_layers:
-            raise ValueError("proposing in the verify reply needs the head shard to capture one of the layers")
-        head = {"drafts": list(tokens[1:]), "propose": propose,
-                "carried_layers": [layer for layer in layers if layer not in head_layers]}
-        ids, outputs, result = self._relay_one(self._step(seq, pos, tokens, True, head, capture=layers))
-        return ids, outputs, result.get("proposal")
+    def _batch_step(self, item: BatchForward) -> "_Step":
+        """`item`'s `_Step`; ValueError / PipelineError (nothing sent) when the shards cannot take it. With `propose`,
+        a greedy verify [t0, drafts...] whose head shard hosts the drafter proposes the next block in its reply
+        (PROTOCOL.md, "Proposing in the verify reply"); the layers earlier shards capture ride along to it as
+        `carried`."""
+        head, layers = _head_fields(item.sampling, item.drafts), None
+        if item.capture is not None:
+            layers = sorted(set(item.capture))
+            if not layers or not all(0 <= layer < self.num_layers for layer in layers):
+                raise ValueError(f"capture layers must be a non-empty subset of 0..{self.num_layers - 1}, got {layers}")
+        if item.propose is not None:
+            head_layers = [layer for layer in layers or () if self.shards[-1].begin <= layer < self.shards[-1].end]
+            if not head_layers:
+                raise ValueError("proposing in the verify reply needs the head shard to capture one of the layers")
+            if head is not None:
+                raise ValueError("proposing in the verify reply is greedy only (no sampling)")
+            head = {"drafts": list(item.tokens[1:]), "propose": item.propose,
+                    "carried_layers": [layer for layer in layers if layer not in head_layers]}
+        return self._step(item.seq, item.pos, item.tokens, item.checkpoint, head, capture=layers)
 
     def _step(self, seq: int, pos: int, tokens: list[int], checkpoint: bool, head: Optional[dict],
               capture: Optional[list[int]] = None) -> "_Step":
@@ -341,10 +355,10 @@ class Pipeline:
         return chunks
 
     def forward_batch(self, items: Sequence[BatchForward]) -> list:
-        """`forward` for several sequences at once (issue 20): per item, in order, its ids (`TokenIds`, as
-        `forward` returns) or the exception `forward` would have raised for it alone (SequenceLost,
-        RollbackFailed, CheckpointUnavailable, a ShardError such as POSITION_MISMATCH, ValueError, ...); one
-        item's failure changes nothing for the others.
+        """`forward` for several sequences at once: per item, in order, its ids (`TokenIds`, as `forward` returns;
+        a `Captured` for an item with `capture`) or the exception `forward` would have raised for it alone
+        (SequenceLost, RollbackFailed, CheckpointUnavailable, a ShardError such as POSITION_MISMATCH, ValueError,
+        ...); one item's failure changes nothing for the others.
 
         One batched request per shard carries every item (the hidden rows of all of them in one frame); an item a
         shard refuses is dropped from the later shards and undone where it ran, as `forward` undoes one sequence.
@@ -360,8 +374,7 @@ class Pipeline:
                 if item.seq in seen:
                     raise ValueError(f"sequence {item.seq} appears twice in one batch")
                 seen.add(item.seq)
-                steps[index] = self._step(item.seq, item.pos, item.tokens, item.checkpoint,
-                                          _head_fields(item.sampling, item.drafts))
+                steps[index] = self._batch_step(item)
             except (PipelineError, ValueError) as error:
                 results[index] = error
         ready = [index for index, step in steps.items() if len(step.chunks) == 1]
@@ -381,9 +394,14 @@ class Pipeline:
         return results
 
     def _relay_into(self, results: list, steps: dict, indices: list[int]) -> None:
-        """The steps `indices` relayed together; each one's ids (or the exception that failed it) into `results`."""
+        """The steps `indices` relayed together; each one's answer (or the exception that failed it) into `results`:
+        its ids, or, where it captured, a `Captured`."""
         for index, outcome in zip(indices, self._relay([steps[index] for index in indices])):
-            results[index] = outcome if isinstance(outcome, Exception) else outcome[0]
+            if isinstance(outcome, Exception) or steps[index].capture is None:
+                results[index] = outcome if isinstance(outcome, Exception) else outcome[0]
+                continue
+            ids, outputs, head = outcome
+            results[index] = Captured(ids, outputs, (head or {}).get("proposal"))
 
     def _failure(self, step: "_Step", failed: int, error: Exception, *, tick: int,
                  shard_to_shard: bool = False) -> Exception:
@@ -528,7 +546,7 @@ class Pipeline:
         last = len(self.shards) - 1
         ticks = len(steps[0].chunks)  # > 1 only for one step alone
         direct = self.direct_rows and ticks == 1 and not any(
-            step.head is not None and step.head.get("carried_layers") is not None for step in steps)
+            step.head is not None and step.head.get("carried_layers") for step in steps)
         starts = [[step.pos + sum(map(len, step.chunks[:c])) for c in range(len(step.chunks))] for step in steps]
         # per step and shard the capture layers it owns: CAPTURE there, FORWARD (None) where it owns none
         owned = [[[layer for layer in step.capture if shard.begin <= layer < shard.end] or None if step.capture
@@ -657,7 +675,7 @@ class Pipeline:
     @staticmethod
     def _head_request(step: "_Step", parts: dict) -> Optional[dict]:
         """The head shard's extra fields for `step`: its `head`, with the layers captured before (`carried_layers`)
-        side by side in `carried` (capture_and_propose)."""
+        side by side in `carried` (an item's `propose`: `_batch_step`)."""
         head = step.head
         if head is None or "carried_layers" not in head:
             return head

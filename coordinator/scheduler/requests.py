@@ -105,9 +105,10 @@ class Request:
         self.eos = frozenset(eos_ids)
         self.sampled = sampled_keywords(sampling)
         self.drafter = drafter
-        # A drafter that reads the target's features names the target its rows must go through (DFlash).
+        # A drafter that reads the target's features (DFlash) names the target that opens, closes and re-fills its
+        # sequence, so the drafter follows; its forwards go in the step's batch, prepared and collected by the drafter.
         self.feature_target = getattr(drafter, "target", None)
-        self.target = None  # where this request's rows go, chosen by the scheduler at admission
+        self.target = None  # what opens, closes and re-fills this request's sequence, chosen at admission
         self.block_size = block_size
         self.on_commit = on_commit
         self.on_finish = on_finish

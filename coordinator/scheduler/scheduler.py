@@ -23,10 +23,12 @@ Rules, in the order a step applies them:
 The commit rule and its bookkeeping (`coordinator.scheduler.commit`) and the recovery are the same functions the
 reference loop in `coordinator.decoding` calls.
 The `replay` baseline runs batched too (`ReplayBatches`: snapshots, then the step; restores, then the kept
-tokens again as one more batch). A drafter that reads the target's features (DFlash: its `target` captures them
-on every forward) runs in the same steps, but its rows go through that target one sequence at a time, beside
-the batch. A re-fill (`recover`) runs inside the step, so the other streams wait for it, and their tokens stay
-the same.
+tokens again as one more batch). A drafter that reads the target's features (DFlash) is a batch stream like the
+others: its drafter `prepare`s each of its forwards as a capture item of the step's batch (the head shard
+proposing the next block in its reply where it hosts the drafter) and `collect`s the rows and the proposal from
+the answer; its rollback goes in the step's rollback batch. Its sequence is opened, closed and re-filled through
+the drafter's `target`, so the drafter's context follows. A re-fill (`recover`) runs inside the step, so the
+other streams wait for it, and their tokens stay the same.
 """
 
 from __future__ import annotations
@@ -138,7 +140,8 @@ class ReplayBatches:
                     results[index] = error
                     continue
             plain.append(index)
-        outputs = self.batches.forward_batch([replace(items[index], checkpoint=False) for index in plain])
+        # a plain forward leaves the shards no pending step to propose after: the next block comes by PROPOSE
+        outputs = self.batches.forward_batch([replace(items[index], checkpoint=False, propose=None) for index in plain])
         for index, output in zip(plain, outputs):
             results[index] = output
             if items[index].checkpoint and not isinstance(output, BaseException):
@@ -311,7 +314,8 @@ class Scheduler:
             self.running.append(request)
 
     def _target_for(self, request: Request):
-        """The batch's target, or a feature drafter's own (wrapped for the replay baseline as the batch's is)."""
+        """What opens, closes and re-fills the request's sequence: the batch's target, or a feature drafter's own,
+        which the drafter follows (wrapped for the replay baseline as the batch's is)."""
         if request.feature_target is None:
             return self.target
         return ReplayTarget(request.feature_target) if self.rollback == REPLAY else request.feature_target
@@ -374,19 +378,25 @@ class Scheduler:
     # ---- running a step -------------------------------------------------------------------
 
     def _forward(self, items: list[_Item]) -> list:
-        """Per item its ids or its exception: the batch's items as one batch, the others through their own target."""
-        outputs: list = [None] * len(items)
-        batched = [index for index, item in enumerate(items) if item.request.target is self.target]
+        """Per item its ids or its exception, every item in one batch; a feature drafter's item captures its
+        layers there and its drafter takes the rows (and the proposal) from the answer."""
+        forwards = [self._prepared(item) for item in items]
         try:
-            answers = self.batches.forward_batch([items[index].forward for index in batched]) if batched else []
+            outputs = self.batches.forward_batch(forwards)
         except Exception as error:  # noqa: BLE001 - the whole batch failed: each of its requests with it
-            answers = [error] * len(batched)
-        for index, answer in zip(batched, answers):
-            outputs[index] = answer
-        for index, item in enumerate(items):
-            if item.request.target is not self.target:
-                (outputs[index],) = LoopBatches(item.request.target).forward_batch([item.forward])
+            outputs = [error] * len(items)
+        for index, (item, forward) in enumerate(zip(items, forwards)):
+            if item.request.feature_target is not None and not isinstance(outputs[index], BaseException):
+                try:
+                    outputs[index] = item.request.drafter.collect(forward, outputs[index])
+                except Exception as error:  # noqa: BLE001 - a malformed answer fails its request alone
+                    outputs[index] = error
         return outputs
+
+    @staticmethod
+    def _prepared(item: _Item) -> BatchForward:
+        request = item.request
+        return item.forward if request.feature_target is None else request.drafter.prepare(item.forward)
 
     def _run(self, items: list[_Item]) -> None:
         outputs = self._forward(items)
@@ -423,17 +433,11 @@ class Scheduler:
 
     def _rollback(self, rollbacks: list[tuple[Request, int]]) -> dict[int, Exception]:
         """Per sequence, the rollback that failed at once (a `Pipeline` reports its failures at the next call)."""
-        batched = [(request.seq, keep) for request, keep in rollbacks if request.target is self.target]
-        failures: dict[int, Exception] = {}
-        if batched:
-            try:
-                failures.update(self.batches.rollback_batch(batched) or {})
-            except (RollbackFailed, SequenceLost) as error:  # which one is unknown: re-fill them all, output unchanged
-                failures.update({seq: error for seq, _ in batched})
-        for request, keep in rollbacks:
-            if request.target is not self.target:
-                failures.update(LoopBatches(request.target).rollback_batch([(request.seq, keep)]))
-        return failures
+        batched = [(request.seq, keep) for request, keep in rollbacks]
+        try:
+            return self.batches.rollback_batch(batched) or {}
+        except (RollbackFailed, SequenceLost) as error:  # which one is unknown: re-fill them all, output unchanged
+            return {seq: error for seq, _ in batched}
 
     def _prefilled(self, item: _Item, outputs) -> None:
         request = item.request

@@ -8,14 +8,17 @@ seeded sampling, plain and speculative, checkpoint and replay-ssm) must produce 
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from typing import Optional
 
 import pytest
 
 from coordinator.decoding import greedy_decode, speculative_decode
+from coordinator.drafting.dflash import FeatureCapture
 from coordinator.drafting.drafters import NgramDrafter
 from coordinator.launch import ShardSet, launched_sets
-from coordinator.relay.pipeline import Pipeline
+from coordinator.relay.pipeline import Captured, Pipeline
 from coordinator.relay.target import SequenceLost
 from coordinator.sampling import Sampling
 from coordinator.scheduler.requests import Request
@@ -209,6 +212,98 @@ def test_eos_max_tokens_and_the_context_limit_end_each_request_on_its_own():
     assert limited.result.finish_reason == "length"
     assert budget.result.tokens == alone(PROMPTS[3], 5) and budget.result.finish_reason == "length"
     assert nothing.result.tokens == [] and nothing.seq is None
+    assert not target.states
+
+
+# ---- a drafter that reads the target's features (DFlash's shape) -------------------------------------------
+
+
+class CapturingTarget(BatchTarget):
+    """BatchTarget whose items with `capture` answer a `Captured`: the "features" of layer 0 are the tokens
+    forwarded; `rollback_calls` holds each rollback batch's sequences."""
+
+    def __init__(self):
+        super().__init__()
+        self.rollback_calls: list[list[int]] = []
+        self.captures: list[tuple[int, Optional[int]]] = []  # (seq, propose) of each capture item
+
+    def forward_batch(self, items):
+        results = super().forward_batch(items)
+        for index, item in enumerate(items):
+            if item.capture is not None:
+                self.captures.append((item.seq, item.propose))
+                if not isinstance(results[index], Exception):
+                    results[index] = Captured(results[index], {0: list(item.tokens)})
+        return results
+
+    def rollback_batch(self, items):
+        self.rollback_calls.append([seq for seq, _ in items])
+        super().rollback_batch(items)
+
+
+class FeatureDrafter:
+    """A drafter fed as DFlashDrafterClient is: each forward of its sequence captures (`prepare`), the rows come
+    from the batch's answers (`collect`), OPEN, CLOSE and re-fills go through its `target`. It drafts as the n-gram
+    drafter does, once it has checked that it holds the feature of every committed token."""
+
+    name = "features"
+
+    def __init__(self, target):
+        self.target = FeatureCapture(target, self)
+        self.rows: dict[int, int] = {}
+        self.opens = 0
+
+    def opened(self, seq):
+        self.rows, self.opens = {}, self.opens + 1
+
+    def closed(self, seq):
+        self.rows = {}
+
+    def prepare(self, forward):
+        return dataclasses.replace(forward, capture=[0], propose=2 if forward.checkpoint else None)
+
+    def collect(self, forward, answer):
+        for offset, feature in enumerate(answer.outputs[0]):
+            self.rows[forward.pos + offset] = feature
+        return answer.ids
+
+    def propose(self, history, n):
+        committed = len(history) - 1
+        assert [self.rows.get(position) for position in range(committed)] == history[:committed]
+        return NgramDrafter().propose(history, n)
+
+
+@pytest.mark.parametrize("rollback", [CHECKPOINT, REPLAY])
+def test_a_feature_drafters_rows_are_items_of_the_steps_one_batch(rollback):
+    """A DFlash-shaped stream is a batch stream: its forwards are capture items of each step's one forward_batch,
+    its rollbacks go in the step's one rollback_batch, its drafter gets the rows of every committed token from
+    the answers; after a lost sequence its re-fill captures again (through the drafter's target), and every
+    stream equals its request alone. The replay baseline sends no `propose` (the shards hold no pending step)."""
+    target = CapturingTarget()
+    features = FeatureDrafter(target)
+    requests = [Request(PROMPTS[0], 12, drafter=features, block_size=4), Request(PROMPTS[1], 12),
+                Request(PROMPTS[2], 12, drafter=NgramDrafter(), block_size=4)]
+    scheduler = Scheduler(target, max_sequences=3, batch_rows=16, rollback=rollback)
+    for request in requests:
+        scheduler.submit(request)
+    for _ in range(4):
+        scheduler.step()
+    if rollback == CHECKPOINT:  # one forward_batch a step (the replay baseline adds its replays' batches)
+        assert len(target.steps) == scheduler.steps
+    target.lose.add(requests[0].seq)  # a restarted shard: re-filled through the drafter's target
+    while not all(request.done.is_set() for request in requests):
+        scheduler.step()
+    assert requests[0].outcome().tokens == alone(PROMPTS[0], 12, NgramDrafter())
+    assert requests[1].outcome().tokens == alone(PROMPTS[1], 12)
+    assert requests[2].outcome().tokens == alone(PROMPTS[2], 12, NgramDrafter())
+    assert requests[0].result.recoveries == 1 and features.opens == 2
+    feature_seq = requests[0].seq
+    shared = [step for step in target.steps if feature_seq in seqs(step) and len(step) > 1]
+    assert len(shared) >= 4  # its rows went in the steps' batches beside the others'
+    assert all(seq == feature_seq for seq, _ in target.captures)  # only its forwards captured
+    assert any(feature_seq in call and len(call) > 1 for call in target.rollback_calls) or rollback == REPLAY
+    proposing = [propose for _, propose in target.captures if propose is not None]
+    assert bool(proposing) == (rollback != REPLAY)
     assert not target.states
 
 
