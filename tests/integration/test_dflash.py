@@ -3,15 +3,19 @@
 Daemons (all start once, together): a 2-way tcp set with checkpoint rollback, a drafter-only tcp
 daemon (synthetic drafter built in memory), a 3-way ipc set of a checkpoint written by
 `shardctl make-model --with-drafter` with replay-ssm rollback, 8-token requests (so prefill and
-the first PROPOSE go in chunks) and the drafter from `draft/` hosted by its last shard, and a
-tail shard without rollback storage. The synthetic drafter is untrained (acceptance near zero):
-what counts is that its output is exactly greedy and that its context follows the commits.
+the first PROPOSE go in chunks) and the drafter from `draft/` hosted by its last shard, a
+tail shard without rollback storage, and two 2-way sets whose last shard hosts the synthetic
+drafter and captures one of its layers, so the verify's reply proposes the next block: with
+layer 1 carried from the first shard (checkpoint), and with both layers on the head shard, the
+rows going from shard to shard (replay-ssm). The synthetic drafter is untrained (acceptance near
+zero): what counts is that its output is exactly greedy and that its context follows the commits.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,12 +24,15 @@ from click.testing import CliRunner
 from coordinator.cli import cli
 from coordinator.decoding import greedy_decode, speculative_decode
 from coordinator.drafting.dflash import CapturedRows, DFlashDrafterClient
-from coordinator.drafting.drafters import Drafter
+from coordinator.drafting.drafters import Drafter, NgramDrafter
 from coordinator.launch import ShardSet, drafter_set, launched_sets
 from coordinator.relay.client import ShardClient, ShardError
-from coordinator.relay.pipeline import Pipeline
+from coordinator.relay.pipeline import BatchForward, Captured, Pipeline
 from coordinator.relay.shards import PipelineError, ShardInfo, order_shards
 from coordinator.relay.target import RollbackFailed
+from coordinator.sampling import Sampling
+from coordinator.scheduler.requests import Request
+from coordinator.scheduler.scheduler import Scheduler, decode_all
 from protocol import ErrorCode, WireTensor
 from shardd.draft.model import DFlashDrafter
 from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights
@@ -63,6 +70,10 @@ def daemons(model_dir):
             shard_args=((), (), ("--draft", str(model_dir / "draft"))),
         ),
         "bare": ShardSet(TINY, [(3, 6)], "tcp", ("--max-verify-tokens", "0")),
+        "beside": ShardSet(TINY, [(0, 3), (3, 6)], "ipc", ("--rollback-mode", "checkpoint", "--max-verify-tokens",
+                                                            str(BLOCK)), shard_args=((), ("--draft", "synthetic"))),
+        "head": ShardSet(TINY, [(0, 1), (1, 6)], "tcp", ("--rollback-mode", "replay-ssm", "--max-verify-tokens",
+                                                          str(BLOCK)), shard_args=((), ("--draft", "synthetic"))),
     }
     with launched_sets(list(sets.values()), ready_timeout_s=120) as started:
         yield {name: [shard.endpoint for shard in shards] for name, shards in zip(sets, started)}
@@ -72,8 +83,10 @@ def pipeline_endpoints(daemons, name):
     """Shards of a pipeline and the daemon of its drafter."""
     if name == "pair":
         return daemons["pair"], daemons["drafter"][0]
-    if name == "triple":
-        return daemons["triple"], daemons["triple"][2]  # the last shard hosts the drafter too
+    if name in ("triple", "beside", "head"):
+        return daemons[name], daemons[name][-1]  # the last shard hosts the drafter too
+    if name == "head-own":
+        return daemons["head"], daemons["drafter"][0]  # the drafter on its own daemon
     return [daemons["pair"][0], daemons["bare"][0]], daemons["drafter"][0]  # layer 3 on a shard without storage
 
 
@@ -548,3 +561,192 @@ def test_the_serve_engine_runs_dflash_requests_in_its_scheduler(daemons, greedy)
         assert engine.scheduler.steps < sum(result.steps + 1 for result, _ in outcomes)
     finally:
         engine.close()
+
+
+# ---- DFlash streams in the scheduler's batches ------------------------------------------------------------------
+
+TEXTS = [PROMPT, list(b"1, 2, 3, 5, 8, 13, 21, 34"), list(b"abcabcabcabcabc"), list(b"hello hello hello")]
+SEEDED = Sampling(temperature=0.9, top_p=0.95, seed=7)
+# The streams of a run at concurrency N are the first N: (drafter, sampling), stream i prompting TEXTS[i % 4].
+STREAMS = [("dflash", None), ("greedy", None), ("dflash", SEEDED), ("ngram", None), ("dflash", None),
+           ("greedy", SEEDED), ("dflash", None), ("ngram", SEEDED)]
+# (shards, rollback mode): the drafter on a daemon of its own (PROPOSE) or beside the last shard (the next block in
+# the verify reply, with the first shard's layer carried along, or every layer on the head shard and the rows going
+# from shard to shard), in each rollback mode.
+PLACEMENTS = [("pair", "checkpoint"), ("beside", "checkpoint"), ("head-own", "replay-ssm"), ("head", "replay-ssm"),
+              ("pair", "replay"), ("beside", "replay")]
+
+
+@pytest.fixture(scope="module")
+def greedy_texts(local):
+    return [greedy_decode(local, 1, text, NEW_TOKENS).tokens for text in TEXTS]
+
+
+def stream_drafter(kind: str, dflash: DFlashDrafterClient):
+    return {"dflash": dflash.fresh, "ngram": NgramDrafter, "greedy": lambda: None}[kind]()
+
+
+def each_alone(pipeline, dflash, mode, greedy_texts) -> list[list[int]]:
+    """Each stream's tokens decoded alone: greedy ones are greedy decoding; sampled ones go through the reference
+    loops with the same drafter."""
+    out = []
+    for index, (kind, sampling) in enumerate(STREAMS):
+        text = TEXTS[index % len(TEXTS)]
+        if sampling is None:
+            out.append(greedy_texts[index % len(TEXTS)])
+        elif kind == "greedy":
+            out.append(greedy_decode(pipeline, 300 + index, text, NEW_TOKENS, sampling=sampling).tokens)
+        else:
+            drafter = stream_drafter(kind, dflash)
+            target = drafter.target if kind == "dflash" else pipeline
+            out.append(speculative_decode(target, 300 + index, text, drafter, block_size=BLOCK, rollback=mode,
+                                          max_new_tokens=NEW_TOKENS, sampling=sampling).tokens)
+    return out
+
+
+def recording_batches(pipeline) -> list:
+    """Every `forward_batch` call of `pipeline` from now on, as its list of items."""
+    calls, forward_batch = [], pipeline.forward_batch
+
+    def record(items):
+        calls.append(list(items))
+        return forward_batch(items)
+
+    pipeline.forward_batch = record
+    return calls
+
+
+@pytest.mark.parametrize("name,mode", PLACEMENTS, ids=[f"{n}-{m}" for n, m in PLACEMENTS])
+def test_every_dflash_stream_equals_its_request_alone_at_concurrency_1_3_8(daemons, greedy_texts, name, mode):
+    """DFlash streams beside greedy and n-gram ones, greedy and seeded: each stream's tokens equal its request
+    alone (greedy ones: greedy decoding); each DFlash forward is a capture item of the step's one batch, beside the
+    others'; with the drafter beside the last shard the verify replies bring the next blocks (not in replay, whose
+    plain forwards leave nothing pending to propose after)."""
+    endpoints, draft_endpoint = pipeline_endpoints(daemons, name)
+    in_reply = name in ("beside", "head") and mode != "replay"
+    with Pipeline.connect(endpoints) as pipeline, ShardClient(draft_endpoint) as draft_client:
+        pipeline.check_speculation(mode, BLOCK)
+        dflash = DFlashDrafterClient(draft_client, pipeline)
+        assert dflash.proposes_in_reply == (name in ("beside", "head"))
+        expected = each_alone(pipeline, dflash, mode, greedy_texts)
+        calls = recording_batches(pipeline)
+        sent_before, steps = pipeline.clients[0].stats()["rows"]["sent"], 0
+        for concurrency in (1, 3, 8):
+            calls.clear()
+            streams = STREAMS[:concurrency]
+            requests = [Request(TEXTS[index % len(TEXTS)], NEW_TOKENS, sampling=sampling, block_size=BLOCK,
+                                drafter=stream_drafter(kind, dflash)) for index, (kind, sampling) in enumerate(streams)]
+            scheduler = Scheduler(pipeline, max_sequences=concurrency, rollback=mode, batch_rows=32, prefill_chunk=8)
+            results = [request.outcome() for request in scheduler.run_all(requests)]
+            assert [result.tokens for result in results] == expected[:concurrency], concurrency
+            greedy_dflash = [request for request, (kind, sampling) in zip(requests, streams)
+                             if kind == "dflash" and sampling is None]
+            assert all(request.result.drafted > 0 for request in greedy_dflash)
+            assert (sum(request.drafter.proposals_in_reply for request in greedy_dflash) > 0) == in_reply
+            if mode != "replay":  # one forward_batch a step (replay adds the batches of its replays)
+                assert len(calls) == scheduler.steps, concurrency
+            captures = [sum(item.capture is not None for item in call) for call in calls]
+            assert sum(captures) > 0 and all(item.capture is not None for call in calls for item in call
+                                              if item.propose is not None)
+            if concurrency == 8:  # DFlash forwards went in batches together and beside the plain ones
+                assert any(n >= 2 and len(call) > n for n, call in zip(captures, calls))
+            steps += len(calls)
+        if name == "head":  # nothing to carry: every step's rows went from shard to shard, proposing verifies too
+            assert pipeline.clients[0].stats()["rows"]["sent"] - sent_before == steps
+        stats = pipeline.stats() + [draft_client.stats()]
+    assert all(shard["open_sequences"] == 0 for shard in stats)
+
+
+def test_a_batch_item_with_a_bad_propose_is_refused_alone_and_changes_nothing(daemons):
+    """Verify steps of four DFlash sequences in one batch through the shards whose last hosts the drafter: two whose
+    `propose` the head shard cannot honour (more drafts than the drafter makes; a drafter context short of the
+    verify) are refused alone, and their sequences and drafter contexts are as before (the same verify then gives
+    exactly a twin sequence's answer); the other two get exactly what a twin sequence's verify alone gets."""
+    endpoints, _ = pipeline_endpoints(daemons, "beside")
+    pos = len(PROMPT)
+    with Pipeline.connect(endpoints) as pipeline:
+        first = DFlashDrafterClient(pipeline.clients[1], pipeline)
+        drafters = {seq: first.fresh() for seq in (70, 71, 72, 73, 80, 81)}
+        blocks = {}
+        for seq, drafter in drafters.items():
+            drafter.target.open(seq)
+            last = drafter.target.forward(seq, 0, PROMPT)[-1]
+            if seq != 73:  # 73's drafter context stays empty
+                blocks[seq] = [last] + drafter.propose(PROMPT + [last], BLOCK - 1)
+        blocks[73] = blocks[70]
+
+        def verify(seq, **fields):
+            return replace(drafters[seq].prepare(BatchForward(seq, pos, blocks[seq], checkpoint=True)), **fields)
+
+        def contexts():
+            return {seq: first.client.stats()["drafter"]["context_rows"][str(seq)] for seq in drafters}
+
+        try:
+            before = contexts()
+            assert before == {**{seq: pos for seq in drafters}, 73: 0}
+            items = [verify(70), verify(71, propose=99), verify(72), verify(73, propose=BLOCK - 1)]
+            results = pipeline.forward_batch(items)
+            twins = [pipeline.forward_batch([verify(80)])[0], pipeline.forward_batch([verify(81)])[0]]
+            for got, twin in zip([results[0], results[2]], twins):
+                assert isinstance(got, Captured) and got.proposal is not None
+                assert (got.ids, got.proposal) == (twin.ids, twin.proposal)
+                assert {layer: bytes(rows.data) for layer, rows in got.outputs.items()} == {
+                    layer: bytes(rows.data) for layer, rows in twin.outputs.items()}
+            assert isinstance(results[1], ShardError) and results[1].code is ErrorCode.BAD_REQUEST
+            assert "propose 99 exceeds" in str(results[1])
+            assert isinstance(results[3], ShardError) and results[3].code is ErrorCode.POSITION_MISMATCH
+            assert contexts() == {**before, 70: pos + 1, 72: pos + 1, 80: pos + 1, 81: pos + 1}
+            # the refused ones are where they were: the same verify now answers as the twins' did
+            retried = pipeline.forward_batch([verify(71)])[0]
+            assert (retried.ids, retried.proposal) == (twins[0].ids, twins[0].proposal)
+            blocks[73] = [blocks[70][0]] + drafters[73].propose(PROMPT + [blocks[70][0]], BLOCK - 1)
+            retried = pipeline.forward_batch([verify(73)])[0]
+            assert (retried.ids, retried.proposal) == (twins[0].ids, twins[0].proposal)
+        finally:
+            for seq, drafter in drafters.items():
+                drafter.target.close(seq)
+
+
+class FailingRollbacks:
+    """The pipeline, whose batched rollbacks report every third rollback of `seqs` failed (the shards did roll
+    back): the scheduler re-fills that sequence."""
+
+    def __init__(self, pipeline, seqs):
+        self.pipeline, self.seqs, self.rollbacks, self.failed = pipeline, seqs, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.pipeline, name)
+
+    def rollback_batch(self, items):
+        self.pipeline.rollback_batch(items)
+        failures = {}
+        for seq, _ in items:
+            if seq in self.seqs():
+                self.rollbacks += 1
+                if self.rollbacks % 3 == 0:
+                    failures[seq] = RollbackFailed("injected")
+        self.failed += len(failures)
+        return failures
+
+
+@pytest.mark.parametrize("name", ["pair", "beside"])
+def test_a_refill_in_the_scheduler_rebuilds_the_drafter_context(daemons, greedy, name):
+    """DFlash streams whose rollbacks fail are re-filled inside the scheduler's step through their drafter's target:
+    the re-fill captures again, the drafter's context is built again from the whole history, the output stays
+    greedy."""
+    endpoints, draft_endpoint = pipeline_endpoints(daemons, name)
+    with Pipeline.connect(endpoints) as pipeline, ShardClient(draft_endpoint) as draft_client:
+        first = DFlashDrafterClient(draft_client, pipeline)
+        requests = [Request(PROMPT, NEW_TOKENS, drafter=first, block_size=BLOCK),
+                    Request(PROMPT, NEW_TOKENS, drafter=first.fresh(), block_size=BLOCK), Request(PROMPT, NEW_TOKENS)]
+        target = FailingRollbacks(pipeline, lambda: {request.seq for request in requests[:2]})
+        before = first.client.stats()["drafter"]
+        results = decode_all(target, requests, prefill_chunk=8)
+        after = first.client.stats()["drafter"]
+        stats = pipeline.stats()
+    assert [result.tokens for result in results] == [greedy] * 3
+    assert sum(result.rollbacks_fallback for result in results[:2]) == target.failed >= 2
+    refills = sum(result.rollbacks_fallback for result in results[:2])
+    # after each re-fill the drafter's context is built again from the whole committed history
+    assert after["context_rows_added"] - before["context_rows_added"] > len(PROMPT) * (2 + refills)
+    assert all(shard["open_sequences"] == 0 for shard in stats)

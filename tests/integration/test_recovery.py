@@ -76,3 +76,42 @@ def test_killed_and_restarted_drafter_daemon_is_refilled(tmp_path, expected):
         assert result.recoveries >= 1
     finally:
         stop_all(daemons)
+
+
+def test_dflash_streams_in_the_scheduler_are_refilled_after_the_head_shard_restarts(tmp_path, expected):
+    """The head shard, which hosts the drafter, is killed and restarted while two DFlash streams (proposals in the
+    verify reply) and a greedy one share the scheduler's steps: each is re-filled (the DFlash ones through their
+    drafter's target, so the features are captured again and the new drafter's context is built again) and every
+    output is plain greedy decoding."""
+    from coordinator.drafting.dflash import DFlashDrafterClient
+    from coordinator.scheduler.requests import Request
+    from coordinator.scheduler.scheduler import decode_all
+
+    binds = [free_tcp_endpoint(), free_tcp_endpoint()]
+    args = [["--layers", "0:3", "--max-verify-tokens", "16"],
+            ["--layers", "3:6", "--max-verify-tokens", "16", "--draft", "synthetic"]]
+    daemons = [Daemon(f"shard{i}", binds[i], args[i], tmp_path) for i in range(2)]
+    try:
+        for daemon in daemons:
+            daemon.wait_ready()
+        commits = []
+
+        def kill_and_restart_head_shard(new_ids):
+            commits.append(new_ids)
+            if len(commits) == 3:
+                kill_and_replace(daemons, 1, "shard1-restarted", args[1], tmp_path)
+
+        with Pipeline.connect(binds, timeout_s=30.0) as pipeline:
+            first = DFlashDrafterClient(pipeline.clients[1], pipeline)
+            assert first.proposes_in_reply
+            requests = [Request(PROMPT, NEW_TOKENS, drafter=first, block_size=8, on_commit=kill_and_restart_head_shard),
+                        Request(PROMPT, NEW_TOKENS, drafter=first.fresh(), block_size=8), Request(PROMPT, NEW_TOKENS)]
+            results = decode_all(pipeline, requests)
+            stats = pipeline.stats()
+        assert [result.tokens for result in results] == [expected] * 3
+        assert all(result.recoveries >= 1 for result in results)
+        assert sum(request.drafter.proposals_in_reply for request in requests[:2]) > 0
+        assert stats[1]["drafter"]["proposals_in_reply"] > 0  # the restarted shard's drafter answered in replies too
+        assert all(shard["open_sequences"] == 0 for shard in stats)
+    finally:
+        stop_all(daemons)
