@@ -22,22 +22,39 @@ def expected():
     return greedy_decode(LocalTarget(ModelSource(synthetic="tiny")), 1, PROMPT, NEW_TOKENS).tokens
 
 
-@pytest.mark.parametrize("mode", ["checkpoint"])  # every mode: tests/unit/test_decoding.py
-def test_killed_and_restarted_shard_is_refilled(tmp_path, expected, mode):
-    binds = [free_tcp_endpoint(), free_tcp_endpoint()]
-    args = [["--layers", "0:3", "--max-verify-tokens", "16"], ["--layers", "3:6", "--max-verify-tokens", "16"]]
-    daemons = [Daemon(f"shard{i}", binds[i], args[i], tmp_path) for i in range(2)]
+def ready_daemons(names: list[str], args: list[list[str]], workdir) -> tuple[list[str], list[Daemon]]:
+    """One daemon per name on a free loopback port, each ready: their endpoints and the daemons."""
+    binds = [free_tcp_endpoint() for _ in names]
+    daemons = [Daemon(name, bind, arguments, workdir) for name, bind, arguments in zip(names, binds, args)]
     try:
         for daemon in daemons:
             daemon.wait_ready()
+    except BaseException:
+        stop_all(daemons)
+        raise
+    return binds, daemons
+
+
+def restart_after_third_commit(daemons: list[Daemon], name: str, args: list[str], workdir):
+    """An on_commit callback that, mid-generation, kills daemons[1] and starts `name` with `args` in its place."""
+    commits = []
+
+    def on_commit(new_ids):
+        commits.append(new_ids)
+        if len(commits) == 3:
+            kill_and_replace(daemons, 1, name, args, workdir)
+
+    return on_commit
+
+
+@pytest.mark.parametrize("mode", ["checkpoint"])  # every mode: tests/unit/test_decoding.py
+def test_killed_and_restarted_shard_is_refilled(tmp_path, expected, mode):
+    args = [["--layers", "0:3", "--max-verify-tokens", "16"], ["--layers", "3:6", "--max-verify-tokens", "16"]]
+    binds, daemons = ready_daemons(["shard0", "shard1"], args, tmp_path)
+    try:
         pipeline = Pipeline.connect(binds, timeout_s=30.0)
-        commits = []
-
-        def kill_and_restart_second_shard(new_ids):
-            commits.append(new_ids)
-            if len(commits) == 3:  # mid-generation: the head shard loses every sequence
-                kill_and_replace(daemons, 1, "shard1-restarted", args[1], tmp_path)
-
+        # the head shard loses every sequence
+        kill_and_restart_second_shard = restart_after_third_commit(daemons, "shard1-restarted", args[1], tmp_path)
         drafter = OracleDrafter.with_mean_commit(expected, len(PROMPT), block_size=8, mean_commit=3.0, seed=1)
         result = speculative_decode(pipeline, 7, PROMPT, drafter, block_size=8, rollback=mode,
                                     max_new_tokens=NEW_TOKENS, on_commit=kill_and_restart_second_shard)
@@ -54,20 +71,11 @@ def test_killed_and_restarted_drafter_daemon_is_refilled(tmp_path, expected):
     from coordinator.relay.client import ShardClient
     from coordinator.drafting.dflash import DFlashDrafterClient
 
-    binds = [free_tcp_endpoint(), free_tcp_endpoint()]
     shard_args = ["--layers", "0:6", "--max-verify-tokens", "16"]
     drafter_args = ["--layers", "none", "--draft", "synthetic"]
-    daemons = [Daemon("shard", binds[0], shard_args, tmp_path), Daemon("drafter", binds[1], drafter_args, tmp_path)]
+    binds, daemons = ready_daemons(["shard", "drafter"], [shard_args, drafter_args], tmp_path)
     try:
-        for daemon in daemons:
-            daemon.wait_ready()
-        commits = []
-
-        def kill_and_restart_drafter(new_ids):
-            commits.append(new_ids)
-            if len(commits) == 3:
-                kill_and_replace(daemons, 1, "drafter-restarted", drafter_args, tmp_path)
-
+        kill_and_restart_drafter = restart_after_third_commit(daemons, "drafter-restarted", drafter_args, tmp_path)
         with Pipeline.connect(binds[:1], timeout_s=30.0) as pipeline, ShardClient(binds[1], timeout_s=30.0) as client:
             drafter = DFlashDrafterClient(client, pipeline)
             result = speculative_decode(drafter.target, 9, PROMPT, drafter, block_size=8, rollback="checkpoint",
@@ -87,20 +95,11 @@ def test_dflash_streams_in_the_scheduler_are_refilled_after_the_head_shard_resta
     from coordinator.scheduler.requests import Request
     from coordinator.scheduler.scheduler import decode_all
 
-    binds = [free_tcp_endpoint(), free_tcp_endpoint()]
     args = [["--layers", "0:3", "--max-verify-tokens", "16"],
             ["--layers", "3:6", "--max-verify-tokens", "16", "--draft", "synthetic"]]
-    daemons = [Daemon(f"shard{i}", binds[i], args[i], tmp_path) for i in range(2)]
+    binds, daemons = ready_daemons(["shard0", "shard1"], args, tmp_path)
     try:
-        for daemon in daemons:
-            daemon.wait_ready()
-        commits = []
-
-        def kill_and_restart_head_shard(new_ids):
-            commits.append(new_ids)
-            if len(commits) == 3:
-                kill_and_replace(daemons, 1, "shard1-restarted", args[1], tmp_path)
-
+        kill_and_restart_head_shard = restart_after_third_commit(daemons, "shard1-restarted", args[1], tmp_path)
         with Pipeline.connect(binds, timeout_s=30.0) as pipeline:
             first = DFlashDrafterClient(pipeline.clients[1], pipeline)
             assert first.proposes_in_reply
