@@ -26,7 +26,7 @@
 # A change is judged against the code before it in the same call (the same code measures differently on another
 # host): BEFORE_TREE=DIR (an older tree inside the working tree, untracked, e.g. `git archive COMMIT | tar -x -C old`)
 # runs each benchmark of the named runs from that tree first, its JSON as NAME_before.json, and the summary prints
-# both. Each call has 10 minutes: the timeouts below fit one run each; TESTS_TIMEOUT / BENCH_TIMEOUT override them.
+# both (`python3 scripts/ab_compare.py $OUT` lists every figure of each pair with its ratio). Each call has 10 minutes: the timeouts below fit one run each; TESTS_TIMEOUT / BENCH_TIMEOUT override them.
 #
 # Wheels: the device machine has no package index, so what it lacks travels in .whl/ (not in git; carry it:
 # `run(carry=[".whl"], command="bash scripts/gpu_run.sh relay fp8")`). Fill it where pip works (Python 3.12 there):
