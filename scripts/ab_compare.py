@@ -22,12 +22,16 @@ FIGURES = [
     r"draft_propose_ms_(fast|reference)", r"draft_floor_ratio", r"dflash_greedy_ms_per_token",
     r"dflash_runs\.[a-z-]+\.\d+\.(tok_s|step_ms|propose_ms|relay_ms)", r"dflash_vs_oracle\.[a-z-]+\.\d+\.tok_s",
     r"dflash_real_tok_s", r"e2e_dflash_step_ms\.[a-z-]+",
+    # DFlash streams in the scheduler and through shardctl serve (part dflash-batch)
+    r"dflash_batch_runs\.(oracle|dflash)\.\d+\.(tok_s|decode_tok_s|step_ms|mean_commit)",
+    r"dflash_batch_vs_oracle\.\d+\.(step|tok_s|decode_tok_s)", r"dflash_batch_http\.(none|dflash)\.\d+\.tok_s",
+    r"dflash_batch_http\.dflash_vs_none\.\d+",
     # many streams (parts batch-local, batch-daemons)
     r"batch_tok_s_(local|daemons)\.(greedy|oracle)\.\d+", r"batch_decode_tok_s_(local|daemons)\.(greedy|oracle)\.\d+",
     r"batch_tok_s_local_prefill_chunk16\.\d+", r"batch_checkpoint_oracle_x8_tok_s",
     r"batch_prefill_ms_(local|daemons)\.\d+", r"batch_http\.(tok_s|direct_tok_s|http_vs_direct)",
     # whether the figures stand
-    r"outputs_identical", r"batch_identical", r"dflash_real_identical_to_greedy", r"failed_parts",
+    r"outputs_identical", r"batch_identical", r"dflash_batch_identical", r"dflash_real_identical_to_greedy", r"failed_parts",
 ]
 PATTERN = re.compile("^(" + "|".join(FIGURES) + ")$")
 

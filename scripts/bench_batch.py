@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 CONCURRENCY = (1, 4, 8, 16, 32)
@@ -49,19 +50,21 @@ def stream_prompts(args, count: int) -> list[list[int]]:
 
 
 def run_streams(target, prompts, args, *, references=None, sampling=None, ngram=False, rollback="replay-ssm",
-                max_sequences=None, stats=None):
+                max_sequences=None, stats=None, wrap=None):
     """The prompts together through one scheduler: (token lists, aggregate tok/s, mean commit). With `stats` (a
     dict) also `decode_tok_s`: the tokens committed after the last prompt's first token, over the time after it
     (the decode steps' rate, without the prefill that dominates the aggregate of 512-token prompts and 64 new
-    tokens)."""
+    tokens), `step_ms` (the median stream's decode seconds over its steps) and `steps` (all streams'). `wrap(index,
+    oracle)`: the drafter stream `index` decodes with instead of its oracle (with `references`)."""
     from coordinator.drafting.drafters import NgramDrafter, OracleDrafter
     from coordinator.scheduler.requests import Request
     from coordinator.scheduler.scheduler import decode_all
 
     def drafter(index):
         if references is not None:
-            return OracleDrafter.with_mean_commit(references[index], len(prompts[index]), block_size=BLOCK,
-                                                  mean_commit=MEAN_COMMIT)
+            oracle = OracleDrafter.with_mean_commit(references[index], len(prompts[index]), block_size=BLOCK,
+                                                    mean_commit=MEAN_COMMIT)
+            return wrap(index, oracle) if wrap else oracle
         return NgramDrafter() if ngram else None
 
     commits: list[tuple[float, bool, int]] = []  # (when, a request's first commit, tokens)
@@ -84,6 +87,9 @@ def run_streams(target, prompts, args, *, references=None, sampling=None, ngram=
         prefilled = max((when for when, first, _ in commits if first), default=ended)
         after = sum(n for when, first, n in commits if when > prefilled and not first)
         stats["decode_tok_s"] = round(after / (ended - prefilled), 1) if ended > prefilled and after else None
+        steps = [r.decode_seconds / r.steps * 1e3 for r in results if r.steps]
+        stats["step_ms"] = round(statistics.median(steps), 3) if steps else None
+        stats["steps"] = sum(r.steps for r in results)
     commits = [c for r in results for c in r.commits]
     return ([r.tokens for r in results], round(sum(len(r.tokens) for r in results) / seconds, 1),
             round(statistics.mean(commits), 2) if commits else None)
@@ -331,17 +337,19 @@ def prefill_phases(pipeline, args, concurrency=(1, 8)) -> dict:
     return out
 
 
-def http_streams(args, endpoints, prompts, run_dir: Path, pyspy: Path | None = None) -> dict:
-    """`shardctl serve --drafter none` over the daemons; the prompts as concurrent greedy completions. `pyspy`: the
-    serve runs under `py-spy record` (its collapsed stacks, every thread, written there) and the result carries
-    `profile_top` (the engine thread's busiest frames)."""
+def http_streams(args, endpoints, prompts, run_dir: Path, pyspy: Path | None = None,
+                 serve_args: Sequence[str] = ("--drafter", "none")) -> dict:
+    """`shardctl serve` (with `serve_args`: --drafter none) over the daemons; the prompts as concurrent greedy
+    completions: tok/s and each stream's text digest (`stream_digests`). `pyspy`: the serve runs under `py-spy
+    record` (its collapsed stacks, every thread, written there) and the result carries `profile_top` (the engine
+    thread's busiest frames)."""
     import httpx
 
     from bench_gpu import free_port
 
     port = free_port()
     log = open(run_dir / "serve.log", "w")
-    command = [sys.executable, "-m", "coordinator.cli", "serve", "--shards", ",".join(endpoints), "--drafter", "none",
+    command = [sys.executable, "-m", "coordinator.cli", "serve", "--shards", ",".join(endpoints), *serve_args,
                "--port", str(port), "--timeout", "600", "--log-level", "warning"]
     if args.batch_rows:
         command += ["--batch-rows", str(args.batch_rows)]
@@ -395,7 +403,8 @@ def http_streams(args, endpoints, prompts, run_dir: Path, pyspy: Path | None = N
         if failed:
             raise RuntimeError(f"a completion failed: {failed[0]}")
         tokens = sum(a["usage"]["completion_tokens"] for a in answers)
-        result = {"streams": len(prompts), "tok_s": round(tokens / seconds, 1), "completion_tokens": tokens}
+        result = {"streams": len(prompts), "tok_s": round(tokens / seconds, 1), "completion_tokens": tokens,
+                  "stream_digests": [digest([answer["choices"][0]["text"]]) for answer in answers]}
     finally:
         stop_serve(process, profiled=pyspy is not None)
     if pyspy is not None:

@@ -19,6 +19,10 @@ Parts, each in its own process (so one part's memory never weighs on the next):
 - `batch` (`batch-local`, `batch-daemons`; scripts/bench_batch.py): many streams through the scheduler,
   aggregate tok/s by concurrency, greedy and oracle, one process and two daemons, HTTP at 8 streams, and
   `batch_identical`.
+- `dflash-batch`: two daemons with the drafter beside the last shard, --streams concurrent streams through the
+  scheduler with the oracle and with DFlash (the real drafter proposing every step, the oracle's schedule
+  committing), side by side (`dflash_batch_vs_oracle`); then `shardctl serve --drafter dflash` against
+  `--drafter none` at 1 and 8 HTTP streams (`dflash_batch_http`), and `dflash_batch_identical`.
 - `batch-step`: one process, the batched step by R = 16 .. 256 rows: ms per step filled with 16-row
   blocks of 1 .. R/16 sequences and with R one-row greedy sequences (`step_rows_ms`), tokens/s if every row
   commits, and a row of a full step bit-identical to its sequence alone (`batch_step_identical`).
@@ -577,7 +581,8 @@ def drafter_in_process(args) -> dict:
     return out
 
 
-def serve_processes(args, specs: dict[str, list[str]], run_dir: Path) -> tuple[list, dict[str, str]]:
+def serve_processes(args, specs: dict[str, list[str]], run_dir: Path, *, max_sequences: int = 2,
+                    rollback: str = "checkpoint") -> tuple[list, dict[str, str]]:
     """`shardd serve` per named spec (extra arguments), every one on `--dflash-device`; waits for every HELLO."""
     processes, endpoints = [], {}
     for name, extra in specs.items():
@@ -585,7 +590,7 @@ def serve_processes(args, specs: dict[str, list[str]], run_dir: Path) -> tuple[l
         log = open(run_dir / f"{name}.log", "w")
         command = [sys.executable, "-m", "shardd", "serve", "--synthetic", f"{args.preset}:{args.seed}",
                    "--device", args.dflash_device, "--dtype", args.dflash_dtype, "--engine", args.dflash_engine, "--bind", endpoint,
-                   "--rollback-mode", "checkpoint", "--max-verify-tokens", str(BLOCK), "--max-sequences", "2",
+                   "--rollback-mode", rollback, "--max-verify-tokens", str(BLOCK), "--max-sequences", str(max_sequences),
                    "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK), *extra]
         processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
         endpoints[name] = endpoint
@@ -641,6 +646,18 @@ class ProposingOracle:
         self.dflash.propose(history, n)
         self.seconds += time.perf_counter() - began
         return self.oracle.propose(history, n)
+
+    # A scheduler stream: its sequence opened, closed and re-filled through the DFlash client's target, and its
+    # forwards prepared and collected by it, so the real drafter's context follows as with DFlash alone.
+    @property
+    def target(self):
+        return self.dflash.target
+
+    def prepare(self, forward):
+        return self.dflash.prepare(forward)
+
+    def collect(self, forward, answer):
+        return self.dflash.collect(forward, answer)
 
 
 def run_dflash(args) -> dict:
@@ -803,6 +820,147 @@ def dflash_table(merged: dict) -> str:
     lines.append(f"best placement: {merged.get('dflash_best_placement')}; real drafter {merged.get('dflash_real_tok_s')} tok/s "
                  f"(commit {merged.get('dflash_real_mean_commit')}), identical to greedy: "
                  f"{merged.get('dflash_real_identical_to_greedy')}; all outputs identical: {merged.get('outputs_identical')}")
+    return "\n".join(lines)
+
+
+# ---- dflash-batch: DFlash streams in the scheduler's batches, and through shardctl serve -------------------
+
+HTTP_STREAMS = (1, 8)
+AVERAGED = ("tok_s", "decode_tok_s", "step_ms", "mean_commit")  # the oracle's figures: its two runs' mean
+
+
+def run_dflash_batch(args) -> dict:
+    """Two target daemons (layers 0:L/2, L/2:L) with the drafter beside the last shard (the shipped placement:
+    it proposes the next block in the verify's reply), replay-ssm storage for every stream, all on
+    `--dflash-device`. Per --streams count, that many streams together through the scheduler: the oracle, then
+    DFlash (the real drafter proposing every step, the oracle's commit schedule deciding what is accepted:
+    `ProposingOracle`), then the oracle again (A/B/A). Then `shardctl serve --drafter dflash` (the real drafter's
+    own tokens) beside `--drafter none` on the same daemons, HTTP_STREAMS concurrent greedy completions."""
+    from bench_batch import digest, run_streams, stream_prompts
+    from coordinator.drafting.dflash import DFlashDrafterClient
+    from coordinator.relay.client import ShardClient
+    from coordinator.relay.pipeline import Pipeline
+    from common.presets import preset_config
+
+    streams = [int(count) for count in args.streams.split(",")]
+    layers = preset_config(args.preset).num_layers
+    specs = {"first": ["--layers", f"0:{layers // 2}"],
+             "last": ["--layers", f"{layers // 2}:{layers}", "--draft", args.draft]}
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-dflash-batch-"))
+    widest = max(*streams, *HTTP_STREAMS)
+    processes, endpoints = serve_processes(args, specs, run_dir, max_sequences=widest + 1, rollback="replay-ssm")
+    shards = [endpoints["first"], endpoints["last"]]
+    prompts = stream_prompts(args, widest)
+    out: dict = {"dflash_batch_streams": streams, "dflash_batch_draft": args.draft,
+                 "dflash_batch_device": args.dflash_device, "dflash_batch_engine": args.dflash_engine}
+    runs: dict = {"oracle": {}, "dflash": {}}
+    checks: dict = {}
+    try:
+        with Pipeline.connect(shards, timeout_s=600) as pipeline, ShardClient(endpoints["last"], timeout_s=600) as client:
+            dflash = DFlashDrafterClient(client, pipeline)
+            drafters: list = []
+
+            def proposing(index, oracle):
+                drafters.append(ProposingOracle(dflash.fresh(), oracle))
+                return drafters[-1]
+
+            def run(kind, count, greedy, args=args):
+                drafters.clear()
+                stats: dict = {}
+                tokens, tok_s, commit = run_streams(pipeline, prompts[:count], args, references=greedy, stats=stats,
+                                                    wrap=proposing if kind == "dflash" else None)
+                entry = {"tok_s": tok_s, "decode_tok_s": stats["decode_tok_s"], "step_ms": stats["step_ms"],
+                         "mean_commit": commit, "steps": stats["steps"], "digest": digest(tokens)}
+                if kind == "dflash":  # blocks the head shard proposed in a verify's reply (no PROPOSE sent)
+                    entry["proposals_in_reply"] = sum(d.dflash.proposals_in_reply for d in drafters)
+                print(f"dflash-batch {kind} x{count}: {tok_s} tok/s (decode {entry['decode_tok_s']}), step "
+                      f"{entry['step_ms']} ms, mean commit {commit}", flush=True)
+                return tokens, entry
+
+            # warm-up: every path the runs take (prompt chunks, verify steps, the drafter's first PROPOSE and replies)
+            warm = argparse.Namespace(**{**vars(args), "tokens": min(args.tokens, 2 * BLOCK)})
+            reference, _, _ = run_streams(pipeline, prompts[:2], warm)
+            run("oracle", 2, reference, warm)
+            run("dflash", 2, reference, warm)
+            greedy, _, _ = run_streams(pipeline, prompts[:max(streams)], args)
+            alone = None  # stream 0's DFlash tokens decoded by itself
+            for count in streams:
+                entries = []
+                for kind in ("oracle", "dflash", "oracle"):  # A/B/A: the oracle before and after
+                    tokens, entry = run(kind, count, greedy)
+                    entries.append(entry)
+                    checks[f"{kind}_x{count}_equals_greedy"] = checks.get(f"{kind}_x{count}_equals_greedy", True) \
+                        and tokens == greedy[:count]
+                    if kind == "dflash":
+                        if count == 1:
+                            alone = tokens[0]
+                        elif alone is None:
+                            alone = run("dflash", 1, greedy)[0][0]
+                        checks[f"dflash_x{count}_stream0_equals_alone"] = tokens[0] == alone
+                runs["dflash"][str(count)] = entries[1]
+                runs["oracle"][str(count)] = {key: (round((a + b) / 2, 3) if key in AVERAGED and None not in (a, b) else a)
+                                              for (key, a), b in zip(entries[0].items(), entries[2].values())}
+        out["dflash_batch_http"] = dflash_http(args, shards, endpoints["last"], prompts, run_dir, checks)
+    finally:
+        stop_processes(processes)
+    out["dflash_batch_runs"] = runs
+    out["dflash_batch_vs_oracle"] = {
+        count: {figure: round(runs["dflash"][count][key] / runs["oracle"][count][key], 3)
+                for figure, key in (("step", "step_ms"), ("tok_s", "tok_s"), ("decode_tok_s", "decode_tok_s"))
+                if runs["dflash"][count][key] and runs["oracle"][count][key]}
+        for count in runs["dflash"]}
+    out["dflash_batch_checks"] = checks
+    out["dflash_batch_identical"] = all(checks.values())
+    return out
+
+
+def dflash_http(args, shards: list[str], draft_shard: str, prompts, run_dir: Path, checks: dict) -> dict:
+    """`shardctl serve --drafter dflash` (the drafter beside the last shard, its own proposals) and `--drafter
+    none` over the same daemons, HTTP_STREAMS concurrent greedy completions each: tok/s by drafter and streams,
+    `dflash_vs_none`; into `checks`, DFlash's texts equal to greedy's and stream 0's to itself alone."""
+    from bench_batch import http_streams
+
+    serve_args = {"none": ["--drafter", "none"],
+                  "dflash": ["--drafter", "dflash", "--draft-shard", draft_shard, "--rollback", "replay-ssm"]}
+    out: dict = {"none": {}, "dflash": {}}
+    try:
+        for count in HTTP_STREAMS:
+            for drafter, extra in serve_args.items():
+                out[drafter][str(count)] = http_streams(args, shards, prompts[:count], run_dir, serve_args=extra)
+                print(f"dflash-batch HTTP {drafter} x{count}: {out[drafter][str(count)]['tok_s']} tok/s", flush=True)
+    except Exception as error:  # noqa: BLE001 - e.g. the serve extra (fastapi, uvicorn, httpx) not installed
+        out["error"] = f"{type(error).__name__}: {error}"
+        print(f"dflash-batch HTTP failed: {out['error']}", flush=True)
+        return out
+    for count in HTTP_STREAMS:
+        none, dflash = out["none"][str(count)], out["dflash"][str(count)]
+        checks[f"http_dflash_x{count}_equals_greedy"] = dflash["stream_digests"] == none["stream_digests"]
+        checks[f"http_dflash_x{count}_stream0_equals_alone"] = (dflash["stream_digests"][0]
+                                                                == out["dflash"][str(HTTP_STREAMS[0])]["stream_digests"][0])
+    out["dflash_vs_none"] = {str(count): round(out["dflash"][str(count)]["tok_s"] / out["none"][str(count)]["tok_s"], 3)
+                             for count in HTTP_STREAMS}
+    return out
+
+
+def dflash_batch_table(merged: dict) -> str:
+    """The short table the GPU script prints last."""
+    lines = [f"{'streams':>7} {'run':<7} {'tok/s':>8} {'decode':>8} {'step ms':>8} {'commit':>6} "
+             f"{'step vs oracle':>14} {'tok/s vs oracle':>15}"]
+    for count, dflash in merged.get("dflash_batch_runs", {}).get("dflash", {}).items():
+        oracle = merged["dflash_batch_runs"]["oracle"][count]
+        ratio = merged.get("dflash_batch_vs_oracle", {}).get(count, {})
+        for kind, e in (("oracle", oracle), ("dflash", dflash)):
+            lines.append(f"{count:>7} {kind:<7} {e['tok_s']:>8} {str(e['decode_tok_s']):>8} {str(e['step_ms']):>8} "
+                         f"{str(e['mean_commit']):>6} {ratio.get('step', '') if kind == 'dflash' else '':>14} "
+                         f"{ratio.get('tok_s', '') if kind == 'dflash' else '':>15}")
+    http = merged.get("dflash_batch_http", {})
+    for count, ratio in http.get("dflash_vs_none", {}).items():
+        lines.append(f"HTTP x{count}: dflash {http['dflash'][count]['tok_s']} tok/s, none {http['none'][count]['tok_s']} "
+                     f"tok/s ({ratio})")
+    if "error" in http:
+        lines.append(f"HTTP failed: {http['error']}")
+    lines.append(f"dflash_batch_identical: {merged.get('dflash_batch_identical')}"
+                 + "".join(f"\n  differs: {name}" for name, ok in merged.get("dflash_batch_checks", {}).items() if not ok))
     return "\n".join(lines)
 
 
@@ -1428,6 +1586,7 @@ def batch_step_table(merged: dict) -> str:
 
 PARTS = {"local": run_local, "transformers": run_transformers, "e2e": run_e2e, "relay": run_relay,
          "delay": run_relay_vs_delay, "relay-dflash": run_dflash_relay, "dflash": run_dflash,
+         "dflash-batch": run_dflash_batch,
          "batch-local": run_batch_local, "batch-daemons": run_batch_daemons, "batch-step": run_batch_step}
 BUNDLES = {"batch": ("batch-local", "batch-daemons")}  # --parts batch: the throughput sweep (scripts/bench_batch.py)
 
@@ -1484,6 +1643,7 @@ def main() -> int:
     parser.add_argument("--dflash-device", default="cuda:0", help="The one device of every dflash-part daemon.")
     parser.add_argument("--dflash-engine", default="fast", help="The dflash-part daemons' --engine (reference: a CPU smoke run).")
     parser.add_argument("--dflash-dtype", default="bfloat16")
+    parser.add_argument("--streams", default="1,8,32", help="The dflash-batch part's concurrent streams.")
     parser.add_argument("--step-rows", default="16,32,64,128,256", help="The batch-step part's R values.")
     parser.add_argument("--batch-step-device", default="cuda:0", help="The batch-step part's device (cpu: a smoke "
                         "run under TRITON_INTERPRET=1).")
@@ -1510,7 +1670,7 @@ def main() -> int:
                    *(["--fp8", args.fp8] if args.fp8 else []), *(["--fp8-pdl"] if args.fp8_pdl else []),
                    "--draft", args.draft, "--commits", args.commits, "--placements", args.placements,
                    "--dflash-device", args.dflash_device, "--dflash-engine", args.dflash_engine,
-                   "--dflash-dtype", args.dflash_dtype, *(["--batch-rows", str(args.batch_rows)] if args.batch_rows else []),
+                   "--dflash-dtype", args.dflash_dtype, "--streams", args.streams, *(["--batch-rows", str(args.batch_rows)] if args.batch_rows else []),
                    *(["--daemon-step-rows", str(args.daemon_step_rows)] if args.daemon_step_rows else []),
                    *(["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []),
                    "--step-rows", args.step_rows, "--batch-step-budget-s", str(args.batch_step_budget_s),
@@ -1541,6 +1701,8 @@ def main() -> int:
               + ", ".join(f"{name} {value}" for name, value in intervals.items() if name != "steps"))
     if "dflash_runs" in merged:
         print(dflash_table(merged))
+    if "dflash_batch_runs" in merged:
+        print("== dflash-batch: DFlash streams beside the oracle's, and through shardctl serve\n" + dflash_batch_table(merged))
     if "batch_checks" in merged:
         print("== batch: aggregate tok/s by concurrent streams\n" + batch_table(merged))
     if "batch_step_runs" in merged:
@@ -1577,7 +1739,8 @@ def summarize(merged: dict) -> None:
             arm["e2e_greedy_vs_local"] = round(arm["e2e_greedy_ms_per_token"] / merged["greedy_ms_per_token"], 3)
     summarize_batch(merged)
     # The batch parts hash no single output: their streams are checked by batch_identical.
-    merged["outputs_identical"] = len(set(merged["hashes"].values())) <= 1 and merged.get("batch_identical", True)
+    merged["outputs_identical"] = (len(set(merged["hashes"].values())) <= 1 and merged.get("batch_identical", True)
+                                   and merged.get("dflash_batch_identical", True))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@
 # | batch         | wheels, HTTP stack | -                                                   | many streams, one process / two daemons / HTTP (gpu_bench_batch.json) |
 # | batch-step    | wheels             | tests/unit/test_batch_step.py, fast-path step tests | ms per batched step by R rows (gpu_bench_batch_step.json) |
 # | dflash        | wheels             | the drafter's graphs, the kernels it shares         | PROPOSE, drafter placements vs oracle (gpu_bench_dflash.json) |
+# | dflash-batch  | wheels, HTTP stack | -                                                   | DFlash vs oracle at 1/8/32 streams, serve --drafter dflash vs none at 1/8 HTTP streams (gpu_bench_dflash_batch.json) |
 # | fp8           | wheels             | FP8 loading, fast step, narrow GEMM, FP8 kernel     | one process with FP8 weights (gpu_bench_fp8.json) |
 # | fp8-gemm      | -                  | tests/unit/test_fp8_gemm.py                         | each 27B FP8 matrix vs its floor, tile sweep (fp8_gemm.json); NCU=1: Nsight Compute (fp8_gemm_ncu.txt) |
 # | seed          | wheels             | -                                                   | the seed's benchmark, within SEED_BUDGET s (seed_bench.json) |
@@ -27,6 +28,7 @@
 # host): BEFORE_TREE=DIR (an older tree inside the working tree, untracked, e.g. `git archive COMMIT | tar -x -C old`)
 # runs each benchmark of the named runs from that tree first, its JSON as NAME_before.json, and the summary prints
 # both (`python3 scripts/ab_compare.py $OUT` lists every figure of each pair with its ratio). Each call has 10 minutes: the timeouts below fit one run each; TESTS_TIMEOUT / BENCH_TIMEOUT override them.
+# `SKIP_TESTS=1 scripts/gpu_run.sh dflash dflash-batch` fits one call (330 + 240 s); with the dflash tests, two calls.
 #
 # Wheels: the device machine has no package index, so what it lacks travels in .whl/ (not in git; carry it:
 # `run(carry=[".whl"], command="bash scripts/gpu_run.sh relay fp8")`). Fill it where pip works (Python 3.12 there):
@@ -45,7 +47,7 @@ runs=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do runs+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 ARGS=("$@")
-known=" check local relay relay-profile ring batch batch-step dflash fp8 fp8-gemm seed sampling gpu-tests "
+known=" check local relay relay-profile ring batch batch-step dflash dflash-batch fp8 fp8-gemm seed sampling gpu-tests "
 if [ ${#runs[@]} -eq 0 ]; then
     sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
     exit 2
@@ -149,6 +151,9 @@ run_dflash() {
     gpu_tests dflash 170 tests/unit/test_fast_draft.py tests/unit/test_fast_path.py \
         -k "fast_drafter or verify_reply or step_and_rollback or bf16 or graph_replay"
 }
+run_dflash-batch() {
+    bench dflash-batch 240 python3 scripts/bench_gpu.py --parts dflash-batch --json "$OUT/gpu_bench_dflash_batch.json" "${ARGS[@]}"
+}
 run_fp8() {
     gpu_tests fp8 180 -x tests/unit/test_quant.py tests/unit/test_narrow_gemm.py tests/unit/test_fp8_gemm.py
     bench fp8 150 python3 scripts/bench_gpu.py --fp8 fp8-block --parts local --tokens 96 --repeats 10 \
@@ -187,10 +192,12 @@ out, runs = Path(sys.argv[1]), sys.argv[2:]
 KEYS = ("outputs_identical", "failed_parts", "floor_ms", "greedy_ms_per_token", "floor_ratio_greedy", "step_ms",
         "floor_ratio_step", "tok_s", "rollback_ms", "prefill_tok_s", "e2e_tok_s", "e2e_vs_local", "relay_ms_per_step",
         "e2e_greedy_vs_local", "relay_timeline", "draft_propose_ms_fast", "draft_floor_ratio", "dflash_vs_oracle",
-        "batch_identical", "batch_http", "relay_vs_delay", "e2e_dflash_step_ms")
+        "batch_identical", "batch_http", "relay_vs_delay", "e2e_dflash_step_ms", "dflash_batch_vs_oracle",
+        "dflash_batch_identical")
 FILES = {"check": "prefill_profile.json", "local": "gpu_bench_local.json", "relay": "gpu_bench_relay.json",
          "relay-profile": "relay_profile.json", "ring": "cuda_ipc_probe.json",
          "batch": "gpu_bench_batch.json", "batch-step": "gpu_bench_batch_step.json", "dflash": "gpu_bench_dflash.json",
+         "dflash-batch": "gpu_bench_dflash_batch.json",
          "fp8": "gpu_bench_fp8.json", "fp8-gemm": "fp8_gemm.json", "seed": "seed_bench.json",
          "sampling": "gpu_bench_sampling.json"}
 for run in runs:
@@ -215,6 +222,9 @@ for run in runs:
     if run == "dflash":
         from bench_gpu import dflash_table
         print(dflash_table(result))
+    if run == "dflash-batch":
+        from bench_gpu import dflash_batch_table
+        print(dflash_batch_table(result))
     if run == "batch-step":
         from bench_gpu import batch_step_table
         print(batch_step_table(result))
