@@ -1,4 +1,4 @@
-"""The host cost of a two-daemon step, without sockets and without a device (issues 15 and 20, the relay).
+"""The host cost of a two-daemon step, without sockets and without a device (the relay).
 
 Two `ShardDaemon`s (layers 0:1 and 1:2 of the tiny preset, hidden `--hidden`) over FastShards whose device step is
 a no-op, driven in one process the way `coordinator.relay.pipeline.Pipeline` drives them: per step the coordinator
