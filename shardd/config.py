@@ -116,7 +116,8 @@ class ShardConfig:
 
         try:
             check_device(torch, config.device)
-            model = config.source().config()
+            source = config.source()
+            model = source.config()
             if layers != "none":
                 config.layers = (0, model.num_layers)
                 if layers:
@@ -125,7 +126,7 @@ class ShardConfig:
             if draft is not None:
                 parse_draft(draft)
             config.engine = resolve_engine(engine, config.device)
-            scheme = config.source().scheme()
+            scheme = source.scheme()
             config.step_rows = step_rows_for(config.engine, step_rows, config.max_verify_tokens,
                                              max_sequences=config.max_sequences,
                                              fp8=scheme is not None and config.keeps_fp8)

@@ -65,8 +65,8 @@ class ShardDaemon:
         self.sequences = SequenceTable(shard, drafter, max_sequences=config.max_sequences,
                                        max_context=config.max_context, idle_timeout=config.sequence_idle_timeout,
                                        counters=self.counters)
-        self.relay = Relay(config, shard, self.counters, max_tokens_per_request=config.max_tokens_per_request)
-        self.relay.resume, self.relay.refuse = self.resume, self.refusals.reply
+        self.relay = Relay(config, shard, self.counters, self.refusals, self.resume,
+                           max_tokens_per_request=config.max_tokens_per_request)
         self.started = time.time()
         self.metrics = None  # shardd.obs.metrics.DaemonMetrics, with --metrics-port
         self.stopping = False
@@ -74,7 +74,6 @@ class ShardDaemon:
         rollback = Rollback(shard, self.sequences, self.counters, self.refusals)
         proposer = Propose(drafter, self.sequences, self.counters, self.model_config.hidden_size)
         forward = Forward(shard, self.sequences, self.counters, self.relay, proposer, self.refusals)
-        self.session = session
         self.handlers = {
             MessageType.HELLO: session.hello,
             MessageType.OPEN: session.open,
@@ -179,10 +178,6 @@ class ShardDaemon:
             PHASES.book(waiting.request.type)
 
     # ---- what it is ------------------------------------------------------------------------------
-
-    def describe(self) -> dict:
-        """HELLO's description of this daemon, less what changes while it runs."""
-        return self.session.describe()
 
     def uptime(self) -> float:
         return time.time() - self.started

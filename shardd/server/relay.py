@@ -18,6 +18,8 @@ import torch
 
 from protocol import ErrorCode, ProtocolError, Rows, RowsBatch, WireTensor
 from protocol import Batch
+from shardd.server.errors import Refusals
+from shardd.server.handlers.common import layers_of
 from shardd.server.peer import Peer
 from shardd.server.ring import DEFAULT_ROWS as RING_ROWS
 from shardd.server.ring import DeviceRing, RingUnavailable, RowsLost, front_end_waits
@@ -35,7 +37,8 @@ class WaitsForRows(Exception):
 class Relay:
     """This daemon's side of the rows between shards; `shard` is its engine (None on a drafter-only daemon)."""
 
-    def __init__(self, config, shard, counters: Counters, *, max_tokens_per_request: int):
+    def __init__(self, config, shard, counters: Counters, refusals: Refusals, resume: Callable[[Waiting], list], *,
+                 max_tokens_per_request: int):
         self.config = config  # ShardConfig: relay_to, relay_to_file, curve_secret_key, rows_wait_s, max_gpu_memory
         self.shard = shard
         self.counters = counters
@@ -46,10 +49,8 @@ class Relay:
         self.inbox = RowsInbox(capacity=2 * config.max_sequences + 8)
         self.parked: Waiting | None = None  # set by a FORWARD that waits for its rows: the serving loop parks it
         self.completed: list[list] = []  # envelope + reply of each waiting FORWARD a ROWS let run
-        # set by the daemon: the frames of a parked FORWARD's reply once its rows are in the inbox
-        self.resume: Callable[[Waiting], list] | None = None
-        # set by the daemon: the frames of an error reply (counted and logged)
-        self.refuse: Callable[..., list] | None = None
+        self.refusals = refusals
+        self.resume = resume  # the frames of a parked FORWARD's reply once its rows are in the inbox
 
     # ---- the next shard --------------------------------------------------------------------------
 
@@ -173,7 +174,7 @@ class Relay:
         request = waiting.request
         self.counters.rows_missing += 1
         self.refuse_downstream(request)
-        return self.refuse(request.id, request.type, ErrorCode.ROWS_MISSING,
+        return self.refusals.reply(request.id, request.type, ErrorCode.ROWS_MISSING,
                            f"no rows for ticket {request.rows_ticket}: {why}; nothing changed",
                            seq=getattr(request, "seq", None))  # a batch's wait is refused whole
 
@@ -219,9 +220,7 @@ class Relay:
     def ring_for_writer(self, request, peer: Peer):
         """RING: the device ring the previous shard's ROWS may name slots of (allocated on the first, kept while
         its size is asked for), and its handles."""
-        shard = self.shard
-        if shard is None:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "RING: this daemon hosts only a drafter and owns no target layers")
+        shard = layers_of(self.shard, request)
         if self.config.max_gpu_memory:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "RING: this daemon runs under --max-gpu-memory, whose plan sets "
                                                        "no memory aside for a ring: rows come through the host")
