@@ -553,7 +553,7 @@ def drafter_in_process(args) -> dict:
     prompt_rows = torch.randn(args.prompt_len, config.feature_size, generator=generator).to(torch.bfloat16)
     step_rows = torch.randn(int(MEAN_COMMIT), config.feature_size, generator=generator).to(torch.bfloat16)
     out = {"draft_read_bytes": read_bytes, "draft_floor_ms": round(read_bytes / bandwidth * 1e3, 3),
-           "draft_layers": layers, "draft_context_rows_per_step": fast.context_rows}
+           "draft_layers": layers, "draft_rows_per_step": fast.batch_rows}
     for name, model in (("fast", fast), ("reference", reference)):
         state = model.new_state(context)
         model.add_context(state, prompt_rows)

@@ -252,7 +252,7 @@ def run(config: ShardConfig, log) -> None:
                                                        max_context=config.max_context, step_rows=config.step_rows,
                                                        prefill_rows=config.prefill_rows)
         drafter = draft_with(config.engine, draft_model, max_sequences=config.max_sequences,
-                             max_context=config.max_context)
+                             max_context=config.max_context, step_rows=config.step_rows)
         del loaded, draft_model
         if config.on_gpu:
             torch.cuda.empty_cache()  # loading's freed transients back to the device: what it holds is what it uses

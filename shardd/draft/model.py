@@ -238,6 +238,15 @@ class DFlashDrafter:
             layer.self_attn.store_context(context, cache, start, cos, sin)
         state.length = start + n
 
+    def add_context_batch(self, items: list[tuple[DraftState, torch.Tensor]]) -> None:
+        """add_context for each (state, features), one after another (the fast drafter packs them into shared steps)."""
+        for state, features in items:
+            self.add_context(state, features)
+
+    def propose_batch(self, items: list[tuple[DraftState, int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """propose for each (state, last_token, block_size), one after another."""
+        return [self.propose(state, last_token, block_size) for state, last_token, block_size in items]
+
     @torch.inference_mode()
     def propose(self, state: DraftState, last_token: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft block_size-1 tokens after `last_token`, the committed token at position state.length (the one

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from shardd.engine.sizes import DEFAULT_STEP_ROWS, PREFILL_ROWS  # noqa: F401 (the flags' defaults, named here too)
+from shardd.engine.sizes import DEFAULT_STEP_ROWS, PREFILL_ROWS, drafter_step_rows  # noqa: F401 (the flags' defaults, named here too)
 
 
 ENGINES = ("auto", "reference", "fast")
@@ -81,12 +81,14 @@ def serve_with(engine: str, shard, *, max_sequences: int, max_context: int, step
                      prefill_rows=PREFILL_ROWS if prefill_rows is None else prefill_rows)
 
 
-def draft_with(engine: str, hosted, *, max_sequences: int, max_context: int):
+def draft_with(engine: str, hosted, *, max_sequences: int, max_context: int, step_rows: int | None = None):
     """The hosted drafter as the daemon serves it: its reference model, or a FastDrafter over it (shardd/engine/fast/draft.py:
-    the layers as CUDA graphs over fused weights, caches in slots sized here)."""
+    its two steps as multi-sequence CUDA graphs over fused weights, caches in slots sized here; its steps' rows
+    from the target's `step_rows`: shardd.engine.sizes.drafter_step_rows)."""
     if engine != "fast" or hosted is None:
         return hosted
     from shardd.engine.fast.draft import FastDrafter
 
-    hosted.model = FastDrafter(hosted.model, max_sequences=max_sequences, max_context=max_context)
+    step_rows = drafter_step_rows(hosted.model.config.block_size, max_sequences, step_rows)
+    hosted.model = FastDrafter(hosted.model, max_sequences=max_sequences, max_context=max_context, step_rows=step_rows)
     return hosted

@@ -9,3 +9,10 @@ DEFAULT_STEP_ROWS = 128
 # piece replayed from CUDA graphs (an eager prefill call is launch-bound); the coordinator's prompt chunk is a multiple
 # of it (HELLO prefill_rows).
 PREFILL_ROWS = 512
+
+
+def drafter_step_rows(block_size: int, max_sequences: int, step_rows: int | None) -> int:
+    """R of a hosted DFlash drafter's steps (shardd/engine/fast/draft.py): the blocks of up to 8 sequences (never
+    more than `max_sequences`), or the target step's R (`step_rows`) where that is more. Its bf16 weights cost about
+    as much to read for 128 rows as for 16, so an FP8 daemon's target step of one sequence does not shrink it."""
+    return max(step_rows or 0, block_size * min(max_sequences, 8))

@@ -291,13 +291,14 @@ def build_drafter(
 def daemon_memory_plan(source: ModelSource, config: ModelConfig, shard):
     """The memory a daemon of `shard` (a ShardConfig: its layers, None for only a drafter, its drafter, engine and
     limits) will allocate (shardd.weights.memory), from the configs alone: nothing is loaded."""
-    from shardd.weights.memory import drafter_weight_bytes, plan_memory
+    from shardd.engine.sizes import drafter_step_rows
+    from shardd.weights.memory import drafter_state_bytes, drafter_weight_bytes, plan_memory
     from shardd.engine.reference import rollback as rb
 
     layers, draft, storage, engine = shard.layers, shard.draft, shard.storage(), shard.engine
     torch_dtype = DTYPES[shard.dtype]
     begin, end = layers if layers is not None else (0, 0)
-    drafter_bytes = 0
+    drafter_bytes, drafter_state = 0, None
     if draft is not None:
         draft_dir, draft_layers = parse_draft(draft)
         draft_config = load_draft_config(draft_dir) if draft_dir is not None else \
@@ -305,6 +306,10 @@ def daemon_memory_plan(source: ModelSource, config: ModelConfig, shard):
         drafter_bytes = drafter_weight_bytes(
             draft_config, config, torch_dtype.itemsize, shares_embedding=layers is not None and begin == 0,
             shares_head=layers is not None and end == config.num_layers)
+        rows = drafter_step_rows(draft_config.block_size, shard.max_sequences, shard.step_rows)
+        drafter_state = drafter_state_bytes(draft_config, config.vocab_size, torch_dtype.itemsize, engine=engine,
+                                            max_sequences=shard.max_sequences, max_context=shard.max_context,
+                                            step_rows=rows)
     gdn = [i for i in range(begin, end) if config.is_gdn(i)]
     weights = source.weight_bytes(shard_shapes(config, begin, end), dtype=torch_dtype, keep_fp8=shard.keeps_fp8) \
         if layers is not None else 0
@@ -316,6 +321,6 @@ def daemon_memory_plan(source: ModelSource, config: ModelConfig, shard):
         checkpoint_bytes_per_sequence=rb.storage_bytes_per_sequence(config, gdn, storage),
         # the fast step's R (--step-rows), else one sequence's rows (FastShard's DEFAULT_ROWS without storage)
         step_rows=shard.step_rows or (storage.max_verify_tokens if storage.enabled else 16),
-        drafter_bytes=drafter_bytes, cap=shard.max_gpu_memory,
+        drafter_bytes=drafter_bytes, drafter_state=drafter_state, cap=shard.max_gpu_memory,
         # the GPU prefill's graphs (--prefill-rows) exist on a GPU only
         prefill_rows=shard.prefill_rows if layers is not None and shard.on_gpu else 0)

@@ -87,6 +87,7 @@ def plan_memory(
     config: ModelConfig, begin: int, end: int, *, weight_bytes: int, dtype_bytes: int, engine: str,
     max_sequences: int, max_context: int, max_tokens_per_request: int, checkpoint_bytes_per_sequence: int,
     step_rows: int, drafter_bytes: int = 0, cap: int | None = None, prefill_rows: int = 0,
+    drafter_state: dict[str, int] | None = None,
 ) -> MemoryPlan:
     """What a daemon serving layers [begin, end) will allocate with these options. The fast engine allocates every
     sequence slot (plus one scratch slot) at start; the reference engine allocates as sequences open, so its plan is
@@ -128,6 +129,7 @@ def plan_memory(
             activations(prefill_rows) + GRAPH_POOL_BYTES)
     if drafter_bytes:
         items["drafter"] = drafter_bytes
+    items.update(drafter_state or {})
     return MemoryPlan(items, cap)
 
 
@@ -140,3 +142,21 @@ def drafter_weight_bytes(draft_config, target: ModelConfig, dtype_bytes: int, *,
     total = sum(math.prod(shape) for shape in draft_shapes(draft_config).values()) * dtype_bytes
     embedding = target.vocab_size * target.hidden_size * dtype_bytes
     return total + (0 if shares_embedding else embedding) + (0 if shares_head else embedding)
+
+
+def drafter_state_bytes(draft_config, vocab_size: int, dtype_bytes: int, *, engine: str, max_sequences: int,
+                        max_context: int, step_rows: int) -> dict[str, int]:
+    """A hosted drafter's context K/V for every sequence and, on the fast engine, its steps' buffers
+    (shardd/engine/fast/draft.py: R rows of features, residual stream, attention and MLP scratch, float32 logits)."""
+    c = draft_config
+    block = c.block_size if engine == "fast" else 0  # the fast caches hold a block past the context
+    slots = max_sequences + (1 if engine == "fast" else 0)
+    kv = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * (max_context + block) * dtype_bytes * slots
+    items = {"drafter_context": kv}
+    if engine == "fast":
+        splits = -(-(max_context + block) // 1024)  # shardd.engine.kernels.attention.CHUNK
+        per_row = (c.feature_size * 2 * dtype_bytes + c.hidden_size * 4 * dtype_bytes + c.intermediate_size * dtype_bytes
+                   + c.num_attention_heads * c.head_dim * 3 * dtype_bytes + vocab_size * 4
+                   + c.num_attention_heads * splits * (c.head_dim + 2) * 4)
+        items["drafter_step"] = step_rows * per_row + (max_context + block) * c.head_dim * 2 * dtype_bytes
+    return items

@@ -96,6 +96,34 @@ def test_fast_drafter_slots_are_separate_and_reused():
         fast.new_state(CONTEXT + 1)
 
 
+@pytest.mark.parametrize("name", ["full", "windowed"])
+def test_batched_steps_draft_each_sequence_as_alone(name):
+    """Five sequences' contexts and blocks in shared steps (R = 2 blocks: three steps of blocks, a prompt longer
+    than a step split over context steps beside the others' rows, different block sizes) give each sequence the
+    bits of its proposal alone and the reference's tokens; a sequence twice in one call takes two steps."""
+    reference = drafter(name)
+    t = reference.config.block_size
+    batched = FastDrafter(reference, max_sequences=5, max_context=CONTEXT, step_rows=2 * t)
+    alone = FastDrafter(reference, max_sequences=5, max_context=CONTEXT, step_rows=2 * t)
+    sizes = [(3, t), (2 * t + 5, 2), (1, t - 1), (t, 4), (7, t)]  # (context rows, block size)
+    states = [batched.new_state(CONTEXT) for _ in sizes]
+    batched.add_context_batch([(state, features(reference, n, i)) for i, (state, (n, _)) in enumerate(zip(states, sizes))])
+    proposals = batched.propose_batch([(state, 10 + i, block) for i, (state, (_, block)) in enumerate(zip(states, sizes))])
+    for i, ((n, block), (ids, logits)) in enumerate(zip(sizes, proposals)):
+        state = alone.new_state(CONTEXT)
+        alone.add_context(state, features(reference, n, i))
+        want_ids, want_logits = alone.propose(state, 10 + i, block)
+        assert states[i].length == n and ids.shape == (block - 1,)
+        assert torch.equal(logits, want_logits) and torch.equal(ids, want_ids), i
+        ref = reference.new_state(CONTEXT)
+        reference.add_context(ref, features(reference, n, i))
+        ref_ids, ref_logits = reference.propose(ref, 10 + i, block)
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+        assert ids.tolist() == ref_ids.tolist()
+    twice = batched.propose_batch([(states[0], 10, t), (states[0], 10, t)])
+    assert torch.equal(twice[0][0], twice[1][0]) and torch.equal(twice[0][0], proposals[0][0])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(DRAFTS))
 def test_bf16_fast_drafter_matches_the_reference_on_the_gpu(name):

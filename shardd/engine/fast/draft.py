@@ -1,17 +1,19 @@
-"""`FastDrafter`: the DFlash drafter (shardd/draft/model.py) as two fixed-shape steps captured as CUDA graphs.
+"""`FastDrafter`: the DFlash drafter (shardd/draft/model.py) as two fixed-shape multi-sequence steps captured as
+CUDA graphs, sequences in rows as in the target's step (shardd/engine/fast/step.py).
 
-- the context step: C feature rows -> `fc` -> `hidden_norm` -> per layer the fused k|v GEMM and the attention
-  kernel's append (k norm, RoPE, written in place into the sequence's cache slot at its context length);
-- the block step: T = block_size rows `[last token, mask, ...]` through the layers (fused q|k|v and gate|up,
-  the target's split-KV attention kernels over context + block: non-causal within the block, causal with a
-  window in sliding layers), the final norm, the head's GEMM for the T-1 mask rows only, argmax on the device.
+- the context step: R rows of feature rows, each sequence's contiguous -> `fc` -> `hidden_norm` -> per layer the
+  fused k|v GEMM and the attention kernel's append (k norm, RoPE, written in place into each sequence's cache slot
+  at its context length);
+- the block step: R rows holding up to S blocks of at most T = block_size rows `[last token, mask, ...]` through the
+  layers (fused q|k|v and gate|up, the target's split-KV attention kernels over context + block: non-causal within
+  the block, causal with a window in sliding layers), the final norm, the head's GEMM and argmax on the device.
 
-Both read the slot, the number of real rows and the position from a device `control` tensor (one segment of
-the target step's table, shardd/engine/kernels/segments.py), so a graph serves every sequence, block size and
-context length. The block's own K/V go into the cache past the context (never counted in it: the next context
-rows overwrite them), so attention reads context and block from one place. A PROPOSE costs one context step per
-C committed rows (one in steady state) and one block step. The reference drafter stays the readable model and
-owns validation (check_propose).
+Both read each sequence's slot, number of rows, position and first row from a device `control` table (the target
+step's, shardd/engine/kernels/segments.py), so one graph serves every set of sequences, block sizes and context
+lengths; the shape never changes, so a sequence's drafts do not depend on who shares its step, and the weights are
+read once per step whatever the number of sequences. The block's own K/V go into the cache past the context (never
+counted in it: the next context rows overwrite them), so attention reads context and block from one place. The
+reference drafter stays the readable model and owns validation (check_propose).
 """
 
 from __future__ import annotations
@@ -68,26 +70,33 @@ def fuse_draft_layers(drafter: DFlashDrafter) -> list[_DraftLayer]:
 
 
 class FastDrafter:
-    """Serves in place of a DFlashDrafter (same new_state / check_propose / crop / add_context / propose)."""
+    """Serves in place of a DFlashDrafter (same new_state / check_propose / crop / add_context(_batch) /
+    propose(_batch)). `step_rows` is R, the rows of both steps (default T rows per sequence for up to 8 sequences,
+    never more than `max_sequences` fill)."""
 
     engine = "fast"
 
     def __init__(self, reference: DFlashDrafter, *, max_sequences: int, max_context: int,
-                 use_graphs: bool | None = None, context_rows: int | None = None):
+                 use_graphs: bool | None = None, step_rows: int | None = None):
         self.reference = reference
         c, device, dtype = reference.config, reference.device, reference.dtype
         self.config, self.device, self.dtype, self.vocab_size = c, device, dtype, reference.vocab_size
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)
-        self.rows = rows = c.block_size  # T: the block step's rows (last committed token + the drafts)
-        self.context_rows = context_rows or c.block_size  # C: feature rows per context step (a verify's commits)
+        self.rows = c.block_size  # T: one sequence's block (last committed token + the drafts)
+        if step_rows is None:
+            step_rows = self.rows * min(max_sequences, 8)
+        if step_rows < self.rows:
+            raise ValueError(f"the drafter's step of {step_rows} rows must hold one block of {self.rows}")
+        self.batch_rows = rows = step_rows  # R
+        self.max_segments = min(max_sequences, rows // self.rows)  # blocks one step holds (and context segments)
         self.max_context = max_context
         self.scratch_slot = max_sequences
         self.free = list(range(max_sequences - 1, -1, -1))
         self.layers = fuse_draft_layers(reference)
         heads, kv_heads, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         # the cache holds the context and, past it, the block's own K/V (positions up to max_context + T - 1)
-        cache_len = max_context + rows
+        cache_len = max_context + self.rows
         shape = (max_sequences + 1, kv_heads, cache_len, d)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
@@ -95,23 +104,24 @@ class FastDrafter:
         def zeros(*size, dtype=dtype):
             return torch.zeros(size, dtype=dtype, device=device)
 
-        self.features = zeros(self.context_rows, c.feature_size)
-        self.context = zeros(self.context_rows, c.hidden_size)
-        self.context_normed = zeros(self.context_rows, c.hidden_size)
-        self.context_control = zeros(segments.size(1, self.context_rows), dtype=torch.int32)
+        control_size = segments.size(self.max_segments, rows)
+        self.features = zeros(rows, c.feature_size)
+        self.context = zeros(rows, c.hidden_size)
+        self.context_normed = zeros(rows, c.hidden_size)
+        self.context_control = zeros(control_size, dtype=torch.int32)
         self.tokens = zeros(rows, dtype=torch.long)
-        self.control = zeros(segments.size(1, rows), dtype=torch.int32)
+        self.control = zeros(control_size, dtype=torch.int32)
         self.hidden = zeros(rows, c.hidden_size)
         self.normed = zeros(rows, c.hidden_size)
         self.query = zeros(rows, heads, d)
-        self.key_scratch = zeros(self.context_rows, kv_heads, d)
+        self.key_scratch = zeros(rows, kv_heads, d)
         self.attn_out = zeros(rows, heads * d)
         splits = attention_kernels.num_splits(cache_len)
         self.partials = (zeros(rows, heads, splits, dtype=torch.float32), zeros(rows, heads, splits, dtype=torch.float32),
                          zeros(rows, heads, splits, d, dtype=torch.float32))
         self.act = zeros(rows, c.intermediate_size)
-        self.logits = zeros(rows - 1, reference.vocab_size, dtype=torch.float32)
-        self.ids = zeros(rows - 1, dtype=torch.long)
+        self.logits = zeros(rows, reference.vocab_size, dtype=torch.float32)
+        self.ids = zeros(rows, dtype=torch.long)
         positions = torch.arange(cache_len, device=device)
         self.cos, self.sin = (t.contiguous() for t in reference.rope.cos_sin(positions, dtype))
 
@@ -121,19 +131,23 @@ class FastDrafter:
         self.context_step = CapturedCall(self._context_step, use_graphs=use_graphs, pool=pool)
         self.block_step = CapturedCall(self._block_step, use_graphs=use_graphs, pool=pool)
         pin = device.type == "cuda"
-        self._tokens = torch.full((rows,), c.mask_token_id, dtype=torch.long, pin_memory=pin)
-        self._control = torch.zeros(segments.size(1, rows), dtype=torch.int32, pin_memory=pin)
-        self._ids = torch.zeros(rows - 1, dtype=torch.long, pin_memory=pin)
+        self._features = torch.zeros((rows, c.feature_size), dtype=dtype, pin_memory=pin)
+        self._tokens = torch.zeros(rows, dtype=torch.long, pin_memory=pin)
+        self._control = torch.zeros(control_size, dtype=torch.int32, pin_memory=pin)
+        self._context_control = torch.zeros(control_size, dtype=torch.int32, pin_memory=pin)
+        self._ids = torch.zeros(rows, dtype=torch.long, pin_memory=pin)
         if use_graphs:  # capture now, on the scratch slot, so no request pays for it and no sequence is touched
-            for control, steps_rows in ((self.context_control, self.context_rows), (self.control, rows)):
-                control.copy_(self._one_segment(self.scratch_slot, 1, 0, steps_rows))
+            empty = self._table([segments.segment(self.scratch_slot, 1, 0)])
+            self.context_control.copy_(empty)
+            self.control.copy_(empty)
             self.context_step.capture()
             self.block_step.capture()
             torch.cuda.synchronize(device)
 
-    def _one_segment(self, slot: int, n: int, pos: int, rows: int) -> torch.Tensor:
-        """The control of a step of `rows` rows over one sequence's n rows at pos (the target step's layout)."""
-        return torch.tensor(segments.table([segments.segment(slot, n, pos)], 1, self.scratch_slot, rows), dtype=torch.int32)
+    def _table(self, table: list[list[int]]) -> torch.Tensor:
+        """The control of a step over `table`'s segments (the target step's layout)."""
+        return torch.tensor(segments.table(table, self.max_segments, self.scratch_slot, self.batch_rows),
+                            dtype=torch.int32)
 
     def weight_bytes(self) -> int:
         return self.reference.weight_bytes()
@@ -166,32 +180,81 @@ class FastDrafter:
 
     # ---- compute: the arguments are those check_propose accepted ----------------------------------
 
-    @torch.inference_mode()
     def add_context(self, state: FastDraftState, features: torch.Tensor) -> None:
-        """Append n committed rows' features [n, feature_size] at positions state.length .., C rows per step."""
-        for begin in range(0, features.shape[0], self.context_rows):
-            chunk = features[begin : begin + self.context_rows]
-            n = chunk.shape[0]
-            # copies from pageable memory, ordered on the stream: no wait between chunks (a prompt is many)
-            self.features[:n].copy_(chunk)
-            self.features[n:].zero_()
-            self.context_control.copy_(self._one_segment(state.slot, n, state.length, self.context_rows))
-            self.context_step()
-            state.length += n
+        self.add_context_batch([(state, features)])
+
+    def propose(self, state: FastDraftState, last_token: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        [proposal] = self.propose_batch([(state, last_token, block_size)])
+        return proposal
 
     @torch.inference_mode()
-    def propose(self, state: FastDraftState, last_token: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """As DFlashDrafter.propose: (ids [block_size-1], logits [block_size-1, vocab] float32, a view of a buffer
-        the next proposal reuses). The state is not changed."""
-        self._tokens[0] = last_token
-        self._control.copy_(self._one_segment(state.slot, block_size, state.length, self.rows))
-        self.tokens.copy_(self._tokens, non_blocking=True)
-        self.control.copy_(self._control, non_blocking=True)
-        self.block_step()
-        self._ids.copy_(self.ids, non_blocking=True)
-        if self.ids.is_cuda:
-            torch.cuda.current_stream().synchronize()
-        return self._ids[: block_size - 1].clone(), self.logits[: block_size - 1]
+    def add_context_batch(self, items: list[tuple[FastDraftState, torch.Tensor]]) -> None:
+        """Append each sequence's n committed rows' features [n, feature_size] at its positions state.length ..;
+        the sequences' rows packed into context steps of R rows (a long prompt over several), a sequence at most
+        once per step."""
+        pending = [(state, features, 0) for state, features in items if features.shape[0]]
+        while pending:
+            table, later, used = [], [], 0
+            for state, features, done in pending:
+                if used == self.batch_rows or len(table) == self.max_segments or any(
+                        s[segments.SLOT] == state.slot for s in table):
+                    later.append((state, features, done))
+                    continue
+                n = min(features.shape[0] - done, self.batch_rows - used)
+                # staged in pinned memory, then one copy per step, ordered on the stream (no wait between steps)
+                self._features[used:used + n].copy_(features[done:done + n])
+                table.append(segments.segment(state.slot, n, state.length, first=used))
+                state.length += n
+                used += n
+                if done + n < features.shape[0]:
+                    later.append((state, features, done + n))
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # the pinned buffers are refilled below
+            self.features[:used].copy_(self._features[:used], non_blocking=True)
+            self.features[used:].zero_()
+            self._context_control.copy_(self._table(table))
+            self.context_control.copy_(self._context_control, non_blocking=True)
+            self.context_step()
+            pending = later
+
+    @torch.inference_mode()
+    def propose_batch(self, items: list[tuple[FastDraftState, int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """As DFlashDrafter.propose for each (state, last_token, block_size): (ids [block_size-1], logits
+        [block_size-1, vocab] float32) per item. The blocks share block steps of R rows, up to S per step, a
+        sequence at most once per step; the last step's logits view a buffer the next proposal reuses. The
+        states are not changed."""
+        results: list = [None] * len(items)
+        order = list(range(len(items)))
+        views: list[int] = []
+        while order:
+            table, tokens, later, step = [], [], [], []
+            for index in order:
+                state, last_token, block_size = items[index]
+                if len(table) == self.max_segments or any(s[segments.SLOT] == state.slot for s in table):
+                    later.append(index)
+                    continue
+                table.append(segments.segment(state.slot, block_size, state.length, first=len(tokens)))
+                tokens.extend([last_token] + [self.config.mask_token_id] * (block_size - 1))
+                step.append(index)
+            for index in views:  # this step overwrites the logits an earlier step's proposals view
+                ids, logits = results[index]
+                results[index] = ids, logits.clone()
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # the pinned buffers are refilled below
+            self._tokens[:len(tokens)].copy_(torch.tensor(tokens, dtype=torch.long))
+            self._tokens[len(tokens):].fill_(self.config.mask_token_id)
+            self._control.copy_(self._table(table))
+            self.tokens.copy_(self._tokens, non_blocking=True)
+            self.control.copy_(self._control, non_blocking=True)
+            self.block_step()
+            self._ids.copy_(self.ids, non_blocking=True)
+            if self.ids.is_cuda:
+                torch.cuda.current_stream().synchronize()
+            for index, segment in zip(step, table):
+                mask_rows = slice(segment[segments.FIRST] + 1, segment[segments.FIRST] + segment[segments.ROWS])
+                results[index] = self._ids[mask_rows].clone(), self.logits[mask_rows]
+            views, order = step, later
+        return results
 
     # ---- the two steps (run eagerly or captured) ---------------------------------------------------
 
@@ -204,7 +267,8 @@ class FastDrafter:
             attention_kernels.append_kv(
                 F.linear(self.context_normed, layer.kv), layer.k_norm, self.cos, self.sin, keys, values,
                 self.key_scratch, self.context_control, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                rotary_dim=c.head_dim, eps=eps, rows=self.context_rows, zero_centred=False,
+                rotary_dim=c.head_dim, eps=eps, rows=self.batch_rows, zero_centred=False,
+                segments=self.max_segments,
             )
 
     def _block_step(self) -> None:
@@ -218,15 +282,16 @@ class FastDrafter:
                 F.linear(self.normed, layer.qkv), layer.q_norm, layer.k_norm, self.cos, self.sin, keys, values,
                 self.query, self.partials, self.attn_out, self.control,
                 num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                rotary_dim=c.head_dim, eps=eps, rows=self.rows,
-                gated=False, zero_centred=False, causal=layer.window > 0, window=layer.window,
+                rotary_dim=c.head_dim, eps=eps, rows=self.batch_rows, segments=self.max_segments,
+                segment_rows=self.rows, gated=False, zero_centred=False, causal=layer.window > 0,
+                window=layer.window,
             )
             delta = F.linear(self.attn_out, layer.o_proj)
             self._add_norm(delta, layer.post_attention_layernorm)
             delta = F.linear(elementwise.silu_mul(F.linear(self.normed, layer.gate_up), self.act), layer.down)
         self._add_norm(delta, ref.norm)
-        # logits for the mask rows only (row 0 holds the last committed token)
-        self.logits.copy_(F.linear(self.normed[1:], ref.lm_head))
+        # every row's logits (a block's first row holds its last committed token: its logits go unread)
+        self.logits.copy_(F.linear(self.normed, ref.lm_head))
         torch.argmax(self.logits, dim=-1, out=self.ids)
 
     def _add_norm(self, delta, weight) -> None:

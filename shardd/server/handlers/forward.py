@@ -196,6 +196,7 @@ class Forward:
             rows = [(out.logits, out.ids.tolist(), runs[i][1].pos, runs[i][3]) for i, out in heads]
             answered = self._run_items([runs[i] for i, _ in heads], lambda: answer_batch(rows))
             head_answers = {i: answer for (i, _), answer in zip(heads, answered)}
+        verified = []  # (index, item, entry, output) of the items whose reply brings the next block
         for i, (index, item, entry, head) in enumerate(runs):
             out = head_answers.get(i, outputs[i])
             if isinstance(out, Exception):
@@ -203,23 +204,30 @@ class Forward:
                 continue
             answers[index] = self._result(item, entry, outputs[i], head_answers.get(i))
             if proposing(item):
-                answers[index] = self._propose_after(item, entry, answers[index], outputs[i])
+                verified.append((index, item, entry, outputs[i]))
+        if verified:
+            self._propose_after(verified, answers)
         if getattr(request, "send_rows", None) is not None:  # the rows go on first: they are what the next shard waits for
             self._send_batch_rows(request, answers, peer)
         return batch_reply(request, answers, self.refusals)
 
-    def _propose_after(self, item, entry: Sequence, answer: tuple, out):
-        """A batch item's `proposal` after its verify ran (the drafter one item at a time); a failure fails its own
-        sequence (INTERNAL: its drafter context may be half-updated), not the batch's others."""
-        result, _ = answer
+    def _propose_after(self, verified: list[tuple], answers: list) -> None:
+        """The `proposal` of each verified batch item (index, item, entry, output), drafted together in the
+        drafter's shared steps; a failure fails those sequences (INTERNAL: their drafter contexts may be
+        half-updated), not the batch's others."""
         try:
-            result["proposal"] = self.proposer.after_verify(item, entry, result["ids"], out.captured)
+            proposals = self.proposer.after_verify_batch(
+                [(item, entry, answers[index][0]["ids"], out.captured) for index, item, entry, out in verified])
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
-            log.error("internal error proposing for sequence %s: %s\n%s", item.seq, message, traceback.format_exc())
-            self.sequences.fail(entry, message)
-            return ProtocolError(ErrorCode.INTERNAL, message)
-        return answer
+            log.error("internal error proposing for sequences %s: %s\n%s", [item.seq for _, item, _, _ in verified],
+                      message, traceback.format_exc())
+            for index, _, entry, _ in verified:
+                self.sequences.fail(entry, message)
+                answers[index] = ProtocolError(ErrorCode.INTERNAL, message)
+            return
+        for (index, _, _, _), proposal in zip(verified, proposals):
+            answers[index][0]["proposal"] = proposal
 
     def _batch_with_rows(self, request):
         """A batched FORWARD with `rows_ticket`, each item as if its rows had come in tensor `hidden`; an item the

@@ -76,33 +76,46 @@ class Propose:
                                 f"send rows {entry.draft.length}..{request.pos - 1} with PROPOSE first")
 
     def after_verify(self, request, entry, ids: list[int], captured: dict) -> dict:
-        """The verify's committed rows (the accepted drafts' prefix plus its first row) join the drafter's context,
-        then the next block is drafted after the bonus token: what PROPOSE would answer after this step."""
-        model, config = self.drafter.model, self.drafter.config
-        drafts = request.drafts
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == ids[accepted]:
-            accepted += 1
-        keep = accepted + 1  # rows pos .. pos+accepted: the block's first token and the accepted drafts
-        carried = request.carried.to_torch() if request.carried is not None else None
+        """One verify's `proposal` (after_verify_batch of one)."""
+        [proposal] = self.after_verify_batch([(request, entry, ids, captured)])
+        return proposal
+
+    def after_verify_batch(self, verified: list[tuple]) -> list[dict]:
+        """Per (request, entry, ids, captured) of verifies that ran: the verify's committed rows (the accepted
+        drafts' prefix plus its first row) join the drafter's context, then the next block is drafted after the
+        bonus token: what PROPOSE would answer after this step. All the sequences' context rows go in shared
+        context steps, all their blocks in shared block steps (the fast drafter's; the reference's one by one)."""
+        model, config, counters = self.drafter.model, self.drafter.config, self.counters
         width = self.hidden_size
-        columns = []
-        for layer in config.target_layer_ids:
-            if layer in captured:
-                columns.append(captured[layer][:keep])
-            else:
-                j = request.carried_layers.index(layer)
-                columns.append(carried[:keep, j * width:(j + 1) * width])
-        draft, counters = entry.draft, self.counters
-        if draft.length > request.pos:
-            counters.draft_crops += 1
-            counters.draft_rows_cropped += draft.length - request.pos
-            model.crop(draft, request.pos)
-        model.add_context(draft, torch.cat(columns, dim=1))
-        counters.draft_context_rows += keep
-        tokens, _ = model.propose(draft, ids[accepted], request.propose + 1)
-        counters.proposals += 1
-        counters.proposals_in_reply += 1
-        counters.draft_tokens += request.propose
-        return {"accepted": accepted, "pos": request.pos + keep, "last_token": ids[accepted], "tokens": tokens.tolist(),
-                "context_length": draft.length}
+        contexts, blocks, replies = [], [], []
+        for request, entry, ids, captured in verified:
+            drafts = request.drafts
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == ids[accepted]:
+                accepted += 1
+            keep = accepted + 1  # rows pos .. pos+accepted: the block's first token and the accepted drafts
+            carried = request.carried.to_torch() if request.carried is not None else None
+            columns = []
+            for layer in config.target_layer_ids:
+                if layer in captured:
+                    columns.append(captured[layer][:keep])
+                else:
+                    j = request.carried_layers.index(layer)
+                    columns.append(carried[:keep, j * width:(j + 1) * width])
+            draft = entry.draft
+            if draft.length > request.pos:
+                counters.draft_crops += 1
+                counters.draft_rows_cropped += draft.length - request.pos
+                model.crop(draft, request.pos)
+            contexts.append((draft, torch.cat(columns, dim=1)))
+            blocks.append((draft, ids[accepted], request.propose + 1))
+            replies.append({"accepted": accepted, "pos": request.pos + keep, "last_token": ids[accepted]})
+            counters.draft_context_rows += keep
+        model.add_context_batch(contexts)
+        proposals = model.propose_batch(blocks)
+        for reply, (request, entry, _, _), (tokens, _) in zip(replies, verified, proposals):
+            reply["tokens"], reply["context_length"] = tokens.tolist(), entry.draft.length
+            counters.proposals += 1
+            counters.proposals_in_reply += 1
+            counters.draft_tokens += request.propose
+        return replies
