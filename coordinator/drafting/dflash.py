@@ -133,6 +133,7 @@ class DFlashDrafterClient:
             raise PipelineError(f"refusing the drafter at {where}: " + "; ".join(problems))
         # A sequence belongs to the connection that opened it: on a pipeline shard, use the pipeline's own.
         self.shares_pipeline_daemon = where in pipeline.endpoints
+        self.endpoint = where  # the daemon that drafts (named when it fails)
         self.client = pipeline.clients[pipeline.endpoints.index(where)] if self.shares_pipeline_daemon else client
         self.pipeline = pipeline
         self.layer_ids: list[int] = list(info["target_layer_ids"])
@@ -247,7 +248,11 @@ class DFlashDrafterClient:
         self.rows.record(pos, outputs)
 
     def proposed(self, proposal: dict) -> None:
-        """The head shard's proposal after a verify: its context now holds the rows up to proposal["pos"]."""
+        """The head shard's proposal after a verify: its context now holds the rows up to proposal["pos"]. A
+        proposal that failed (`error`: the verify ran, the drafter did not) left the context at the verify's pos:
+        the next `propose` sends PROPOSE with the rows since."""
+        if "error" in proposal:
+            return
         if proposal.get("context_length") != proposal.get("pos"):
             raise ProtocolError(ErrorCode.INTERNAL, f"{self.client.endpoint}: a proposal at {proposal.get('pos')} "
                                                     f"with a context of {proposal.get('context_length')} rows")

@@ -35,6 +35,7 @@ class DecodeResult:
     rollbacks_fallback: int = 0  # RollbackFailed, state re-filled from history
     replays: int = 0  # replay mode: restore plus a forward of the kept tokens
     recoveries: int = 0  # SequenceLost (e.g. a restarted shard), state re-filled from history
+    drafter_failed: bool = False  # the drafter failed and the request went on without drafts (same output)
     commits: list[int] = field(default_factory=list)  # tokens committed per step
     logprobs: list | None = None  # with sampling.logprobs: per token [logprob, [[id, logprob], ...top]]
     finish_reason: str = LENGTH  # "stop": an EOS or a StopDecoding; "length": max_new_tokens or the context limit
@@ -108,6 +109,9 @@ class Request:
         # A drafter that reads the target's features (DFlash) names the target that opens, closes and re-fills its
         # sequence, so the drafter follows; its forwards go in the step's batch, prepared and collected by the drafter.
         self.feature_target = getattr(drafter, "target", None)
+        # A drafter served by a daemon names it (`endpoint`): when it times out, every stream it drafts for stops
+        # asking it for a while (coordinator.scheduler).
+        self.drafter_endpoint = getattr(drafter, "endpoint", None)
         self.target = None  # what opens, closes and re-fills this request's sequence, chosen at admission
         self.block_size = block_size
         self.on_commit = on_commit

@@ -34,6 +34,7 @@ other streams wait for it, and their tokens stay the same.
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import threading
 import time
@@ -58,6 +59,11 @@ from protocol.layout import CHECKPOINT, REPLAY, ROLLBACK_MODES
 # together are prefilled in one step, and a prompt takes at most half a step (`default_prefill_chunk`), which bounds
 # how long the running streams wait for a token behind it.
 DEFAULT_BATCH_ROWS = 8192
+# A drafter daemon that timed out is not asked again for this long (its streams, and those admitted meanwhile,
+# decode plainly); after it, new proposals try it again.
+DRAFTER_RETRY_S = 60.0
+
+log = logging.getLogger("shardctl")
 
 
 def default_prefill_chunk(batch_rows: int, prefill_rows: Optional[int]) -> int:
@@ -212,6 +218,8 @@ class Scheduler:
         self._incoming: deque[Request] = deque()  # appended by any thread (deque appends are atomic)
         self._wake = threading.Event()
         self._prompt_waited = False  # a prompt chunk found no room last step: prompts go first this one
+        self._drafters_down: dict[str, float] = {}  # a drafter daemon that timed out -> when to try it again
+        self._drafters_reported: set = set()  # drafters whose failure was logged (one line each)
 
     # ---- from any thread ------------------------------------------------------------------
 
@@ -366,14 +374,50 @@ class Scheduler:
             return _Item(request, DECODE, BatchForward(request.seq, len(history) - 1, [history[-1]],
                                                        sampling=sampling.get("sampling")), room=room)
         started = time.perf_counter()
-        drafts = request.drafter.propose(history, rows - 1)
+        drafts = self._propose(request, history, rows - 1)
         request.result.draft_seconds += time.perf_counter() - started
+        if drafts is None:  # its drafter failed: a plain decode step, the same tokens
+            return self._item(request, 1)
         if len(drafts) != rows - 1:
             raise ValueError(f"drafter {request.drafter.name!r} proposed {len(drafts)} tokens, asked for {rows - 1}")
         extra = with_drafts(sampling, drafts)
         forward = BatchForward(request.seq, len(history) - 1, [history[-1]] + drafts, checkpoint=True,
                                sampling=extra.get("sampling"), drafts=extra.get("drafts"))
         return _Item(request, DECODE, forward, drafts=drafts, room=room)
+
+    def _propose(self, request: Request, history: list[int], n: int) -> Optional[list[int]]:
+        """The drafter's guesses; None when it failed (or failed for another stream and is not tried again yet),
+        after which the request decodes plainly: a drafter never changes the output (greedy: the same tokens;
+        sampled: the same distribution)."""
+        drafter, endpoint = request.drafter, request.drafter_endpoint
+        down = self._drafters_down.get(endpoint) if endpoint else None
+        if down is not None and time.monotonic() < down:
+            self._decode_plainly(request, close_drafter=False)
+            return None
+        try:
+            return drafter.propose(history, n)
+        except Exception as error:  # noqa: BLE001 - its stream decodes plainly, with the same output
+            unreachable = isinstance(error, SequenceLost) and isinstance(error.__cause__, TimeoutError)
+            if endpoint and unreachable:  # hung or gone: its other streams stop asking it too
+                self._drafters_down[endpoint] = time.monotonic() + DRAFTER_RETRY_S
+            if endpoint not in self._drafters_reported or not endpoint:
+                self._drafters_reported.add(endpoint)
+                where = f" at {endpoint}" if endpoint else ""
+                log.warning("the %s drafter%s failed (%s: %s); its streams decode without drafts, output unchanged",
+                            drafter.name, where, type(error).__name__, error)
+            self._decode_plainly(request, close_drafter=not unreachable)
+            return None
+
+    def _decode_plainly(self, request: Request, *, close_drafter: bool) -> None:
+        """The request goes on without its drafter: its sequence on the batch's target as it stands (a sequence
+        the drafter's daemon failed with it is re-filled like any lost one); a drafter that answers gets its own
+        sequence closed (one that hangs is not asked again)."""
+        drafter, feature_target = request.drafter, request.feature_target
+        request.drafter, request.feature_target, request.target = None, None, self.target
+        request.result.drafter_failed = True
+        if feature_target is not None and close_drafter and request.seq is not None:
+            with contextlib.suppress(Exception):
+                drafter.closed(request.seq)
 
     # ---- running a step -------------------------------------------------------------------
 

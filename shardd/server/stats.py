@@ -29,6 +29,7 @@ class Counters:
     proposals: int = 0
     draft_tokens: int = 0
     proposals_in_reply: int = 0  # blocks proposed inside a CAPTURE reply (`propose`), no PROPOSE round trip
+    proposal_failures: int = 0  # drafter calls after a verify that failed (the verifies stood; `proposal.error`)
     draft_context_rows: int = 0  # feature rows added to drafter contexts
     draft_crops: int = 0  # PROPOSEs that first dropped context rows of rolled-back tokens
     draft_rows_cropped: int = 0

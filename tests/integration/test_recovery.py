@@ -114,3 +114,55 @@ def test_dflash_streams_in_the_scheduler_are_refilled_after_the_head_shard_resta
         assert all(shard["open_sequences"] == 0 for shard in stats)
     finally:
         stop_all(daemons)
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_dflash_streams_fall_back_to_plain_decoding_when_their_drafter_daemon_fails(tmp_path, expected, caplog, fault):
+    """The drafter's own daemon is killed (and not restarted) or stopped (SIGSTOP: it hangs) while two DFlash streams
+    and a greedy one share the scheduler's steps: the failure is logged in one line naming the drafter, both DFlash
+    streams go on without drafts (after a hang only the first waits out the timeout), and every output is plain
+    greedy decoding."""
+    import logging
+    import signal
+    import time
+
+    from coordinator.drafting.dflash import DFlashDrafterClient
+    from coordinator.relay.client import ShardClient
+    from coordinator.scheduler.requests import Request
+    from coordinator.scheduler.scheduler import decode_all
+
+    args = [["--layers", "0:6", "--max-verify-tokens", "16"], ["--layers", "none", "--draft", "synthetic"]]
+    binds, daemons = ready_daemons(["shard", "drafter"], args, tmp_path)
+    timeout_s = 3.0
+    commits = []
+
+    def fail_the_drafter(ids):
+        commits.append(ids)
+        if len(commits) == 3:
+            if fault == "killed":
+                daemons[1].signal(signal.SIGKILL)
+                daemons[1].wait(10)
+            else:
+                daemons[1].signal(signal.SIGSTOP)
+
+    try:
+        with Pipeline.connect(binds[:1], timeout_s=30.0) as pipeline, \
+                ShardClient(binds[1], timeout_s=timeout_s) as client, caplog.at_level(logging.WARNING, "shardctl"):
+            first = DFlashDrafterClient(client, pipeline)
+            requests = [Request(PROMPT, NEW_TOKENS, drafter=first, block_size=8, on_commit=fail_the_drafter),
+                        Request(PROMPT, NEW_TOKENS, drafter=first.fresh(), block_size=8), Request(PROMPT, NEW_TOKENS)]
+            started = time.monotonic()
+            results = decode_all(pipeline, requests)
+            elapsed = time.monotonic() - started
+            open_after = pipeline.stats()[0]["open_sequences"]
+        assert [result.tokens for result in results] == [expected] * 3
+        assert [result.drafter_failed for result in results] == [True, True, False]
+        lines = [r.getMessage() for r in caplog.records if "drafter" in r.getMessage()]
+        assert len(lines) == 1 and binds[1] in lines[0] and "without drafts" in lines[0], lines
+        assert open_after == 0
+        if fault == "hung":
+            assert elapsed < 2.5 * timeout_s + 20, elapsed  # one timeout, not one per stream
+    finally:
+        if fault == "hung":
+            daemons[1].signal(signal.SIGCONT)
+        stop_all(daemons)

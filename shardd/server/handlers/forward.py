@@ -59,7 +59,7 @@ class Forward:
             answer = answer_rows(out.logits, out.ids.tolist(), request.pos, head)
         result, tensors = self._result(request, entry, out, answer)
         if proposing(request):
-            result["proposal"] = self.proposer.after_verify(request, entry, result["ids"], out.captured)
+            self._propose_after([(0, request, entry, out)], [(result, tensors)])
         if request.send_rows is not None:  # the rows go on to the next shard first: they are what it waits for
             self.relay.send(request, tensors.pop("hidden"), wait)
             result["rows_sent"] = True
@@ -212,19 +212,22 @@ class Forward:
         return batch_reply(request, answers, self.refusals)
 
     def _propose_after(self, verified: list[tuple], answers: list) -> None:
-        """The `proposal` of each verified batch item (index, item, entry, output), drafted together in the
-        drafter's shared steps; a failure fails those sequences (INTERNAL: their drafter contexts may be
-        half-updated), not the batch's others."""
+        """The `proposal` of each verified item (index into `answers`, item, entry, output), drafted together in
+        the drafter's shared steps. The verifies ran and stand: when the drafter fails, each of them answers
+        `proposal: {"error": ...}` and its drafter context is cropped back to the verify's pos (rows it may have
+        half-written are dropped), so the client sends PROPOSE next; the daemon logs it in one line."""
         try:
             proposals = self.proposer.after_verify_batch(
                 [(item, entry, answers[index][0]["ids"], out.captured) for index, item, entry, out in verified])
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
-            log.error("internal error proposing for sequences %s: %s\n%s", [item.seq for _, item, _, _ in verified],
+            log.error("the drafter failed proposing after the verify of sequences %s (they go on; their drafter "
+                      "contexts are cropped to the verify): %s\n%s", [item.seq for _, item, _, _ in verified],
                       message, traceback.format_exc())
-            for index, _, entry, _ in verified:
-                self.sequences.fail(entry, message)
-                answers[index] = ProtocolError(ErrorCode.INTERNAL, message)
+            self.counters.proposal_failures += 1
+            for index, item, entry, _ in verified:
+                self.proposer.drafter.model.crop(entry.draft, min(entry.draft.length, item.pos))
+                answers[index][0]["proposal"] = {"error": {"code": ErrorCode.INTERNAL.value, "message": message}}
             return
         for (index, _, _, _), proposal in zip(verified, proposals):
             answers[index][0]["proposal"] = proposal

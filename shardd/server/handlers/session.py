@@ -139,6 +139,7 @@ class Session:
             result["drafter"] = {
                 "proposals": c.proposals,
                 "proposals_in_reply": c.proposals_in_reply,
+                "proposal_failures": c.proposal_failures,
                 "draft_tokens": c.draft_tokens,
                 "context_rows_added": c.draft_context_rows,
                 "crops": c.draft_crops,
