@@ -578,6 +578,33 @@ def drafter_in_process(args) -> dict:
             out["profile_propose_top"] = profile_top(torch, propose, 5)
         model.release_state(state)
     out["draft_floor_ratio"] = round(out["draft_propose_ms_fast"] / out["draft_floor_ms"], 3)
+    # the daemon's drafter beside a batched verify: one step of R = 8 blocks for every count up to 8 sequences
+    batched = FastDrafter(reference, max_sequences=32, max_context=context, step_rows=8 * BLOCK)
+    out["draft_batch_rows_per_step"] = batched.batch_rows
+    out["draft_batch_ms"] = {}
+    for count in (1, 8, 32):
+        states = [batched.new_state(context) for _ in range(count)]
+        batched.add_context_batch([(state, prompt_rows) for state in states])
+
+        def propose_all():
+            for state in states:
+                batched.crop(state, args.prompt_len)
+            batched.add_context_batch([(state, step_rows) for state in states])
+            batched.propose_batch([(state, 1, BLOCK) for state in states])
+
+        for _ in range(3):
+            propose_all()
+        samples = []
+        for _ in range(args.repeats):
+            torch.cuda.synchronize(device)
+            began = time.perf_counter()
+            propose_all()
+            torch.cuda.synchronize(device)
+            samples.append(time.perf_counter() - began)
+        out["draft_batch_ms"][str(count)] = median_ms(samples)
+        for state in states:
+            batched.release_state(state)
+    out["draft_batch_8_vs_1"] = round(out["draft_batch_ms"]["8"] / out["draft_batch_ms"]["1"], 3)
     return out
 
 
