@@ -80,6 +80,8 @@ SHARD_IDENTITY = {
     "dtype": lambda h: h.get("dtype"),
     "head": lambda h: h.get("owns_head"),
     "embedding": lambda h: h.get("owns_embedding"),
+    # engine, step rows, prefill piece, attention launch, FP8 scheme and tiles: a token's bits depend on each
+    "numerics": lambda h: h.get("numerics"),
 }
 
 

@@ -92,3 +92,22 @@ def draft_with(engine: str, hosted, *, max_sequences: int, max_context: int, ste
     step_rows = drafter_step_rows(hosted.model.config.block_size, max_sequences, step_rows)
     hosted.model = FastDrafter(hosted.model, max_sequences=max_sequences, max_context=max_context, step_rows=step_rows)
     return hosted
+
+
+def numerics(shard, max_context: int, quantization: dict | None) -> dict | None:
+    """What decides a token's bits beyond the weights and the dtype (HELLO's `numerics`): the engine, the fixed
+    step's T and R, the GPU prefill's piece, the attention launch of the cache length, the FP8 scheme and tile table.
+    A coordinator re-fills a restarted shard only when this is unchanged (coordinator/relay/shards.py)."""
+    if shard is None:
+        return None
+    out = {"engine": shard.engine, "step_rows": shard.step_rows, "batch_rows": shard.batch_rows,
+           "prefill_rows": shard.prefill_rows, "quantization": quantization}
+    if shard.engine == "fast":
+        from shardd.engine.kernels.attention import launch
+
+        out["attention_launch"] = launch(max_context)
+        if quantization:
+            from shardd.engine.kernels.fp8_gemm import tiles_identity
+
+            out["fp8_tiles"] = tiles_identity()
+    return out

@@ -137,7 +137,8 @@ def test_shardctl_reports_a_missing_shard_in_one_line(tmp_path):
     ["--layers", "3:6", "--synthetic", "tiny:1"],  # other weights
     ["--layers", "2:6"],  # another layer range
     ["--layers", "3:6", "--dtype", "bfloat16"],  # another dtype
-], ids=["weights", "layers", "dtype"])
+    ["--layers", "3:6", "--engine", "fast"],  # another step implementation (HELLO numerics): other bits
+], ids=["weights", "layers", "dtype", "engine"])
 def test_a_different_daemon_on_the_endpoint_is_not_refilled(tmp_path, replacement):
     """Was: re-filled, exit 0, different output."""
     binds, daemons = start_pair(tmp_path)

@@ -226,6 +226,12 @@ def _attention_merge_row(
     tl.store(out_ptr + row * HQ * D + head * D + lanes, attended.to(dtype), mask=dmask)
 
 
+def launch(cache_positions: int) -> str:
+    """Which launch shape the split kernel takes over a cache of this many positions: "long" (LONG_LAUNCH) or
+    "short". The two reduce a row's keys in another order, so a token's bits depend on it (HELLO's `numerics`)."""
+    return "long" if cache_positions >= LONG_CONTEXT else "short"
+
+
 def num_splits(max_context: int) -> int:
     return triton.cdiv(max_context, CHUNK)
 
@@ -263,7 +269,9 @@ def attention_step(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, query, parti
     m, l, acc = partials
     splits = m.shape[-1]
     group = num_heads // num_kv_heads
-    heads, block_n, warps = LONG_LAUNCH if k_cache.shape[2] >= LONG_CONTEXT else SHORT_LAUNCH
+    heads, block_n, warps = LONG_LAUNCH if launch(k_cache.shape[2]) == "long" else SHORT_LAUNCH
+    if CHUNK % block_n:  # a key block across two chunks would count its keys in both
+        raise ValueError(f"CHUNK {CHUNK} is not a multiple of the launch's key block {block_n}")
     heads_per_program = math.gcd(group, heads)
     _attention_split_kernel[(num_heads // heads_per_program, splits, segments)](
         query, k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.shape[2], m, l, acc, splits,

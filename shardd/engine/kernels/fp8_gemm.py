@@ -140,6 +140,19 @@ def tile_config(n: int, k: int, blockwise: bool) -> TileConfig:
     return _TUNED.get((n, k, blockwise)) or TILE_TABLE.get((n, k, blockwise)) or _rule(n, k, blockwise)
 
 
+def tiles_identity() -> str:
+    """Which tile table the launches read: "built-in", or the sha256 (first 16 hex) of $SHARDD_FP8_TILES's file. A
+    tile changes how a dot product is split, so a token's bits (HELLO's `numerics`)."""
+    import hashlib
+    import os
+
+    path = os.environ.get(TILES_ENV)
+    if not path:
+        return "built-in"
+    with open(path, "rb") as tiles:
+        return hashlib.sha256(tiles.read()).hexdigest()[:16]
+
+
 @triton.jit
 def _fp8_bits_to_float(u):
     """uint8 e4m3fn bytes -> float32 values, exactly, in integer ops only (no FP8 type needed).

@@ -11,6 +11,7 @@ from common.model_config import dtype_name
 from protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError
 from protocol.timing import DAEMON as PHASES
 from shardd.engine.reference.rollback import RollbackStorage
+from shardd.engine.select import numerics
 from shardd.obs import timeline
 from shardd.obs.health import device_memory
 from shardd.server.peer import Peer
@@ -77,6 +78,8 @@ class Session:
             "drafter": daemon.drafter.describe(config.max_context) if daemon.drafter is not None else None,
             "memory": daemon.memory,
             "quantization": daemon.quantization,
+            # what decides a token's bits beyond weights and dtype: a restarted shard must match it to be re-filled
+            "numerics": numerics(shard, config.max_context, daemon.quantization),
             "pid": os.getpid(),
             # --busy-poll-ms as resolved (auto: on a GPU host with the cores for it): a coordinator's auto follows it
             "busy_poll_ms": round(config.busy_poll_s * 1000, 3),
