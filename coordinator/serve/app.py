@@ -48,6 +48,14 @@ from coordinator.serve.protocol import (
     UsageInfo,
     random_id,
 )
+from coordinator.serve.responses import (
+    ResponseEvents,
+    ResponsesError,
+    ResponseShape,
+    ResponsesRequest,
+    output_items,
+)
+from coordinator.serve.responses import usage as response_usage
 from coordinator.serve.tools import ToolCallStream, ToolError, check_tool_choice, parse_tool_calls, template_messages
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default
@@ -297,11 +305,8 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
             raise RequestError(str(error)) from None
         return engine.tokenizer.encode(text)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
-        refused = check_common(body)
-        if refused is not None:
-            return refused
+    async def chat_choices(body: ChatCompletionRequest) -> tuple[list[GenerateParams], Optional[int], bool]:
+        """A chat request's choices, its top logprobs (None: none asked) and whether tool calls are parsed."""
         if body.top_logprobs is not None and not body.logprobs:
             refuse("when using 'top_logprobs', 'logprobs' must be set to true", "top_logprobs")
         try:
@@ -312,7 +317,14 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
             chat_prompt, body.messages, body.tools, body.add_generation_prompt, body.chat_template_kwargs)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
-        choices = params_of(body, ids, max_tokens, engine.max_context - len(ids), top)
+        return params_of(body, ids, max_tokens, engine.max_context - len(ids), top), top, parse_tools
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        refused = check_common(body)
+        if refused is not None:
+            return refused
+        choices, top, parse_tools = await chat_choices(body)
         route = "/v1/chat/completions"
         if body.stream:
             return StreamingResponse(stream_chat(choices, top, parse_tools, body.include_usage(), route),
@@ -385,8 +397,13 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
                                           usage=usage_of(results)))
         yield sse("[DONE]")
 
-    async def guarded(deltas, route: str):
-        """The engine's deltas; a failure mid-stream becomes an error event (the status line is already sent)."""
+    def error_events(error: Exception) -> str:
+        body = ErrorResponse(error=ErrorInfo(message=str(error), type="InternalServerError", code=500))
+        return sse(body.model_dump_json()) + sse("[DONE]")
+
+    async def guarded(deltas, route: str, on_error=error_events):
+        """The engine's deltas; a failure mid-stream becomes the stream's error events (`on_error`'s text: the
+        status line is already sent)."""
         try:
             async for delta in deltas:
                 yield delta
@@ -394,10 +411,55 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
         except Exception as error:  # noqa: BLE001 - reported to the client in the stream
             metrics.requests.labels(route, "500").inc()
             log.error("500 in a stream of %s: %s: %s", route, type(error).__name__, error, exc_info=error)
-            body = ErrorResponse(error=ErrorInfo(message=str(error), type="InternalServerError", code=500))
-            yield None, sse(body.model_dump_json()) + sse("[DONE]")
+            yield None, on_error(error)
         finally:
             await deltas.aclose()
+
+    # ---- responses (the chat path, answered as the Responses API) ----------------------------------------
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest):
+        refused = check_common(body)
+        if refused is not None:
+            return refused
+        try:
+            problem = body.refusal()
+            if problem is not None:
+                raise problem
+            chat = body.chat_request()
+        except ResponsesError as error:
+            refuse(str(error), error.param)
+        (choice,), _, parse_tools = await chat_choices(chat)
+        shape = ResponseShape(body, engine.model_name)
+        route = "/v1/responses"
+        if body.stream:
+            return StreamingResponse(stream_response(choice, shape, parse_tools, route),
+                                     media_type="text/event-stream")
+        ((content, result, _),) = await complete_all(engine, [choice])
+        metrics.requests.labels(route, "200").inc()
+        calls = []
+        if parse_tools:
+            content, calls = parse_tool_calls(content)
+        output = output_items(content, calls)
+        return JSONResponse(shape.body(shape.status_of(result.finish_reason), output,
+                                       response_usage(result.prompt_tokens, len(result.tokens))))
+
+    async def stream_response(choice: GenerateParams, shape: ResponseShape, parse_tools: bool,
+                              route: str) -> AsyncIterator[str]:
+        events = ResponseEvents(shape, parse_tools)
+        for event in events.start():
+            yield event
+        failed = lambda error: "".join(events.failed(str(error)))  # noqa: E731
+        async for _, item in guarded(merged([engine.generate(choice)]), route, on_error=failed):
+            if isinstance(item, str):
+                yield item
+                return
+            for event in events.feed(item.text, item.result is not None):
+                yield event
+            if item.result is not None:
+                result = item.result
+                for event in events.finish(result.prompt_tokens, len(result.tokens), result.finish_reason):
+                    yield event
 
     # ---- tokenizer endpoints (vLLM's) ----------------------------------------------------------
 
