@@ -4,6 +4,7 @@ fixtures."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -31,19 +32,18 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 ASK = [{"role": "user", "content": "weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def tool_model(tmp_path_factory):
+def build_tool_model(out, markers_special: bool = False) -> dict:
     """A model that answers `<tool_call>CALL</tool_call><|im_start|><|im_end|>` after any chat prompt: its layers
     write nothing to the residual stream, so each next token depends on the current one only (a bigram table
-    set in the head)."""
+    set in the head). `markers_special`: its tokenizer marks `<tool_call>` and `</tool_call>` special."""
     from jinja2 import Environment
     from tokenizers import AddedToken, Tokenizer
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    out = tmp_path_factory.mktemp("tools")
     build_tokenizer(out)
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
-    tokenizer.add_tokens([AddedToken(text, special=False, normalized=False) for text in TOOL_TOKENS])
+    tokenizer.add_tokens([AddedToken(text, special=markers_special and text != CALL, normalized=False)
+                          for text in TOOL_TOKENS])
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "chat_template.jinja").write_text(TOOLS_CHATML)
     ids = {text: tokenizer.token_to_id(text) for text in TOOL_TOKENS + ["<|im_start|>", "<|im_end|>"]}
@@ -75,9 +75,25 @@ def tool_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tool_server(tool_model):
-    sets = [ShardSet(("--model", str(tool_model["dir"])), [(0, 2)], "tcp",
+def tool_model(tmp_path_factory):
+    return build_tool_model(tmp_path_factory.mktemp("tools"))
+
+
+def serve_tool_model(model: dict):
+    """The model on one daemon and `shardctl serve` in front of it (a context manager giving the Server)."""
+    sets = [ShardSet(("--model", str(model["dir"])), [(0, 2)], "tcp",
                      ("--max-context", "512", "--max-verify-tokens", "8", "--threads", "1"))]
-    with launched_sets(sets, ready_timeout_s=120) as ((shard,),):
-        with Server("--shards", shard.endpoint, "--tokenizer", str(tool_model["dir"]), "--block-size", "4") as server:
-            yield server
+
+    @contextlib.contextmanager
+    def served():
+        with launched_sets(sets, ready_timeout_s=120) as ((shard,),):
+            with Server("--shards", shard.endpoint, "--tokenizer", str(model["dir"]), "--block-size", "4") as server:
+                yield server
+
+    return served()
+
+
+@pytest.fixture(scope="module")
+def tool_server(tool_model):
+    with serve_tool_model(tool_model) as server:
+        yield server
