@@ -22,7 +22,14 @@ from coordinator.serve.chat import ChatTemplateError
 from coordinator.serve.engine import Engine, GenerateParams, RequestError
 from coordinator.serve.logprobs import chat_logprobs, completion_logprobs
 from coordinator.serve.frontdoor import OffLoopRoute, RefusalLog, RequestGuard
-from coordinator.serve.limits import FrontDoorLimits, default_max_body_bytes
+from coordinator.serve.limits import (
+    MAX_CHOICE_TOKENS,
+    MAX_CHOICES,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    FrontDoorLimits,
+    default_max_body_bytes,
+)
 from coordinator.serve.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -258,16 +265,27 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
 
     def params_of(body, prompt_ids: list[int], max_tokens: Optional[int], default_max: int,
                   logprobs: Optional[int]) -> list[GenerateParams]:
-        """One GenerateParams per choice; choice i samples with seed + i."""
+        """One GenerateParams per choice; choice i samples with seed + i. What a request may cost is checked here,
+        before anything is admitted: its choices, their tokens, its stop strings."""
         engine.check_prompt(prompt_ids)
+        stop = body.stop_strings()
+        if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+            refuse(f"'stop' holds at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each "
+                   f"(got {len(stop)}, the longest {max(map(len, stop))})", "stop")
+        if body.n > MAX_CHOICES:
+            refuse(f"'n' is at most {MAX_CHOICES} on this server (got {body.n})", "n")
         sampling = engine.sampling(body.temperature, body.top_p, body.top_k, body.seed,
                                    presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                    repetition_penalty=body.repetition_penalty, logprobs=logprobs)
+        budget = max_tokens_of(max_tokens, len(prompt_ids), default_max)
+        if body.n * budget > MAX_CHOICE_TOKENS:
+            refuse(f"'n' x 'max_tokens' is at most {MAX_CHOICE_TOKENS} tokens on this server (got {body.n} x "
+                   f"{budget})", "n")
         first = GenerateParams(
             prompt_ids=prompt_ids,
-            max_tokens=max_tokens_of(max_tokens, len(prompt_ids), default_max),
+            max_tokens=budget,
             sampling=sampling,
-            stop=body.stop_strings(),
+            stop=stop,
             ignore_eos=body.ignore_eos,
             skip_special_tokens=body.skip_special_tokens,
         )
@@ -517,10 +535,11 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
         refused = check_common(body)
         if refused is not None:
             return refused
-        if isinstance(body, TokenizeChatRequest):
-            ids = chat_prompt(body.messages, body.tools, body.add_generation_prompt, body.chat_template_kwargs)
+        if isinstance(body, TokenizeChatRequest):  # on a worker thread, as for a completion: never on the loop
+            ids = await asyncio.to_thread(chat_prompt, body.messages, body.tools, body.add_generation_prompt,
+                                          body.chat_template_kwargs)
         else:
-            ids = engine.tokenizer.encode(body.prompt)
+            ids = await asyncio.to_thread(engine.tokenizer.encode, body.prompt)
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_context, tokens=ids)
 
     @app.post("/detokenize")
