@@ -14,9 +14,10 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-# Qwen's special tokens (special: stripped by skip_special_tokens) and its tool-response markers (added, not special).
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")
-ADDED_TOKENS = ("<tool_response>", "</tool_response>")
+# Qwen's special tokens (special: stripped by skip_special_tokens), then its tool markers, added but not special as
+# Qwen's tokenizers have them (a tool call's text keeps them), in the id order the synthetic models always had.
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+ADDED_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 BYTES = 256
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"

@@ -28,6 +28,9 @@ class ByteTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def special_ids(self, *texts: str) -> frozenset[int]:
+        return frozenset()
+
 
 class HFTokenizer:
     """A Hugging Face `tokenizer.json` through the `tokenizers` library."""
@@ -68,6 +71,11 @@ class HFTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def special_ids(self, *texts: str) -> frozenset[int]:
+        """The ids `skip_special_tokens` drops; with `texts`, only those of these token texts."""
+        added = self._tokenizer.get_added_tokens_decoder()
+        return frozenset(i for i, token in added.items() if token.special and (not texts or token.content in texts))
 
 
 def load_tokenizer(model_dir: str | None, vocab_size: int, shards=(), *, given: bool = False) -> ByteTokenizer | HFTokenizer:

@@ -4,8 +4,11 @@ synthetic checkpoint (what `shardctl make-model` runs)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -350,16 +353,40 @@ def make_model(preset, out_dir, seed, dtype, quantize, force, with_drafter, draf
         raise click.UsageError(f"{out} already holds a model (config.json); pass --force to overwrite it")
     from shardd.synthetic.checkpoint import write_synthetic_drafter, write_synthetic_model  # torch: only this command needs it
 
+    # Written beside --out first and moved in whole, so a failure (a full disk, a missing library) leaves nothing.
+    staging, existed = None, out.exists()
     try:
-        path = write_synthetic_model(preset, seed, dtype, out, quantize=quantize)
-        draft = write_synthetic_drafter(path, preset, seed, dtype, draft_layers) if with_drafter else None
-    except (OSError, ValueError) as error:
-        click.echo(json.dumps({"error": str(error)}) if as_json else f"shardd: error: {error}", err=not as_json)
+        out.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+        write_synthetic_model(preset, seed, dtype, staging, quantize=quantize)
+        if with_drafter:
+            write_synthetic_drafter(staging, preset, seed, dtype, draft_layers)
+        publish(staging, out)
+    except Exception as error:  # noqa: BLE001 - whatever it was, one line and nothing left behind
+        reason = str(error) if isinstance(error, (OSError, ValueError)) else f"{type(error).__name__}: {error}"
+        click.echo(json.dumps({"error": reason}) if as_json else f"shardd: error: {reason}", err=not as_json)
+        if not existed:
+            shutil.rmtree(out, ignore_errors=True)
         sys.exit(EXIT_FAILURE)
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    draft = out / "draft" if with_drafter else None
     if as_json:
-        click.echo(json.dumps({"path": str(path), "draft": None if draft is None else str(draft)}))
+        click.echo(json.dumps({"path": str(out), "draft": None if draft is None else str(draft)}))
     else:
-        click.echo(str(path) + (f"\n{draft}" if draft is not None else ""))
+        click.echo(str(out) + (f"\n{draft}" if draft is not None else ""))
+
+
+def publish(staging: Path, out: Path) -> None:
+    """Move what `staging` holds into `out`, each entry replacing the one of its name."""
+    for entry in staging.iterdir():
+        target = out / entry.name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+        os.replace(entry, target)
 
 
 if __name__ == "__main__":

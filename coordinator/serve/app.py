@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 from typing import AsyncIterator, Optional, Union
@@ -15,14 +14,22 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common import __version__
 from coordinator.serve.auth import authorized, needs_key
 from coordinator.serve.chat import ChatTemplateError
 from coordinator.serve.engine import Engine, GenerateParams, RequestError
 from coordinator.serve.logprobs import chat_logprobs, completion_logprobs
-from coordinator.serve.frontdoor import OffLoopRoute, RequestGuard
-from coordinator.serve.limits import FrontDoorLimits, default_max_body_bytes
+from coordinator.serve.frontdoor import OffLoopRoute, RefusalLog, RequestGuard
+from coordinator.serve.limits import (
+    MAX_CHOICE_TOKENS,
+    MAX_CHOICES,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    FrontDoorLimits,
+    default_max_body_bytes,
+)
 from coordinator.serve.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -48,6 +55,16 @@ from coordinator.serve.protocol import (
     UsageInfo,
     random_id,
 )
+from coordinator.serve.responses import (
+    ResponseEvents,
+    ResponsesError,
+    ResponseShape,
+    ResponsesRequest,
+    output_items,
+)
+from coordinator.serve.responses import usage as response_usage
+from coordinator.serve.tools import END as TOOL_CALL_END
+from coordinator.serve.tools import START as TOOL_CALL_START
 from coordinator.serve.tools import ToolCallStream, ToolError, check_tool_choice, parse_tool_calls, template_messages
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default
@@ -57,9 +74,16 @@ HEALTH_STALE_S = 5.0  # and waits for that check only when the last one is older
 log = logging.getLogger("shardctl.serve")
 
 
-def error_response(status: int, message: str, kind: str = "BadRequestError", param: Optional[str] = None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
-    return JSONResponse(body.model_dump(), status_code=status)
+ERROR_KINDS = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+               413: "RequestTooLargeError", 500: "InternalServerError"}
+
+
+def error_response(status: int, message: str, kind: Optional[str] = None, param: Optional[str] = None,
+                   headers: Optional[dict] = None) -> JSONResponse:
+    """OpenAI's error object: {"error": {message, type, param, code}}."""
+    body = ErrorResponse(error=ErrorInfo(message=message, type=kind or ERROR_KINDS.get(status, "HTTPError"),
+                                         param=param, code=status))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
 def usage_of(results) -> UsageInfo:
@@ -75,12 +99,27 @@ def sse(payload) -> str:
     return f"data: {data}\n\n"
 
 
+def _field(location) -> str:
+    parts = [str(part) for part in location if part != "body"]
+    return ".".join(parts) or "body"
+
+
 def validation_message(error: RequestValidationError) -> tuple[str, Optional[str]]:
-    """A 400's message: an unknown field by name (extra="forbid"), else pydantic's list of problems."""
-    unknown = sorted({str(e["loc"][-1]) for e in error.errors() if e.get("type") == "extra_forbidden"})
+    """A 400's message and the field it names: a body that is not JSON, an unknown field by name
+    (extra="forbid"), else each problem as `field: what is wrong`."""
+    problems = error.errors()
+    for problem in problems:
+        if problem.get("type") == "json_invalid":
+            reason = (problem.get("ctx") or {}).get("error", problem.get("msg"))
+            return f"the request body is not valid JSON: {reason}", None
+    unknown = sorted({str(e["loc"][-1]) for e in problems if e.get("type") == "extra_forbidden"})
     if unknown:
         return f"unsupported field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}", unknown[0]
-    return json.dumps(error.errors(), default=str), None
+    if not problems:
+        return "the request is not valid", None
+    listed = "; ".join(f"{_field(e['loc'])}: {e['msg']}" for e in problems[:8])
+    more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+    return f"the request is not valid: {listed}{more}", _field(problems[0]["loc"])
 
 
 async def merged(streams: list) -> AsyncIterator[tuple[int, object]]:
@@ -130,24 +169,34 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
     app.router.route_class = OffLoopRoute  # request bodies are parsed on a worker thread
     metrics = engine.metrics
     limits = limits or FrontDoorLimits(max_body_bytes=default_max_body_bytes(engine.max_context))
+    refusal_log = RefusalLog(log)
+
+    def refused(request: Request, status: int, message: str, param: Optional[str] = None,
+                headers: Optional[dict] = None) -> JSONResponse:
+        """A refusal: counted, logged in one line saying why (repeats held back by the serve log's filter), and
+        answered as OpenAI's error object."""
+        route = request.scope.get("route")
+        metrics.requests.labels(route.path if route is not None else "unrouted", str(status)).inc()
+        refusal_log(f"refused {request.method} {request.url.path[:200]} with {status}: {message[:400]}")
+        return error_response(status, message, param=param, headers=headers)
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, error: RequestError):
-        metrics.requests.labels(request.url.path, "400").inc()
-        return error_response(400, str(error), param=getattr(error, "param", None))
+        return refused(request, 400, str(error), getattr(error, "param", None))
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, error: HTTPException):
-        metrics.requests.labels(request.url.path, str(error.status_code)).inc()
-        kind = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError"}.get(error.status_code,
-                                                                                              "HTTPError")
-        return error_response(error.status_code, str(error.detail), kind, getattr(error, "param", None))
+    @app.exception_handler(StarletteHTTPException)  # FastAPI's HTTPException and the router's own 404 and 405
+    async def http_error(request: Request, error: StarletteHTTPException):
+        message = str(error.detail)
+        if error.status_code == 404 and request.scope.get("route") is None:
+            message = f"no route {request.url.path} on this server ({message})"
+        elif error.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path} ({message})"
+        return refused(request, error.status_code, message, getattr(error, "param", None), error.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError):
-        metrics.requests.labels(request.url.path, "400").inc()
         message, param = validation_message(error)
-        return error_response(400, message, param=param)
+        return refused(request, 400, message, param)
 
     checked = {"at": -HEALTH_STALE_S, "answer": None, "refresh": None}
 
@@ -179,6 +228,17 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
     async def models():
         return ModelList(data=[ModelCard(id=engine.model_name, max_model_len=engine.max_context)])
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != engine.model_name:
+            raise not_found_model(model_id)
+        return ModelCard(id=engine.model_name, max_model_len=engine.max_context)
+
+    def not_found_model(name: str) -> HTTPException:
+        missing = HTTPException(404, f"The model `{name}` does not exist.")
+        missing.param = "model"
+        return missing
+
     def refuse(message: str, param: str):
         error = RequestError(message)
         error.param = param
@@ -186,7 +246,7 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
 
     def check_common(body) -> Optional[JSONResponse]:
         if body.model is not None and body.model != engine.model_name:
-            return error_response(404, f"The model `{body.model}` does not exist.", "NotFoundError", "model")
+            raise not_found_model(body.model)
         name = getattr(body, "unsupported", lambda: None)()
         if name is not None:
             refuse(f"'{name}' is not supported by this server (value {getattr(body, name)!r})", name)
@@ -205,16 +265,27 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
 
     def params_of(body, prompt_ids: list[int], max_tokens: Optional[int], default_max: int,
                   logprobs: Optional[int]) -> list[GenerateParams]:
-        """One GenerateParams per choice; choice i samples with seed + i."""
+        """One GenerateParams per choice; choice i samples with seed + i. What a request may cost is checked here,
+        before anything is admitted: its choices, their tokens, its stop strings."""
         engine.check_prompt(prompt_ids)
+        stop = body.stop_strings()
+        if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+            refuse(f"'stop' holds at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each "
+                   f"(got {len(stop)}, the longest {max(map(len, stop))})", "stop")
+        if body.n > MAX_CHOICES:
+            refuse(f"'n' is at most {MAX_CHOICES} on this server (got {body.n})", "n")
         sampling = engine.sampling(body.temperature, body.top_p, body.top_k, body.seed,
                                    presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                    repetition_penalty=body.repetition_penalty, logprobs=logprobs)
+        budget = max_tokens_of(max_tokens, len(prompt_ids), default_max)
+        if body.n * budget > MAX_CHOICE_TOKENS:
+            refuse(f"'n' x 'max_tokens' is at most {MAX_CHOICE_TOKENS} tokens on this server (got {body.n} x "
+                   f"{budget})", "n")
         first = GenerateParams(
             prompt_ids=prompt_ids,
-            max_tokens=max_tokens_of(max_tokens, len(prompt_ids), default_max),
+            max_tokens=budget,
             sampling=sampling,
-            stop=body.stop_strings(),
+            stop=stop,
             ignore_eos=body.ignore_eos,
             skip_special_tokens=body.skip_special_tokens,
         )
@@ -297,11 +368,8 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
             raise RequestError(str(error)) from None
         return engine.tokenizer.encode(text)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
-        refused = check_common(body)
-        if refused is not None:
-            return refused
+    async def chat_choices(body: ChatCompletionRequest) -> tuple[list[GenerateParams], Optional[int], bool]:
+        """A chat request's choices, its top logprobs (None: none asked) and whether tool calls are parsed."""
         if body.top_logprobs is not None and not body.logprobs:
             refuse("when using 'top_logprobs', 'logprobs' must be set to true", "top_logprobs")
         try:
@@ -313,6 +381,17 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
         choices = params_of(body, ids, max_tokens, engine.max_context - len(ids), top)
+        if parse_tools:  # a tokenizer that marks the call markers special must not strip them from the text parsed
+            markers = engine.tokenizer.special_ids(TOOL_CALL_START, TOOL_CALL_END)
+            choices = [dataclasses.replace(choice, shown_special=markers) for choice in choices]
+        return choices, top, parse_tools
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        refused = check_common(body)
+        if refused is not None:
+            return refused
+        choices, top, parse_tools = await chat_choices(body)
         route = "/v1/chat/completions"
         if body.stream:
             return StreamingResponse(stream_chat(choices, top, parse_tools, body.include_usage(), route),
@@ -385,8 +464,13 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
                                           usage=usage_of(results)))
         yield sse("[DONE]")
 
-    async def guarded(deltas, route: str):
-        """The engine's deltas; a failure mid-stream becomes an error event (the status line is already sent)."""
+    def error_events(error: Exception) -> str:
+        body = ErrorResponse(error=ErrorInfo(message=str(error), type="InternalServerError", code=500))
+        return sse(body.model_dump_json()) + sse("[DONE]")
+
+    async def guarded(deltas, route: str, on_error=error_events):
+        """The engine's deltas; a failure mid-stream becomes the stream's error events (`on_error`'s text: the
+        status line is already sent)."""
         try:
             async for delta in deltas:
                 yield delta
@@ -394,10 +478,55 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
         except Exception as error:  # noqa: BLE001 - reported to the client in the stream
             metrics.requests.labels(route, "500").inc()
             log.error("500 in a stream of %s: %s: %s", route, type(error).__name__, error, exc_info=error)
-            body = ErrorResponse(error=ErrorInfo(message=str(error), type="InternalServerError", code=500))
-            yield None, sse(body.model_dump_json()) + sse("[DONE]")
+            yield None, on_error(error)
         finally:
             await deltas.aclose()
+
+    # ---- responses (the chat path, answered as the Responses API) ----------------------------------------
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest):
+        refused = check_common(body)
+        if refused is not None:
+            return refused
+        try:
+            problem = body.refusal()
+            if problem is not None:
+                raise problem
+            chat = body.chat_request()
+        except ResponsesError as error:
+            refuse(str(error), error.param)
+        (choice,), _, parse_tools = await chat_choices(chat)
+        shape = ResponseShape(body, engine.model_name)
+        route = "/v1/responses"
+        if body.stream:
+            return StreamingResponse(stream_response(choice, shape, parse_tools, route),
+                                     media_type="text/event-stream")
+        ((content, result, _),) = await complete_all(engine, [choice])
+        metrics.requests.labels(route, "200").inc()
+        calls = []
+        if parse_tools:
+            content, calls = parse_tool_calls(content)
+        output = output_items(content, calls)
+        return JSONResponse(shape.body(shape.status_of(result.finish_reason), output,
+                                       response_usage(result.prompt_tokens, len(result.tokens))))
+
+    async def stream_response(choice: GenerateParams, shape: ResponseShape, parse_tools: bool,
+                              route: str) -> AsyncIterator[str]:
+        events = ResponseEvents(shape, parse_tools)
+        for event in events.start():
+            yield event
+        failed = lambda error: "".join(events.failed(str(error)))  # noqa: E731
+        async for _, item in guarded(merged([engine.generate(choice)]), route, on_error=failed):
+            if isinstance(item, str):
+                yield item
+                return
+            for event in events.feed(item.text, item.result is not None):
+                yield event
+            if item.result is not None:
+                result = item.result
+                for event in events.finish(result.prompt_tokens, len(result.tokens), result.finish_reason):
+                    yield event
 
     # ---- tokenizer endpoints (vLLM's) ----------------------------------------------------------
 
@@ -406,10 +535,11 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
         refused = check_common(body)
         if refused is not None:
             return refused
-        if isinstance(body, TokenizeChatRequest):
-            ids = chat_prompt(body.messages, body.tools, body.add_generation_prompt, body.chat_template_kwargs)
+        if isinstance(body, TokenizeChatRequest):  # on a worker thread, as for a completion: never on the loop
+            ids = await asyncio.to_thread(chat_prompt, body.messages, body.tools, body.add_generation_prompt,
+                                          body.chat_template_kwargs)
         else:
-            ids = engine.tokenizer.encode(body.prompt)
+            ids = await asyncio.to_thread(engine.tokenizer.encode, body.prompt)
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_context, tokens=ids)
 
     @app.post("/detokenize")
@@ -437,9 +567,7 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
         async def authentication(request: Request, call_next):
             if request.method != "OPTIONS" and needs_key(request.url.path) and \
                     not authorized(request.headers.get("authorization"), api_key):
-                metrics.requests.labels(request.url.path, "401").inc()
-                return error_response(401, "Unauthorized: a valid API key is required (Authorization: Bearer <key>)",
-                                      "AuthenticationError")
+                return refused(request, 401, "Unauthorized: a valid API key is required (Authorization: Bearer <key>)")
             return await call_next(request)
 
     def cancelled(path: str) -> None:

@@ -32,6 +32,8 @@ class ChatTemplate:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self.template = env.from_string(source)
+        # OpenAI's `developer` role is its `system`: a template that never names it gets it as `system`
+        self.knows_developer = "developer" in source
         self.special_tokens = special_tokens
         self.origin = origin
 
@@ -44,6 +46,8 @@ class ChatTemplate:
         if reserved:
             raise ChatTemplateError(f"chat_template_kwargs.{reserved[0]} is set by the server and cannot be "
                                     f"given: {', '.join(reserved)}")
+        if not self.knows_developer:
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         try:
             return self.template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **kwargs

@@ -45,6 +45,7 @@ class GenerateParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # as vLLM: special tokens (<|im_start|>, <|endoftext|>) are not text
+    shown_special: frozenset = frozenset()  # special ids kept as text all the same (a tool call's markers)
 
 
 @dataclass
@@ -255,7 +256,7 @@ class Engine:
         deltas (with the logprobs of the tokens each covers), stop strings are matched, per-request metrics kept.
         A stop string ends the request: the tokens the engine committed after it are not the request's."""
         text = TextTracker(self.tokenizer, params.stop, () if params.ignore_eos else self.eos_ids,
-                           params.skip_special_tokens)
+                           params.skip_special_tokens, params.shown_special)
         last = time.perf_counter()  # the first commit observes the time to first token
         pending: list = []  # (token, logprobs entry) committed since the last text delta; an EOS is not text
         stopped_at: Optional[int] = None  # tokens the request holds, once a stop string matched
@@ -327,9 +328,12 @@ class TextTracker:
     long generation). The end (`finish`) decodes the whole once, as the reference does
     (tests/integration/test_serve.py holds the whole-history version the incremental one is checked against)."""
 
-    def __init__(self, tokenizer, stop: Sequence[str], eos_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, stop: Sequence[str], eos_ids: Sequence[int], skip_special_tokens: bool = True,
+                 shown_special: frozenset = frozenset()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # special tokens skipped except those shown: dropped here, the rest decoded as they are
+        self._hidden = tokenizer.special_ids() - shown_special if skip_special_tokens and shown_special else None
         self.stop = [s for s in stop if s]
         self.eos = frozenset(eos_ids)
         self.tokens: list[int] = []
@@ -337,6 +341,11 @@ class TextTracker:
         self.stopped = False
         self._decoded = ""  # the text of the visible tokens before `_read`, whose characters are all complete
         self._prefix = self._read = 0  # the window decoded again as context (tokens _prefix .. _read - 1)
+
+    def _decode(self, ids: list[int]) -> str:
+        if self._hidden is None:
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode([i for i in ids if i not in self._hidden], skip_special_tokens=False)
 
     def _visible(self) -> list[int]:
         return self.tokens[:-1] if self.tokens and self.tokens[-1] in self.eos else self.tokens
@@ -346,11 +355,11 @@ class TextTracker:
         visible = self._visible()
         if len(visible) <= self._read:
             return self._decoded
-        decode = self.tokenizer.decode
-        before = decode(visible[self._prefix:self._read], skip_special_tokens=self.skip_special_tokens)
-        after = decode(visible[self._prefix:], skip_special_tokens=self.skip_special_tokens)
+        decode = self._decode
+        before = decode(visible[self._prefix:self._read])
+        after = decode(visible[self._prefix:])
         if not after.startswith(before):  # a tokenizer whose window does not extend: decode it all
-            return decode(visible, skip_special_tokens=self.skip_special_tokens)
+            return decode(visible)
         tail = after[len(before):]
         if tail and not tail.endswith("\ufffd"):  # complete characters: the window moves on
             self._decoded += tail
@@ -381,7 +390,7 @@ class TextTracker:
         """What is left to send once decoding ended (the whole decoded once: exactly what the tokens say)."""
         if self.stopped:
             return ""
-        text = self.tokenizer.decode(self._visible(), skip_special_tokens=self.skip_special_tokens)
+        text = self._decode(self._visible())
         if text.startswith(self.sent):
             delta, self.sent = text[len(self.sent):], text
             return delta

@@ -244,7 +244,11 @@ def check_text(value: Any, path: Optional[list] = None) -> None:
 
 def parse_body(raw: bytes) -> Any:
     """The request's JSON, checked: on a worker thread, so a large body never stalls the event loop."""
-    parsed = json.loads(raw)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise BadField("body", f"the request body is not UTF-8 text: {error.reason} at byte {error.start}") from None
+    parsed = json.loads(text)
     check_text(parsed)
     return parsed
 
@@ -300,6 +304,35 @@ class RepeatedLogFilter(logging.Filter):
             if record.exc_info:  # the first one carried the traceback
                 record.exc_info, record.exc_text = None, None
         return True
+
+
+class RefusalLog:
+    """One warning line per refused request saying why, at most `per_window` lines each `window_s`; the refusals
+    over that are counted into the next line logged. Each line is its own message, so the repeat filter only
+    folds refusals that are word for word the same."""
+
+    def __init__(self, logger: logging.Logger, per_window: int = 20, window_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger = logger
+        self.per_window = per_window
+        self.window_s = window_s
+        self.clock = clock
+        self._window_start = -window_s
+        self._logged = 0
+        self._held = 0
+
+    def __call__(self, line: str) -> None:
+        now = self.clock()
+        if now - self._window_start >= self.window_s:
+            self._window_start, self._logged = now, 0
+        if self._logged >= self.per_window:
+            self._held += 1
+            return
+        self._logged += 1
+        if self._held:
+            line += f" ({self._held} more refusals not logged)"
+            self._held = 0
+        self.logger.warning(line)  # no arguments: the line is not %-formatted
 
 
 LOGGERS = ("uvicorn.error", "uvicorn.access", "asyncio", "shardctl.serve")

@@ -13,6 +13,12 @@ MAX_CONNECTIONS = 4096
 ACCEPT_BACKLOG = 4096
 MIN_BODY_BYTES = 1 << 20
 BODY_BYTES_PER_TOKEN = 64  # a prompt of max_context token ids ("123456, ") or of text (JSON escapes) fits easily
+# One request's share of the server, checked before it is admitted: its choices (`n`), their tokens together, and
+# its stop strings, which are matched against each choice's new text at every step.
+MAX_CHOICES = 128
+MAX_CHOICE_TOKENS = 1 << 18
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
 
 
 def default_max_body_bytes(max_context: int) -> int:

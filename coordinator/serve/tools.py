@@ -62,6 +62,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 except json.JSONDecodeError:
                     raise ToolError(f"the arguments of tool call {call.id!r} are not JSON: "
                                     f"{call.function.arguments[:200]!r}") from None
+                except RecursionError:
+                    raise ToolError(f"the arguments of tool call {call.id!r} nest deeper than this server "
+                                    f"parses") from None
                 calls.append({"id": call.id, "type": "function",
                               "function": {"name": call.function.name, "arguments": arguments}})
             entry["tool_calls"] = calls
@@ -72,7 +75,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 def _call(body: str) -> Optional[ToolCall]:
     try:
         value = json.loads(body)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # too deep to parse is not a call: it stays text
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
@@ -97,6 +100,7 @@ class ToolCallStream:
 
     def __init__(self) -> None:
         self.buffer = ""
+        self.scanned = 0  # inside a call: how much of the buffer is known to hold no `</tool_call>`
         self.in_call = False
         self.calls = 0  # calls parsed
         self.calls_sent = 0  # calls sent as stream deltas: the next call's `index`
@@ -115,9 +119,11 @@ class ToolCallStream:
                     return events
                 if at > 0 and self.buffer[:at].strip():
                     events.append(self.buffer[:at])
-                self.buffer, self.in_call = self.buffer[at + len(START):], True
-            end = self.buffer.find(END)
+                self.buffer, self.in_call, self.scanned = self.buffer[at + len(START):], True, 0
+            # only the new text (and an END that may straddle it) is searched: linear in the call's length
+            end = self.buffer.find(END, max(0, self.scanned - len(END) + 1))
             if end < 0:
+                self.scanned = len(self.buffer)
                 return events
             call = _call(self.buffer[:end])
             events.append(call if call is not None else START + self.buffer[:end] + END)

@@ -225,6 +225,28 @@ def test_make_model_into_an_unwritable_place_fails_in_one_line(tmp_path):
     assert completed.stderr.splitlines()[-1] == f"shardctl: error: [Errno 20] Not a directory: '{tmp_path / 'a-file' / 'model'}'"
 
 
+def _small_files_only() -> None:
+    """In the child: a file may not grow past 64 KiB (EFBIG, not SIGXFSZ), so a checkpoint's weights fail mid-write."""
+    import resource
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
+
+
+def test_make_model_that_fails_mid_write_leaves_nothing(tmp_path):
+    completed = subprocess.run(
+        [sys.executable, "-c", "from coordinator.cli import main; main()", "make-model", "--preset", "tiny",
+         "--out", str(tmp_path / "model")],
+        capture_output=True, text=True, env=child_env(), timeout=120, preexec_fn=_small_files_only,
+    )
+    assert completed.returncode == 1, completed.stderr
+    assert "Traceback" not in completed.stderr and "File too large" in completed.stderr.splitlines()[-1]
+    assert list(tmp_path.iterdir()) == []  # neither the model directory nor a partial one
+    # a second run is not refused for a half-written model
+    rerun = shardctl("make-model", "--preset", "tiny", "--out", tmp_path / "model", "--json")
+    assert rerun.exit_code == 0, rerun.output
+
+
 def test_launch_serves_until_sigterm():
     process = subprocess.Popen(
         [sys.executable, "-c", "from coordinator.cli import main; main()", "launch", "--synthetic", "tiny",

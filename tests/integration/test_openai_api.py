@@ -19,14 +19,14 @@ from click.testing import CliRunner
 
 from coordinator.cli import cli
 from coordinator.decoding import greedy_decode, speculative_decode
-from coordinator.launch import ShardSet, launched_sets
 from coordinator.relay.client import ShardClient, forward_record
 from coordinator.sampling import Sampling
 from shardd.weights.loading import ModelSource
 from shardd.local import LocalTarget
 from shardd.engine.head.penalties import Penalties, penalise
-from tests.support.served_model import PROMPT, build_tokenizer, hf_greedy, model, model_name, shards  # noqa: F401 (fixtures)
+from tests.support.served_model import PROMPT, hf_greedy, model, model_name, shards  # noqa: F401 (fixtures)
 from tests.support.serving import Server
+from tests.support.tool_model import ASK, CALL, WEATHER, tool_model, tool_server  # noqa: F401 (fixtures)
 from tests.support.stats import chi2_critical, two_sample_chi2
 
 KEY = "sk-test-" + "k" * 24
@@ -277,76 +277,6 @@ def test_penalised_sampling_is_the_same_distribution_plain_and_speculative():
 
 
 # ---- tools ---------------------------------------------------------------------------------------
-
-CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
-TOOL_TOKENS = ["<tool_call>", "</tool_call>", CALL]
-TOOLS_CHATML = (
-    "{% if tools %}<|im_start|>system\n# Tools\n\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n"
-    "</tools>\n\nReturn each call as <tool_call>{\"name\": <name>, \"arguments\": <args>}</tool_call><|im_end|>\n{% endif %}"
-    "{% for message in messages %}"
-    "{% if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n{{ message.content }}"
-    "{% for call in message.tool_calls %}<tool_call>{\"name\": \"{{ call.function.name }}\", \"arguments\": "
-    "{{ call.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
-    "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>{{ message.content }}</tool_response><|im_end|>\n"
-    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
-ASK = [{"role": "user", "content": "weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def tool_model(tmp_path_factory):
-    """A model that answers `<tool_call>CALL</tool_call><|im_start|><|im_end|>` after any chat prompt: its layers
-    write nothing to the residual stream, so each next token depends on the current one only (a bigram table
-    set in the head)."""
-    from jinja2 import Environment
-    from tokenizers import AddedToken, Tokenizer
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    out = tmp_path_factory.mktemp("tools")
-    build_tokenizer(out)
-    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
-    tokenizer.add_tokens([AddedToken(text, special=False, normalized=False) for text in TOOL_TOKENS])
-    tokenizer.save(str(out / "tokenizer.json"))
-    (out / "chat_template.jinja").write_text(TOOLS_CHATML)
-    ids = {text: tokenizer.token_to_id(text) for text in TOOL_TOKENS + ["<|im_start|>", "<|im_end|>"]}
-    prompt_end = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False).ids[-1]
-    chain = [prompt_end, ids["<tool_call>"], ids[CALL], ids["</tool_call>"], ids["<|im_start|>"], ids["<|im_end|>"]]
-    torch.manual_seed(1)
-    config = Qwen3_5TextConfig(
-        vocab_size=tokenizer.get_vocab_size(), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=12, linear_value_head_dim=12,
-        linear_conv_kernel_dim=4, max_position_embeddings=512, tie_word_embeddings=False,
-    )
-    hf = Qwen3_5ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, weight in hf.named_parameters():
-            if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
-                weight.zero_()
-        embed, head = hf.model.embed_tokens.weight, hf.lm_head.weight
-        head.normal_(0, 0.02)
-        for current, following in zip(chain, chain[1:]):
-            head[following] = 5 * embed[current] / embed[current].norm()
-    hf.save_pretrained(out)
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [ids["<|im_end|>"]]}))
-    environment = Environment(trim_blocks=True, lstrip_blocks=True)
-    environment.filters["tojson"] = lambda value: json.dumps(value, ensure_ascii=False)  # as transformers renders
-    template = environment.from_string(TOOLS_CHATML)
-    return {"dir": out, "render": template.render,
-            "count": lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)}
-
-
-@pytest.fixture(scope="module")
-def tool_server(tool_model):
-    sets = [ShardSet(("--model", str(tool_model["dir"])), [(0, 2)], "tcp",
-                     ("--max-context", "512", "--max-verify-tokens", "8", "--threads", "1"))]
-    with launched_sets(sets, ready_timeout_s=120) as ((shard,),):
-        with Server("--shards", shard.endpoint, "--tokenizer", str(tool_model["dir"]), "--block-size", "4") as server:
-            yield server
-
 
 def test_a_tool_call_round_trip(tool_server, tool_model):
     client = client_of(tool_server)
