@@ -26,7 +26,7 @@ from shardd.server.peer import Peer
 from shardd.server.relay import Relay, RowsLost, WaitsForRows, check_landed, rows_go_on_device
 from shardd.server.sequences import Sequence, SequenceTable
 from shardd.server.stats import Counters
-from shardd.server.tensors import hidden_of, on_host
+from shardd.server.tensors import check_finite, hidden_of, on_host
 
 log = logging.getLogger("shardd")
 
@@ -107,7 +107,15 @@ class Forward:
         if head.needed and not shard.owns_head:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "sampling (temperature > 0), penalties or logprobs ask a shard "
                                                        "without the head")
+        if request.drafts:  # the sampler reads p(draft): an id past the vocabulary must not reach it
+            vocab = shard.config.vocab_size
+            outside = [token for token in request.drafts if token >= vocab]
+            if outside:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"draft token {outside[0]} is outside the vocabulary "
+                                                           f"0..{vocab - 1}")
+        check_finite("hidden", request.hidden)
         if proposing(request):
+            check_finite("carried", request.carried)
             self.proposer.check(request, shard, entry)
         return entry, head, [layer for layer in layers if shard.begin <= layer < shard.end]
 
