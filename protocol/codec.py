@@ -28,6 +28,7 @@ from .messages import (
     RECORD_TYPES,
     REQUEST_FIELDS,
     REQUEST_TENSORS,
+    SAMPLING_EPS,
     Capture,
     FieldSpec,
     Forward,
@@ -38,6 +39,7 @@ from .messages import (
     Rows,
     TensorSpec,
     Batch,
+    samples,
 )
 from .tensors import DTYPE_SIZES, WireTensor, as_byte_view, concat_rows, expected_nbytes, row_slice
 
@@ -617,8 +619,9 @@ def _check_request(record: Request, limits: Limits) -> None:
                                f"({', '.join(PENALTY_FIELDS)})")
         if record.drafts is not None:
             proposing = isinstance(record, Capture) and record.propose is not None
-            if not (record.temperature or penalised or record.logprobs is not None or proposing):
-                raise _bad(f"field 'drafts' of {kind.value} needs temperature > 0, a penalty, logprobs or propose "
+            if not (samples(record.temperature) or penalised or record.logprobs is not None or proposing):
+                raise _bad(f"field 'drafts' of {kind.value} needs temperature >= {SAMPLING_EPS:g}, a penalty, "
+                           f"logprobs or propose "
                            f"(otherwise the coordinator compares argmax ids)")
             if len(record.drafts) >= n:
                 raise _bad(f"{len(record.drafts)} drafts for {n} rows: a verify has one row more than drafts")
@@ -640,8 +643,8 @@ def _check_request(record: Request, limits: Limits) -> None:
             if record.carried.shape[0] != record.n_tokens:
                 raise _bad(f"tensor 'carried' has {record.carried.shape[0]} rows for {record.n_tokens} tokens")
         if record.propose is not None:
-            if record.temperature:
-                raise _bad("field 'propose' of CAPTURE is greedy only (temperature absent or 0)")
+            if samples(record.temperature):
+                raise _bad(f"field 'propose' of CAPTURE is greedy only (temperature absent or below {SAMPLING_EPS:g})")
             if record.drafts is None or len(record.drafts) != record.n_tokens - 1:
                 raise _bad("field 'propose' of CAPTURE needs the block's drafts: field 'drafts' of n - 1 tokens")
     if isinstance(record, Rows):

@@ -11,7 +11,8 @@ import traceback
 
 import torch
 
-from protocol import ErrorCode, ForwardBatch, ItemRefused, MessageType, ProtocolError, RowsBatch, WireTensor
+from protocol import (ErrorCode, ForwardBatch, ItemRefused, MessageType, ProtocolError, RowsBatch, WireTensor,
+                      samples)
 from protocol.codec import new_record
 from protocol.layout import CHECKPOINT
 from protocol.timing import DAEMON as PHASES
@@ -105,7 +106,7 @@ class Forward:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "return_logits asks for logits from a shard without the head")
         head = head_request(request)
         if head.needed and not shard.owns_head:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "sampling (temperature > 0), penalties or logprobs ask a shard "
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "sampling (temperature >= 1e-5), penalties or logprobs ask a shard "
                                                        "without the head")
         if request.drafts:  # the sampler reads p(draft): an id past the vocabulary must not reach it
             vocab = shard.config.vocab_size
@@ -331,7 +332,7 @@ def head_request(request) -> HeadRequest:
     if _head_values(request).count(None) == len(HEAD_FIELDS):
         return PLAIN_HEAD  # most items of a batch: one shared answer, no objects built per item
     sampling = None
-    if request.temperature:
+    if samples(request.temperature):  # below SAMPLING_EPS (0 included): the argmax
         sampling = SamplingParams(request.temperature, 1.0 if request.top_p is None else request.top_p,
                                   request.top_k or 0, request.seed or 0)
     penalties = Penalties(request.presence_penalty or 0.0, request.frequency_penalty or 0.0,
