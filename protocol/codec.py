@@ -246,6 +246,8 @@ def _present_value(value: Any, spec: FieldSpec, mtype: MessageType) -> Any:
             raise _bad(f"{what} must be a string, got {_describe(value)}")
         if spec.limit is not None and len(value) > spec.limit:
             raise _bad(f"{what} is {len(value)} characters, more than {spec.limit}")
+        if spec.minimum is not None and len(value) < spec.minimum:
+            raise _bad(f"{what} is {len(value)} characters, fewer than {spec.minimum}")
         return value
     if kind == "int_list":
         if type(value) is not list:
@@ -278,7 +280,8 @@ def _field_values(header: dict, fields: _Fields, mtype: MessageType) -> dict[str
             elif kind == "float":  # an int (made a float there) goes through the ordered checks
                 good = type(value) is float and math.isfinite(value) and minimum <= value <= limit
             else:  # str
-                good = type(value) is str and (limit is None or len(value) <= limit)
+                good = type(value) is str and (limit is None or len(value) <= limit) and \
+                    (minimum is None or len(value) >= minimum)
             if not good:
                 break
             values[name] = value

@@ -55,7 +55,7 @@ class FieldSpec:
     kind: str                     # "int", "bool" or "int_list"
     required: bool = True
     default: Any = None           # value when an optional field is absent
-    minimum: Optional[int] = None  # for "int", or each item of "int_list"
+    minimum: Optional[int] = None  # for "int", or each item of "int_list"; "str": the fewest characters
     limit: Optional[int] = None
     doc: str = ""
 
@@ -107,6 +107,10 @@ class _SequenceRequest(_Request):
 @dataclass(frozen=True)
 class Hello(_Request):
     type: ClassVar[MessageType] = MessageType.HELLO
+    owner: Optional[str] = _header("str", "the client's secret (32 to 128 characters, chosen at random once per client): "
+                                   "this connection then acts on the sequences of the connections that presented it "
+                                   "(without Curve; see PROTOCOL.md, \"Ownership\")", minimum=32, limit=128,
+                                   default=None)
 
 
 @dataclass(frozen=True)
