@@ -1,11 +1,14 @@
 """A request's sampling settings on the coordinator side (torch-free); the math runs on the head shard
-(`shardd.engine.head.sampling`). Temperature 0 is greedy: the shards' argmax, exactly as without sampling."""
+(`shardd.engine.head.sampling`). Temperature 0, or any below `protocol.SAMPLING_EPS`, is greedy: the shards'
+argmax, exactly as without sampling."""
 
 from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
+
+from protocol import samples
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,8 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """The argmax: temperature 0, or any below SAMPLING_EPS (as the head shard treats it)."""
+        return not samples(self.temperature)
 
     def wire(self) -> dict:
         """The FORWARD header fields for the head shard; empty for a plain greedy request."""

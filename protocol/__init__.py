@@ -44,15 +44,17 @@ from .messages import (
     RollbackBatch,
     Rows,
     RowsBatch,
+    SAMPLING_EPS,
     Shutdown,
     Snapshot,
     Stats,
     TensorSpec,
+    samples,
 )
 from .tensors import DTYPE_SIZES, WireTensor
 
 __all__ = [
-    "PROTOCOL_VERSION", "MessageType", "Request", "RECORD_TYPES", "REQUEST_FIELDS", "REQUEST_TENSORS",
+    "PROTOCOL_VERSION", "SAMPLING_EPS", "samples", "MessageType", "Request", "RECORD_TYPES", "REQUEST_FIELDS", "REQUEST_TENSORS",
     "FieldSpec", "TensorSpec",
     "Hello", "Open", "Close", "Forward", "Capture", "Rollback", "Snapshot", "Restore", "Propose",
     "Rows", "Ring", "Stats", "Shutdown", "Batch", "ForwardBatch", "CaptureBatch", "RollbackBatch", "RowsBatch", "BATCH_RECORD_TYPES", "BATCH_TENSORS", "split_batch_reply",

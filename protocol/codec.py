@@ -28,6 +28,7 @@ from .messages import (
     RECORD_TYPES,
     REQUEST_FIELDS,
     REQUEST_TENSORS,
+    SAMPLING_EPS,
     Capture,
     FieldSpec,
     Forward,
@@ -38,6 +39,7 @@ from .messages import (
     Rows,
     TensorSpec,
     Batch,
+    samples,
 )
 from .tensors import DTYPE_SIZES, WireTensor, as_byte_view, concat_rows, expected_nbytes, row_slice
 
@@ -244,6 +246,8 @@ def _present_value(value: Any, spec: FieldSpec, mtype: MessageType) -> Any:
             raise _bad(f"{what} must be a string, got {_describe(value)}")
         if spec.limit is not None and len(value) > spec.limit:
             raise _bad(f"{what} is {len(value)} characters, more than {spec.limit}")
+        if spec.minimum is not None and len(value) < spec.minimum:
+            raise _bad(f"{what} is {len(value)} characters, fewer than {spec.minimum}")
         return value
     if kind == "int_list":
         if type(value) is not list:
@@ -276,7 +280,8 @@ def _field_values(header: dict, fields: _Fields, mtype: MessageType) -> dict[str
             elif kind == "float":  # an int (made a float there) goes through the ordered checks
                 good = type(value) is float and math.isfinite(value) and minimum <= value <= limit
             else:  # str
-                good = type(value) is str and (limit is None or len(value) <= limit)
+                good = type(value) is str and (limit is None or len(value) <= limit) and \
+                    (minimum is None or len(value) >= minimum)
             if not good:
                 break
             values[name] = value
@@ -617,8 +622,9 @@ def _check_request(record: Request, limits: Limits) -> None:
                                f"({', '.join(PENALTY_FIELDS)})")
         if record.drafts is not None:
             proposing = isinstance(record, Capture) and record.propose is not None
-            if not (record.temperature or penalised or record.logprobs is not None or proposing):
-                raise _bad(f"field 'drafts' of {kind.value} needs temperature > 0, a penalty, logprobs or propose "
+            if not (samples(record.temperature) or penalised or record.logprobs is not None or proposing):
+                raise _bad(f"field 'drafts' of {kind.value} needs temperature >= {SAMPLING_EPS:g}, a penalty, "
+                           f"logprobs or propose "
                            f"(otherwise the coordinator compares argmax ids)")
             if len(record.drafts) >= n:
                 raise _bad(f"{len(record.drafts)} drafts for {n} rows: a verify has one row more than drafts")
@@ -640,8 +646,8 @@ def _check_request(record: Request, limits: Limits) -> None:
             if record.carried.shape[0] != record.n_tokens:
                 raise _bad(f"tensor 'carried' has {record.carried.shape[0]} rows for {record.n_tokens} tokens")
         if record.propose is not None:
-            if record.temperature:
-                raise _bad("field 'propose' of CAPTURE is greedy only (temperature absent or 0)")
+            if samples(record.temperature):
+                raise _bad(f"field 'propose' of CAPTURE is greedy only (temperature absent or below {SAMPLING_EPS:g})")
             if record.drafts is None or len(record.drafts) != record.n_tokens - 1:
                 raise _bad("field 'propose' of CAPTURE needs the block's drafts: field 'drafts' of n - 1 tokens")
     if isinstance(record, Rows):

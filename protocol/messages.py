@@ -19,6 +19,13 @@ PROTOCOL_VERSION = 1
 ID_LIMIT = 1 << 63      # ids and sequence numbers: 0 <= x < 2**63
 TOKEN_LIMIT = 1 << 31   # token ids: 0 <= t < 2**31
 RING_SLOTS_LIMIT = 16   # slots of a device ring a ROWS may name (shardd.server.ring.SLOTS uses 2)
+# A temperature below this is greedy (vLLM's _SAMPLING_EPS): logits / T would overflow float32 and pick the last id.
+SAMPLING_EPS = 1e-5
+
+
+def samples(temperature: Optional[float]) -> bool:
+    """Whether a request's `temperature` asks the head shard to sample (else: the argmax)."""
+    return temperature is not None and temperature >= SAMPLING_EPS
 
 
 class MessageType(str, enum.Enum):
@@ -48,7 +55,7 @@ class FieldSpec:
     kind: str                     # "int", "bool" or "int_list"
     required: bool = True
     default: Any = None           # value when an optional field is absent
-    minimum: Optional[int] = None  # for "int", or each item of "int_list"
+    minimum: Optional[int] = None  # for "int", or each item of "int_list"; "str": the fewest characters
     limit: Optional[int] = None
     doc: str = ""
 
@@ -100,6 +107,10 @@ class _SequenceRequest(_Request):
 @dataclass(frozen=True)
 class Hello(_Request):
     type: ClassVar[MessageType] = MessageType.HELLO
+    owner: Optional[str] = _header("str", "the client's secret (32 to 128 characters, chosen at random once per client): "
+                                   "this connection then acts on the sequences of the connections that presented it "
+                                   "(without Curve; see PROTOCOL.md, \"Ownership\")", minimum=32, limit=128,
+                                   default=None)
 
 
 @dataclass(frozen=True)
@@ -154,9 +165,10 @@ class Forward(_SequenceRequest):
     parents: Optional[list[int]] = _header(
         "int_list", "verify geometry, one entry per token; required with checkpoint, rejected without", default=None)
     return_logits: bool = _header("bool", "head shard also returns float32 logits [n, V]", default=False)
-    # Sampling on the head shard (shardd.engine.head.sampling); temperature 0 (the default) is the argmax path.
+    # Sampling on the head shard (shardd.engine.head.sampling); temperature 0 (the default), or any below
+    # SAMPLING_EPS, is the argmax path.
     # Absent (None) on a greedy request, so its header is exactly what it was before sampling.
-    temperature: Optional[float] = _header("float", "head shard samples at this temperature (absent or 0: argmax)",
+    temperature: Optional[float] = _header("float", "head shard samples at this temperature (absent or below 1e-5: argmax)",
                                            minimum=0, limit=100, default=None)
     top_p: Optional[float] = _header("float", "nucleus mass kept when sampling (absent: 1, all)",
                                      minimum=0, limit=1, default=None)
@@ -166,7 +178,7 @@ class Forward(_SequenceRequest):
                                   minimum=0, limit=ID_LIMIT, default=None)
     drafts: Optional[list[int]] = _header(
         "int_list", "draft tokens of a speculative verify: the last len(drafts)+1 rows are verified by rejection "
-        "sampling (needs temperature > 0, a penalty or logprobs)", minimum=0, limit=TOKEN_LIMIT, default=None)
+        "sampling (needs temperature >= 1e-5, a penalty or logprobs)", minimum=0, limit=TOKEN_LIMIT, default=None)
     # Head-shard extras (shardd.engine.head.answer): penalties over the output so far, and logprobs of the answered rows.
     logprobs: Optional[int] = _header("int", "also answer the logprob of each answered row's id and this many top "
                                       "logprobs (absent: none)", minimum=0, limit=21, default=None)

@@ -127,8 +127,12 @@ class ShardClient:
         self._ids = itertools.count(1)
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        # Sequences belong to the connection that opened them: keep one identity across reconnects.
+        # A reconnect under the same routing id takes the daemon's old connection over (ROUTER_HANDOVER) ...
         self._socket.setsockopt(zmq.ROUTING_ID, b"shardctl-" + secrets.token_hex(16).encode())
+        # ... and this secret, presented in HELLO on each new connection before anything else, keeps the
+        # sequences this client opened on earlier ones (without Curve: PROTOCOL.md, "Ownership").
+        self._owner = secrets.token_hex(32)
+        self._claimed_at: Optional[int] = None  # the connection (its drop count) the secret was presented on
         # Queue nothing while no daemon is connected: a request sent to nobody fails, not waits for a restart.
         self._socket.setsockopt(zmq.IMMEDIATE, 1)
         self._socket.setsockopt(zmq.IPV6, 1)
@@ -179,6 +183,10 @@ class ShardClient:
         wait_s = connect_timeout_s
         self._await_connection(record, wait_s)
         try:
+            if self._claimed_at != self._watch.drops:  # a new connection: claim this client's sequences first
+                self._socket.send_multipart(encode_request(Hello(id=next(self._ids), owner=self._owner)),
+                                            flags=zmq.NOBLOCK)  # served first; its reply is dropped as stale
+                self._claimed_at = self._watch.drops
             self._socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             raise ShardUnavailable(self.endpoint, _describe(record), "send queue full", 0) from None
@@ -310,7 +318,7 @@ class ShardClient:
     # ---- one method per message type -----------------------------------------------------
 
     def hello(self, timeout_s: Optional[float] = None) -> dict:
-        result = self.request(Hello(id=0), timeout_s).result
+        result = self.request(Hello(id=0, owner=self._owner), timeout_s).result
         if self.follow_busy_poll:
             self.busy_poll_s = follow_busy_poll(result.get("busy_poll_ms"))
         return result

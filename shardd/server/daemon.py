@@ -24,6 +24,7 @@ from shardd.server.handlers.rollback import Rollback
 from shardd.server.handlers.session import Session
 from shardd.server import loop
 from shardd.server.listen import largest_frame_bytes
+from shardd.server.owners import Owners
 from shardd.server.peer import Peer
 from shardd.server.relay import Relay, RowsLost, WaitsForRows
 from shardd.server.rows import Waiting
@@ -65,6 +66,7 @@ class ShardDaemon:
         self.sequences = SequenceTable(shard, drafter, max_sequences=config.max_sequences,
                                        max_context=config.max_context, idle_timeout=config.sequence_idle_timeout,
                                        counters=self.counters)
+        self.owners = Owners()  # connection -> the client whose secret it presented in HELLO (Curve off)
         self.relay = Relay(config, shard, self.counters, self.refusals, self.resume,
                            max_tokens_per_request=config.max_tokens_per_request)
         self.started = time.time()

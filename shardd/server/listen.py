@@ -15,6 +15,7 @@ import zmq
 
 from common.endpoints import ipc_file, ipc_in_use, is_loopback
 from protocol import Limits
+from shardd.server.owners import ZAP_DOMAIN, ConnectionIds
 from shardd.server.security import log_refused_handshakes, restrict_ipc_socket, start_authenticator
 
 
@@ -120,14 +121,16 @@ def listen(config, max_frame_bytes: int) -> Listener:
 
 
 def configure_security(context, socket, config):
-    """Loopback and ipc:// binds need nothing; any other TCP bind requires CurveZMQ keys and an allow-list."""
+    """Loopback and ipc:// binds need no keys (a ZAP handler only names each connection); any other TCP bind
+    requires CurveZMQ keys and an allow-list."""
     if config.curve_secret_key is None:
         if not is_loopback(config.bind):
             raise SystemExit(
                 f"refusing to bind {config.bind} without encryption: a non-loopback bind needs "
                 "--curve-secret-key (from `shardd keygen`) and --curve-allow DIR of client public keys"
             )
-        return None
+        socket.zap_domain = ZAP_DOMAIN  # every connection gets an id of its own: sequences are owned by it
+        return ConnectionIds(context)
     if config.curve_allow_dir is None:
         raise SystemExit("--curve-secret-key needs --curve-allow DIR (the client public keys allowed to connect)")
     import zmq.auth

@@ -77,10 +77,11 @@ def serve_loop(daemon, listener=None) -> None:
                 continue  # an identity with nothing after it: nothing to answer
             PHASES.lap("receive")
             timeline.host("receive")
-            owner = envelope[0].bytes
-            if curve:  # the authenticated key outlives a reconnect; the routing id does not
-                owner = b"curve:" + body[0].get("User-Id").encode()
-            peer = Peer(owner, trusted_transport)
+            if curve:  # the authenticated key outlives a reconnect
+                peer = Peer(b"curve:" + body[0].get("User-Id").encode(), trusted_transport)
+            else:  # the connection's id from the handshake (owners.ConnectionIds): no peer can present another's
+                connection = b"connection:" + body[0].get("User-Id").encode()
+                peer = Peer(daemon.owners.owner_of(connection), trusted_transport, connection)
             if received.refusal is not None:
                 def reply():
                     code = received.refusal_code(daemon.limits.max_frames)

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Peer:
-    """The peer of one request: `owner` is its Curve key (`curve:KEY`) or else its ZeroMQ routing id, the key its
-    sequences are held under (PROTOCOL.md, "Who may do what"); `trusted` says whether it may SHUTDOWN (a file
-    ipc:// socket, or an allowed Curve key)."""
+    """The peer of one request: `owner` is its Curve key (`curve:KEY`) or else its connection, or the client whose
+    secret that connection presented in HELLO (shardd/server/owners.py): the key its sequences are held under
+    (PROTOCOL.md, "Ownership"); `connection` names its connection where Curve is off (a HELLO's `owner` binds it);
+    `trusted` says whether it may SHUTDOWN (a file ipc:// socket, or an allowed Curve key)."""
 
     owner: bytes = b""
     trusted: bool = True
+    connection: bytes | None = None

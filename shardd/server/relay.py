@@ -16,8 +16,10 @@ from typing import Callable
 
 import torch
 
+from common.model_config import dtype_name
 from protocol import ErrorCode, ProtocolError, Rows, RowsBatch, WireTensor
 from protocol import Batch
+from protocol.tensors import expected_nbytes
 from shardd.server.errors import Refusals
 from shardd.server.handlers.common import layers_of
 from shardd.server.peer import Peer
@@ -28,6 +30,9 @@ from shardd.server.stats import Counters
 from shardd.server.tensors import DeviceRows, on_host
 
 log = logging.getLogger("shardd")
+
+
+PARKED_STEPS = 4  # a sender's rows kept ahead of their FORWARDs: this many requests' worth at most
 
 
 class WaitsForRows(Exception):
@@ -46,7 +51,12 @@ class Relay:
         self.endpoint: str | None = config.relay_to  # the next shard, once known (--relay-to or its file)
         self.link: RowsLink | None = None  # made on first use (`target`)
         self.ring: DeviceRing | None = None  # the ring the previous shard's ROWS name slots of (RING), once asked
-        self.inbox = RowsInbox(capacity=2 * config.max_sequences + 8)
+        # what one sender may park: a few steps' rows ahead of their FORWARDs (the coordinator keeps at most one
+        # micro-batch per shard in flight), never longer than a FORWARD would wait for them
+        row_bytes = shard.config.hidden_size * shard.dtype.itemsize if shard is not None else 0
+        self.inbox = RowsInbox(capacity=2 * config.max_sequences + 8,
+                               max_bytes=PARKED_STEPS * max_tokens_per_request * row_bytes,
+                               max_age_s=config.rows_wait_s)
         self.parked: Waiting | None = None  # set by a FORWARD that waits for its rows: the serving loop parks it
         self.completed: list[list] = []  # envelope + reply of each waiting FORWARD a ROWS let run
         self.refusals = refusals
@@ -152,18 +162,29 @@ class Relay:
         if isinstance(request, RowsBatch) and len({item.ticket for item in request.items}) != 1:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the items of a batched ROWS share one ticket")
         parts = request.items if isinstance(request, RowsBatch) else (request,)
+        shard = layers_of(self.shard, request)
+        nbytes = 0
+        for part in parts:  # rows no FORWARD here could take are not kept
+            if part.hidden is not None:
+                if part.hidden.shape[1] != shard.config.hidden_size or part.hidden.dtype != dtype_name(shard.dtype):
+                    raise ProtocolError(ErrorCode.BAD_REQUEST, f"tensor 'hidden' of ROWS must be "
+                                                               f"{dtype_name(shard.dtype)} [n, {shard.config.hidden_size}], "
+                                                               f"got {part.hidden.dtype}{list(part.hidden.shape)}")
+                nbytes += expected_nbytes(part.hidden.dtype, part.hidden.shape)
+        sender = peer.connection if peer.connection is not None else peer.owner
         if any(part.slot is not None for part in parts):
             try:
                 request = self._rows_from_ring(request, parts)
             except ProtocolError:  # the FORWARD waiting for these rows is refused too, now, changing nothing
                 first = parts[0]
-                self._keep(Rows(id=0, seq=first.seq, pos=first.pos, ticket=first.ticket, refused=True))
+                self._keep(Rows(id=0, seq=first.seq, pos=first.pos, ticket=first.ticket, refused=True), sender)
                 raise
-        return {"ticket": request.ticket, "waited": self._keep(request)}, {}
+        return {"ticket": request.ticket, "waited": self._keep(request, sender, nbytes)}, {}
 
-    def _keep(self, rows) -> bool:
-        """`rows` into the inbox for their FORWARD; one already waiting runs now (whether one did)."""
-        waiting = self.inbox.put(rows)
+    def _keep(self, rows, sender: bytes, nbytes: int = 0) -> bool:
+        """`rows` (`nbytes` of them, from `sender`'s connection) into the inbox for their FORWARD; one already
+        waiting runs now (whether one did)."""
+        waiting = self.inbox.put(rows, sender, nbytes)
         if waiting is not None:
             self.completed.append(waiting.envelope + self.resume(waiting))
         return waiting is not None
@@ -254,7 +275,8 @@ class Relay:
         """STATS `rows`."""
         c, link = self.counters, self.link
         return {"sent": c.rows_sent, "received": c.rows_received, "waits": c.rows_waits,
-                "missing": c.rows_missing, "waiting": len(self.inbox.waiting), "on_device": c.rows_on_device,
+                "missing": c.rows_missing, "waiting": len(self.inbox.waiting), "parked": len(self.inbox.rows),
+                "on_device": c.rows_on_device,
                 "sent_on_device": link.on_device if link is not None else 0,
                 "ring_bytes": self.ring.nbytes if self.ring is not None else 0,
                 "ring_wait": self.ring_wait() if self.ring is not None else None,

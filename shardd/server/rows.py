@@ -182,29 +182,53 @@ class Waiting:
 
 
 class RowsInbox:
-    """ROWS that came before their FORWARD, by ticket (at most `capacity`, none older than WAIT_S), and the
-    FORWARDs waiting for theirs, by connection."""
+    """ROWS that came before their FORWARD, by ticket, and the FORWARDs waiting for theirs, by connection.
 
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.rows: OrderedDict[int, tuple[Rows, float]] = OrderedDict()
+    What one sender parks is bounded on its own: at most `capacity` ROWS and `max_bytes` of rows, none older than
+    `max_age_s`; past that its own oldest go, never another sender's, so a peer that sends ROWS nobody asks for
+    cannot push out the rows a real step is about to take."""
+
+    def __init__(self, capacity: int, max_bytes: int = 1 << 62, max_age_s: float = WAIT_S):
+        self.capacity, self.max_bytes, self.max_age_s = capacity, max_bytes, max_age_s
+        self.rows: OrderedDict[int, tuple[Rows, float, bytes, int]] = OrderedDict()  # ticket -> rows, time, sender, bytes
+        self.held: dict[bytes, list[int]] = {}  # sender -> [ROWS, bytes] it has parked
         self.waiting: dict[bytes, Waiting] = {}
 
-    def put(self, rows: Rows, now: Optional[float] = None) -> Optional[Waiting]:
-        """Keep `rows` for its FORWARD; the FORWARD already waiting for them, if one is (its wait ends)."""
+    def put(self, rows: Rows, sender: bytes = b"", nbytes: int = 0, now: Optional[float] = None) -> Optional[Waiting]:
+        """Keep `rows` (`nbytes` of rows, from `sender`) for its FORWARD; the FORWARD already waiting for them, if
+        one is (its wait ends)."""
         now = time.monotonic() if now is None else now
-        self.rows[rows.ticket] = (rows, now)
-        self.rows.move_to_end(rows.ticket)
-        while len(self.rows) > self.capacity or (self.rows and next(iter(self.rows.values()))[1] < now - WAIT_S):
-            self.rows.popitem(last=False)
+        self._drop(rows.ticket)
+        self.rows[rows.ticket] = (rows, now, sender, nbytes)
+        held = self.held.setdefault(sender, [0, 0])
+        held[0] += 1
+        held[1] += nbytes
+        while held[0] > self.capacity or held[1] > self.max_bytes:
+            self._drop(next(ticket for ticket, kept in self.rows.items() if kept[2] == sender))
+        self.expire(now)
         for owner, waiting in self.waiting.items():
             if waiting.request.rows_ticket == rows.ticket:
                 return self.waiting.pop(owner)
         return None
 
     def take(self, ticket: int) -> Optional[Rows]:
-        kept = self.rows.pop(ticket, None)
+        kept = self._drop(ticket)
         return kept[0] if kept is not None else None
+
+    def _drop(self, ticket: int):
+        kept = self.rows.pop(ticket, None)
+        if kept is not None:
+            held = self.held[kept[2]]
+            held[0] -= 1
+            held[1] -= kept[3]
+            if not held[0]:
+                del self.held[kept[2]]
+        return kept
+
+    def expire(self, now: float) -> None:
+        """Let go of the rows no FORWARD took within `max_age_s`."""
+        while self.rows and next(iter(self.rows.values()))[1] < now - self.max_age_s:
+            self._drop(next(iter(self.rows)))
 
     def wait(self, waiting: Waiting) -> None:
         self.waiting[waiting.peer.owner] = waiting
@@ -214,5 +238,6 @@ class RowsInbox:
         return self.waiting.pop(owner, None)
 
     def expired(self, now: float) -> list[Waiting]:
+        self.expire(now)
         done = [owner for owner, waiting in self.waiting.items() if waiting.deadline <= now]
         return [self.waiting.pop(owner) for owner in done]

@@ -3,7 +3,11 @@ a reply brought to the host in one wait."""
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from protocol import ErrorCode, ProtocolError
 
 
 class DeviceRows:
@@ -62,6 +66,23 @@ def joined_on_host(chunks: list):
 def _wait_for(devices) -> None:
     for device in devices:
         torch.cuda.current_stream(device).synchronize()
+
+
+def check_finite(name: str, tensor) -> None:
+    """BAD_REQUEST naming tensor `name` when a received tensor (a WireTensor over a frame) holds a NaN or an
+    infinity: such rows would be folded into a sequence's state. One vectorised pass over the rows (min and max
+    propagate NaN and show an infinity), about the cost of the copy into the step's staging buffer. Rows already on
+    this shard's device (DeviceRows, out of its ring) are another shard's step output and are not read here: that
+    would wait for the device."""
+    if tensor is None or isinstance(tensor, DeviceRows):
+        return
+    rows = tensor.to_torch()
+    if rows.device.type != "cpu" or rows.numel() == 0:
+        return
+    low, high = torch.aminmax(rows)
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"tensor '{name}' holds a non-finite value (NaN or infinity): "
+                                                   f"{list(rows.shape)} {str(rows.dtype).removeprefix('torch.')}")
 
 
 def hidden_of(request):

@@ -30,6 +30,7 @@ from protocol import (
     encode_request,
     pure_chain,
     split_batch_reply,
+    WireTensor,
 )
 from shardd.weights.loading import ModelSource
 from shardd.local import LocalTarget
@@ -185,6 +186,47 @@ def test_every_bad_item_fails_alone_with_its_code_and_changes_nothing(daemons):
     length_is(client, 5, 0)
     closed(client, *range(1, 8))
     closed(other, 50)
+
+
+def test_a_draft_outside_the_vocabulary_or_non_finite_rows_fail_their_item_alone(daemons):
+    """A sampled verify whose drafts hold an id past the vocabulary, and rows holding a NaN or an infinity, are
+    each BAD_REQUEST for their item alone, changing nothing; the head-answered items beside them run as alone."""
+    shard0, shard1 = daemons["shard0"].client(), daemons["shard1"].client()
+    seqs = [31, 32, 33, 34, 35]
+    for client in (shard0, shard1):
+        opened(client, *seqs)
+    rows = send_batch(shard0, ForwardBatch, [forward(seq, 0, tokens=PROMPTS[2]) for seq in seqs])
+    hidden = [part.tensors["hidden"] for part in rows]
+    sampled = dict(temperature=0.8, seed=9)
+    nan_rows = hidden[3].to_torch().clone()
+    nan_rows[1, 5] = float("nan")
+    inf_rows = hidden[4].to_torch().clone()
+    inf_rows[0, 0] = float("-inf")
+    items = [forward(31, 0, hidden=hidden[0], drafts=[7, 8], **sampled),
+             forward(32, 0, hidden=hidden[1], drafts=[7, 320], **sampled),
+             forward(33, 0, hidden=hidden[2], **sampled),
+             forward(34, 0, hidden=WireTensor.from_torch(nan_rows), **sampled),
+             forward(35, 0, hidden=WireTensor.from_torch(inf_rows))]
+    parts = send_batch(shard1, ForwardBatch, items)
+    assert parts[0].ok and parts[2].ok
+    assert [(part.error_code, part.error_message.split(":")[0]) for part in parts[1:2] + parts[3:]] == [
+        (ErrorCode.BAD_REQUEST, "draft token 320 is outside the vocabulary 0..319"),
+        (ErrorCode.BAD_REQUEST, "tensor 'hidden' holds a non-finite value (NaN or infinity)"),
+        (ErrorCode.BAD_REQUEST, "tensor 'hidden' holds a non-finite value (NaN or infinity)")]
+    # nothing changed for the refused items: each runs now from position 0, as the ones that ran did
+    again = send_batch(shard1, ForwardBatch, [forward(32, 0, hidden=hidden[1], drafts=[7, 8], **sampled),
+                                              forward(34, 0, hidden=hidden[3], **sampled)])
+    assert again[0].result == {**parts[0].result, "seq": 32}
+    assert again[1].result == {**parts[2].result, "seq": 34}
+    # the one-sequence FORWARD is refused the same way
+    single = shard1.request(MessageType.FORWARD, seq=35, pos=0, hidden=WireTensor.from_torch(inf_rows),
+                            drafts=[7, 320], **sampled)
+    assert (single.error_code, single.error_message) == (parts[1].error_code, parts[1].error_message)
+    single = shard1.request(MessageType.FORWARD, seq=35, pos=0, hidden=WireTensor.from_torch(inf_rows))
+    assert single.error_code is ErrorCode.BAD_REQUEST and "'hidden'" in single.error_message
+    assert shard1.call(MessageType.FORWARD, seq=35, pos=0, hidden=hidden[4]).result["length"] == len(PROMPTS[2])
+    for client in (shard0, shard1):
+        closed(client, *seqs)
 
 
 def raw(client, header: dict, *frames) -> tuple:

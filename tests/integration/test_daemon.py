@@ -622,6 +622,13 @@ def hidden_frame_count(count: int):
     return build
 
 
+def non_finite_rows(value: float) -> WireTensor:
+    """NEXT's hidden rows with one element `value` (a NaN or an infinity)."""
+    rows = _HIDDEN_ROWS[NEXT].clone()
+    rows[-1, 3] = value
+    return WireTensor.from_torch(rows)
+
+
 def duplicate_key_header(c: Context) -> list:
     pairs = [("v", 1), ("type", "CLOSE"), ("id", c.id), ("seq", c.seq), ("seq", c.seq + 1)]
     return [b"\x85" + b"".join(msgpack.packb(x) for pair in pairs for x in pair)]
@@ -675,6 +682,14 @@ BAD_CASES = [
     Case("no-tokens-no-hidden", "full", ErrorCode.BAD_REQUEST, lambda c: c.message("FORWARD", tokens=DROP)),
     Case("empty-tokens", "full", ErrorCode.BAD_REQUEST, lambda c: c.message("FORWARD", tokens=[])),
     Case("token-outside-vocabulary", "full", ErrorCode.BAD_REQUEST, lambda c: c.forward(tokens=[88, VOCAB]), message="320"),
+    Case("draft-outside-vocabulary", "full", ErrorCode.BAD_REQUEST,
+         lambda c: c.forward(temperature=0.7, seed=1, drafts=[VOCAB]), message="draft token 320"),
+    Case("hidden-nan", "last", ErrorCode.BAD_REQUEST,
+         lambda c: c.encode(Forward, seq=c.seq, pos=c.length, hidden=non_finite_rows(float("nan"))),
+         message="tensor 'hidden'.*non-finite"),
+    Case("hidden-infinite", "last", ErrorCode.BAD_REQUEST,
+         lambda c: c.encode(Forward, seq=c.seq, pos=c.length, hidden=non_finite_rows(float("inf"))),
+         message="tensor 'hidden'.*non-finite"),
     Case("hidden-to-the-first-shard", "full", ErrorCode.BAD_REQUEST,
          lambda c: c.encode(Forward, seq=c.seq, pos=c.length, hidden=hidden_for(NEXT)), message="send tokens"),
     Case("tokens-to-a-later-shard", "last", ErrorCode.BAD_REQUEST,

@@ -371,6 +371,8 @@ def test_propose_rejections_change_nothing(daemons):
                 "token outside vocabulary": (lambda: propose(client, 61, 5, 2, last_token=320), ErrorCode.BAD_REQUEST),
                 "rows before position 0": (lambda: propose(client, 61, 1, 2), ErrorCode.BAD_REQUEST),
                 "rows missing": (lambda: propose(client, 61, 6, 2), ErrorCode.POSITION_MISMATCH),
+                "non-finite features": (lambda: client.propose(61, 5, 7, 4, WireTensor.from_torch(
+                    torch.tensor([[0.5] * 127 + [float("nan")]] * 2))), ErrorCode.BAD_REQUEST),
             }
             for what, (call, code) in cases.items():
                 assert error_code(call) is code, what

@@ -242,6 +242,30 @@ def test_a_shard_that_refuses_has_the_next_one_s_wait_refused_and_nothing_change
             client.close()
 
 
+def test_rows_nobody_asked_for_are_bounded_per_sender_and_evict_no_one_elses(direct):
+    """Was: ROWS from any connection were kept in one shared inbox, so a peer sending ROWS for tickets nobody
+    asked for pushed out the rows a real step was about to take (ROWS_MISSING after --rows-wait), and held any
+    size. Each sender's parked rows are bounded on their own; rows no FORWARD here could take are refused."""
+    binds, _, _ = direct
+    first, middle = _clients(binds[:2])
+    foreign = Client(binds[1])
+    try:
+        seq = 73
+        assert first.request("OPEN", seq=seq).ok and middle.request("OPEN", seq=seq).ok
+        assert first.request("FORWARD", seq=seq, pos=0, tokens=[4, 5], send_rows=31).ok  # kept at the middle shard
+        row = WireTensor.from_torch(torch.zeros(1, 64))
+        for ticket in range(1000, 1100):  # more than one sender may park (2 x max_sequences + 8)
+            _send(foreign, "ROWS", seq=999, pos=0, ticket=ticket, hidden=row)
+        assert all(foreign.receive(10).ok for _ in range(1000, 1100))
+        wide = foreign.request("ROWS", seq=999, pos=0, ticket=2000, hidden=WireTensor.from_torch(torch.zeros(4, 4096)))
+        assert wide.error_code is ErrorCode.BAD_REQUEST and "[n, 64]" in wide.error_message
+        assert middle.request("FORWARD", seq=seq, pos=0, rows_ticket=31, ticket_rows=2).result["length"] == 2
+        assert middle.call("STATS").result["rows"]["parked"] <= 2 * 8 + 8
+    finally:
+        for client in (first, middle, foreign):
+            client.close()
+
+
 def test_a_wait_whose_rows_never_come_ends_at_its_deadline(direct):
     """--rows-wait 5: a FORWARD waiting for rows that never come is refused ROWS_MISSING after 5 s, and changes
     nothing: the sequence then takes its step from the first shard's rows."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import secrets
 import signal
 import subprocess
 import sys
@@ -240,6 +241,46 @@ def test_another_client_cannot_touch_or_see_a_sequence(tmp_path):
         assert owner.call("ROLLBACK", seq=5, keep=1).result["length"] == 1
         assert other.call("CLOSE", seq=5).result["length"] == 0
         assert owner.call("CLOSE", seq=5).result["length"] == 1
+    finally:
+        daemon.stop()
+
+
+def test_a_routing_id_takes_no_sequence_over_and_the_clients_secret_does(tmp_path):
+    """Was: a second connection presenting the routing id of a live client took its sequences over (its CLOSE
+    succeeded). The owner is now the connection, or the client whose secret a connection presented in HELLO."""
+    bind = free_tcp_endpoint()
+    daemon = Daemon("owned", bind, [], tmp_path)
+    try:
+        daemon.wait_ready()
+        routing_id = b"client-a"
+        owner = daemon.client(routing_id=routing_id)
+        owner.call("OPEN", seq=7)
+        owner.call("FORWARD", seq=7, pos=0, tokens=[1, 2, 3])
+        impostor = daemon.client(routing_id=routing_id)  # takes the routing id over (ROUTER_HANDOVER)
+        for mtype, fields in [("FORWARD", {"pos": 3, "tokens": [9]}), ("CLOSE", {})]:
+            assert impostor.request(mtype, seq=7, **fields).error_code is ErrorCode.NO_SUCH_SEQUENCE, mtype
+        impostor.close()
+        owner.close()  # its connection was let go by the handover: a new one, under its secret, carries on
+        secret = secrets.token_hex(32)
+        first = daemon.client()
+        first.call("HELLO", owner=secret)
+        first.call("OPEN", seq=8)
+        first.call("FORWARD", seq=8, pos=0, tokens=[1, 2])
+        guess = daemon.client()
+        guess.call("HELLO", owner=secrets.token_hex(32))  # another secret: another client
+        assert guess.request("CLOSE", seq=8).error_code is ErrorCode.NO_SUCH_SEQUENCE
+        assert guess.request("HELLO", validate=False, owner="short").error_code is ErrorCode.BAD_REQUEST  # too short to be a secret
+        again = daemon.client()  # the same client reconnecting
+        again.call("HELLO", owner=secret)
+        assert again.call("CLOSE", seq=8).result["length"] == 2
+        # the coordinator's client presents its secret on each connection before anything else
+        with ShardClient(bind, timeout_s=30) as client:
+            client.open(9)
+            client.forward(9, 0, [1, 2, 3, 4])
+            assert daemon.client().request("CLOSE", seq=9).error_code is ErrorCode.NO_SUCH_SEQUENCE
+            assert client.close(9)["length"] == 4
+        stats = daemon.client().call("STATS").result
+        assert stats["open_sequences"] == 1  # seq 7, under the first connection, until its lease ends
     finally:
         daemon.stop()
 

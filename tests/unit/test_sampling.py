@@ -4,6 +4,7 @@ sampling, by chi-square tests over thousands of samples drawn in one batched cal
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -272,6 +273,29 @@ def test_the_drafts_must_leave_a_row():
     with pytest.raises(ValueError, match="item 1"):
         answer_batch([(LOGITS, [0, 0, 0], 0, HeadRequest(SamplingParams(1.0))),
                       (LOGITS[:1], [0], 0, HeadRequest(drafts=[3]))])
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-20, 9.9e-6])
+def test_a_temperature_below_the_epsilon_is_greedy(temperature):
+    """logits / T overflows float32 for a tiny T (the last id for every seed): below SAMPLING_EPS a request is
+    answered with the argmax on the head shard and is greedy on the coordinator, whatever the seed."""
+    ids = LOGITS[:3].argmax(dim=-1).tolist()
+    from protocol import Forward, SAMPLING_EPS
+    from shardd.server.handlers.forward import head_request
+
+    assert SAMPLING_EPS == 1e-5
+    for seed in range(8):
+        request = Forward(id=0, seq=1, pos=0, tokens=[1, 2, 3], temperature=temperature, seed=seed)
+        head = head_request(request)
+        assert head.sampling is None and not head.needed  # the shard's argmax is the answer
+        logprobs = dataclasses.replace(head, logprobs=0)
+        assert answer_rows(LOGITS[:3], ids, 0, logprobs)[0] == ids
+        sampling = Sampling(temperature=temperature, seed=seed)
+        assert sampling.greedy and sampling.plain and sampling.wire() == {}
+    assert not Sampling(temperature=SAMPLING_EPS).greedy
+    assert head_request(Forward(id=0, seq=1, pos=0, tokens=[1], temperature=SAMPLING_EPS)).sampling is not None
+    with pytest.raises(ValueError, match="below 1e-05"):  # the sampler itself never divides by such a T
+        sm.verify_rows(LOGITS[:1], [temperature], [1.0], [0], [0], [0], [-1])
 
 
 # ---- end to end on a tiny model: speculation does not change the distribution -------------------

@@ -3,8 +3,9 @@
 `verify_rows` samples any number of rows (several sequences, each with its own temperature, top_p, top_k,
 seed, positions and drafts) as a few batched torch ops on the logits' device, with no host sync: the daemon's
 head (shardd.engine.head.answer.answer_batch) calls it on `ShardOutput.logits`, for the reference `ShardModel` and the GPU
-fast path alike, and copies the final ids back once. Temperature 0 never gets here: the argmax ids the shard
-computed are the answer, exactly as before sampling existed.
+fast path alike, and copies the final ids back once. A temperature below `protocol.SAMPLING_EPS` (0 included)
+never gets here: the argmax ids the shard computed are the answer, exactly as before sampling existed
+(`shardd.server.handlers.forward.head_request`); `verify_rows` refuses one (logits / T would overflow float32).
 
 The target distribution of a row is softmax(logits / temperature), cut to the `top_k` most likely tokens and
 to the smallest set holding `top_p` of the mass, renormalised (the order vLLM and transformers apply them);
@@ -39,6 +40,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from protocol import SAMPLING_EPS
 from shardd.engine.fast.sampling import chunk_graphs
 
 
@@ -218,6 +220,8 @@ def verify_rows(
     rows, vocab = logits.shape
     if rows == 0:
         raise ValueError("no rows")
+    if min(temperature) < SAMPLING_EPS:
+        raise ValueError(f"temperature {min(temperature)} is below {SAMPLING_EPS:g}: greedy, not sampled")
     chunk_rows = chunk_rows or CHUNK_ROWS
     top_k = [min(int(k), vocab) for k in top_k]  # past the vocabulary: every token (and int64 whatever it was)
     chunks, settings = [], []  # per chunk: (start, stop, its flags), its rows' settings

@@ -11,7 +11,8 @@ import traceback
 
 import torch
 
-from protocol import ErrorCode, ForwardBatch, ItemRefused, MessageType, ProtocolError, RowsBatch, WireTensor
+from protocol import (ErrorCode, ForwardBatch, ItemRefused, MessageType, ProtocolError, RowsBatch, WireTensor,
+                      samples)
 from protocol.codec import new_record
 from protocol.layout import CHECKPOINT
 from protocol.timing import DAEMON as PHASES
@@ -26,7 +27,7 @@ from shardd.server.peer import Peer
 from shardd.server.relay import Relay, RowsLost, WaitsForRows, check_landed, rows_go_on_device
 from shardd.server.sequences import Sequence, SequenceTable
 from shardd.server.stats import Counters
-from shardd.server.tensors import hidden_of, on_host
+from shardd.server.tensors import check_finite, hidden_of, on_host
 
 log = logging.getLogger("shardd")
 
@@ -105,9 +106,17 @@ class Forward:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "return_logits asks for logits from a shard without the head")
         head = head_request(request)
         if head.needed and not shard.owns_head:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "sampling (temperature > 0), penalties or logprobs ask a shard "
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "sampling (temperature >= 1e-5), penalties or logprobs ask a shard "
                                                        "without the head")
+        if request.drafts:  # the sampler reads p(draft): an id past the vocabulary must not reach it
+            vocab = shard.config.vocab_size
+            outside = [token for token in request.drafts if token >= vocab]
+            if outside:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"draft token {outside[0]} is outside the vocabulary "
+                                                           f"0..{vocab - 1}")
+        check_finite("hidden", request.hidden)
         if proposing(request):
+            check_finite("carried", request.carried)
             self.proposer.check(request, shard, entry)
         return entry, head, [layer for layer in layers if shard.begin <= layer < shard.end]
 
@@ -323,7 +332,7 @@ def head_request(request) -> HeadRequest:
     if _head_values(request).count(None) == len(HEAD_FIELDS):
         return PLAIN_HEAD  # most items of a batch: one shared answer, no objects built per item
     sampling = None
-    if request.temperature:
+    if samples(request.temperature):  # below SAMPLING_EPS (0 included): the argmax
         sampling = SamplingParams(request.temperature, 1.0 if request.top_p is None else request.top_p,
                                   request.top_k or 0, request.seed or 0)
     penalties = Penalties(request.presence_penalty or 0.0, request.frequency_penalty or 0.0,

@@ -10,6 +10,7 @@ from protocol import ErrorCode, ProtocolError
 from shardd.server.peer import Peer
 from shardd.server.sequences import SequenceTable
 from shardd.server.stats import Counters
+from shardd.server.tensors import check_finite
 
 
 class Propose:
@@ -32,6 +33,7 @@ class Propose:
         The target layers' state of the sequence (on a daemon that has both) is not touched."""
         model = self._drafter().model
         draft = self.sequences.get(peer.owner, request.seq).draft
+        check_finite("features", request.features)
         features = request.features.to_torch() if request.features is not None else None
         model.check_propose(draft, request.pos, features, request.last_token, request.block_size)
         n = features.shape[0] if features is not None else 0

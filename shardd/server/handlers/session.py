@@ -29,6 +29,8 @@ class Session:
     def hello(self, request, peer: Peer):
         # What changes while the daemon runs is added here, not in describe().
         daemon = self.daemon
+        if request.owner is not None and peer.connection is not None:  # with Curve the key is the owner
+            daemon.owners.claim(peer.connection, request.owner)
         health = {"version": __version__, "uptime_seconds": daemon.uptime(),
                   "device_memory": device_memory(daemon.device)}
         return {**self.describe(), **health}, {}
