@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from common.model_config import ConfigError, config_from_dict, load_config
 from common.presets import PRESETS, preset_config
+from coordinator.benchstats import tokens_digest
 from coordinator.decoding import greedy_decode, speculative_decode
 from coordinator.drafting.drafters import make_drafter
 from protocol.layout import CHECKPOINT, REPLAY, REPLAY_SSM, even_split
@@ -296,3 +297,51 @@ def test_the_fast_engine_refuses_moe_and_auto_picks_the_reference():
 
     with pytest.raises(ValueError, match="does not run MoE layers"):
         FastShard(build_shard(ModelSource(synthetic="tiny-moe"), 0, 1), max_sequences=1, max_context=16)
+
+
+def test_make_model_writes_a_small_moe_checkpoint_that_loads(tmp_path):
+    from click.testing import CliRunner
+
+    from shardd.cli import main
+
+    out = tmp_path / "tiny-moe"
+    result = CliRunner().invoke(main, ["make-model", "--preset", "tiny-moe", "--out", str(out), "--with-drafter"])
+    assert result.exit_code == 0, result.output
+    raw = json.loads((out / "config.json").read_text())
+    assert (raw["model_type"], raw["text_config"]["model_type"]) == ("qwen3_5_moe", "qwen3_5_moe_text")
+    assert load_config(out) == preset_config("tiny-moe")
+    written = build_shard(ModelSource(model_dir=str(out)), 0, 6)
+    in_memory = build_shard(ModelSource(synthetic="tiny-moe"), 0, 6)
+    tokens = prompt(9, 320)
+    # the same weights (test_model.py checks the writer); the CPU's GEMM may round differently by alignment
+    torch.testing.assert_close(written.forward(written.new_state(16), 0, tokens=tokens).logits,
+                               in_memory.forward(in_memory.new_state(16), 0, tokens=tokens).logits,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_serve_refuses_the_fast_engine_for_moe_by_name():
+    from click.testing import CliRunner
+
+    from shardd.cli import main
+
+    result = CliRunner().invoke(main, ["serve", "--synthetic", "tiny-moe", "--engine", "fast"])
+    assert result.exit_code == 2, result.output
+    assert "the fast engine does not run MoE layers yet; use --engine reference" in result.output
+
+
+def test_generate_over_three_moe_daemons_equals_greedy_in_one_process():
+    """The whole path: three `shardd serve` daemons of the tiny MoE preset (engine auto), ngram speculation."""
+    from click.testing import CliRunner
+
+    from coordinator.cli import cli
+
+    words = "the quick brown fox jumps over the lazy dog, the quick brown fox"
+    local = LocalTarget(ModelSource(synthetic="tiny-moe"), even_split(6, 3), RollbackStorage(None, 0))
+    greedy = greedy_decode(local, 1, list(words.encode()), 16).tokens
+    result = CliRunner().invoke(cli, ["generate", "--synthetic", "tiny-moe", "--split", "3", "--prompt", words,
+                                      "--max-new-tokens", "16", "--drafter", "ngram", "--rollback", "replay-ssm",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["sha256"] == tokens_digest(greedy)
+    assert [s["layers"] for s in record["shards"]] == [[0, 2], [2, 4], [4, 6]]
