@@ -18,6 +18,20 @@ class ConfigError(ValueError):
     """A config that we cannot run; the message names the field."""
 
 
+@dataclass(frozen=True)
+class MoeConfig:
+    """The sparse feed-forward block of `qwen3_5_moe` (transformers' Qwen3_5MoeSparseMoeBlock), in every layer:
+    a softmax router over `num_experts`, the top `num_experts_per_tok` experts (SwiGLU, `moe_intermediate_size`
+    wide) weighted by their probabilities (renormalised over the top k when `norm_topk_prob`), plus one shared
+    expert (`shared_expert_intermediate_size` wide) scaled by a sigmoid gate."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool = True
+
+
 def dtype_name(dtype) -> str:
     """torch.bfloat16 -> 'bfloat16', the name the CLI and the wire use."""
     return str(dtype).removeprefix("torch.")
@@ -44,6 +58,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 262_144
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    moe: MoeConfig | None = None  # None: the dense SwiGLU MLP (`intermediate_size`) in every layer
 
     # Derived sizes, named as in the reference implementation.
     @property
@@ -66,6 +81,14 @@ class ModelConfig:
     def linear_conv_dim(self) -> int:
         return 2 * self.linear_key_dim + self.linear_value_dim
 
+    @property
+    def ffn_width(self) -> int:
+        """The widest feed-forward activation one token makes: the dense MLP's, or its experts' and the shared
+        expert's together (what a prefill row holds at once)."""
+        if self.moe is None:
+            return self.intermediate_size
+        return self.moe.num_experts_per_tok * self.moe.moe_intermediate_size + self.moe.shared_expert_intermediate_size
+
     def is_gdn(self, layer: int) -> bool:
         return self.layer_types[layer] == LINEAR_ATTENTION
 
@@ -78,13 +101,22 @@ class ModelConfig:
         return 4 * (self.linear_conv_kernel_dim - 1) * self.linear_conv_dim
 
     def to_hf_dict(self) -> dict:
-        """The `qwen3_5_text` config.json this config reads back from (and transformers loads)."""
+        """The `qwen3_5_text` (or `qwen3_5_moe_text`) config.json this config reads back from (and transformers
+        loads)."""
+        moe = self.moe
+        sparse = {} if moe is None else {
+            "num_experts": moe.num_experts,
+            "num_experts_per_tok": moe.num_experts_per_tok,
+            "moe_intermediate_size": moe.moe_intermediate_size,
+            "shared_expert_intermediate_size": moe.shared_expert_intermediate_size,
+            "norm_topk_prob": moe.norm_topk_prob,
+        }
         return {
-            "architectures": ["Qwen3_5ForCausalLM"],
-            "model_type": "qwen3_5_text",
+            "architectures": ["Qwen3_5ForCausalLM" if moe is None else "Qwen3_5MoeForCausalLM"],
+            "model_type": "qwen3_5_text" if moe is None else "qwen3_5_moe_text",
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
+            **({"intermediate_size": self.intermediate_size} if moe is None else sparse),
             "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
@@ -112,7 +144,6 @@ class ModelConfig:
 _REQUIRED_INTS = (
     "vocab_size",
     "hidden_size",
-    "intermediate_size",
     "num_hidden_layers",
     "num_attention_heads",
     "num_key_value_heads",
@@ -166,28 +197,81 @@ def _layer_types(raw: dict, num_layers: int) -> tuple[str, ...]:
     return tuple(types)
 
 
+# model types whose sparse layers differ from Qwen3.5 MoE's (other routing, other expert layout): refused by name
+_OTHER_MOE = {
+    "qwen3_next": "Qwen3-Next", "qwen3_moe": "Qwen3 MoE", "qwen2_moe": "Qwen2 MoE", "qwen3_vl_moe": "Qwen3-VL MoE",
+    "deepseek_v3": "DeepSeek-V3", "deepseek_v2": "DeepSeek-V2", "mixtral": "Mixtral", "gpt_oss": "gpt-oss",
+}
+_TEXT_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+
+def _moe(raw: dict) -> MoeConfig:
+    """The sparse block of a `qwen3_5_moe_text` config, as transformers builds it; a ConfigError naming the field
+    for a variant it does not build (dense layers between sparse ones, other routing)."""
+    if raw.get("mlp_only_layers"):
+        raise ConfigError(f"config field 'mlp_only_layers' = {raw['mlp_only_layers']!r} is not supported: Qwen3.5 MoE "
+                          "has the sparse block in every layer")
+    if raw.get("decoder_sparse_step", 1) != 1:
+        raise ConfigError(f"config field 'decoder_sparse_step' = {raw['decoder_sparse_step']!r} is not supported: "
+                          "Qwen3.5 MoE has the sparse block in every layer (1)")
+    scoring = raw.get("scoring_func", "softmax")
+    if scoring != "softmax":
+        raise ConfigError(f"config field 'scoring_func' = {scoring!r} is not supported (Qwen3.5 MoE routes by softmax)")
+    grouped = [name for name in ("n_group", "topk_group") if raw.get(name) not in (None, 1)]
+    grouped += [name for name in ("n_routed_experts", "first_k_dense_replace") if raw.get(name) is not None]
+    if grouped:
+        raise ConfigError(f"config field {grouped[0]!r} (grouped or DeepSeek-style routing) is not supported: Qwen3.5 "
+                          "MoE routes by softmax over all experts, top k")
+    if raw.get("routed_scaling_factor", 1) != 1:
+        raise ConfigError(f"config field 'routed_scaling_factor' = {raw['routed_scaling_factor']!r} is not supported "
+                          "(Qwen3.5 MoE weights the experts by their router probabilities alone)")
+    norm = raw.get("norm_topk_prob", True)
+    if not isinstance(norm, bool):
+        raise ConfigError(f"config field 'norm_topk_prob' must be a boolean, got {norm!r}")
+    moe = MoeConfig(
+        num_experts=_positive_int(raw, "num_experts"),
+        num_experts_per_tok=_positive_int(raw, "num_experts_per_tok"),
+        moe_intermediate_size=_positive_int(raw, "moe_intermediate_size"),
+        shared_expert_intermediate_size=_positive_int(raw, "shared_expert_intermediate_size"),
+        norm_topk_prob=norm,
+    )
+    if moe.num_experts_per_tok > moe.num_experts:
+        raise ConfigError(f"config field 'num_experts_per_tok' ({moe.num_experts_per_tok}) exceeds 'num_experts' "
+                          f"({moe.num_experts})")
+    return moe
+
+
 def config_from_dict(raw: dict) -> ModelConfig:
-    """Parse either `model_type: qwen3_5` (with `text_config`) or `qwen3_5_text`."""
+    """Parse `model_type: qwen3_5` / `qwen3_5_moe` (with `text_config`) or `qwen3_5_text` / `qwen3_5_moe_text`."""
     if not isinstance(raw, dict):
         raise ConfigError("config must be a JSON object")
     model_type = raw.get("model_type")
     tie = raw.get("tie_word_embeddings")
-    if model_type == "qwen3_5":
+    if model_type in _TEXT_TYPES:
         text = raw.get("text_config")
         if not isinstance(text, dict):
-            raise ConfigError("config field 'text_config' is missing (model_type 'qwen3_5')")
+            raise ConfigError(f"config field 'text_config' is missing (model_type {model_type!r})")
         if tie is None:
             tie = text.get("tie_word_embeddings")
         raw = text
-        model_type = raw.get("model_type", "qwen3_5_text")
-    if model_type != "qwen3_5_text":
-        raise ConfigError(f"config field 'model_type' = {model_type!r} is not supported (expected 'qwen3_5' or 'qwen3_5_text')")
+        model_type = raw.get("model_type", _TEXT_TYPES[model_type])
+    if model_type in _OTHER_MOE or str(model_type).removesuffix("_text") in _OTHER_MOE:
+        name = _OTHER_MOE[str(model_type).removesuffix("_text")]
+        raise ConfigError(f"config field 'model_type' = {model_type!r} ({name}) is a MoE variant shardd does not "
+                          "implement: only Qwen3.5 MoE ('qwen3_5_moe') and dense Qwen3.5 ('qwen3_5') are supported")
+    if model_type not in _TEXT_TYPES.values():
+        raise ConfigError(f"config field 'model_type' = {model_type!r} is not supported (expected 'qwen3_5', "
+                          "'qwen3_5_text', 'qwen3_5_moe' or 'qwen3_5_moe_text')")
+    moe = _moe(raw) if model_type == "qwen3_5_moe_text" else None
     if tie is None:
         tie = raw.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
         raise ConfigError(f"config field 'tie_word_embeddings' must be a boolean, got {tie!r}")
 
     ints = {name: _positive_int(raw, name) for name in _REQUIRED_INTS}
+    # a MoE config has no dense MLP; its width stands in where a dense width is asked (a synthetic drafter's)
+    ints["intermediate_size"] = _positive_int(raw, "intermediate_size",
+                                              moe.shared_expert_intermediate_size if moe else None)
     hidden_act = raw.get("hidden_act", "silu")
     if hidden_act != "silu":
         raise ConfigError(f"config field 'hidden_act' = {hidden_act!r} is not supported (only 'silu')")
@@ -223,6 +307,7 @@ def config_from_dict(raw: dict) -> ModelConfig:
         tie_word_embeddings=tie,
         max_position_embeddings=_positive_int(raw, "max_position_embeddings", 262_144),
         eos_token_ids=eos_ids,
+        moe=moe,
     )
 
 

@@ -125,7 +125,7 @@ class ShardConfig:
                     check_layer_range(*config.layers, model.num_layers)
             if draft is not None:
                 parse_draft(draft)
-            config.engine = resolve_engine(engine, config.device)
+            config.engine = resolve_engine(engine, config.device, moe=model.moe is not None)
             scheme = source.scheme()
             config.step_rows = step_rows_for(config.engine, step_rows, config.max_verify_tokens,
                                              max_sequences=config.max_sequences,

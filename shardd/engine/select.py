@@ -3,7 +3,8 @@
 - `reference`: the readable model code of shardd/engine/reference/ (any device; the CPU path).
 - `fast`: shardd/engine/fast/, the fixed-shape T-row step with Triton kernels and CUDA graphs (a CUDA device), which
   makes a token's result independent of how many tokens shared its step: bf16 speculative output equals greedy.
-- `auto` (the default): `fast` on a CUDA device where Triton is installed, else `reference`.
+- `auto` (the default): `fast` on a CUDA device where Triton is installed, else `reference`; always `reference` for a
+  MoE model (Qwen3.5 MoE), whose sparse layers the fast step does not run yet.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from shardd.engine.sizes import DEFAULT_STEP_ROWS, PREFILL_ROWS, drafter_step_ro
 
 
 ENGINES = ("auto", "reference", "fast")
+MOE_REFUSAL = "the fast engine does not run MoE layers yet; use --engine reference"
 
 
 def _interpreted() -> bool:
@@ -21,7 +23,9 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def resolve_engine(engine: str, device) -> str:
+def resolve_engine(engine: str, device, *, moe: bool = False) -> str:
+    """The engine `engine` stands for on `device` for a model with (`moe`) or without sparse layers; ValueError
+    saying why when the one named cannot serve it."""
     import torch
 
     device = torch.device(device)
@@ -33,8 +37,10 @@ def resolve_engine(engine: str, device) -> str:
     except ImportError:
         has_triton = False
     if engine == "auto":
-        return "fast" if device.type == "cuda" and has_triton else "reference"
+        return "fast" if device.type == "cuda" and has_triton and not moe else "reference"
     if engine == "fast":
+        if moe:
+            raise ValueError(MOE_REFUSAL)
         if not has_triton:
             raise ValueError("--engine fast needs triton (installed with torch on CUDA machines)")
         if device.type != "cuda" and not _interpreted():

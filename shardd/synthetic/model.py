@@ -108,8 +108,8 @@ def write_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     text = config.to_hf_dict()
     full = {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "model_type": "qwen3_5",
+        "architectures": ["Qwen3_5ForConditionalGeneration" if config.moe is None else "Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5" if config.moe is None else "qwen3_5_moe",
         "tie_word_embeddings": config.tie_word_embeddings,
         "text_config": text,
         "shardd_synthetic": {"seed": seed, "quantize": quantize},

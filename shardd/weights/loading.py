@@ -22,8 +22,8 @@ from shardd.engine.reference.rollback import RollbackStorage
 from shardd.engine.reference.shard import ShardModel
 from shardd.synthetic.model import synthetic_tensor, synthetic_tensors
 from shardd.weights.reader import (
-    WeightError, checkpoint_keys, draft_name, draft_shapes, embedding_and_head_shapes, head_name, load_tensors,
-    shard_shapes, stored_headers,
+    FUSED_GATE_UP, WeightError, checkpoint_keys, draft_name, draft_shapes, embedding_and_head_shapes,
+    fused_expert_shapes, head_name, load_tensors, shard_shapes, split_fused_experts, stored_headers,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -85,7 +85,14 @@ class ModelSource:
             stored = {name: quant.quantize(synthetic_tensor(self.config(), name, shapes[name], self.seed, device),
                                            self.quantize) for name in fp8}
         else:
+            fused = self._fused_expert_layers(shapes, scheme)
+            for layer in fused:  # read as the two fused tensors, handed out as per-expert views
+                plain = {name: shape for name, shape in plain.items() if not _is_expert_of(name, layer)}
+                plain.update(fused_expert_shapes(self.config(), layer))
             tensors = load_tensors(self.model_dir, plain, dtype=dtype, device=device, progress=progress).tensors
+            for layer in fused:
+                gate_up, down = (tensors.pop(name) for name in fused_expert_shapes(self.config(), layer))
+                tensors.update(split_fused_experts(self.config(), layer, gate_up, down))
             stored = self._read_fp8(fp8, shapes, scheme, device) if fp8 else {}
         for name, (weight, scale) in stored.items():
             if keep_fp8:
@@ -93,6 +100,24 @@ class ModelSource:
             else:
                 tensors[name] = quant.dequantize(weight, scale, scheme.block).to(dtype)
         return tensors
+
+    def _fused_expert_layers(self, shapes: dict[str, tuple[int, ...]], scheme) -> list[int]:
+        """The MoE layers among `shapes` whose experts the checkpoint stores fused (transformers' in-memory
+        `mlp.experts.gate_up_proj` / `down_proj`) rather than one tensor per expert."""
+        config = self.config()
+        if config.moe is None:
+            return []
+        keys = checkpoint_keys(self.model_dir)
+        layers = sorted({int(name.split(".")[1]) for name in shapes if name.endswith(".mlp.experts.0.gate_proj.weight")})
+        fused = [layer for layer in layers if f"layers.{layer}.mlp.experts.0.gate_proj.weight" not in keys
+                 and f"layers.{layer}.{FUSED_GATE_UP}" in keys]
+        if fused and scheme is not None:
+            raise WeightError(
+                f"checkpoint {self.model_dir} stores the experts of layer {fused[0]} fused "
+                f"({keys[f'layers.{fused[0]}.{FUSED_GATE_UP}']!r}) with {scheme.method} quantization: FP8 experts are "
+                f"loaded one tensor per expert (mlp.experts.E.gate_proj.weight and its scale), as the official FP8 "
+                f"checkpoints store them")
+        return fused
 
     def fp8_names(self, shapes: dict[str, tuple[int, ...]], scheme: quantization.Fp8Scheme | None) -> set[str]:
         """Our names of the tensors among `shapes` that are stored as FP8."""
@@ -141,6 +166,11 @@ class ModelSource:
             else:
                 total += math.prod(shape) * dtype.itemsize
         return total
+
+
+def _is_expert_of(name: str, layer: int) -> bool:
+    """Whether `name` is one routed expert's tensor of `layer` (`layers.3.mlp.experts.17.up_proj.weight`)."""
+    return name.startswith(f"layers.{layer}.mlp.experts.")
 
 
 def checkpoint_fingerprint(directory: str | Path) -> str:

@@ -115,8 +115,8 @@ def plan_memory(
         items["step_buffers_and_graphs"] = buffers + GRAPH_POOL_BYTES
     # the largest transient of a prefill request: its chunk's MLP activations (and logits on the head shard)
     tokens = min(max_tokens_per_request, max_context)
-    def activations(rows: int) -> int:  # a prefill call's MLP activations and residual-stream transients
-        return rows * (c.intermediate_size * 3 + c.hidden_size * 4) * dtype_bytes
+    def activations(rows: int) -> int:  # a prefill call's MLP (or experts') activations and residual-stream transients
+        return rows * (c.ffn_width * 3 + c.hidden_size * 4) * dtype_bytes
 
     items["prefill_activations"] = activations(min(tokens, prefill_rows or 1024)) + (
         tokens * c.vocab_size * 4 if head else 0)

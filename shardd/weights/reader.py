@@ -42,16 +42,56 @@ def draft_name(key: str) -> str:
     return key
 
 
-def _residual_shapes(config: ModelConfig | DraftConfig, prefix: str) -> dict[str, tuple[int, ...]]:
-    """What every decoder layer has around its token mixer: the two norms and the SwiGLU MLP."""
-    h = config.hidden_size
+def _swiglu_shapes(prefix: str, hidden: int, width: int) -> dict[str, tuple[int, ...]]:
     return {
-        f"{prefix}.input_layernorm.weight": (h,),
-        f"{prefix}.post_attention_layernorm.weight": (h,),
-        f"{prefix}.mlp.gate_proj.weight": (config.intermediate_size, h),
-        f"{prefix}.mlp.up_proj.weight": (config.intermediate_size, h),
-        f"{prefix}.mlp.down_proj.weight": (h, config.intermediate_size),
+        f"{prefix}.gate_proj.weight": (width, hidden),
+        f"{prefix}.up_proj.weight": (width, hidden),
+        f"{prefix}.down_proj.weight": (hidden, width),
     }
+
+
+def _residual_shapes(config: ModelConfig | DraftConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """What every decoder layer has around its token mixer: the two norms and the SwiGLU MLP, or the sparse block
+    in the hub's layout (one tensor per expert and projection, as save_pretrained writes them)."""
+    h = config.hidden_size
+    shapes = {f"{prefix}.input_layernorm.weight": (h,), f"{prefix}.post_attention_layernorm.weight": (h,)}
+    moe = getattr(config, "moe", None)
+    if moe is None:
+        shapes.update(_swiglu_shapes(f"{prefix}.mlp", h, config.intermediate_size))
+        return shapes
+    shapes[f"{prefix}.mlp.gate.weight"] = (moe.num_experts, h)  # the router
+    for expert in range(moe.num_experts):
+        shapes.update(_swiglu_shapes(f"{prefix}.mlp.experts.{expert}", h, moe.moe_intermediate_size))
+    shapes.update(_swiglu_shapes(f"{prefix}.mlp.shared_expert", h, moe.shared_expert_intermediate_size))
+    shapes[f"{prefix}.mlp.shared_expert_gate.weight"] = (1, h)
+    return shapes
+
+
+# transformers' in-memory layout of a layer's experts (`Qwen3_5MoeExperts`), which some tools save as it is: two
+# tensors per layer, gate and up stacked along the rows
+FUSED_GATE_UP = "mlp.experts.gate_up_proj"  # [experts, 2 * moe_intermediate_size, hidden]
+FUSED_DOWN = "mlp.experts.down_proj"  # [experts, hidden, moe_intermediate_size]
+
+
+def fused_expert_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """The two fused expert tensors of a MoE layer, by our name, with their shapes."""
+    moe, h = config.moe, config.hidden_size
+    return {
+        f"layers.{layer}.{FUSED_GATE_UP}": (moe.num_experts, 2 * moe.moe_intermediate_size, h),
+        f"layers.{layer}.{FUSED_DOWN}": (moe.num_experts, h, moe.moe_intermediate_size),
+    }
+
+
+def split_fused_experts(config: ModelConfig, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> dict:
+    """A layer's fused expert tensors as the per-expert names of layer_shapes (views: nothing is copied)."""
+    width = config.moe.moe_intermediate_size
+    out = {}
+    for expert in range(config.moe.num_experts):
+        prefix = f"layers.{layer}.mlp.experts.{expert}"
+        out[f"{prefix}.gate_proj.weight"] = gate_up[expert, :width]
+        out[f"{prefix}.up_proj.weight"] = gate_up[expert, width:]
+        out[f"{prefix}.down_proj.weight"] = down[expert]
+    return out
 
 
 def _attention_shapes(config: ModelConfig | DraftConfig, prefix: str, *, gated: bool) -> dict[str, tuple[int, ...]]:

@@ -16,6 +16,7 @@ from shardd.engine.reference.attention import GatedAttention
 from shardd.engine.reference.errors import BadInput, CapacityExceeded, ModelError, PositionMismatch, RollbackUnavailable
 from shardd.engine.reference.gdn import GatedDeltaNet
 from shardd.engine.reference.mlp import MLP
+from shardd.engine.reference.moe import SparseMoeBlock
 from shardd.engine.reference.norm import rms_norm
 from shardd.engine.reference.rope import RotaryEmbedding
 from shardd.engine.reference.state import GDNStates, KVCache, PendingStep, SequenceState
@@ -47,7 +48,8 @@ class DecoderLayer:
             self.linear_attn = GatedDeltaNet(config, weights, f"{prefix}.linear_attn")
         else:
             self.self_attn = GatedAttention(config, weights, f"{prefix}.self_attn")
-        self.mlp = MLP(weights, f"{prefix}.mlp")
+        self.mlp = MLP(weights, f"{prefix}.mlp") if config.moe is None else \
+            SparseMoeBlock(config.moe, weights, f"{prefix}.mlp")
 
     def __call__(self, x, state: SequenceState, start: int, rope: RotaryEmbedding, recorder=None):
         mixed = rms_norm(x, self.input_layernorm, self.eps)
