@@ -45,7 +45,8 @@ def launch(model_dir, synthetic, quantize, split, layer_spec, devices, transport
       shardctl launch --synthetic small --split 2 --device cpu --json
     """
     plan = make_plan(None, model_dir, synthetic, split, layer_spec, devices, transport, daemon_args_from(**daemon_values),
-                     allow_endpoints=False, quantize=quantize)
+                     allow_endpoints=False, quantize=quantize, max_context=daemon_values["max_context"],
+                     allow_long_context=daemon_values["allow_long_context"])
     sets, draft_at = plan.sets_with_drafter(draft, draft_placement)
 
     def stop(signum, frame):
@@ -80,10 +81,8 @@ def launch(model_dir, synthetic, quantize, split, layer_spec, devices, transport
                     for shard in shards:
                         code = shard.process.poll()
                         if code is not None:
-                            raise LaunchError(
-                                f"{shard.label} at {shard.endpoint} exited with code "
-                                f"{code}; stopping the others. Its log ends:\n{shard.log_tail()}"
-                            )
+                            raise LaunchError(f"{shard.label} at {shard.endpoint} exited with code {code}, stopping "
+                                              f"the others: {shard.last_error()}", shard.log_path)
                     time.sleep(0.5)
             except (KeyboardInterrupt, _Stop):
                 pass  # a requested stop: leave the block normally so the logs go too
