@@ -15,7 +15,7 @@ import click
 
 from common.endpoints import endpoint_problem, ipc_file, ipc_in_use
 from common.hub import ModelNotFound, resolve_model
-from common.model_config import load_config
+from common.model_config import ModelConfig, context_problem, load_config
 from common.presets import parse_synthetic, preset_config
 from coordinator.cli.options import parse_list, seconds
 from coordinator.cli.output import progress
@@ -102,11 +102,11 @@ class ShardPlan:
             yield [shard.endpoint for shard in started_sets[0]], draft_endpoint
 
 
-def model_num_layers(model_dir: Optional[str], synthetic: Optional[str]) -> int:
+def model_config(model_dir: Optional[str], synthetic: Optional[str]) -> ModelConfig:
     try:
         if model_dir is not None:
-            return load_config(model_dir).num_layers
-        return preset_config(parse_synthetic(synthetic)[0]).num_layers
+            return load_config(model_dir)
+        return preset_config(parse_synthetic(synthetic)[0])
     except ValueError as error:
         raise click.UsageError(str(error)) from None
 
@@ -123,6 +123,8 @@ def make_plan(
     allow_endpoints: bool = True,
     curve: bool = False,
     quantize: Optional[str] = None,
+    max_context: Optional[int] = None,
+    allow_long_context: bool = False,
 ) -> ShardPlan:
     given = [name for name, value in (("--shards", shards), ("--model", model_dir), ("--synthetic", synthetic)) if value]
     choices = "--shards EP,EP,... or --model DIR or --synthetic PRESET" if allow_endpoints else "--model DIR or --synthetic PRESET"
@@ -151,7 +153,11 @@ def make_plan(
             model_dir = resolve_model(model_dir)
         except ModelNotFound as error:
             raise click.UsageError(str(error)) from None
-    num_layers = model_num_layers(model_dir, synthetic)
+    config = model_config(model_dir, synthetic)
+    num_layers = config.num_layers
+    problem = context_problem(max_context or 0, config.max_position_embeddings, bool(allow_long_context))
+    if problem is not None:  # before any daemon starts, as the daemons would refuse it
+        raise click.BadParameter(problem, param_hint="--max-context")
     try:
         splits = even_split(num_layers, split) if split else parse_layer_ranges(layer_spec)
         for begin, end in splits:
