@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
 from coordinator.relay.client import CurveKeys, ShardClient, ShardTimeout, ShardUnavailable
+from coordinator.supervise import Supervisor
 from protocol import Hello
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -53,6 +54,16 @@ class ShardProcess:
     process: subprocess.Popen
     log_path: Path
     endpoint_file: Optional[Path] = None
+    command: tuple[str, ...] = ()  # how it was started: a restart runs it again on the endpoint it got
+    env: Optional[dict] = None
+
+    def restart(self) -> None:
+        """Start the daemon again on the endpoint it bound (its log appended to)."""
+        command = list(self.command)
+        command[command.index("--bind") + 1] = self.endpoint
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                            env=self.env)
 
     @property
     def label(self) -> str:
@@ -149,12 +160,11 @@ def start_shards(shard_set: ShardSet, run_dir: Path, threads_hint: Optional[int]
                 *relay, *shard_set.extra_args, *shard_set.shard_args[index],
             ]
             log_path = run_dir / f"shard{index}-{layers.replace(':', '-')}.log"
+            env = child_env(threads_hint if device == "cpu" else None)
             with open(log_path, "wb") as log:
-                process = subprocess.Popen(
-                    command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    env=child_env(threads_hint if device == "cpu" else None),
-                )
-            shards.append(ShardProcess(endpoint, split, process, log_path, endpoint_file))
+                process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                           env=env)
+            shards.append(ShardProcess(endpoint, split, process, log_path, endpoint_file, tuple(command), env))
     except BaseException:
         stop_shards(shards)
         raise
@@ -238,12 +248,16 @@ def launched_sets(
     ready_timeout_s: float = READY_TIMEOUT_S,
     progress: Optional[Progress] = None,
     curve: Optional[CurveKeys] = None,
+    supervise: bool = True,
+    on_lost: Optional[Callable[[str], None]] = None,
 ) -> Iterator[list[list[ShardProcess]]]:
     """Start every set's daemons at once (they load in parallel), wait until all serve,
     yield the `ShardProcess`es per set, stop them all on exit. The run directory (logs, ipc:// sockets) is
     always removed, so nothing is left in the temp dir; when a daemon failed (the start, or a crash) its logs
     are first copied to the cache (`failed_logs_dir`) and the error messages quote their tails.
-    `curve`: the client keys readiness checks use, for daemons started with CurveZMQ keys."""
+    `curve`: the client keys readiness checks use, for daemons started with CurveZMQ keys. Once ready the daemons
+    are supervised (`coordinator.supervise`, unless `supervise` is False): one that dies or hangs is restarted on
+    its endpoint; `on_lost` hears of one that cannot come back."""
     # Short prefix under the temp dir: an ipc:// path must fit a unix socket address (~107 bytes).
     run_dir = Path(tempfile.mkdtemp(prefix="shardd-"))
     # CPU daemons started together share this machine's cores; unhinted, each would take them all.
@@ -252,11 +266,15 @@ def launched_sets(
     started: list[list[ShardProcess]] = []
     failed = True
     launch_error: Optional[LaunchError] = None
+    supervisor: Optional[Supervisor] = None
     try:
         for index, shard_set in enumerate(shard_sets):
             started.append(start_shards(shard_set, run_dir / f"set{index}", threads_hint))
-        wait_ready([shard for shards in started for shard in shards], ready_timeout_s, progress, curve)
+        every = [shard for shards in started for shard in shards]
+        wait_ready(every, ready_timeout_s, progress, curve)
         failed = False
+        if supervise:
+            supervisor = Supervisor(every, progress or _to_stderr, on_lost=on_lost).__enter__()
         yield started
     except (KeyboardInterrupt, SystemExit):  # a requested stop (Ctrl-C, SIGTERM) is no failure
         failed = False
@@ -265,10 +283,12 @@ def launched_sets(
         launch_error = error
         raise
     finally:
+        if supervisor is not None:
+            supervisor.__exit__(None, None, None)  # before the stop: a stopped daemon is not restarted
         every = [shard for shards in started for shard in shards]
         crashed = [shard for shard in every if shard.process.poll() not in (None, 0)]
         stop_shards(every)
-        if failed or crashed:
+        if failed or crashed or (supervisor is not None and supervisor.restarted):
             kept = keep_logs(run_dir)
             if kept is not None:
                 named = launch_error.log_path if launch_error is not None else None
@@ -277,6 +297,10 @@ def launched_sets(
                 if progress is not None:
                     progress(f"shard logs kept in {kept}")
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _to_stderr(line: str) -> None:
+    print(f"[shardctl] {line}", file=sys.stderr, flush=True)
 
 
 def failed_logs_dir() -> Path:

@@ -24,10 +24,11 @@ from coordinator.launch import LaunchError
 from coordinator.relay.client import ShardTimeout
 from coordinator.relay.shards import PipelineError
 from coordinator.relay.target import RollbackFailed, SequenceLost
+from coordinator.supervise import ShardLost
 from protocol import ProtocolError
 
 RUNTIME_ERRORS = (ProtocolError, ShardTimeout, ShardUnreachable, PipelineError, LaunchError, BenchError, SequenceLost,
-                  RollbackFailed, MissingExtra, MakeModelFailed)
+                  RollbackFailed, MissingExtra, MakeModelFailed, ShardLost)
 
 
 # What failed to start, as against what failed while running.

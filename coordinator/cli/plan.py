@@ -9,7 +9,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import click
 
@@ -85,9 +85,11 @@ class ShardPlan:
             yield endpoints
 
     @contextlib.contextmanager
-    def running_with_drafter(self, mode_args: Sequence[str] = ()) -> Iterator[tuple[list[str], Optional[str]]]:
+    def running_with_drafter(self, mode_args: Sequence[str] = (), on_lost: Optional[Callable[[str], None]] = None
+                             ) -> Iterator[tuple[list[str], Optional[str]]]:
         """The shard endpoints and the drafter's endpoint (None without a drafter). Launched shards get the
-        plan's --draft where its placement says: its own daemon, or beside the first or the last shard."""
+        plan's --draft where its placement says: its own daemon, or beside the first or the last shard; they are
+        supervised (restarted when they die or hang), and `on_lost` hears of one that cannot come back."""
         if not self.launches:
             yield list(self.endpoints), self.draft_endpoint
             return
@@ -96,7 +98,7 @@ class ShardPlan:
         progress(f"launching {len(self.splits)} shard(s) {', '.join(f'{b}:{e}' for b, e in self.splits)}{drafter_note} "
                  f"({' '.join(self.source_args)})")
         started = time.perf_counter()
-        with launched_sets(sets, progress=progress) as started_sets:
+        with launched_sets(sets, progress=progress, on_lost=on_lost) as started_sets:
             progress(f"shards ready in {time.perf_counter() - started:.1f} s")
             draft_endpoint = started_sets[draft_at[0]][draft_at[1]].endpoint if draft_at is not None else None
             yield [shard.endpoint for shard in started_sets[0]], draft_endpoint
