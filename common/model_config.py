@@ -335,3 +335,13 @@ def check_quantization(raw: dict, model_dir: str | Path):
         return scheme_from_config(raw, str(model_dir))
     except QuantizationError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def context_problem(max_context: int, max_position_embeddings: int, allow_long_context: bool) -> str | None:
+    """Why `--max-context` cannot be served by a model trained on `max_position_embeddings` positions (None when
+    it can): positions past those are outside what the model learned, so only an operator who asks by name
+    (`--allow-long-context`, vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN) gets them."""
+    if max_context <= max_position_embeddings or allow_long_context:
+        return None
+    return (f"{max_context} tokens is more than the model's max_position_embeddings ({max_position_embeddings}); "
+            f"give at most {max_position_embeddings}, or add --allow-long-context to use positions it was not trained on")

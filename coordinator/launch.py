@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
-from coordinator.relay.client import CurveKeys, ShardClient, ShardTimeout
+from coordinator.relay.client import CurveKeys, ShardClient, ShardTimeout, ShardUnavailable
+from coordinator.supervise import Supervisor
 from protocol import Hello
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +32,16 @@ Progress = Callable[[str], None]
 
 
 class LaunchError(RuntimeError):
-    """A daemon could not be started or did not become ready."""
+    """A daemon could not be started or did not become ready. `log_path` names its log; `launched_sets` moves it to
+    the cache before the run directory goes, so the message names a file that still exists."""
+
+    def __init__(self, reason: str, log_path: Optional[Path] = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.log_path = log_path
+
+    def __str__(self) -> str:
+        return self.reason if self.log_path is None else f"{self.reason} (log: {self.log_path})"
 
 
 READY_TIMEOUT_S = 600.0  # loading 27B of weights from a slow disk takes minutes
@@ -44,10 +54,31 @@ class ShardProcess:
     process: subprocess.Popen
     log_path: Path
     endpoint_file: Optional[Path] = None
+    command: tuple[str, ...] = ()  # how it was started: a restart runs it again on the endpoint it got
+    env: Optional[dict] = None
+
+    def restart(self) -> None:
+        """Start the daemon again on the endpoint it bound (its log appended to)."""
+        command = list(self.command)
+        command[command.index("--bind") + 1] = self.endpoint
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                            env=self.env)
 
     @property
     def label(self) -> str:
         return "drafter" if self.layers is None else f"shard {self.layers[0]}:{self.layers[1]}"
+
+    def last_error(self) -> str:
+        """What the daemon said last about why it stopped: its last ERROR line without the log's prefix, else its
+        last line (a traceback's last line names the exception)."""
+        try:
+            lines = self.log_path.read_text(errors="replace").rstrip().splitlines()
+        except OSError:
+            return "(no log)"
+        errors = [line for line in lines if " ERROR " in line or line.startswith("Error:")]
+        last = (errors or lines or ["(empty log)"])[-1]
+        return last.split(" ERROR ", 1)[-1].strip()[:400]
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -129,12 +160,11 @@ def start_shards(shard_set: ShardSet, run_dir: Path, threads_hint: Optional[int]
                 *relay, *shard_set.extra_args, *shard_set.shard_args[index],
             ]
             log_path = run_dir / f"shard{index}-{layers.replace(':', '-')}.log"
+            env = child_env(threads_hint if device == "cpu" else None)
             with open(log_path, "wb") as log:
-                process = subprocess.Popen(
-                    command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    env=child_env(threads_hint if device == "cpu" else None),
-                )
-            shards.append(ShardProcess(endpoint, split, process, log_path, endpoint_file))
+                process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                           env=env)
+            shards.append(ShardProcess(endpoint, split, process, log_path, endpoint_file, tuple(command), env))
     except BaseException:
         stop_shards(shards)
         raise
@@ -150,18 +180,14 @@ def wait_bound(shard: ShardProcess, deadline: float) -> None:
             return
         _check_alive(shard, "before it bound its socket")
         if time.monotonic() > deadline:
-            raise LaunchError(f"{shard.label} did not bind {shard.endpoint} in time; its log ({shard.log_path}) "
-                              f"ends:\n{shard.log_tail()}")
+            raise LaunchError(f"{shard.label} did not bind {shard.endpoint} in time: {shard.last_error()}", shard.log_path)
         time.sleep(0.05)
 
 
 def _check_alive(shard: ShardProcess, when: str) -> None:
     code = shard.process.poll()
     if code is not None:
-        raise LaunchError(
-            f"{shard.label} at {shard.endpoint} exited with code {code} {when}; "
-            f"its log ({shard.log_path}) ends:\n{shard.log_tail()}"
-        )
+        raise LaunchError(f"{shard.label} exited with code {code} {when}: {shard.last_error()}", shard.log_path)
 
 
 def wait_ready(
@@ -179,18 +205,21 @@ def wait_ready(
                  + ", ".join(f"{shard.label} at {shard.endpoint}" for shard in shards))
     for shard in shards:
         with ShardClient(shard.endpoint, timeout_s=timeout_s, curve=curve) as client:
-            # One HELLO, answered once the weights are loaded (the socket is bound before); meanwhile watch the process.
-            sent = client.send(Hello(id=0))
+            # One HELLO, answered once the weights are loaded (the socket is bound before); meanwhile watch the
+            # process, so a daemon that exits is reported with its own reason, not as a silent endpoint.
+            sent = None
             while True:
                 _check_alive(shard, "before it was ready")
                 if time.monotonic() > deadline:
-                    raise LaunchError(
-                        f"{shard.label} at {shard.endpoint} did not answer HELLO "
-                        f"within {timeout_s:g} s; its log ({shard.log_path}) ends:\n{shard.log_tail()}"
-                    )
+                    raise LaunchError(f"{shard.label} at {shard.endpoint} did not answer HELLO within {timeout_s:g} s: "
+                                      f"{shard.last_error()}", shard.log_path)
                 try:
+                    if sent is None:
+                        sent = client.send(Hello(id=0), 0.25)
                     client.receive(sent, timeout_s=0.25)
                     break
+                except ShardUnavailable:
+                    sent = None  # no connection (yet, or any more): ask again once there is one
                 except ShardTimeout:
                     continue  # still loading weights
         if progress is not None:
@@ -219,12 +248,16 @@ def launched_sets(
     ready_timeout_s: float = READY_TIMEOUT_S,
     progress: Optional[Progress] = None,
     curve: Optional[CurveKeys] = None,
+    supervise: bool = True,
+    on_lost: Optional[Callable[[str], None]] = None,
 ) -> Iterator[list[list[ShardProcess]]]:
     """Start every set's daemons at once (they load in parallel), wait until all serve,
     yield the `ShardProcess`es per set, stop them all on exit. The run directory (logs, ipc:// sockets) is
     always removed, so nothing is left in the temp dir; when a daemon failed (the start, or a crash) its logs
     are first copied to the cache (`failed_logs_dir`) and the error messages quote their tails.
-    `curve`: the client keys readiness checks use, for daemons started with CurveZMQ keys."""
+    `curve`: the client keys readiness checks use, for daemons started with CurveZMQ keys. Once ready the daemons
+    are supervised (`coordinator.supervise`, unless `supervise` is False): one that dies or hangs is restarted on
+    its endpoint; `on_lost` hears of one that cannot come back."""
     # Short prefix under the temp dir: an ipc:// path must fit a unix socket address (~107 bytes).
     run_dir = Path(tempfile.mkdtemp(prefix="shardd-"))
     # CPU daemons started together share this machine's cores; unhinted, each would take them all.
@@ -232,24 +265,42 @@ def launched_sets(
     threads_hint = max(1, (os.cpu_count() or 1) // cpu_shards) if cpu_shards else None
     started: list[list[ShardProcess]] = []
     failed = True
+    launch_error: Optional[LaunchError] = None
+    supervisor: Optional[Supervisor] = None
     try:
         for index, shard_set in enumerate(shard_sets):
             started.append(start_shards(shard_set, run_dir / f"set{index}", threads_hint))
-        wait_ready([shard for shards in started for shard in shards], ready_timeout_s, progress, curve)
+        every = [shard for shards in started for shard in shards]
+        wait_ready(every, ready_timeout_s, progress, curve)
         failed = False
+        if supervise:
+            supervisor = Supervisor(every, progress or _to_stderr, on_lost=on_lost).__enter__()
         yield started
     except (KeyboardInterrupt, SystemExit):  # a requested stop (Ctrl-C, SIGTERM) is no failure
         failed = False
         raise
+    except LaunchError as error:
+        launch_error = error
+        raise
     finally:
+        if supervisor is not None:
+            supervisor.__exit__(None, None, None)  # before the stop: a stopped daemon is not restarted
         every = [shard for shards in started for shard in shards]
         crashed = [shard for shard in every if shard.process.poll() not in (None, 0)]
         stop_shards(every)
-        if failed or crashed:
+        if failed or crashed or (supervisor is not None and supervisor.restarted):
             kept = keep_logs(run_dir)
-            if progress is not None and kept is not None:
-                progress(f"shard logs kept in {kept}")
+            if kept is not None:
+                named = launch_error.log_path if launch_error is not None else None
+                if named is not None and named.is_relative_to(run_dir):  # name the kept copy: run_dir goes now
+                    launch_error.log_path = kept / named.relative_to(run_dir)
+                if progress is not None:
+                    progress(f"shard logs kept in {kept}")
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _to_stderr(line: str) -> None:
+    print(f"[shardctl] {line}", file=sys.stderr, flush=True)
 
 
 def failed_logs_dir() -> Path:

@@ -1,5 +1,6 @@
 """Text <-> token ids for the CLI: a model's own `tokenizer.json`; the synthetic tokenizer for an in-memory
-synthetic model (`common.synthetic_tokenizer`, what `make-model` writes); bytes for a checkpoint that ships none."""
+synthetic model (`common.synthetic_tokenizer`, what `make-model` writes); bytes only when the operator names them
+(`--tokenizer bytes`). A checkpoint that ships none gets `NoTokenizer`: token ids only, text refused."""
 
 from __future__ import annotations
 
@@ -9,12 +10,36 @@ from pathlib import Path
 from common.synthetic_tokenizer import build_tokenizer_json
 
 
+# `--tokenizer bytes`: the operator asks for byte tokenization by name.
+BYTES = "bytes"
+
+
+class NoTokenizer:
+    """A model without tokenizer.json: prompts as token ids work, text is refused (`refusal`, which a server sets to
+    its 400), and output has no text, only its ids (as vLLM's --skip-tokenizer-init)."""
+
+    eos_ids: tuple[int, ...] = ()
+    source = "none (the model ships no tokenizer.json: token ids only; --tokenizer bytes for UTF-8 bytes)"
+    model_dir = None
+    refusal: type[Exception] = None  # set below: TokenizerUnavailable
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        raise self.refusal("the model ships no tokenizer.json, so text cannot be tokenized: send token ids, or "
+                           "start with --tokenizer DIR (a directory with tokenizer.json) or --tokenizer bytes")
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return ""
+
+
 class ByteTokenizer:
     """Ids 0..255 are the UTF-8 bytes; ids above 255 (a synthetic model may emit them)
     decode to nothing. Synthetic models have no EOS."""
 
     eos_ids: tuple[int, ...] = ()
-    source = "bytes (the model ships no tokenizer)"
+    source = "bytes (--tokenizer bytes)"
     model_dir = None
 
     def __init__(self, vocab_size: int = 256):
@@ -78,12 +103,15 @@ class HFTokenizer:
         return frozenset(i for i, token in added.items() if token.special and (not texts or token.content in texts))
 
 
-def load_tokenizer(model_dir: str | None, vocab_size: int, shards=(), *, given: bool = False) -> ByteTokenizer | HFTokenizer:
+def load_tokenizer(model_dir: str | None, vocab_size: int, shards=(), *,
+                   given: bool = False) -> ByteTokenizer | HFTokenizer | NoTokenizer:
     """The model directory's tokenizer.json when there is one; else the one the shards' HELLO names (the
-    daemons' model directory); the synthetic tokenizer for shards of an in-memory synthetic model; bytes only for
-    a checkpoint that ships none. A tokenizer the shards name but this host cannot read, a corrupt one, or a
-    `--tokenizer DIR` (`given`) without tokenizer.json is refused (TokenizerUnavailable): bytes would be
-    silently wrong text."""
+    daemons' model directory); the synthetic tokenizer for shards of an in-memory synthetic model; for a
+    checkpoint that ships none, NoTokenizer (token ids only). Bytes only when asked for by name (`--tokenizer
+    bytes`, `given`). A tokenizer the shards name but this host cannot read, a corrupt one, or a `--tokenizer
+    DIR` (`given`) without tokenizer.json is refused (TokenizerUnavailable): bytes would be silently wrong text."""
+    if given and model_dir == BYTES:
+        return ByteTokenizer(vocab_size)
     if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
         return HFTokenizer(model_dir)
     if given:
@@ -103,7 +131,7 @@ def load_tokenizer(model_dir: str | None, vocab_size: int, shards=(), *, given: 
         return tokenizer
     if model_dir is None and shards and all(synthetic_preset(s) for s in shards):
         return HFTokenizer.synthetic_for(vocab_size)
-    return ByteTokenizer(vocab_size)
+    return NoTokenizer(vocab_size)
 
 
 def synthetic_preset(shard) -> str | None:
@@ -117,7 +145,11 @@ def _first_line(error: BaseException) -> str:
 
 
 class TokenizerUnavailable(RuntimeError):
-    """The model has a tokenizer the coordinator cannot load; decoding with bytes instead would be wrong."""
+    """The model has a tokenizer the coordinator cannot load (or none, and text was asked for); decoding with bytes
+    instead would be wrong."""
+
+
+NoTokenizer.refusal = TokenizerUnavailable
 
 
 def _eos_ids_from_config(model_dir: Path) -> tuple[int, ...]:

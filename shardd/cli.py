@@ -16,6 +16,7 @@ import click
 
 from common import __version__
 from common.busy_poll import AUTO_BUSY_POLL_CPUS, AUTO_BUSY_POLL_MS
+from common.dtypes import DTYPE_CHOICES
 from common.presets import PRESETS
 from common.quantization import LAYOUTS
 from protocol.layout import CHECKPOINT, SHARD_ROLLBACK_MODES
@@ -68,7 +69,9 @@ def main():
               help="Also host a DFlash drafter: a draft checkpoint directory, or a synthetic one (default 2 layers) "
                    "matched to the target. It reads the target's embedding and lm_head from --model/--synthetic.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda:N.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES, case_sensitive=False), default="auto", show_default=True,
+              help="Weight dtype (bf16, fp16 as vLLM spells them). auto: on a GPU the checkpoint's dtype, bfloat16 for a "
+                   "float32 or synthetic model; on the CPU float32.")
 @click.option("--bind", default="tcp://127.0.0.1:7700", show_default=True,
               help="ZeroMQ endpoint: tcp://127.0.0.1:PORT (PORT * picks a free one and logs it) or ipc://PATH.")
 @click.option("--endpoint-file", type=click.Path(dir_okay=False), default=None,
@@ -89,8 +92,12 @@ def main():
               help="Fast engine on a GPU: a prompt goes through the prefill in pieces of this many rows, each whole "
                    "piece replayed from CUDA graphs (a prompt chunk costs its kernels' time, not its launches'); "
                    "0: one eager call per request.")
-@click.option("--max-sequences", type=click.IntRange(1, 65536), default=8, show_default=True)
-@click.option("--max-context", type=click.IntRange(1, 1 << 22), default=4096, show_default=True, help="Tokens per sequence.")
+@click.option("--max-sequences", "--max-num-seqs", "max_sequences", type=click.IntRange(1, 65536), default=8,
+              show_default=True)
+@click.option("--max-context", "--max-model-len", "max_context", type=click.IntRange(1, 1 << 22), default=4096,
+              show_default=True, help="Tokens per sequence, at most the model's max_position_embeddings.")
+@click.option("--allow-long-context", is_flag=True,
+              help="Allow --max-context past the model's max_position_embeddings (positions it was not trained on).")
 @click.option("--max-tokens-per-request", type=click.IntRange(1, 1 << 20), default=4096, show_default=True)
 @click.option("--max-gpu-memory", default=None, metavar="SIZE|FRACTION",
               help="Cap what this daemon may allocate: 24GiB, 24GB, 20000MiB, or a fraction of the device (0.9). "
@@ -134,7 +141,7 @@ def main():
 @click.option("--log-format", type=click.Choice(FORMATS), default="text", show_default=True,
               help="text lines, or one JSON object per line.")
 def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_file, max_verify_tokens, rollback_mode, engine,
-          step_rows, prefill_rows, max_sequences, max_context, max_tokens_per_request, max_gpu_memory, quantize, curve_secret_key, curve_allow_dir,
+          step_rows, prefill_rows, max_sequences, max_context, allow_long_context, max_tokens_per_request, max_gpu_memory, quantize, curve_secret_key, curve_allow_dir,
           sequence_idle_timeout, busy_poll_ms, relay_to, relay_to_file, rows_wait,
           threads, metrics_port,
           metrics_host, log_level, log_format):
@@ -166,7 +173,7 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
             model_dir=model_dir, synthetic=synthetic, quantize=quantize, layers=layers, draft=draft, device=device,
             dtype=dtype, engine=engine, max_verify_tokens=max_verify_tokens, rollback_mode=rollback_mode,
             step_rows=step_rows, prefill_rows=prefill_rows, max_sequences=max_sequences, max_context=max_context,
-            max_tokens_per_request=max_tokens_per_request, max_gpu_memory=max_gpu_memory,
+            allow_long_context=allow_long_context, max_tokens_per_request=max_tokens_per_request, max_gpu_memory=max_gpu_memory,
             sequence_idle_timeout=sequence_idle_timeout, bind=bind, endpoint_file=endpoint_file,
             curve_secret_key=curve_secret_key, curve_allow_dir=curve_allow_dir, busy_poll_ms=busy_poll_ms,
             relay_to=relay_to, relay_to_file=relay_to_file, rows_wait_s=rows_wait, threads=threads,
@@ -391,3 +398,7 @@ def publish(staging: Path, out: Path) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+for _command in main.commands.values():  # `shardd serve --version` as `shardd --version`
+    click.version_option(__version__, "-V", "--version", prog_name="shardd")(_command)

@@ -8,8 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.dtypes import resolve_dtype
 from common.busy_poll import AUTO_BUSY_POLL_CPUS, AUTO_BUSY_POLL_MS, usable_cpus
 from common.endpoints import endpoint_problem, is_loopback
+from common.model_config import context_problem
 from protocol.layout import CHECKPOINT
 from shardd.engine.select import PREFILL_ROWS
 from shardd.server.rows import WAIT_S, check_relay_to
@@ -32,7 +34,7 @@ class ShardConfig:
     layers: tuple[int, int] | None = None  # [begin, end) of the target's layers; None: a drafter alone
     draft: str | None = None  # a DFlash drafter to host: a directory, or synthetic[:LAYERS]
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "float32"  # resolved: --dtype auto decided for the device and the checkpoint
     # the engine and its step
     engine: str = "reference"  # resolved: reference or fast
     max_verify_tokens: int = 16  # rollback storage: most tokens one checkpointed step may carry (0: none)
@@ -42,6 +44,7 @@ class ShardConfig:
     # limits
     max_sequences: int = 8
     max_context: int = 4096
+    allow_long_context: bool = False  # --max-context past the model's max_position_embeddings, asked for by name
     max_tokens_per_request: int = 4096
     max_gpu_memory: int | None = None  # bytes this daemon may allocate (None: no cap)
     sequence_idle_timeout: float = 300.0  # seconds without a request before a sequence is closed; 0: never
@@ -116,8 +119,12 @@ class ShardConfig:
 
         try:
             check_device(torch, config.device)
+            config.dtype = resolve_dtype(config.dtype, config.device, config.model_dir)
             source = config.source()
             model = source.config()
+            problem = context_problem(config.max_context, model.max_position_embeddings, config.allow_long_context)
+            if problem is not None:
+                raise FlagError(problem, "--max-context")
             if layers != "none":
                 config.layers = (0, model.num_layers)
                 if layers:

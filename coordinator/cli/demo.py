@@ -19,7 +19,7 @@ from coordinator.cli.generate import GREEDY, ORACLE_NOTE, generation_record, run
 from coordinator.cli.make_model import write_model
 from coordinator.cli.options import EXIT_DIFFER, check_mean_commit
 from coordinator.cli.output import emit_json, fmt, fmt_percent, format_table, progress
-from coordinator.cli.plan import mode_daemon_args, model_num_layers
+from coordinator.cli.plan import mode_daemon_args, model_config
 from coordinator.drafting.drafters import DRAFTERS
 from coordinator.launch import TRANSPORTS, ShardSet, drafter_set, launched_sets
 from coordinator.relay.client import ShardClient
@@ -79,7 +79,7 @@ def demo(max_new_tokens, block_size, mean_commit, transport, as_json):
     check_mean_commit("oracle", mean_commit, block_size)
     started = time.perf_counter()
     model_dir = demo_model()
-    num_layers = model_num_layers(str(model_dir), None)
+    num_layers = model_config(str(model_dir), None).num_layers
     splits = even_split(num_layers, 2)
     source = ("--model", str(model_dir))
     # The rollback mode is a daemon setting: one shard pair per mode that the shards do.

@@ -26,6 +26,7 @@ from coordinator.cli.options import (
     recovery_timeout_option,
     seconds,
     shard_source_options,
+    tokenizer_option,
 )
 from coordinator.cli.output import emit_json, fmt, fmt_percent, progress
 from coordinator.cli.plan import (DEFAULT_DRAFT_PLACEMENT, DRAFT_PLACEMENTS, connect_pipeline, dflash_daemon, make_plan,
@@ -39,7 +40,7 @@ from coordinator.scheduler.recovery import RECOVERY_TIMEOUT_S
 from coordinator.scheduler.requests import DecodeResult
 from coordinator.scheduler.requests import Request
 from coordinator.scheduler.scheduler import decode_all
-from coordinator.tokenizer import TokenizerUnavailable, load_tokenizer
+from coordinator.tokenizer import NoTokenizer, TokenizerUnavailable, load_tokenizer
 from protocol.layout import CHECKPOINT, ROLLBACK_MODES
 
 GREEDY = "none"  # --drafter none: plain greedy decoding
@@ -222,10 +223,9 @@ def describe_generation(record: dict) -> str:
 @shard_source_options
 @quantize_option
 @launched_capacity_options
-@click.option("--prompt", help="Prompt text (tokenized with the model's tokenizer.json, else bytes).")
+@click.option("--prompt", help="Prompt text (tokenized with the model's tokenizer.json, or --tokenizer).")
 @click.option("--prompt-ids", help="Prompt as token ids: 1,2,3.")
-@click.option("--tokenizer", "tokenizer_dir", type=click.Path(exists=True, file_okay=False),
-              help="Directory with tokenizer.json (default: --model's).")
+@tokenizer_option
 @click.option("--max-new-tokens", type=click.IntRange(0), default=64, show_default=True)
 @click.option("--drafter", type=click.Choice((GREEDY, *DRAFTERS)), default="ngram", show_default=True,
               help="none: plain greedy; ngram: prompt lookup; oracle: benchmark drafter; dflash: the DFlash "
@@ -258,7 +258,7 @@ def describe_generation(record: dict) -> str:
 @click.option("--ids", "print_ids", is_flag=True, help="Stream token ids instead of text.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of streaming.")
 def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
-             curve_client_key, quantize, max_sequences, max_context, prompt, prompt_ids, tokenizer_dir, max_new_tokens, drafter,
+             curve_client_key, quantize, max_sequences, max_context, allow_long_context, prompt, prompt_ids, tokenizer_dir, max_new_tokens, drafter,
              draft_shard, draft, draft_placement, block_size, rollback, mean_commit, oracle_seed, ignore_eos, temperature, top_p, top_k,
              seed, recovery_timeout, liveness_timeout, busy_poll_ms, concurrency, print_ids, as_json):
     """Generate greedily (or sampling, --temperature), speculating with a drafter; stream the text as tokens commit.
@@ -280,8 +280,10 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
                      # one generation is one sequence: shards launched for it hold one, so their fast step is
                      # one sequence's rows (shardd's batch default, 128 rows for 8 sequences, slows a lone stream)
                      daemon_args_from(dtype=dtype, max_sequences=max_sequences or 1, max_context=max_context,
+                                      allow_long_context=allow_long_context,
                                       busy_poll_ms="auto" if busy_poll_ms is None else busy_poll_ms),
-                     curve=curve_server_key or curve_client_key, quantize=quantize)
+                     curve=curve_server_key or curve_client_key, quantize=quantize,
+                     max_context=max_context, allow_long_context=allow_long_context)
     if shards and (max_sequences or max_context):
         raise click.UsageError("--max-sequences and --max-context size the shards generate launches; "
                                "running shards (--shards) keep the limits they were started with")
@@ -312,7 +314,10 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
             if prompt is not None and not as_json:
                 progress(f"tokenizer: {tokenizer.source}")
             if ids is None:
-                ids = tokenizer.encode(prompt)
+                try:
+                    ids = tokenizer.encode(prompt)
+                except TokenizerUnavailable as error:
+                    raise click.BadParameter(str(error), param_hint="--prompt") from None
                 if not ids:
                     raise click.BadParameter("the prompt is empty after tokenization", param_hint="--prompt")
             bad = [i for i in ids if i >= pipeline.vocab_size]
@@ -323,10 +328,15 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
                 raise click.BadParameter(
                     f"the prompt holds {len(ids)} tokens; the shards hold {pipeline.max_context} per sequence, leaving "
                     f"no room for output (launch them with a larger --max-context)", param_hint="--prompt")
+            if len(ids) + max_new_tokens > pipeline.max_context:  # as the HTTP API's max_tokens: refused, not capped
+                raise click.BadParameter(
+                    f"{max_new_tokens} new tokens after a prompt of {len(ids)} is more than the shards' context of "
+                    f"{pipeline.max_context} tokens: at most {pipeline.max_context - len(ids)}", param_hint="--max-new-tokens")
             eos_ids = () if ignore_eos else tuple(tokenizer.eos_ids) or tuple(pipeline.shards[-1].model.get("eos_token_ids") or ())
             if drafter == "oracle":
                 progress(f"{ORACLE_NOTE}; running that greedy pass now")
-            stream = None if as_json else TextStream(tokenizer, print_ids, eos_ids)
+            # without a tokenizer the output has no text: its ids are what there is to show
+            stream = None if as_json else TextStream(tokenizer, print_ids or isinstance(tokenizer, NoTokenizer), eos_ids)
             generation = run_generation(
                 pipeline, ids, drafter=drafter, rollback=rollback, block_size=block_size,
                 max_new_tokens=max_new_tokens, eos_ids=eos_ids, mean_commit=mean_commit, oracle_seed=oracle_seed,

@@ -12,7 +12,8 @@ import click
 from coordinator.cli.options import daemon_args_from, daemon_options, devices_option, quantize_option
 from coordinator.cli.output import emit_json, format_table, progress
 from coordinator.cli.plan import DEFAULT_DRAFT_PLACEMENT, DRAFT_PLACEMENTS, make_plan
-from coordinator.launch import READY_TIMEOUT_S, TRANSPORTS, LaunchError, launched_sets
+from coordinator.launch import READY_TIMEOUT_S, TRANSPORTS, launched_sets
+from coordinator.supervise import ShardLost
 
 
 class _Stop(Exception):
@@ -38,14 +39,16 @@ def launch(model_dir, synthetic, quantize, split, layer_spec, devices, transport
            **daemon_values):
     """Start shard daemons (and the drafter with --draft, by default beside the last shard) on this machine, print their
     endpoints, serve until Ctrl-C or SIGTERM, then stop them all. Each daemon binds a free
-    loopback port itself (or an ipc:// socket in a private directory).
+    loopback port itself (or an ipc:// socket in a private directory). A daemon that dies or hangs is restarted on
+    its endpoint (a few times, with backoff); one that cannot come back stops them all (exit 1).
 
     \b
     Example:
       shardctl launch --synthetic small --split 2 --device cpu --json
     """
     plan = make_plan(None, model_dir, synthetic, split, layer_spec, devices, transport, daemon_args_from(**daemon_values),
-                     allow_endpoints=False, quantize=quantize)
+                     allow_endpoints=False, quantize=quantize, max_context=daemon_values["max_context"],
+                     allow_long_context=daemon_values["allow_long_context"])
     sets, draft_at = plan.sets_with_drafter(draft, draft_placement)
 
     def stop(signum, frame):
@@ -53,7 +56,8 @@ def launch(model_dir, synthetic, quantize, split, layer_spec, devices, transport
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
-        with launched_sets(sets, ready_timeout_s=ready_timeout, progress=progress) as started_sets:
+        lost: list[str] = []  # the supervisor's line for a daemon that could not come back
+        with launched_sets(sets, ready_timeout_s=ready_timeout, progress=progress, on_lost=lost.append) as started_sets:
             layer_shards = started_sets[0]
             drafters = started_sets[1] if len(started_sets) > 1 else []
             shards = layer_shards + drafters
@@ -77,13 +81,8 @@ def launch(model_dir, synthetic, quantize, split, layer_spec, devices, transport
             progress("serving; Ctrl-C stops every shard")
             try:
                 while True:
-                    for shard in shards:
-                        code = shard.process.poll()
-                        if code is not None:
-                            raise LaunchError(
-                                f"{shard.label} at {shard.endpoint} exited with code "
-                                f"{code}; stopping the others. Its log ends:\n{shard.log_tail()}"
-                            )
+                    if lost:  # a daemon that died is restarted by the supervisor; this one could not be
+                        raise ShardLost(f"{lost[0]}; stopping the others")
                     time.sleep(0.5)
             except (KeyboardInterrupt, _Stop):
                 pass  # a requested stop: leave the block normally so the logs go too

@@ -16,7 +16,7 @@ import click
 
 from common.presets import PRESETS
 from common.quantization import LAYOUTS
-from coordinator.cli.options import DTYPES
+from common.dtypes import WEIGHT_DTYPES
 from coordinator.cli.output import MiB, emit_json, progress
 
 
@@ -46,7 +46,7 @@ def write_model(preset: str, seed: int, dtype: str, out: Path, *, quantize: Opti
 @click.option("--preset", type=click.Choice(tuple(PRESETS)), required=True, help="Model shape.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Directory to write.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(WEIGHT_DTYPES), default="float32", show_default=True)
 @click.option("--quantize", type=click.Choice(LAYOUTS), default=None,
               help="Write the linears as FP8: fp8-block (quant_method 'fp8', 128x128 weight_scale_inv, partial blocks "
                    "at the edges) or fp8-channel (compressed-tensors, per-channel weight_scale); the head and "

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import click
 
+from common.dtypes import DTYPE_CHOICES, dtype_name
+from coordinator.tokenizer import BYTES
 from coordinator.launch import TRANSPORTS
 from coordinator.relay.client import CurveKeys
 from coordinator.relay.liveness import LIVENESS_TIMEOUT_S
 from coordinator.scheduler.recovery import RECOVERY_TIMEOUT_S
 from protocol.layout import SHARD_ROLLBACK_MODES
 
-# Exit codes besides click's 2 for a usage error.
-EXIT_FAILURE, EXIT_DIFFER = 1, 3
+# Exit codes, one per cause (the same in README.md and `shardctl --help`): a shard lost or failing while running
+# (down past --recovery-timeout, an error reply, a timeout); a usage error (click's own 2); outputs that differ;
+# a start-up failure (a launched daemon that exits or does not become ready, a port in use, a missing extra).
+EXIT_FAILURE, EXIT_USAGE, EXIT_DIFFER, EXIT_START = 1, 2, 3, 4
 # Seconds to wait for a shard's reply, the same for every command (a first step on a GPU may compile kernels).
 TIMEOUT_S = 60.0
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 class MissingExtra(RuntimeError):
@@ -121,17 +125,20 @@ def shard_source_options(func):
         devices_option,
         click.option("--transport", type=click.Choice(TRANSPORTS), default="tcp", show_default=True,
                      help="Endpoints of launched shards: loopback TCP or ipc:// sockets."),
-        click.option("--dtype", type=click.Choice(DTYPES), default=None, help="Weight dtype of launched shards."),
+        dtype_option,
         timeout_option,
         *curve_options,
     ], func)
 
 
 capacity_options = [
-    click.option("--max-sequences", type=click.IntRange(1), default=None,
+    click.option("--max-sequences", "--max-num-seqs", "max_sequences", type=click.IntRange(1), default=None,
                  help="Open sequences per launched shard (default: shardd's 8; generate: 1, its one sequence, so "
                       "the fast step is one sequence's rows)."),
-    click.option("--max-context", type=click.IntRange(1), default=None, help="Tokens per sequence (shardd's default: 4096)."),
+    click.option("--max-context", "--max-model-len", "max_context", type=click.IntRange(1), default=None,
+                 help="Tokens per sequence (shardd's default: 4096), at most the model's max_position_embeddings."),
+    click.option("--allow-long-context", is_flag=True, default=None,
+                 help="Allow --max-context past the model's max_position_embeddings (positions it was not trained on)."),
 ]
 
 
@@ -143,7 +150,7 @@ def launched_capacity_options(func):
 def daemon_options(func):
     """Options passed through to every launched daemon (only when given)."""
     return _apply([
-        click.option("--dtype", type=click.Choice(DTYPES), default=None, help="Weight dtype."),
+        dtype_option,
         click.option("--max-verify-tokens", type=click.IntRange(0), default=None,
                      help="Rollback storage per sequence, in tokens (0: none)."),
         click.option("--rollback-mode", "--rollback", "rollback_mode", type=click.Choice(SHARD_ROLLBACK_MODES), default=None,
@@ -154,12 +161,64 @@ def daemon_options(func):
 
 
 def daemon_args_from(**values) -> list[str]:
-    """`shardd serve` arguments for the options that were given: max_context=8 -> --max-context 8."""
+    """`shardd serve` arguments for the options that were given: max_context=8 -> --max-context 8, a flag that is
+    set (True) -> --allow-long-context."""
     args = []
     for name, value in values.items():
-        if value is not None:
+        if value is True:
+            args.append(f"--{name.replace('_', '-')}")
+        elif value is not None and value is not False:
             args += [f"--{name.replace('_', '-')}", str(value)]
     return args
+
+
+def _tokenizer_dir(ctx, param, value) -> Optional[str]:
+    if value is None or value == BYTES:
+        return value
+    if not os.path.isdir(value):
+        raise click.BadParameter(f"{value!r} is not a directory (give the one holding tokenizer.json, or 'bytes')")
+    return value
+
+
+tokenizer_option = click.option(
+    "--tokenizer", "tokenizer_dir", metavar="DIR|bytes", callback=_tokenizer_dir,
+    help="Directory with tokenizer.json (and the chat template); default: --model's, else the shards'. A model "
+         "without one takes token ids only; 'bytes' tokenizes text as its UTF-8 bytes.")
+
+
+def _dtype(ctx, param, value) -> Optional[str]:
+    return None if value is None else dtype_name(value)
+
+
+dtype_option = click.option(
+    "--dtype", type=click.Choice(DTYPE_CHOICES, case_sensitive=False), default=None, callback=_dtype,
+    help="Weight dtype of launched shards (bf16, fp16 as vLLM spells them). Default auto: on a GPU the checkpoint's "
+         "dtype, bfloat16 for a float32 or synthetic model; on the CPU float32.")
+
+
+# vLLM's flags whose meaning differs from any of ours, each refused with the one to use instead.
+VLLM_FLAGS = {
+    "--gpu-memory-utilization": "each daemon's cap is `shardd serve --max-gpu-memory SIZE|FRACTION`",
+    "--max-num-batched-tokens": "the rows of one scheduler step are `shardctl serve --batch-rows ROWS`",
+    "--tensor-parallel-size": "shardd splits a model by layers, one shard per GPU: --split N --devices cuda:0,...",
+    "--pipeline-parallel-size": "shardd's layer split is --split N (or --layers B:E,...) with --devices",
+    "--chat-template": "the chat template comes from the model directory (--tokenizer DIR names another)",
+    "--enable-prefix-caching": "shardd has no prefix cache to switch on",
+    "--trust-remote-code": "shardd runs only its own Qwen3.5 code, never a checkpoint's: drop the flag",
+}
+
+
+def _refuse_vllm_flag(ctx, param, value) -> None:
+    if value:
+        name = param.opts[0]
+        raise click.UsageError(f"{name} is vLLM's flag, not shardctl's: {VLLM_FLAGS[name]}")
+
+
+def vllm_flag_refusals(func):
+    """vLLM's flag names that shardctl does not take, refused with a hint naming ours (not click's guess)."""
+    flags = {"--enable-prefix-caching", "--trust-remote-code"}
+    return _apply([click.option(name, is_flag=name in flags, hidden=True, expose_value=False, is_eager=True,
+                                callback=_refuse_vllm_flag) for name in VLLM_FLAGS], func)
 
 
 def load_curve(server_key: Optional[str], client_key: Optional[str]) -> Optional[CurveKeys]:

@@ -9,13 +9,13 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import click
 
 from common.endpoints import endpoint_problem, ipc_file, ipc_in_use
 from common.hub import ModelNotFound, resolve_model
-from common.model_config import load_config
+from common.model_config import ModelConfig, context_problem, load_config
 from common.presets import parse_synthetic, preset_config
 from coordinator.cli.options import parse_list, seconds
 from coordinator.cli.output import progress
@@ -85,9 +85,11 @@ class ShardPlan:
             yield endpoints
 
     @contextlib.contextmanager
-    def running_with_drafter(self, mode_args: Sequence[str] = ()) -> Iterator[tuple[list[str], Optional[str]]]:
+    def running_with_drafter(self, mode_args: Sequence[str] = (), on_lost: Optional[Callable[[str], None]] = None
+                             ) -> Iterator[tuple[list[str], Optional[str]]]:
         """The shard endpoints and the drafter's endpoint (None without a drafter). Launched shards get the
-        plan's --draft where its placement says: its own daemon, or beside the first or the last shard."""
+        plan's --draft where its placement says: its own daemon, or beside the first or the last shard; they are
+        supervised (restarted when they die or hang), and `on_lost` hears of one that cannot come back."""
         if not self.launches:
             yield list(self.endpoints), self.draft_endpoint
             return
@@ -96,17 +98,17 @@ class ShardPlan:
         progress(f"launching {len(self.splits)} shard(s) {', '.join(f'{b}:{e}' for b, e in self.splits)}{drafter_note} "
                  f"({' '.join(self.source_args)})")
         started = time.perf_counter()
-        with launched_sets(sets, progress=progress) as started_sets:
+        with launched_sets(sets, progress=progress, on_lost=on_lost) as started_sets:
             progress(f"shards ready in {time.perf_counter() - started:.1f} s")
             draft_endpoint = started_sets[draft_at[0]][draft_at[1]].endpoint if draft_at is not None else None
             yield [shard.endpoint for shard in started_sets[0]], draft_endpoint
 
 
-def model_num_layers(model_dir: Optional[str], synthetic: Optional[str]) -> int:
+def model_config(model_dir: Optional[str], synthetic: Optional[str]) -> ModelConfig:
     try:
         if model_dir is not None:
-            return load_config(model_dir).num_layers
-        return preset_config(parse_synthetic(synthetic)[0]).num_layers
+            return load_config(model_dir)
+        return preset_config(parse_synthetic(synthetic)[0])
     except ValueError as error:
         raise click.UsageError(str(error)) from None
 
@@ -123,6 +125,8 @@ def make_plan(
     allow_endpoints: bool = True,
     curve: bool = False,
     quantize: Optional[str] = None,
+    max_context: Optional[int] = None,
+    allow_long_context: bool = False,
 ) -> ShardPlan:
     given = [name for name, value in (("--shards", shards), ("--model", model_dir), ("--synthetic", synthetic)) if value]
     choices = "--shards EP,EP,... or --model DIR or --synthetic PRESET" if allow_endpoints else "--model DIR or --synthetic PRESET"
@@ -151,7 +155,11 @@ def make_plan(
             model_dir = resolve_model(model_dir)
         except ModelNotFound as error:
             raise click.UsageError(str(error)) from None
-    num_layers = model_num_layers(model_dir, synthetic)
+    config = model_config(model_dir, synthetic)
+    num_layers = config.num_layers
+    problem = context_problem(max_context or 0, config.max_position_embeddings, bool(allow_long_context))
+    if problem is not None:  # before any daemon starts, as the daemons would refuse it
+        raise click.BadParameter(problem, param_hint="--max-context")
     try:
         splits = even_split(num_layers, split) if split else parse_layer_ranges(layer_spec)
         for begin, end in splits:

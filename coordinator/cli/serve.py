@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import socket
+
 import click
 
 from common.hub import model_name
@@ -17,15 +21,51 @@ from coordinator.cli.options import (
     recovery_timeout_option,
     seconds,
     shard_source_options,
+    tokenizer_option,
 )
 from coordinator.cli.output import emit_json, progress
 from coordinator.cli.plan import (DEFAULT_DRAFT_PLACEMENT, DRAFT_PLACEMENTS, connect_pipeline, dflash_daemon, make_plan,
                                   mode_daemon_args)
+from coordinator.launch import LaunchError
 from coordinator.relay.shards import PipelineError
 from coordinator.serve.auth import is_loopback_host
 from coordinator.serve.limits import ACCEPT_BACKLOG, MAX_CONNECTIONS, REQUEST_TIMEOUT_S
-from coordinator.tokenizer import TokenizerUnavailable, load_tokenizer, synthetic_preset
+from coordinator.tokenizer import NoTokenizer, TokenizerUnavailable, load_tokenizer, synthetic_preset
 from protocol.layout import CHECKPOINT, ROLLBACK_MODES
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The HTTP server's socket, bound (uvicorn listens on it once the shards are ready); LaunchError when the
+    address cannot be had."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as error:
+        raise click.BadParameter(f"cannot resolve {host!r}: {error.strerror}", param_hint="--host") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise LaunchError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    return sock
+
+
+class _DropCancellations(logging.Filter):
+    """A second Ctrl-C stops uvicorn at once, cancelling the requests still running and its lifespan task: a
+    requested stop, not an application error, so no traceback (uvicorn logs the first, starlette the second as
+    a message holding the traceback's text)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, asyncio.CancelledError):
+            return False
+        message = record.getMessage() if isinstance(record.msg, str) else ""
+        return not (message.startswith("Traceback") and message.rstrip().endswith("CancelledError"))
+
+
+def quiet_cancellations() -> None:
+    logging.getLogger("uvicorn.error").addFilter(_DropCancellations())
 
 
 @click.command()
@@ -39,8 +79,7 @@ from protocol.layout import CHECKPOINT, ROLLBACK_MODES
 @busy_poll_option("0")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the HTTP server listens on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option("--tokenizer", "tokenizer_dir", type=click.Path(exists=True, file_okay=False),
-              help="Directory with tokenizer.json and the chat template (default: --model's, else the shards').")
+@tokenizer_option
 @click.option("--served-model-name", help="The model id clients ask for (default: the model directory's name).")
 @click.option("--drafter", type=click.Choice(("none", "ngram", "dflash")), default="ngram", show_default=True,
               help="none: one token per step; ngram: prompt lookup; dflash: the drafter daemon (--draft-shard/--draft).")
@@ -69,7 +108,7 @@ from protocol.layout import CHECKPOINT, ROLLBACK_MODES
               help="Clients must send 'Authorization: Bearer KEY' on /v1 and the tokenizer routes (/health and "
                    "/metrics stay open); required when --host is not loopback.")
 def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
-          curve_client_key, quantize, max_sequences, max_context, max_tokens_per_request, recovery_timeout, liveness_timeout,
+          curve_client_key, quantize, max_sequences, max_context, allow_long_context, max_tokens_per_request, recovery_timeout, liveness_timeout,
           busy_poll_ms, host, port, tokenizer_dir, served_model_name, drafter, draft_shard, draft, draft_placement, block_size, rollback, batch_rows, log_level,
           max_body_bytes, request_timeout, max_connections, as_json, api_key):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
@@ -85,7 +124,7 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
 
         from coordinator.serve.app import build_app
         from coordinator.serve.chat import ChatTemplate, load_chat_template
-        from coordinator.serve.engine import Engine, EngineConfig, generation_defaults
+        from coordinator.serve.engine import Engine, EngineConfig, RequestError, generation_defaults
         from coordinator.serve.frontdoor import GuardedH11Protocol, install_log_filter
         from coordinator.serve.limits import FrontDoorLimits, connection_budget, default_max_body_bytes
     except ImportError as error:  # installed without the serve extra
@@ -95,11 +134,15 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
         raise click.UsageError(f"--host {host} is not loopback: give --api-key (or SHARDCTL_API_KEY) so that not "
                                f"everyone who reaches it can use the model")
     speculating = drafter != "none"
+    listener = listen_socket(host, port)  # a taken port fails now, before any shard loads its weights
+    port = listener.getsockname()[1]
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
                      daemon_args_from(dtype=dtype, max_sequences=max_sequences, max_context=max_context,
+                                      allow_long_context=allow_long_context,
                                       max_tokens_per_request=max_tokens_per_request,
                                       busy_poll_ms="auto" if busy_poll_ms is None else busy_poll_ms),
-                     curve=curve_server_key or curve_client_key, quantize=quantize)
+                     curve=curve_server_key or curve_client_key, quantize=quantize,
+                     max_context=max_context, allow_long_context=allow_long_context)
     if shards and (max_sequences or max_context or max_tokens_per_request):
         raise click.UsageError("--max-sequences, --max-context and --max-tokens-per-request size the shards serve "
                                "launches; running shards (--shards) keep the limits they were started with")
@@ -116,6 +159,8 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
                                            given=tokenizer_dir is not None)
             except TokenizerUnavailable as error:
                 raise click.UsageError(str(error)) from None
+            if isinstance(tokenizer, NoTokenizer):
+                tokenizer.refusal = RequestError  # a text request is the client's to fix: a 400 naming the cause
             eos_ids = tuple(tokenizer.eos_ids) or tuple(pipeline.shards[-1].model.get("eos_token_ids") or ())
             preset = synthetic_preset(pipeline.shards[0])
         source_dir = tokenizer.model_dir or plan.model_dir
@@ -150,6 +195,9 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
             server = uvicorn.Config(build_app(engine, api_key, limits), host=host, port=port, log_level=log_level,
                                     http=GuardedH11Protocol.configured(limits), backlog=ACCEPT_BACKLOG)
             install_log_filter()  # after uvicorn set its loggers up
-            uvicorn.Server(server).run()
+            progress(f"listening on http://{host}:{port}")
+            quiet_cancellations()
+            uvicorn.Server(server).run(sockets=[listener])
         finally:
             engine.close()
+            listener.close()

@@ -245,7 +245,7 @@ def test_serve_without_its_extra_names_the_pip_command():
     code = ("import sys; sys.modules['uvicorn'] = None; sys.argv = ['shardctl', 'serve', '--synthetic', 'tiny', "
             "'--split', '1']; from coordinator.cli import main; main()")
     result = run([sys.executable, "-c", code], timeout=60)
-    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.returncode == 4 and "Traceback" not in result.stderr  # a start-up failure
     assert "pip install 'shardd[serve]'" in result.stderr and "launching" not in result.stderr
 
 
@@ -294,7 +294,7 @@ def test_a_failed_launch_leaves_nothing_in_the_temp_dir(made, tmp_path):
     temp.mkdir()
     result = run([sys.executable, "-m", "coordinator.cli", "generate", "--model", str(broken), "--split", "1",
                   "--prompt", "x"], TMPDIR=str(temp), XDG_CACHE_HOME=str(cache))
-    assert result.returncode == 1 and "Traceback" not in result.stderr.split("its log")[0], result.stderr
+    assert result.returncode == 4 and "Traceback" not in result.stderr, result.stderr
     assert list(temp.iterdir()) == []
     kept = re.search(r"shard logs kept in (\S+)", result.stderr).group(1)
     assert Path(kept).is_relative_to(cache / "shardd" / "logs") and list(Path(kept).rglob("*.log"))

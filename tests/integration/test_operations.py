@@ -412,8 +412,8 @@ def test_status_exits_1_when_the_shards_do_not_form_the_model(workdir):
 
 def test_generate_passes_capacity_options_to_the_shards_it_starts():
     result = shardctl("generate", "--synthetic", "tiny", "--split", 1, "--max-context", 12, "--max-sequences", 1,
-                      "--prompt-ids", "1,2,3,4,5,6,7,8", "--max-new-tokens", 16, "--drafter", "none", "--ignore-eos")
-    # the shards hold 12 tokens: the 8-token prompt leaves room for 4, and the request ends there ("length")
+                      "--prompt-ids", "1,2,3,4,5,6,7,8", "--max-new-tokens", 4, "--drafter", "none", "--ignore-eos")
+    # the shards hold 12 tokens: the 8-token prompt leaves room for 4; more is a usage error, not a silent cap
     assert result.exit_code == 0, result.output
     assert "4 tokens" in result.stderr
     result = shardctl("generate", "--shards", "tcp://127.0.0.1:9", "--max-context", 12, "--prompt", "x")

@@ -12,7 +12,7 @@ from coordinator.decoding import ROLLBACK_MODES, greedy_decode, speculative_deco
 from coordinator.drafting.drafters import NgramDrafter, OracleDrafter
 from coordinator.relay.target import ReplayTarget, RollbackFailed, SequenceLost, Target
 from coordinator.scheduler.commit import accept_length, commit_tokens
-from coordinator.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from coordinator.tokenizer import ByteTokenizer, HFTokenizer, NoTokenizer, TokenizerUnavailable, load_tokenizer
 from tests.support.fake_target import FakeTarget, mixing_rule
 
 CYCLE = [3, 14, 15, 9, 26, 5, 35]
@@ -448,9 +448,12 @@ def test_hf_tokenizer_round_trip_and_eos(tmp_path):
     assert tokenizer.vocab_size == 5
 
 
-def test_load_tokenizer_picks_the_model_tokenizer_or_bytes(tmp_path):
-    assert isinstance(load_tokenizer(None, 512), ByteTokenizer)
-    assert isinstance(load_tokenizer(str(tmp_path), 512), ByteTokenizer)
+def test_load_tokenizer_picks_the_model_tokenizer_and_bytes_only_by_name(tmp_path):
+    for none in (load_tokenizer(None, 512), load_tokenizer(str(tmp_path), 512)):
+        assert isinstance(none, NoTokenizer) and none.decode([104, 105]) == ""
+        with pytest.raises(TokenizerUnavailable, match="--tokenizer bytes"):
+            none.encode("hi")
+    assert isinstance(load_tokenizer("bytes", 512, given=True), ByteTokenizer)
     write_word_tokenizer(tmp_path)
     assert isinstance(load_tokenizer(str(tmp_path), 5), HFTokenizer)
 
