@@ -27,6 +27,7 @@ from coordinator.cli.output import emit_json, progress
 from coordinator.cli.plan import (DEFAULT_DRAFT_PLACEMENT, DRAFT_PLACEMENTS, connect_pipeline, dflash_daemon, make_plan,
                                   mode_daemon_args)
 from coordinator.launch import LaunchError
+from coordinator.supervise import ShardLost
 from coordinator.relay.shards import PipelineError
 from coordinator.serve.auth import is_loopback_host
 from coordinator.serve.limits import ACCEPT_BACKLOG, MAX_CONNECTIONS, REQUEST_TIMEOUT_S
@@ -103,6 +104,9 @@ def quiet_cancellations() -> None:
               metavar="SECONDS", help="A request's headers and body must arrive within this; slower ones are closed.")
 @click.option("--max-connections", type=click.IntRange(16), default=MAX_CONNECTIONS, show_default=True,
               help="Open HTTP connections at most (the open-file limit is raised to fit); more are answered 503.")
+@click.option("--exit-on-shard-loss", is_flag=True,
+              help="Exit (code 1) when a launched shard dies or hangs and cannot be restarted; by default the server "
+                   "stays up and answers 503 on /health and /v1/*, saying why.")
 @click.option("--json", "as_json", is_flag=True, help="Once the shards are ready, print what is served as one JSON line.")
 @click.option("--api-key", envvar=["SHARDCTL_API_KEY", "VLLM_API_KEY"], show_envvar=True,
               help="Clients must send 'Authorization: Bearer KEY' on /v1 and the tokenizer routes (/health and "
@@ -110,7 +114,7 @@ def quiet_cancellations() -> None:
 def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
           curve_client_key, quantize, max_sequences, max_context, allow_long_context, max_tokens_per_request, recovery_timeout, liveness_timeout,
           busy_poll_ms, host, port, tokenizer_dir, served_model_name, drafter, draft_shard, draft, draft_placement, block_size, rollback, batch_rows, log_level,
-          max_body_bytes, request_timeout, max_connections, as_json, api_key):
+          max_body_bytes, request_timeout, max_connections, exit_on_shard_loss, as_json, api_key):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
     /version, /health, /metrics).
 
@@ -152,7 +156,19 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
     elif draft_shard or draft:
         raise click.UsageError("--draft-shard and --draft go with --drafter dflash")
     curve = load_curve(curve_server_key, curve_client_key)
-    with plan.running_with_drafter(mode_daemon_args(rollback, block_size, speculating)) as (endpoints, draft_endpoint):
+    serving: dict = {}  # the engine and the HTTP server, once they exist (a shard may be lost before)
+
+    def shard_lost(reason: str) -> None:  # the supervisor's thread: a launched shard could not be brought back
+        serving["lost"] = reason
+        if "engine" in serving:
+            serving["engine"].lost = reason
+        progress("exiting: a shard is lost (--exit-on-shard-loss)" if exit_on_shard_loss else
+                 "a shard is lost: answering 503 on /health and /v1/* from now on")
+        if exit_on_shard_loss and "server" in serving:
+            serving["server"].should_exit = True
+
+    with plan.running_with_drafter(mode_daemon_args(rollback, block_size, speculating),
+                                   on_lost=shard_lost) as (endpoints, draft_endpoint):
         with connect_pipeline(endpoints, timeout, curve, liveness_timeout, busy_poll_ms) as pipeline:
             try:
                 tokenizer = load_tokenizer(tokenizer_dir or plan.model_dir, pipeline.vocab_size, pipeline.shards,
@@ -191,13 +207,19 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
                                  request_timeout_s=request_timeout, max_connections=connection_budget(max_connections))
         if limits.max_connections < max_connections:
             progress(f"the open-file limit allows {limits.max_connections} connections, not {max_connections}")
+        serving["engine"], engine.lost = engine, serving.get("lost")
         try:
             server = uvicorn.Config(build_app(engine, api_key, limits), host=host, port=port, log_level=log_level,
                                     http=GuardedH11Protocol.configured(limits), backlog=ACCEPT_BACKLOG)
             install_log_filter()  # after uvicorn set its loggers up
             progress(f"listening on http://{host}:{port}")
             quiet_cancellations()
-            uvicorn.Server(server).run(sockets=[listener])
+            serving["server"] = uvicorn.Server(server)
+            if exit_on_shard_loss and engine.lost is not None:
+                serving["server"].should_exit = True
+            serving["server"].run(sockets=[listener])
         finally:
             engine.close()
             listener.close()
+        if exit_on_shard_loss and engine.lost is not None:
+            raise ShardLost(engine.lost)

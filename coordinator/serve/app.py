@@ -17,6 +17,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common import __version__
+from coordinator.relay.pipeline import SHARD_FAILURES
+from coordinator.relay.shards import PipelineError
+from coordinator.relay.target import RollbackFailed, SequenceLost
 from coordinator.serve.auth import authorized, needs_key
 from coordinator.serve.chat import ChatTemplateError
 from coordinator.serve.engine import Engine, GenerateParams, RequestError
@@ -75,7 +78,11 @@ log = logging.getLogger("shardctl.serve")
 
 
 ERROR_KINDS = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-               413: "RequestTooLargeError", 500: "InternalServerError"}
+               413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+# failures of the shards (down, restarting, replaced), answered 503 without a traceback: not this server's defect
+SHARD_DOWN = (*SHARD_FAILURES, ConnectionError, PipelineError, SequenceLost, RollbackFailed)
 
 
 def error_response(status: int, message: str, kind: Optional[str] = None, param: Optional[str] = None,
@@ -553,10 +560,22 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
         return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
 
     @app.middleware("http")
+    async def shard_lost(request: Request, call_next):
+        # a launched shard that could not be brought back: every model route answers 503 (/health says why too)
+        if engine.lost is not None and request.url.path.startswith(("/v1/", "/tokenize", "/detokenize")):
+            return refused(request, 503, f"the server cannot serve: {engine.lost}")
+        return await call_next(request)
+
+    @app.middleware("http")
     async def failures(request: Request, call_next):
         try:
             return await call_next(request)
         except Exception as error:  # noqa: BLE001 - a shard failure outside a stream: an OpenAI error object
+            while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:  # a TaskGroup's one failure
+                error = error.exceptions[0]
+            if isinstance(error, SHARD_DOWN):  # the shards, not this server: 503, said in one line
+                return refused(request, 503, f"the shards cannot serve this request now ({type(error).__name__}: "
+                                             f"{error}); retry")
             metrics.requests.labels(request.url.path, "500").inc()
             log.error("500 for %s %s: %s: %s", request.method, request.url.path, type(error).__name__, error,
                       exc_info=error)

@@ -104,6 +104,8 @@ class EngineConfig:
 
 class Engine:
     health_timeout_s = 1.0  # GET /health answers within about this long, also with a shard down
+    # set (to the reason) when a launched shard died or hung and could not be brought back: the server answers 503
+    lost: Optional[str] = None
 
     def __init__(self, endpoints: Sequence[str], tokenizer, config: EngineConfig, *, curve=None,
                  chat_template=None, metrics: Optional[ServeMetrics] = None) -> None:
@@ -185,6 +187,8 @@ class Engine:
         with ThreadPoolExecutor(max_workers=len(endpoints)) as pool:
             shards = dict(zip(endpoints, pool.map(ask, endpoints)))
         problems = [f"{endpoint}: {answer['error']}" for endpoint, answer in shards.items() if "error" in answer]
+        if self.lost is not None:
+            problems.insert(0, self.lost)
         fingerprints = {s["fingerprint"] for s in shards.values() if "fingerprint" in s}
         if len(fingerprints) > 1:
             problems.append(f"shards disagree on the model fingerprint: {sorted(fingerprints)}")

@@ -173,3 +173,42 @@ def test_a_second_ctrl_c_on_serve_stops_without_tracebacks(tmp_path):
             code = server.process.wait(30)
     output = (tmp_path / "serve.log").read_text()
     assert code in (0, 1, 130, -signal.SIGINT) and "Traceback" not in output and "CancelledError" not in output, output
+
+
+@pytest.mark.parametrize("exit_on_loss", [False, True], ids=["503", "exit"])
+def test_serve_after_a_shard_is_lost_answers_503_or_exits(made, tmp_path, exit_on_loss):
+    """A launched shard is killed and cannot come back (its model directory is gone): the server answers 503 with
+    OpenAI's error body on /v1/* and /health says why, no traceback; with --exit-on-shard-loss it exits 1."""
+    from coordinator.relay.client import ShardClient
+
+    model = tmp_path / "model"
+    shutil.copytree(made, model)
+    extra = ["--exit-on-shard-loss"] if exit_on_loss else []
+    with ShardctlServe("--model", str(model), "--split", "2", *extra, log=tmp_path / "serve.log") as server:
+        server.wait_healthy()
+        with httpx.Client(timeout=30) as client:
+            shards = client.get(server.url + "/health").json()["shards"]
+            endpoint = sorted(shards)[-1]
+            with ShardClient(endpoint, timeout_s=10) as shard:
+                pid = shard.hello()["pid"]
+            shutil.rmtree(model)
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 90  # the supervisor's 5 restarts back off 0.5 .. 8 s
+            if exit_on_loss:
+                code = server.process.wait(deadline - time.monotonic())
+                assert code == 1
+            else:
+                while time.monotonic() < deadline:  # meanwhile: 200, or 503 while the shard restarts
+                    answer = client.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+                    assert answer.status_code in (200, 503), answer.text
+                    if answer.status_code == 503 and "not restarting it" in answer.text:
+                        break
+                    time.sleep(1)
+                assert answer.status_code == 503, answer.text
+                error = answer.json()["error"]
+                assert error["type"] == "ServiceUnavailableError" and "not restarting it" in error["message"]
+                health = client.get(server.url + "/health")
+                assert health.status_code == 503 and "not restarting it" in health.json()["problems"][0]
+    output = (tmp_path / "serve.log").read_text()
+    assert "Traceback" not in output, output
+    assert sum(line.startswith("[shardctl]") and "not restarting it" in line for line in output.splitlines()) == 1, output
