@@ -117,6 +117,34 @@ def profile_top(torch, fn, repeats: int, top: int = 12) -> list[dict]:
         {"ms_per_call": round(total, 3), "launches": sum(c for _, c, _ in rows), "kernel": "(all kernels)"}]
 
 
+def step_floors(config, model, shards: dict, context: int, bandwidth: float) -> tuple[dict, dict]:
+    """The bytes a step must move, by part, and each step's floor in ms at `bandwidth`: every weight once but the
+    embedding table, of which a step reads its rows only; each GDN layer's recurrent state and conv window read
+    and written (float32); each attention layer's K/V of the context read and the step's rows written; and what a
+    checkpointed verify writes for its rollback (checkpoint: the float32 states of every row; replay-ssm: its log)."""
+    from protocol.layout import CHECKPOINT, REPLAY_SSM
+
+    itemsize = 2  # bf16
+    embedding = model.embed_tokens.nbytes if model.embed_tokens is not None else 0
+    gdn = len(model.gdn_layers)
+    kv_row = 2 * config.num_key_value_heads * config.head_dim * itemsize * len(model.attention_layers)
+    parts = {
+        "weights_but_embedding": model.weight_bytes() - embedding,
+        "embedding_row": config.hidden_size * itemsize,
+        "gdn_state_read_write": 2 * gdn * (config.recurrent_state_bytes() + config.conv_state_bytes()),
+        "kv_read": kv_row * context,
+        "kv_row_write": kv_row,
+        "checkpoint_writes": shards[CHECKPOINT].checkpoint_bytes_per_sequence(),
+        "replay_ssm_writes": shards[REPLAY_SSM].checkpoint_bytes_per_sequence(),
+    }
+    base = parts["weights_but_embedding"] + parts["gdn_state_read_write"] + parts["kv_read"]
+    rows = {"greedy": 1, CHECKPOINT: BLOCK, REPLAY_SSM: BLOCK}
+    extra = {"greedy": 0, CHECKPOINT: parts["checkpoint_writes"], REPLAY_SSM: parts["replay_ssm_writes"]}
+    floors = {step: round((base + n * (parts["embedding_row"] + parts["kv_row_write"]) + extra[step]) / bandwidth * 1e3, 3)
+              for step, n in rows.items()}
+    return parts, floors
+
+
 def run_local(args) -> dict:
     import torch
 
@@ -179,12 +207,15 @@ def run_local(args) -> dict:
     target = LocalTarget.from_shards([shards[CHECKPOINT]], context)
     greedy = greedy_decode(target, 1, prompt, args.tokens)
     out["greedy_ms_per_token"] = round(greedy.decode_seconds / len(greedy.tokens) * 1e3, 3)
+    # the first token comes from the prefill: the decode steps are one fewer than the tokens
+    out["greedy_ms_per_decode_step"] = round(greedy.decode_seconds / greedy.steps * 1e3, 3)
     out["greedy_tok_s"] = round(len(greedy.tokens) / greedy.decode_seconds, 2)
     hashes = {"greedy": token_hash(greedy.tokens)}
     print(f"greedy {out['greedy_ms_per_token']} ms/token", flush=True)
 
     # speculative decoding with the oracle drafter, each mode, A/B/A
     tok_s: dict[str, list[float]] = {mode: [] for mode in MODES}
+    local_steps: dict[str, list[float]] = {}
     commits: dict[str, float] = {}
     for mode in (*MODES, *reversed(MODES)):
         shard = shards[CHECKPOINT if mode == "replay" else mode]
@@ -192,12 +223,15 @@ def run_local(args) -> dict:
         drafter = OracleDrafter.with_mean_commit(greedy.tokens, len(prompt), block_size=BLOCK, mean_commit=MEAN_COMMIT)
         result = speculative_decode(target, 2, prompt, drafter, block_size=BLOCK, rollback=mode, max_new_tokens=args.tokens)
         tok_s[mode].append(len(result.tokens) / result.decode_seconds)
+        local_steps.setdefault(mode, []).append(result.decode_seconds / result.steps * 1e3)
         commits[mode] = result.avg_commit
         hashes[f"local/{mode}"] = token_hash(result.tokens)
         print(f"{mode}: {tok_s[mode][-1]:.1f} tok/s, mean commit {result.avg_commit:.2f}", flush=True)
     out["tok_s"] = {mode: round(statistics.median(v), 2) for mode, v in tok_s.items()}
     out["tok_s_runs"] = {mode: [round(x, 2) for x in v] for mode, v in tok_s.items()}
     out["mean_commit"] = {mode: round(v, 2) for mode, v in commits.items()}
+    # a decode step's wall time as the two-daemon runs measure theirs (decode_seconds / steps): the relay's baseline
+    out["local_step_ms"] = {mode: round(statistics.median(v), 3) for mode, v in local_steps.items()}
 
     # the step and the rollback alone
     def timed(fn, repeats):
@@ -237,6 +271,14 @@ def run_local(args) -> dict:
             (rollbacks if i % 2 == 0 else walls).extend(measure(lambda: shard.rollback(state, int(MEAN_COMMIT)), 1))
             state.length = pos  # timing only: the next step goes to the same position
         step_ms[mode], rollback_ms[mode], rollback_wall_ms[mode] = median_ms(forwards), median_ms(rollbacks), median_ms(walls)
+        if mode == REPLAY_SSM:  # its rollback queues no work: the kept tokens re-run inside the next step
+            clean = []  # steps after a rollback that kept the whole block (nothing to re-run)
+            for _ in range(args.repeats):
+                shard.rollback(state, BLOCK)
+                state.length = pos
+                clean += timed(lambda: shard.forward(state, pos, tokens=block, checkpoint=True), 1)
+            out["replay_ssm_rerun_ms"] = round(step_ms[mode] - median_ms(clean), 3)
+            out["replay_ssm_step_without_rerun_ms"] = median_ms(clean)
         shard.release_state(state)
     # replay: snapshot, verify, restore, forward the kept tokens again
     shard = shards[CHECKPOINT]
@@ -263,6 +305,11 @@ def run_local(args) -> dict:
     out["rollback_wall_ms"] = rollback_wall_ms  # host call plus a synchronize
     out["floor_ratio_step"] = {mode: round(ms / out["floor_ms"], 3) for mode, ms in step_ms.items()}
     out["floor_ratio_greedy"] = round(out["greedy_ms_per_token"] / out["floor_ms"], 3)
+    honest = step_floors(config, model, shards, pos, bandwidth)
+    out["floor_parts_bytes"], out["floor_step_ms"] = honest
+    out["floor_step_ratio"] = {
+        "greedy": round(out["greedy_ms_per_decode_step"] / out["floor_step_ms"]["greedy"], 3),
+        **{mode: round(step_ms[mode] / out["floor_step_ms"][mode], 3) for mode in (CHECKPOINT, REPLAY_SSM)}}
     if args.fp8:  # the FP8 step's targets, as multiples of the FP8 floor
         out["fp8_targets"] = {"greedy": 1.35, "verify": 1.45,
                               "greedy_met": out["floor_ratio_greedy"] <= 1.35,
@@ -1751,6 +1798,10 @@ def summarize(merged: dict) -> None:
         merged["relay_ms_per_step"] = {m: round(merged["e2e_step_ms"][m] - local_step[m], 3) for m in local_step}
         merged["relay_share_of_step"] = {m: round(merged["relay_ms_per_step"][m] / merged["e2e_step_ms"][m], 3) for m in local_step}
         merged["e2e_vs_local"] = {m: round(merged["e2e_tok_s"][m] / merged["tok_s"][m], 3) for m in merged["e2e_tok_s"] if m in merged["tok_s"]}
+    if "e2e_step_ms" in merged and "local_step_ms" in merged:
+        # the same measure on both sides: decode_seconds / steps of a local run and of a two-daemon run
+        merged["relay_ms_per_step_measured"] = {m: round(merged["e2e_step_ms"][m] - merged["local_step_ms"][m], 3)
+                                                for m in merged["e2e_step_ms"] if m in merged["local_step_ms"]}
     if "e2e_greedy_ms_per_token" in merged and "greedy_ms_per_token" in merged:  # target: <= 1.05
         merged["e2e_greedy_vs_local"] = round(merged["e2e_greedy_ms_per_token"] / merged["greedy_ms_per_token"], 3)
     for key, _ in RELAY_ARMS.values():  # the same ratios for each arm
