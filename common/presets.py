@@ -61,7 +61,7 @@ PRESETS: dict[str, dict] = {
         "linear_conv_kernel_dim": 4,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         "tie_word_embeddings": False,
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": 262144,  # the family's: synthetic stand-ins take any context
     },
     # The demo: 8 layers (3 GDN + 1 attention) x 2, quick on two CPU cores.
     "small": {
@@ -81,7 +81,7 @@ PRESETS: dict[str, dict] = {
         "linear_conv_kernel_dim": 4,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.25},
         "tie_word_embeddings": True,
-        "max_position_embeddings": 8192,
+        "max_position_embeddings": 262144,  # the family's: synthetic stand-ins take any context
     },
     # The real Qwen3.5-27B text shape: 64 layers, 48 GDN + 16 attention.
     "qwen3.5-27b": {
@@ -125,7 +125,7 @@ PRESETS: dict[str, dict] = {
         "shared_expert_intermediate_size": 48,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         "tie_word_embeddings": False,
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": 262144,  # the family's: synthetic stand-ins take any context
     },
     # The released MoE shapes: (layers, hidden, attention heads, GDN value heads, experts, routed, expert width).
     "qwen3.5-35b-a3b": _qwen35_moe(40, 2048, 16, 32, 256, 8, 512),

@@ -623,9 +623,9 @@ def _check_request(record: Request, limits: Limits) -> None:
         if record.drafts is not None:
             proposing = isinstance(record, Capture) and record.propose is not None
             if not (samples(record.temperature) or penalised or record.logprobs is not None or proposing):
-                raise _bad(f"field 'drafts' of {kind.value} needs temperature >= {SAMPLING_EPS:g}, a penalty, "
-                           f"logprobs or propose "
-                           f"(otherwise the coordinator compares argmax ids)")
+                raise _bad(f"field 'drafts' of {kind.value} needs temperature > 0, a penalty, logprobs or propose "
+                           f"(a temperature below {SAMPLING_EPS:g} is greedy, and greedy drafts are compared with "
+                           f"the argmax ids by the coordinator)")
             if len(record.drafts) >= n:
                 raise _bad(f"{len(record.drafts)} drafts for {n} rows: a verify has one row more than drafts")
     if isinstance(record, Capture):

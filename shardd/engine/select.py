@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import os
 
-from shardd.engine.sizes import DEFAULT_STEP_ROWS, PREFILL_ROWS, drafter_step_rows  # noqa: F401 (the flags' defaults, named here too)
+from shardd.engine.sizes import DEFAULT_STEP_ROWS, MOE_REFUSAL, PREFILL_ROWS, drafter_step_rows  # noqa: F401 (the flags' defaults, named here too)
 
 
 ENGINES = ("auto", "reference", "fast")
-MOE_REFUSAL = "the fast engine does not run MoE layers yet; use --engine reference"
 
 
 def _interpreted() -> bool:

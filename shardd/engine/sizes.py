@@ -9,6 +9,8 @@ DEFAULT_STEP_ROWS = 128
 # piece replayed from CUDA graphs (an eager prefill call is launch-bound); the coordinator's prompt chunk is a multiple
 # of it (HELLO prefill_rows).
 PREFILL_ROWS = 512
+# The fast engine's step has no MoE layer: a sparse model is served by the reference engine (`--engine auto` picks it).
+MOE_REFUSAL = "the fast engine does not run MoE layers yet; use --engine reference"
 
 
 def drafter_step_rows(block_size: int, max_sequences: int, step_rows: int | None) -> int:

@@ -983,7 +983,7 @@ def test_compute_error_fails_only_its_sequence(workdir):
     # Layers 2:6 start with an attention layer, so the failure comes at once, after the KV rows were written.
     daemon = Daemon("compute-error", f"ipc://{workdir}/compute-error.sock", [
         "--layers", "2:6", "--dtype", "bfloat16", "--max-verify-tokens", "0",
-        "--max-context", str(2 * n), "--max-tokens-per-request", str(n),
+        "--max-context", str(2 * n), "--allow-long-context", "--max-tokens-per-request", str(n),
     ], workdir)
     try:
         daemon.wait_ready()

@@ -293,6 +293,7 @@ class FailingEngine:
 
     model_name, max_context, vocab_size = "m", 64, 256
     chat_template = None
+    lost = None  # no launched shard lost (Engine.lost)
 
     def __init__(self):
         from coordinator.serve.metrics import ServeMetrics

@@ -79,8 +79,19 @@ def test_exit_codes_are_the_same_in_the_readme_and_help():
         assert f"{code} {cause}" in readme, cause
 
 
-def test_no_silent_substitutes(made, tmp_path):
-    long = shardctl("generate", *TINY, "--split", 1, "--max-context", 100000, "--prompt", "x")
+@pytest.fixture(scope="module")
+def short(made, tmp_path_factory) -> Path:
+    """The tiny model with a config trained on 4,096 positions (the synthetic presets take the family's 262,144)."""
+    out = tmp_path_factory.mktemp("short") / "tiny"
+    shutil.copytree(made, out)
+    config = json.loads((out / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = 4096
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_no_silent_substitutes(made, short, tmp_path):
+    long = shardctl("generate", "--model", short, "--split", 1, "--max-context", 100000, "--prompt", "x")
     assert long.exit_code == 2 and "max_position_embeddings (4096)" in long.output and "launching" not in long.output
     assert "--allow-long-context" in long.output
 
@@ -104,7 +115,7 @@ def test_no_silent_substitutes(made, tmp_path):
     assert [int(i) for i in ids.stdout.split()] == json.loads(as_bytes.stdout)["tokens"]
 
 
-def test_a_vllm_user_s_flags(made):
+def test_a_vllm_user_s_flags(made, short):
     for flag in VLLM_FLAGS:
         value = [] if flag in ("--enable-prefix-caching", "--trust-remote-code") else ["1"]
         for command in ("serve", "generate", "launch"):
@@ -113,7 +124,7 @@ def test_a_vllm_user_s_flags(made):
     for command in ("make-model", "launch", "generate", "serve", "status", "bench", "demo"):
         assert shardctl(command, "--version").output.startswith("shardctl, version"), command
     # aliases reach the same option: the context check names the model's limit, the sequences the daemons
-    assert "max_position_embeddings" in shardctl("generate", *TINY, "--split", 1, "--max-model-len", 5000,
+    assert "max_position_embeddings" in shardctl("generate", "--model", short, "--split", 1, "--max-model-len", 5000,
                                                  "--prompt", "x").output
     result = shardctl("generate", "--model", made, "--split", 1, "--max-num-seqs", 1, "--dtype", "bf16",
                       "--prompt-ids", "1,2", "--max-new-tokens", 2, "--drafter", "none", "--json")

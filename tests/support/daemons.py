@@ -60,9 +60,17 @@ class Client:
         for name, value in socket_options.items():
             setattr(self.socket, name, value)
         self.socket.connect(endpoint)
+        self.opened: set[int] = set()  # sequences this connection opened and has not closed
 
     def close(self) -> None:
-        self.socket.close(linger=0)
+        """Closes the sequences this connection left open first (their replies unread): a daemon owns them by
+        connection, so nothing else could, and a module's shared daemons would fill up until the idle lease."""
+        for seq in sorted(self.opened):
+            try:
+                self.send_frames(encode_request(RECORD_TYPES[MessageType.CLOSE](id=self.next_id(), seq=seq)))
+            except zmq.Again:
+                break
+        self.socket.close(linger=500 if self.opened else 0)
 
     def send_frames(self, frames: list) -> None:
         """Raises zmq.Again when no peer takes the message within the socket's send timeout."""
@@ -93,6 +101,8 @@ class Client:
         reply = self.exchange(encode_request(record, validate=validate), timeout)
         assert reply.id == request_id, f"reply id {reply.id} for request {request_id}"
         assert reply.type == mtype, f"reply type {reply.type} for a {mtype.value} request"
+        if reply.ok and mtype in (MessageType.OPEN, MessageType.CLOSE) and "seq" in fields:
+            (self.opened.add if mtype is MessageType.OPEN else self.opened.discard)(fields["seq"])
         return reply
 
     def call(self, mtype: MessageType | str, **fields) -> Reply:
