@@ -21,7 +21,7 @@ Rules, in the order a step applies them:
   re-filled from its committed history (`coordinator.scheduler.recovery`), or it fails, and the others go on.
 
 Micro-batches: over N shards that pass the rows from shard to shard, the running streams go in up to
-`pipeline_groups` groups (default: one per shard), each its own step in flight (`Pipeline.start_forward_batch`), so
+`pipeline_groups` groups (default 1; one per shard is the intent), each its own step in flight (`Pipeline.start_forward_batch`), so
 while shard k computes one group's step shard k-1 computes the next group's. A step's streams are those not in flight,
 at most an equal share of the running ones; prompt chunks join as they join a step. A group's answer is read, committed
 and rolled back, and its next step started, while the other groups' steps are in the shards; rows never depend on
@@ -121,13 +121,6 @@ class _Answered:
 
     def result(self) -> list:
         return self.outputs
-
-
-def default_pipeline_groups(target) -> int:
-    """One micro-batch per shard where the shards pass the rows on themselves (the steps can overlap), else one."""
-    if getattr(target, "direct_rows", False) and hasattr(target, "start_forward_batch"):
-        return len(target.shards)
-    return 1
 
 
 class LoopBatches:
@@ -247,7 +240,8 @@ class Scheduler:
         if pipeline_groups is not None and pipeline_groups < 1:
             raise ValueError(f"pipeline_groups must be >= 1, got {pipeline_groups}")
         # micro-batches in flight at once (1: every step waits for the one before)
-        self.pipeline_groups = pipeline_groups or default_pipeline_groups(self.batches)
+        # (off by default: DFlash streams in several groups are not yet exact, see tests/integration/test_groups.py)
+        self.pipeline_groups = pipeline_groups or 1
         self.recovery_timeout_s = recovery_timeout_s
         self.on_step = on_step
         self.limit = context_limit(target)

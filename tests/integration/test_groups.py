@@ -106,11 +106,8 @@ def test_every_grouping_gives_each_stream_its_tokens_alone(chain, sampled):
             assert all(client.stats()["rows"]["waiting"] == 0 for client in pipeline.clients)
 
 
-def test_the_default_is_one_group_per_shard_of_a_chain_and_one_otherwise(chain):
+def test_groups_are_off_unless_asked_for(chain):
     with Pipeline.connect(chain) as pipeline:
-        assert Scheduler(pipeline, max_sequences=4).pipeline_groups == 3
-        assert Scheduler(pipeline, max_sequences=4, rollback="replay").pipeline_groups == 1
-        pipeline.direct_rows = False
         assert Scheduler(pipeline, max_sequences=4).pipeline_groups == 1
         with pytest.raises(ValueError, match="pipeline_groups"):
             Scheduler(pipeline, max_sequences=4, pipeline_groups=0)
