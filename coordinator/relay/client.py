@@ -1,7 +1,9 @@
 """A client for one shard daemon: a ZeroMQ DEALER socket speaking protocol v1.
 
-One request is in flight at a time; replies are matched by id, so a reply that arrives
-after its request timed out is recognised as stale and dropped. Tensor frames are relayed
+Several requests may be in flight; replies are matched by id, so a reply that arrives
+after its request timed out is recognised as stale and dropped. A request that waits on the
+daemon for rows from the previous shard (`rows_ticket`) holds back the requests sent after it
+until its reply has come: the daemon would end that wait at its connection's next request. Tensor frames are relayed
 as `WireTensor`s over the received frames (no copy, no torch), so a hidden state goes
 from one shard's reply to the next shard's request without being decoded.
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from collections import deque
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -151,6 +154,12 @@ class ShardClient:
         # comes while another is awaited waits in `_early` for its own receive().
         self._in_flight: dict[int, int] = {}
         self._early: dict[int, Reply] = {}
+        # The request sent that may still be waiting on the daemon for its rows (`rows_ticket`), and the requests
+        # sent after it that are not on the wire yet: each goes out as soon as the reply before it came (several
+        # micro-batches' steps in flight through one shard: PROTOCOL.md, "Micro-batches").
+        self._waiting_for_rows: Optional[Request] = None
+        self._held: deque[tuple[Request, list]] = deque()
+        self._failed: dict[int, Exception] = {}  # a held request that could not go out: raised by its receive
         # where this client's requests spend their time: encode, send, wait, receive, decode (protocol/timing.py)
         self.phases = PhaseClock()
 
@@ -177,7 +186,15 @@ class ShardClient:
         started = time.perf_counter_ns()
         record = with_id(record, next(self._ids))
         frames = encode_request(record, validate=validate)
-        encoded = time.perf_counter_ns()
+        self.phases.add(record.type, "encode", time.perf_counter_ns() - started)
+        if self._waiting_for_rows is not None:  # it goes out once the request waiting for rows is answered
+            self._held.append((record, frames))
+            return record
+        self._transmit(record, frames, connect_timeout_s)
+        return record
+
+    def _transmit(self, record: Request, frames: list, connect_timeout_s: Optional[float] = None) -> None:
+        sending = time.perf_counter_ns()
         if connect_timeout_s is None:
             connect_timeout_s = min(self.liveness_timeout_s, self.compute_timeout(record))
         wait_s = connect_timeout_s
@@ -191,10 +208,38 @@ class ShardClient:
         except zmq.Again:
             raise ShardUnavailable(self.endpoint, _describe(record), "send queue full", 0) from None
         self._in_flight[record.id] = self._watch.drops
+        if getattr(record, "rows_ticket", None) is not None:
+            self._waiting_for_rows = record
         self.phases.count(record.type)
-        self.phases.add(record.type, "encode", encoded - started)
-        self.phases.add(record.type, "send", time.perf_counter_ns() - encoded)
-        return record
+        self.phases.add(record.type, "send", time.perf_counter_ns() - sending)
+
+    def _answered(self, request_id: Optional[int]) -> None:
+        """The request `request_id` was answered, failed or forgotten: if it held later ones back, they go out now,
+        up to the next one that may wait for rows. A held request that cannot go out fails the ones behind it too
+        (the same connection)."""
+        if self._waiting_for_rows is None or request_id != self._waiting_for_rows.id:
+            return
+        self._waiting_for_rows = None
+        while self._held and self._waiting_for_rows is None:
+            record, frames = self._held.popleft()
+            try:
+                self._transmit(record, frames)
+            except ShardUnavailable as error:
+                for failed, _ in [(record, frames), *self._held]:
+                    self._failed[failed.id] = error
+                self._held.clear()
+
+    def _release(self, sent: Request) -> None:
+        """Until `sent`, held back, is on the wire (or failed): the replies it waits behind are read and kept."""
+        while any(record.id == sent.id for record, _ in self._held):
+            ahead = self._waiting_for_rows
+            try:
+                self._early[ahead.id] = self._await(ahead, self.compute_timeout(ahead))
+            except (ShardTimeout, ProtocolError) as error:
+                self._failed[ahead.id] = error
+            finally:
+                self._in_flight.pop(ahead.id, None)
+                self._answered(ahead.id)
 
     def _await_connection(self, record: Request, wait_s: float) -> None:
         """Until a connection is up: the monitor saw its handshake and no drop since (a socket still writable
@@ -221,21 +266,29 @@ class ShardClient:
         return self.timeout_s + n * SECONDS_PER_TOKEN
 
     def forget(self, sent: Request) -> None:
-        """Stop awaiting `sent`: its reply, when it comes, is dropped as stale."""
+        """Stop awaiting `sent`: its reply, when it comes, is dropped as stale (one held back is not sent)."""
+        self._held = deque((record, frames) for record, frames in self._held if record.id != sent.id)
+        self._failed.pop(sent.id, None)
         self._in_flight.pop(sent.id, None)
         self._early.pop(sent.id, None)
+        self._answered(sent.id)  # a wait for rows it left behind ends with the next request sent
 
     def receive(self, sent: Request, timeout_s: Optional[float] = None) -> Reply:
         """The reply to `sent` (as `send` returned it); replies to earlier requests that
         timed out are dropped on the way, replies to other requests still in flight are kept for
         their own receive(). ShardUnavailable as soon as the connection drops (every request in
         flight is lost with it), ShardTimeout after the compute timeout."""
+        self._release(sent)
+        failed = self._failed.pop(sent.id, None)
+        if failed is not None:
+            raise failed
         reply = self._early.pop(sent.id, None)
         if reply is None:
             try:
                 reply = self._await(sent, self.compute_timeout(sent) if timeout_s is None else timeout_s)
             finally:
                 self._in_flight.pop(sent.id, None)  # answered, lost or timed out: a late reply is stale
+                self._answered(sent.id)
         return self._check(reply, sent)
 
     def receive_items(self, sent: Batch, timeout_s: Optional[float] = None) -> list:
@@ -280,6 +333,8 @@ class ShardClient:
             mtype = reply.type or sent.type
             self.phases.add(mtype, "receive", received - arrived)
             self.phases.add(mtype, "decode", waited - received)
+            if reply.id is not None and reply.id != sent.id:
+                self._answered(reply.id)  # a reply that lets held requests go out
             # id None: the daemon could not read our id, so this error answers the oldest request in flight.
             if reply.id is None or reply.id == sent.id:
                 return reply
@@ -299,6 +354,7 @@ class ShardClient:
         """`close(seq)` sends CLOSE for that sequence; `close()` closes this client's socket."""
         if seq is not None:
             return self.request(Close(id=0, seq=seq)).result
+        self._held.clear()
         if not self._socket.closed:
             self._poller.unregister(self._socket)
             self._poller.unregister(self._watch.monitor)

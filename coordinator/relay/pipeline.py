@@ -334,7 +334,7 @@ class Pipeline:
 
     def _relay_one(self, step: "_Step") -> tuple[TokenIds, dict[int, WireTensor], dict]:
         """A batch of one through `_relay`: its outcome, or the exception that failed it raised."""
-        outcome = self._relay([step])[0]
+        outcome = _Relaying(self._relay([step])).outcomes()[0]
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
@@ -365,6 +365,13 @@ class Pipeline:
         Items go in groups of at most `max_tokens_per_request` rows and `max_batch_items` sequences; an item longer
         than `max_tokens_per_request` (not checkpointed) runs alone through `forward`'s chunked relay afterwards.
         A sequence named twice is refused (ValueError) for its second item."""
+        return self.start_forward_batch(items).result()
+
+    def start_forward_batch(self, items: Sequence[BatchForward]) -> "BatchInFlight":
+        """`forward_batch` begun: where the rows go from shard to shard (`direct_rows`), every shard's request is
+        sent now and `result()` reads the replies, so several batches of disjoint sequences (micro-batches) can be
+        in flight at once, each shard computing one while the next shard computes another (PROTOCOL.md,
+        "Micro-batches"). A batch whose rows come back through the coordinator runs by `result()` alone."""
         items = list(items)
         results: list = [None] * len(items)
         steps: dict[int, _Step] = {}
@@ -379,24 +386,23 @@ class Pipeline:
                 results[index] = error
         ready = [index for index, step in steps.items() if len(step.chunks) == 1]
         alone = [index for index, step in steps.items() if len(step.chunks) > 1]  # chunked, after the batch
-        group, rows = [], 0
+        groups, group, rows = [], [], 0
         for index in ready:
             n = len(items[index].tokens)
             if group and (rows + n > self.max_tokens_per_request or len(group) == self.max_batch_items):
-                self._relay_into(results, steps, group)
+                groups.append(group)
                 group, rows = [], 0
             group.append(index)
             rows += n
         if group:
-            self._relay_into(results, steps, group)
-        for index in alone:
-            self._relay_into(results, steps, [index])
-        return results
+            groups.append(group)
+        groups += [[index] for index in alone]
+        return BatchInFlight(self, results, steps, groups)
 
-    def _relay_into(self, results: list, steps: dict, indices: list[int]) -> None:
-        """The steps `indices` relayed together; each one's answer (or the exception that failed it) into `results`:
-        its ids, or, where it captured, a `Captured`."""
-        for index, outcome in zip(indices, self._relay([steps[index] for index in indices])):
+    def _relay_into(self, results: list, steps: dict, indices: list[int], outcomes: list) -> None:
+        """The outcomes of the steps `indices` relayed together (`_relay`) into `results`: its ids, or, where it
+        captured, a `Captured`; or the exception that failed it."""
+        for index, outcome in zip(indices, outcomes):
             if isinstance(outcome, Exception) or steps[index].capture is None:
                 results[index] = outcome if isinstance(outcome, Exception) else outcome[0]
                 continue
@@ -528,8 +534,9 @@ class Pipeline:
 
     # ---- the relay -----------------------------------------------------------------------
 
-    def _relay(self, steps: list["_Step"]) -> list:
-        """Each step through every shard; per step its (ids, captured layer outputs, the head shard's result) or
+    def _relay(self, steps: list["_Step"]):
+        """A generator (driven by `_Relaying`) that pauses once, where the rows go from shard to shard, after every
+        shard's request was sent: each step through every shard; per step its (ids, captured layer outputs, the head shard's result) or
         the exception that failed it, one step's failure changing nothing for the others. A shard gets one
         request a tick: the step's own FORWARD (CAPTURE) for one step, one FORWARD batch of their records for
         several, so a single sequence is a batch of one on the same wire as ever.
@@ -600,6 +607,7 @@ class Pipeline:
                             self.clients[other].forget(record)
                     took = 0 if len(steps) == 1 else k  # the shards before k in the order sent took the step
                     return [self._failure(step, took, error, tick=took) for step in steps]
+            yield  # the shards compute; the replies are read when the caller needs them
             # the requests are on their way behind any ROLLBACK of their sequences: now read those
             refused_rollback = self._settle_items(steps, every)
         else:
@@ -654,8 +662,8 @@ class Pipeline:
                         ids[i].extend(answer.result["ids"])
                         ids[i].logprobs = answer.result.get("logprobs")
                         heads[i] = answer.result
-                if direct and not live:
-                    self._end_later(sent, k, all(_refused(error) for error in failures))
+                if direct and not live:  # (no failure here: the steps left for a refused ROLLBACK of theirs)
+                    self._end_later(sent, k, bool(failures) and all(_refused(error) for error in failures))
                     break
             if not live:
                 break
@@ -749,6 +757,49 @@ class Pipeline:
             f"{error}; sequence {seq} is now inconsistent across shards (some took tokens from position {pos} on): "
             f"close it and re-fill it from the committed history"
         ) from error
+
+
+class BatchInFlight:
+    """A `forward_batch` under way (`Pipeline.start_forward_batch`): `result()` reads the shards' replies and answers
+    as `forward_batch` does, once."""
+
+    def __init__(self, pipeline: Pipeline, results: list, steps: dict, groups: list[list[int]]) -> None:
+        self._pipeline, self._results, self._steps = pipeline, results, steps
+        self._groups = groups  # the items of each request in turn (the chunked ones alone, after the batches)
+        # the batches' requests go out now; a chunked step, whose relay waits for each reply, by result()
+        self._relays = [_Relaying(pipeline._relay([steps[index] for index in group]))
+                        for group in groups if len(steps[group[0]].chunks) == 1]
+        self._done = False
+
+    def result(self) -> list:
+        if not self._done:
+            self._done = True
+            relays = iter(self._relays)
+            for group in self._groups:
+                steps = [self._steps[index] for index in group]
+                relaying = next(relays) if len(steps[0].chunks) == 1 else _Relaying(self._pipeline._relay(steps))
+                self._pipeline._relay_into(self._results, self._steps, group, relaying.outcomes())
+        return self._results
+
+
+class _Relaying:
+    """A `Pipeline._relay` under way: started at once (its requests sent where the rows go from shard to shard),
+    its outcomes read by `outcomes()`."""
+
+    def __init__(self, run) -> None:
+        self._run, self._outcomes = run, None
+        self._advance()
+
+    def _advance(self) -> None:
+        try:
+            next(self._run)
+        except StopIteration as done:
+            self._outcomes = done.value
+
+    def outcomes(self) -> list:
+        if self._outcomes is None:
+            self._advance()
+        return self._outcomes
 
 
 class _Answer:

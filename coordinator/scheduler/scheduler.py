@@ -20,6 +20,13 @@ Rules, in the order a step applies them:
   failure of one request's item (its SequenceLost, a bad input) is handled for that request alone: it is
   re-filled from its committed history (`coordinator.scheduler.recovery`), or it fails, and the others go on.
 
+Micro-batches: over N shards that pass the rows from shard to shard, the running streams go in up to
+`pipeline_groups` groups (default 1; one per shard is the intent), each its own step in flight (`Pipeline.start_forward_batch`), so
+while shard k computes one group's step shard k-1 computes the next group's. A step's streams are those not in flight,
+at most an equal share of the running ones; prompt chunks join as they join a step. A group's answer is read, committed
+and rolled back, and its next step started, while the other groups' steps are in the shards; rows never depend on
+who shares their step, so a stream's tokens are the same whatever its group.
+
 The commit rule and its bookkeeping (`coordinator.scheduler.commit`) and the recovery are the same functions the
 reference loop in `coordinator.decoding` calls.
 The `replay` baseline runs batched too (`ReplayBatches`: snapshots, then the step; restores, then the kept
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import secrets
 import threading
 import time
@@ -94,6 +102,25 @@ class _Item:
     forward: BatchForward
     drafts: Optional[list[int]] = None
     room: int = 0
+
+
+@dataclass
+class _Group:
+    """A step in flight: its items, what went to the target for each, and the target's handle on the answer."""
+
+    items: list[_Item]
+    forwards: list[BatchForward]
+    answer: object  # `result()` -> per item its ids or its exception
+
+
+class _Answered:
+    """The answer of a step that ran as it started (a target without `start_forward_batch`)."""
+
+    def __init__(self, outputs: list) -> None:
+        self.outputs = outputs
+
+    def result(self) -> list:
+        return self.outputs
 
 
 class LoopBatches:
@@ -192,6 +219,7 @@ class Scheduler:
         rollback: str = CHECKPOINT,
         recovery_timeout_s: float = RECOVERY_TIMEOUT_S,
         on_step: Optional[Callable[[StepReport], None]] = None,
+        pipeline_groups: Optional[int] = None,
     ) -> None:
         if max_sequences < 1:
             raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
@@ -209,12 +237,19 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk or default_prefill_chunk(self.batch_rows, getattr(target, "prefill_rows", None))
         if not 1 <= self.prefill_chunk <= self.batch_rows:
             raise ValueError(f"prefill_chunk must be in [1, batch_rows={self.batch_rows}], got {self.prefill_chunk}")
+        if pipeline_groups is not None and pipeline_groups < 1:
+            raise ValueError(f"pipeline_groups must be >= 1, got {pipeline_groups}")
+        # micro-batches in flight at once (1: every step waits for the one before)
+        # (off by default: DFlash streams in several groups are not yet exact, see tests/integration/test_groups.py)
+        self.pipeline_groups = pipeline_groups or 1
         self.recovery_timeout_s = recovery_timeout_s
         self.on_step = on_step
         self.limit = context_limit(target)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.steps = 0
+        self._in_flight: deque[_Group] = deque()  # oldest first
+        self._busy: set[Request] = set()  # the requests of the steps in flight
         self._incoming: deque[Request] = deque()  # appended by any thread (deque appends are atomic)
         self._wake = threading.Event()
         self._prompt_waited = False  # a prompt chunk found no room last step: prompts go first this one
@@ -241,7 +276,7 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.running or self.waiting or self._incoming)
+        return bool(self.running or self.waiting or self._incoming or self._in_flight)
 
     def run(self, stop: threading.Event, idle_wait_s: float = 0.5) -> None:
         """Step while there is work, until `stop` is set (an engine's thread)."""
@@ -268,26 +303,36 @@ class Scheduler:
 
     def abort(self, error: BaseException) -> None:
         """End every request with `error`, closing the open sequences (best effort)."""
+        self._in_flight.clear()  # their replies are dropped as the sequences close
+        self._busy.clear()
         for request in [*self.running, *self.waiting, *self._incoming]:
             self._fail(request, error)
         self.waiting.clear()
         self._incoming.clear()
 
     def step(self) -> StepReport:
-        """One step: admit, plan the rows, forward them as one batch, commit, roll back, finish."""
+        """One step: admit, plan the rows of each group not in flight and start its step, then read the oldest step's
+        answer, commit it, roll back, finish."""
         while self._incoming:
             self.waiting.append(self._incoming.popleft())
         self._drop_cancelled()
         self._admit()
-        for request in [r for r in self.running if r.state == DECODE]:
+        for request in [r for r in self.running if r.state == DECODE and r not in self._busy]:
             if request.room(self.limit) <= 0:
                 self._finish(request, LENGTH)  # the context limit ends the request
-        items = self._plan()
-        report = StepReport(rows=sum(len(item.forward.tokens) for item in items), sequences=len(items),
-                            prefill_rows=sum(len(item.forward.tokens) for item in items if item.kind == PREFILL))
-        if items:
+        while len(self._in_flight) < self.pipeline_groups:
+            items = self._plan()
+            if not items:
+                break
             self.steps += 1
-            self._run(items)
+            self._in_flight.append(self._start(items))
+        report = StepReport()
+        if self._in_flight:
+            group = self._in_flight.popleft()
+            items = group.items
+            report = StepReport(rows=sum(len(item.forward.tokens) for item in items), sequences=len(items),
+                                prefill_rows=sum(len(item.forward.tokens) for item in items if item.kind == PREFILL))
+            self._run(group)
         report.queued, report.running = len(self.waiting), len(self.running)
         if self.on_step is not None:
             self.on_step(report)
@@ -299,7 +344,7 @@ class Scheduler:
         for request in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(request)
             self._finish(request, STOP)
-        for request in [r for r in self.running if r.cancelled]:
+        for request in [r for r in self.running if r.cancelled and r not in self._busy]:
             self._finish(request, STOP)
 
     def _admit(self) -> None:
@@ -331,8 +376,12 @@ class Scheduler:
     # ---- planning ---------------------------------------------------------------------------
 
     def _plan(self) -> list[_Item]:
-        streams = sorted((r for r in self.running if r.state == DECODE), key=lambda r: r.last_step)
-        prompts = [r for r in self.running if r.state == PREFILL]
+        """The next step's items, of the requests not in flight: the streams (at most an equal share of the running
+        ones per group), then prompt chunks, within `batch_rows`."""
+        decoding = [r for r in self.running if r.state == DECODE]
+        share = math.ceil(len(decoding) / self.pipeline_groups) if decoding else 0
+        streams = sorted((r for r in decoding if r not in self._busy), key=lambda r: r.last_step)[:share]
+        prompts = [r for r in self.running if r.state == PREFILL and r not in self._busy]
         plan: list[tuple[Request, int]] = []
         used = 0
 
@@ -421,12 +470,24 @@ class Scheduler:
 
     # ---- running a step -------------------------------------------------------------------
 
-    def _forward(self, items: list[_Item]) -> list:
-        """Per item its ids or its exception, every item in one batch; a feature drafter's item captures its
-        layers there and its drafter takes the rows (and the proposal) from the answer."""
+    def _start(self, items: list[_Item]) -> _Group:
+        """The step of `items` begun as one batch (a feature drafter's item captures its layers there); its requests
+        are marked in flight."""
         forwards = [self._prepared(item) for item in items]
+        # one group: the step runs whole (forward_batch); several: each begun and read later
+        start = getattr(self.batches, "start_forward_batch", None) if self.pipeline_groups > 1 else None
         try:
-            outputs = self.batches.forward_batch(forwards)
+            answer = start(forwards) if start is not None else _Answered(self.batches.forward_batch(forwards))
+        except Exception as error:  # noqa: BLE001 - the whole batch failed: each of its requests with it
+            answer = _Answered([error] * len(items))
+        self._busy.update(item.request for item in items)
+        return _Group(items, forwards, answer)
+
+    def _outputs(self, group: _Group) -> list:
+        """Per item its ids or its exception; a feature drafter takes its rows (and the proposal) from the answer."""
+        items, forwards = group.items, group.forwards
+        try:
+            outputs = group.answer.result()
         except Exception as error:  # noqa: BLE001 - the whole batch failed: each of its requests with it
             outputs = [error] * len(items)
         for index, (item, forward) in enumerate(zip(items, forwards)):
@@ -442,8 +503,11 @@ class Scheduler:
         request = item.request
         return item.forward if request.feature_target is None else request.drafter.prepare(item.forward)
 
-    def _run(self, items: list[_Item]) -> None:
-        outputs = self._forward(items)
+    def _run(self, group: _Group) -> None:
+        """Read a step's answer: commit each item, roll back, re-fill what was lost, record."""
+        items = group.items
+        outputs = self._outputs(group)
+        self._busy.difference_update(item.request for item in items)
         rollbacks: list[tuple[Request, int]] = []
         commits: list[tuple[Request, list[int]]] = []
         lost: list[tuple[Request, Exception]] = []
