@@ -261,6 +261,9 @@ class Scheduler:
     def submit(self, request: Request) -> Request:
         """Queue `request`; ValueError (nothing queued) when its prompt cannot fit the shards' context."""
         check_prompt_fits(request.prompt, self.limit)
+        if request.feature_target is not None and self.pipeline_groups > 1:
+            raise ValueError("a DFlash stream needs pipeline_groups=1: its output in several groups is not yet "
+                             "checked exact")
         if request.drafter is not None and request.block_size > self.batch_rows:
             raise ValueError(f"a block of {request.block_size} tokens does not fit a step of {self.batch_rows} rows")
         request.arrived = time.monotonic()
