@@ -65,12 +65,15 @@ class Client:
     def close(self) -> None:
         """Closes the sequences this connection left open first (their replies unread): a daemon owns them by
         connection, so nothing else could, and a module's shared daemons would fill up until the idle lease."""
+        if self.socket.closed:
+            return
         for seq in sorted(self.opened):
             try:
                 self.send_frames(encode_request(RECORD_TYPES[MessageType.CLOSE](id=self.next_id(), seq=seq)))
-            except zmq.Again:
+            except zmq.ZMQError:  # no peer within the send timeout, or the daemon is gone
                 break
         self.socket.close(linger=500 if self.opened else 0)
+        self.opened.clear()
 
     def send_frames(self, frames: list) -> None:
         """Raises zmq.Again when no peer takes the message within the socket's send timeout."""
