@@ -32,10 +32,16 @@ class ShardctlServe:
 
     def __init__(self, *args: str, log: Path | None = None, env: dict | None = None, stderr_apart: bool = False,
                  grace_s: float = 20):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.args, self.env, self.stderr_apart = args, env, stderr_apart
         self.log = log
         self.grace_s = grace_s
+        self.port_retries = 3  # a port found free can be taken (another test's daemon) before serve binds it
+        self._start()
+
+    def _start(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args, env, stderr_apart, log = self.args, self.env, self.stderr_apart, self.log
         command = [sys.executable, "-m", "coordinator.cli", "serve", "--port", str(self.port), *args]
         if log is not None:
             with open(log, "wb") as out:
@@ -58,7 +64,12 @@ class ShardctlServe:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise AssertionError(f"shardctl serve exited {self.process.returncode}: {self.output()}")
+                output = self.output()
+                if self.process.returncode == 4 and "Address already in use" in output and self.port_retries:
+                    self.port_retries -= 1
+                    self._start()
+                    continue
+                raise AssertionError(f"shardctl serve exited {self.process.returncode}: {output}")
             try:
                 if httpx.get(self.url + "/health", timeout=5).status_code == 200:
                     return
