@@ -21,6 +21,7 @@ from coordinator.cli.options import (
     launched_capacity_options,
     liveness_timeout_option,
     load_curve,
+    pipeline_groups_option,
     parse_ids,
     quantize_option,
     recovery_timeout_option,
@@ -114,6 +115,7 @@ def run_generation(
     sampling: Optional[Sampling] = None,
     recovery_timeout_s: float = RECOVERY_TIMEOUT_S,
     concurrency: int = 1,
+    pipeline_groups: int = 1,
 ) -> Generation:
     """One generation through `target` (the scheduler, as `shardctl serve` runs it) with fresh random sequence
     ids. `oracle` first decodes greedily through the same target, unless `reference` (those ids) is given.
@@ -121,7 +123,7 @@ def run_generation(
 
     `concurrency` > 1 runs that many copies of the request at once in one batch (a throughput benchmark); the
     result is the first stream's, with `Generation.streams` holding every stream's."""
-    batch = dict(concurrency=concurrency, recovery_timeout_s=recovery_timeout_s)
+    batch = dict(concurrency=concurrency, recovery_timeout_s=recovery_timeout_s, pipeline_groups=pipeline_groups)
     if drafter == GREEDY:
         results, wall = decode_together(target, prompt, max_new_tokens, eos_ids, on_commit, sampling, **batch)
         return Generation(results[0], None, drafter, None, None, results, wall)
@@ -158,7 +160,7 @@ def decode_together(
     target: Target, prompt: list[int], max_new_tokens: int, eos_ids: Sequence[int] = (),
     on_commit: Optional[Callable[[list[int]], None]] = None, sampling: Optional[Sampling] = None,
     drafters: Optional[Sequence] = None, *, concurrency: int = 1, block_size: int = 16, rollback: str = CHECKPOINT,
-    recovery_timeout_s: float = RECOVERY_TIMEOUT_S,
+    recovery_timeout_s: float = RECOVERY_TIMEOUT_S, pipeline_groups: int = 1,
 ) -> tuple[list[DecodeResult], float]:
     """`concurrency` copies of one request through one scheduler (the first streams to `on_commit`): each
     stream's result, and the wall seconds of the whole batch."""
@@ -166,7 +168,8 @@ def decode_together(
                         drafter=drafters[index] if drafters else None, block_size=block_size,
                         on_commit=on_commit if index == 0 else None) for index in range(concurrency)]
     started = time.perf_counter()
-    results = decode_all(target, requests, rollback=rollback, recovery_timeout_s=recovery_timeout_s)
+    results = decode_all(target, requests, rollback=rollback, recovery_timeout_s=recovery_timeout_s,
+                         pipeline_groups=pipeline_groups)
     return results, time.perf_counter() - started
 
 
@@ -252,6 +255,7 @@ def describe_generation(record: dict) -> str:
 @recovery_timeout_option
 @liveness_timeout_option
 @busy_poll_option("auto")
+@pipeline_groups_option
 @click.option("--concurrency", type=click.IntRange(1), default=1, show_default=True,
               help="Run this many copies of the request at once, batched by the scheduler (a throughput "
                    "benchmark: the output is the first copy's; --json adds aggregate_tok_s and streams_identical).")
@@ -260,7 +264,7 @@ def describe_generation(record: dict) -> str:
 def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
              curve_client_key, quantize, max_sequences, max_context, allow_long_context, prompt, prompt_ids, tokenizer_dir, max_new_tokens, drafter,
              draft_shard, draft, draft_placement, block_size, rollback, mean_commit, oracle_seed, ignore_eos, temperature, top_p, top_k,
-             seed, recovery_timeout, liveness_timeout, busy_poll_ms, concurrency, print_ids, as_json):
+             seed, recovery_timeout, liveness_timeout, busy_poll_ms, pipeline_groups, concurrency, print_ids, as_json):
     """Generate greedily (or sampling, --temperature), speculating with a drafter; stream the text as tokens commit.
 
     \b
@@ -269,6 +273,8 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
       shardctl generate --synthetic small --split 2 --max-context 8192 --prompt "hello" --drafter oracle --json
     """
     sampling = Sampling.make(temperature, top_p, top_k, seed)
+    if drafter == "dflash" and pipeline_groups > 1:
+        raise click.UsageError("--drafter dflash takes --pipeline-groups 1 (DFlash in several groups is not yet exact)")
     if not sampling.greedy and drafter == "oracle":
         raise click.UsageError("--drafter oracle replays the greedy output; sample with ngram, dflash or none")
     if (prompt is None) == (prompt_ids is None):
@@ -341,7 +347,7 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
                 pipeline, ids, drafter=drafter, rollback=rollback, block_size=block_size,
                 max_new_tokens=max_new_tokens, eos_ids=eos_ids, mean_commit=mean_commit, oracle_seed=oracle_seed,
                 on_commit=stream, draft_client=draft_client, sampling=sampling, recovery_timeout_s=recovery_timeout,
-                concurrency=concurrency,
+                concurrency=concurrency, pipeline_groups=pipeline_groups,
             )
             record = generation_record(generation, tokenizer, pipeline.shards, eos_ids)
             if record.get("recoveries"):  # on stderr also under --json: a shard went away and came back

@@ -36,6 +36,13 @@ recovery_timeout_option = click.option(
     help="Seconds a lost shard is retried (restarted on its endpoint, re-filled from the history) before giving up.")
 
 
+pipeline_groups_option = click.option(
+    "--pipeline-groups", type=click.IntRange(1), default=1, show_default=True, metavar="N",
+    help="Micro-batches in flight over shards that pass rows on themselves: the running streams in N groups, one "
+         "group's step in each shard at once (N = the shards keeps each busy); outputs stay each request's alone. "
+         "DFlash streams take 1.")
+
+
 liveness_timeout_option = click.option(
     "--liveness-timeout", type=click.FloatRange(0.1), default=LIVENESS_TIMEOUT_S, show_default=True,
     help="Seconds without a heartbeat (or a connection) after which a shard counts as down, apart from compute time.")

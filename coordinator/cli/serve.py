@@ -17,6 +17,7 @@ from coordinator.cli.options import (
     launched_capacity_options,
     liveness_timeout_option,
     load_curve,
+    pipeline_groups_option,
     quantize_option,
     recovery_timeout_option,
     seconds,
@@ -95,6 +96,7 @@ def quiet_cancellations() -> None:
               help="Rows (tokens) the scheduler puts in one step, shared by decode, verify and prompt-chunk rows "
                    "(default: the shards' fixed step, at least 8192, as vLLM's max_num_batched_tokens); prompts go in "
                    "chunks of half that.")
+@pipeline_groups_option
 @click.option("--log-level", type=click.Choice(("critical", "error", "warning", "info", "debug")), default="info",
               show_default=True)
 @click.option("--max-body-bytes", type=click.IntRange(1024), metavar="BYTES",
@@ -113,7 +115,7 @@ def quiet_cancellations() -> None:
                    "/metrics stay open); required when --host is not loopback.")
 def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
           curve_client_key, quantize, max_sequences, max_context, allow_long_context, max_tokens_per_request, recovery_timeout, liveness_timeout,
-          busy_poll_ms, host, port, tokenizer_dir, served_model_name, drafter, draft_shard, draft, draft_placement, block_size, rollback, batch_rows, log_level,
+          busy_poll_ms, host, port, tokenizer_dir, served_model_name, drafter, draft_shard, draft, draft_placement, block_size, rollback, batch_rows, pipeline_groups, log_level,
           max_body_bytes, request_timeout, max_connections, exit_on_shard_loss, as_json, api_key):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
     /version, /health, /metrics).
@@ -138,6 +140,8 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
         raise click.UsageError(f"--host {host} is not loopback: give --api-key (or SHARDCTL_API_KEY) so that not "
                                f"everyone who reaches it can use the model")
     speculating = drafter != "none"
+    if drafter == "dflash" and pipeline_groups > 1:
+        raise click.UsageError("--drafter dflash takes --pipeline-groups 1 (DFlash in several groups is not yet exact)")
     listener = listen_socket(host, port)  # a taken port fails now, before any shard loads its weights
     port = listener.getsockname()[1]
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
@@ -190,7 +194,8 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
                                      f"synthetic-{preset}" if preset else "shardd")
         try:
             config = EngineConfig(model_name=name, drafter=drafter, rollback=rollback, block_size=block_size,
-                                  batch_rows=batch_rows, draft_endpoint=draft_endpoint, eos_ids=eos_ids,
+                                  batch_rows=batch_rows, pipeline_groups=pipeline_groups,
+                                  draft_endpoint=draft_endpoint, eos_ids=eos_ids,
                                   defaults=generation_defaults(source_dir), timeout_s=timeout,
                                   recovery_timeout_s=recovery_timeout, liveness_timeout_s=liveness_timeout,
                                   busy_poll_s=seconds(busy_poll_ms))

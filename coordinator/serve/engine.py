@@ -87,6 +87,7 @@ class EngineConfig:
     rollback: str = CHECKPOINT  # --rollback-mode
     block_size: int = 16  # --block-size (a DFlash drafter's own limit cuts it)
     batch_rows: Optional[int] = None  # --batch-rows: the scheduler's rows per step (None: the Scheduler's default)
+    pipeline_groups: int = 1  # --pipeline-groups: micro-batches in flight
     draft_endpoint: Optional[str] = None  # the DFlash drafter's daemon
     eos_ids: tuple[int, ...] = ()
     defaults: dict = field(default_factory=dict)  # sampling defaults (generation_config.json)
@@ -140,6 +141,7 @@ class Engine:
             raise
         self._engine_connection = first
         self.scheduler = Scheduler(first.pipeline, max_sequences=self.max_sequences, batch_rows=config.batch_rows,
+                                   pipeline_groups=config.pipeline_groups,
                                    rollback=rollback, recovery_timeout_s=config.recovery_timeout_s,
                                    on_step=self.metrics.record_step)
         if drafter != GREEDY and block_size > self.scheduler.batch_rows:

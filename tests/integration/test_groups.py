@@ -187,3 +187,23 @@ def test_a_middle_shard_killed_with_rollbacks_unread_recovers_in_seconds(tmp_pat
     finally:
         stop_all(daemons)
         finished.set()
+
+
+def test_generate_takes_pipeline_groups_and_refuses_them_with_dflash():
+    """`shardctl generate --pipeline-groups 2` over launched shards (which relay rows themselves) gives the tokens of
+    one group; with --drafter dflash it is a usage error naming the option."""
+    import json
+
+    from click.testing import CliRunner
+
+    from coordinator.cli import cli
+
+    args = ["generate", "--synthetic", "tiny", "--split", "2", "--prompt-ids", "1,2,3", "--max-new-tokens", "10",
+            "--concurrency", "4", "--drafter", "ngram", "--json"]
+    runs = [CliRunner().invoke(cli, [*args, "--pipeline-groups", groups]) for groups in ("1", "2")]
+    assert all(run.exit_code == 0 for run in runs), [run.output for run in runs]
+    records = [json.loads(run.stdout.strip().splitlines()[-1]) for run in runs]
+    assert records[0]["tokens"] == records[1]["tokens"] and records[1]["streams_identical"]
+    refused = CliRunner().invoke(cli, ["generate", "--synthetic", "tiny", "--split", "2", "--prompt-ids", "1,2",
+                                       "--drafter", "dflash", "--pipeline-groups", "2"])
+    assert refused.exit_code == 2 and "--pipeline-groups 1" in refused.output
