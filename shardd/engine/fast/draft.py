@@ -194,6 +194,8 @@ class FastDrafter:
         once per step."""
         pending = [(state, features, 0) for state, features in items if features.shape[0]]
         while pending:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # the last copy out of the pinned buffer is done
             table, later, used = [], [], 0
             for state, features, done in pending:
                 if used == self.batch_rows or len(table) == self.max_segments or any(
@@ -201,15 +203,13 @@ class FastDrafter:
                     later.append((state, features, done))
                     continue
                 n = min(features.shape[0] - done, self.batch_rows - used)
-                # staged in pinned memory, then one copy per step, ordered on the stream (no wait between steps)
+                # staged in pinned memory, then one copy per step
                 self._features[used:used + n].copy_(features[done:done + n])
                 table.append(segments.segment(state.slot, n, state.length, first=used))
                 state.length += n
                 used += n
                 if done + n < features.shape[0]:
                     later.append((state, features, done + n))
-            if self.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()  # the pinned buffers are refilled below
             self.features[:used].copy_(self._features[:used], non_blocking=True)
             self.features[used:].zero_()
             self._context_control.copy_(self._table(table))
