@@ -760,7 +760,9 @@ def run_dflash(args) -> dict:
               f"{out['draft_propose_ms_reference']} ms, floor {out['draft_floor_ms']} ms", flush=True)
     config = preset_config(args.preset)
     half = config.num_layers // 2
-    placements = args.placements.split(",")
+    placements = [placement for placement in args.placements.split(",") if placement]
+    if not placements:  # --placements "": the drafter in process only (fits a GPU the daemons do not)
+        return out
     specs = {"first": ["--layers", f"0:{half}"], "last": ["--layers", f"{half}:{config.num_layers}"]}
     hosts = {"last-propose": "last"}  # a placement measured on another placement's daemon
     for placement in placements:
