@@ -164,7 +164,8 @@ def test_daemons_serve_the_fast_drafter(tmp_path):
     from tests.support.daemons import free_tcp_endpoint, start_daemons, stop_all
 
     device = "cuda:0" if CUDA else "cpu"
-    common = ["--layers", "none", "--draft", "synthetic:2", "--device", device, "--max-context", "64",
+    # float32 on every device (auto is bf16 on a GPU): the two engines' tokens are compared exactly
+    common = ["--layers", "none", "--draft", "synthetic:2", "--device", device, "--dtype", "float32", "--max-context", "64",
               "--max-sequences", "1"]
     specs = {engine: (free_tcp_endpoint(), [*common, "--engine", engine]) for engine in ("fast", "reference")}
     daemons = start_daemons(specs, tmp_path)
