@@ -67,6 +67,10 @@ class DraftConfig:
         """Width of one context feature row: the captured target layers side by side."""
         return len(self.target_layer_ids) * self.hidden_size
 
+    def context_bytes(self, positions: int, itemsize: int) -> int:
+        """One sequence's context K/V over `positions` positions, every draft layer (the drafter's state)."""
+        return self.num_hidden_layers * 2 * self.num_key_value_heads * positions * self.head_dim * itemsize
+
     def layer_window(self, layer: int) -> int | None:
         """The attention window of draft layer `layer`, or None for full attention."""
         if self.sliding_window is not None and self.layer_types[layer] == SLIDING_ATTENTION:

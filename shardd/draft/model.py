@@ -177,8 +177,7 @@ class DFlashDrafter:
         """Nothing to give back: each state owns its tensors (the fast drafter's live in shared slots)."""
 
     def state_bytes_per_sequence(self, max_context: int) -> int:
-        c = self.config
-        return c.num_hidden_layers * 2 * c.num_key_value_heads * max_context * c.head_dim * self.dtype.itemsize
+        return self.config.context_bytes(max_context, self.dtype.itemsize)
 
     @property
     def max_draft_tokens(self) -> int:

@@ -151,8 +151,7 @@ def drafter_state_bytes(draft_config, vocab_size: int, dtype_bytes: int, *, engi
     c = draft_config
     block = c.block_size if engine == "fast" else 0  # the fast caches hold a block past the context
     slots = max_sequences + (1 if engine == "fast" else 0)
-    kv = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * (max_context + block) * dtype_bytes * slots
-    items = {"drafter_context": kv}
+    items = {"drafter_context": c.context_bytes(max_context + block, dtype_bytes) * slots}
     if engine == "fast":
         splits = -(-(max_context + block) // 1024)  # shardd.engine.kernels.attention.CHUNK
         per_row = (c.feature_size * 2 * dtype_bytes + c.hidden_size * 4 * dtype_bytes + c.intermediate_size * dtype_bytes

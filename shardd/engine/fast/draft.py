@@ -169,8 +169,7 @@ class FastDrafter:
         self.free.append(state.slot)
 
     def state_bytes_per_sequence(self, max_context: int) -> int:
-        c = self.config
-        return len(self.layers) * 2 * c.num_key_value_heads * (max_context + self.rows) * c.head_dim * self.dtype.itemsize
+        return self.config.context_bytes(max_context + self.rows, self.dtype.itemsize)  # a block past the context
 
     def check_propose(self, state, pos, features, last_token, draft_tokens) -> None:
         self.reference.check_propose(state, pos, features, last_token, draft_tokens)

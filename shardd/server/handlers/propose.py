@@ -77,11 +77,6 @@ class Propose:
                                 f"the drafter's context holds {entry.draft.length} rows, this verify starts at {request.pos}: "
                                 f"send rows {entry.draft.length}..{request.pos - 1} with PROPOSE first")
 
-    def after_verify(self, request, entry, ids: list[int], captured: dict) -> dict:
-        """One verify's `proposal` (after_verify_batch of one)."""
-        [proposal] = self.after_verify_batch([(request, entry, ids, captured)])
-        return proposal
-
     def after_verify_batch(self, verified: list[tuple]) -> list[dict]:
         """Per (request, entry, ids, captured) of verifies that ran: the verify's committed rows (the accepted
         drafts' prefix plus its first row) join the drafter's context, then the next block is drafted after the
