@@ -17,6 +17,7 @@ from coordinator import benchstats
 from coordinator.cli.options import (
     busy_poll_option,
     check_mean_commit,
+    check_pipeline_groups,
     daemon_args_from,
     launched_capacity_options,
     liveness_timeout_option,
@@ -273,8 +274,7 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
       shardctl generate --synthetic small --split 2 --max-context 8192 --prompt "hello" --drafter oracle --json
     """
     sampling = Sampling.make(temperature, top_p, top_k, seed)
-    if drafter == "dflash" and pipeline_groups > 1:
-        raise click.UsageError("--drafter dflash takes --pipeline-groups 1 (DFlash in several groups is not yet exact)")
+    check_pipeline_groups(drafter, pipeline_groups)
     if not sampling.greedy and drafter == "oracle":
         raise click.UsageError("--drafter oracle replays the greedy output; sample with ngram, dflash or none")
     if (prompt is None) == (prompt_ids is None):

@@ -43,6 +43,12 @@ pipeline_groups_option = click.option(
          "DFlash streams take 1.")
 
 
+def check_pipeline_groups(drafter: str, pipeline_groups: int) -> None:
+    """The usage error of the scheduler's rule (coordinator.scheduler: a DFlash stream takes one group)."""
+    if drafter == "dflash" and pipeline_groups > 1:
+        raise click.UsageError("--drafter dflash takes --pipeline-groups 1 (DFlash in several groups is not yet exact)")
+
+
 liveness_timeout_option = click.option(
     "--liveness-timeout", type=click.FloatRange(0.1), default=LIVENESS_TIMEOUT_S, show_default=True,
     help="Seconds without a heartbeat (or a connection) after which a shard counts as down, apart from compute time.")

@@ -13,6 +13,7 @@ from common.synthetic_tokenizer import chat_template, tokenizer_config
 from coordinator.cli.options import (
     MissingExtra,
     busy_poll_option,
+    check_pipeline_groups,
     daemon_args_from,
     launched_capacity_options,
     liveness_timeout_option,
@@ -140,8 +141,7 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
         raise click.UsageError(f"--host {host} is not loopback: give --api-key (or SHARDCTL_API_KEY) so that not "
                                f"everyone who reaches it can use the model")
     speculating = drafter != "none"
-    if drafter == "dflash" and pipeline_groups > 1:
-        raise click.UsageError("--drafter dflash takes --pipeline-groups 1 (DFlash in several groups is not yet exact)")
+    check_pipeline_groups(drafter, pipeline_groups)
     listener = listen_socket(host, port)  # a taken port fails now, before any shard loads its weights
     port = listener.getsockname()[1]
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
