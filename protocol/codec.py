@@ -610,6 +610,8 @@ def _check_request(record: Request, limits: Limits) -> None:
             check_verify_geometry(record.parents, n)
         elif record.parents is not None:
             raise _bad("field 'parents' is only allowed with checkpoint: true")
+        if record.save_prefix is not None and record.checkpoint:
+            raise _bad(f"field 'save_prefix' of {kind.value} needs a step that stays (not checkpoint: true)")
         # PENALTY_FIELDS spelt out: a generator of getattrs cost more than the rest of these checks
         penalised = (record.presence_penalty is not None or record.frequency_penalty is not None
                      or record.repetition_penalty is not None)

@@ -26,6 +26,8 @@ class ErrorCode(str, enum.Enum):
     FORBIDDEN = "FORBIDDEN"                      # SHUTDOWN from a peer the daemon cannot trust (plain TCP, abstract ipc)
     ROWS_MISSING = "ROWS_MISSING"                # a FORWARD's rows_ticket got no rows: the previous shard refused, a later
                                                  # request of the connection came first, or the wait timed out
+    PREFIX_MISSING = "PREFIX_MISSING"            # OPEN from a prefix entry this client does not hold (never saved, evicted,
+                                                 # another client's): open the sequence cold
 
     def __str__(self) -> str:
         return self.value

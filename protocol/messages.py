@@ -126,6 +126,9 @@ class Shutdown(_Request):
 @dataclass(frozen=True)
 class Open(_SequenceRequest):
     type: ClassVar[MessageType] = MessageType.OPEN
+    prefix: Optional[int] = _header("int", "start from this prefix entry of this client (its state and length) "
+                                    "instead of empty; PREFIX_MISSING when it is not held", minimum=0,
+                                    limit=ID_LIMIT, default=None)
 
 
 @dataclass(frozen=True)
@@ -193,6 +196,9 @@ class Forward(_SequenceRequest):
         default=None)
     prompt_tokens: Optional[list[int]] = _header(
         "int_list", "the prompt (repetition penalty)", minimum=0, limit=TOKEN_LIMIT, default=None)
+    save_prefix: Optional[int] = _header(
+        "int", "after this forward (not checkpointed) keep the sequence's state as this client's prefix entry of "
+        "this id; the reply says whether it was kept (prefix_saved)", minimum=0, limit=ID_LIMIT, default=None)
 
     @property
     def n_tokens(self) -> int:

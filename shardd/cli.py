@@ -104,6 +104,10 @@ def main():
                    "Before loading it adds up weights, KV cache, GDN states, checkpoint buffers and step buffers / "
                    "CUDA graphs, and refuses to start, naming each, if they do not fit; on CUDA the allocator "
                    "enforces the cap too.")
+@click.option("--prefix-cache-gib", default="auto", show_default=True, metavar="GIB|auto",
+              help="Memory for the prefix cache (README, \"Prefix caching\"): prompt states kept so that a request "
+                   "sharing a prompt prefix resumes after it; 0 turns it off. auto: 4 GiB on a GPU, 1 GiB on the "
+                   "CPU, and under --max-gpu-memory at most what the rest of the plan leaves.")
 @click.option("--quantize", type=click.Choice(("fp8-block", "fp8-channel")), default=None,
               help="With --synthetic: the linears as FP8 in this layout, as `shardctl make-model --quantize` writes "
                    "them (a checkpoint's config.json says its own).")
@@ -141,7 +145,8 @@ def main():
 @click.option("--log-format", type=click.Choice(FORMATS), default="text", show_default=True,
               help="text lines, or one JSON object per line.")
 def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_file, max_verify_tokens, rollback_mode, engine,
-          step_rows, prefill_rows, max_sequences, max_context, allow_long_context, max_tokens_per_request, max_gpu_memory, quantize, curve_secret_key, curve_allow_dir,
+          step_rows, prefill_rows, max_sequences, max_context, allow_long_context, max_tokens_per_request, max_gpu_memory,
+          prefix_cache_gib, quantize, curve_secret_key, curve_allow_dir,
           sequence_idle_timeout, busy_poll_ms, relay_to, relay_to_file, rows_wait,
           threads, metrics_port,
           metrics_host, log_level, log_format):
@@ -174,6 +179,7 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
             dtype=dtype, engine=engine, max_verify_tokens=max_verify_tokens, rollback_mode=rollback_mode,
             step_rows=step_rows, prefill_rows=prefill_rows, max_sequences=max_sequences, max_context=max_context,
             allow_long_context=allow_long_context, max_tokens_per_request=max_tokens_per_request, max_gpu_memory=max_gpu_memory,
+            prefix_cache_gib=prefix_cache_gib,
             sequence_idle_timeout=sequence_idle_timeout, bind=bind, endpoint_file=endpoint_file,
             curve_secret_key=curve_secret_key, curve_allow_dir=curve_allow_dir, busy_poll_ms=busy_poll_ms,
             relay_to=relay_to, relay_to_file=relay_to_file, rows_wait_s=rows_wait, threads=threads,

@@ -47,6 +47,7 @@ class ShardConfig:
     allow_long_context: bool = False  # --max-context past the model's max_position_embeddings, asked for by name
     max_tokens_per_request: int = 4096
     max_gpu_memory: int | None = None  # bytes this daemon may allocate (None: no cap)
+    prefix_cache_bytes: int | None = None  # the prefix cache's budget (None: auto, decided by the memory plan)
     sequence_idle_timeout: float = 300.0  # seconds without a request before a sequence is closed; 0: never
     # the network
     bind: str = "tcp://127.0.0.1:7700"
@@ -85,7 +86,7 @@ class ShardConfig:
 
     @classmethod
     def from_flags(cls, *, model_dir=None, synthetic=None, layers=None, draft=None, engine="auto", step_rows=None,
-                   max_gpu_memory=None, busy_poll_ms="auto", **flags) -> "ShardConfig":
+                   max_gpu_memory=None, busy_poll_ms="auto", prefix_cache_gib="auto", **flags) -> "ShardConfig":
         """The config of `shardd serve`'s flags (the others by their field names), checked against the device
         and the model's config.json; FlagError names what cannot be served. Reads the model's config, not its
         weights."""
@@ -97,6 +98,7 @@ class ShardConfig:
         problem = endpoint_problem(config.bind)
         if problem is not None:
             raise FlagError(problem, "--bind")
+        config.prefix_cache_bytes = prefix_cache_bytes(prefix_cache_gib)
         if model_dir is not None:
             try:  # a Hugging Face id: its snapshot in the hub cache, downloaded when missing
                 config.model_dir = resolve_model(model_dir)
@@ -157,6 +159,19 @@ class ShardConfig:
     def keeps_fp8(self) -> bool:
         """FP8 weights stay FP8 on a GPU (and in the fast step); the CPU reference dequantizes them at load."""
         return self.engine == "fast" or self.on_gpu
+
+
+def prefix_cache_bytes(value: str | float) -> int | None:
+    """--prefix-cache-gib as bytes: a number of GiB >= 0 (0: off), or `auto` (None: the memory plan decides)."""
+    if str(value).strip().lower() == "auto":
+        return None
+    try:
+        gib = float(value)
+    except ValueError:
+        raise FlagError(f"--prefix-cache-gib must be a number of GiB or auto, got {value!r}", "--prefix-cache-gib") from None
+    if not 0 <= gib <= 1 << 20:  # also refuses nan
+        raise FlagError(f"--prefix-cache-gib must be within [0, 1048576], got {value!r}", "--prefix-cache-gib")
+    return int(gib * (1 << 30))
 
 
 def busy_poll_seconds(value: str | float, device: str) -> float:

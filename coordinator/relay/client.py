@@ -430,6 +430,7 @@ def forward_record(
     rows_ticket: Optional[int] = None,
     ticket_rows: Optional[int] = None,
     send_rows: Optional[int] = None,
+    save_prefix: Optional[int] = None,
 ) -> Forward:
     """A FORWARD (or, with `layers`, a CAPTURE) request; checkpointed ones carry the pure chain. `rows_ticket` /
     `ticket_rows`: its n input rows come from the previous shard's ROWS of that ticket; `send_rows`: its output
@@ -443,6 +444,7 @@ def forward_record(
         "send_rows": send_rows,
         "checkpoint": checkpoint,
         "parents": pure_chain(n) if checkpoint else None,
+        "save_prefix": save_prefix,
         **(sampling or {}),  # head shard only: temperature, top_p, top_k, seed, drafts
     }
     if layers is not None:

@@ -54,6 +54,7 @@ class BatchForward:
     drafts: Optional[list[int]] = None
     capture: Optional[list[int]] = None  # layers whose outputs come back: the item's answer is a `Captured`
     propose: Optional[int] = None  # a greedy verify [t0, drafts...]: the head, hosting the drafter, proposes so many
+    save_prefix: Optional[int] = None  # a prompt chunk: every shard keeps its state after it as this prefix entry
 
 
 @dataclass
@@ -76,6 +77,12 @@ class _Step:
     checkpoint: bool = False
     capture: Optional[list[int]] = None  # layers whose outputs come back (CAPTURE on the shards owning one)
     head: Optional[dict] = None  # the head shard's extra fields (sampling, drafts, propose, carried_layers)
+    save_prefix: Optional[int] = None  # every shard keeps its state after the last chunk as this prefix entry
+
+
+class PrefixMissing(PipelineError):
+    """OPEN from a prefix entry that a shard no longer holds (evicted, restarted): nothing stays open; open the
+    sequence cold."""
 
 
 class CheckpointUnavailable(PipelineError):
@@ -125,6 +132,9 @@ class Pipeline:
         # multiples of P run as whole pieces everywhere.
         pieces = {s.hello.get("prefill_rows") for s in self.shards if s.owns_layers}
         self.prefill_rows = pieces.pop() if len(pieces) == 1 and None not in pieces and 0 not in pieces else None
+        # Prompt prefixes resume from the shards' prefix entries only where every shard keeps them (HELLO
+        # `prefix_cache`; PROTOCOL.md, "Prefix caching").
+        self.prefix_cache = all(s.hello.get("prefix_cache") for s in self.shards)
         # Rows go from shard to shard (PROTOCOL.md, "Rows from shard to shard") where every shard but the head
         # sends them to the next one as this coordinator reaches it (HELLO `relay_to`, `shardd serve --relay-to`).
         self.direct_rows = len(self.shards) > 1 and all(
@@ -223,17 +233,21 @@ class Pipeline:
                     f"{', '.join(changes)}; refusing to re-fill it"
                 )
 
-    def open(self, seq: int) -> None:
-        """OPEN on every shard at once; when one fails, the shards it opened on are closed again."""
+    def open(self, seq: int, prefix: Optional[int] = None) -> None:
+        """OPEN on every shard at once, empty or (`prefix`) from that prefix entry; when one fails, the shards it
+        opened on are closed again (PrefixMissing: a shard no longer holds the entry)."""
         self._settle(seq, quiet=True)
         try:
             self.check_same_shards()
-            answers = self._on_every_shard(Open(id=0, seq=seq))
+            answers = self._on_every_shard(Open(id=0, seq=seq, prefix=prefix))
             failures = [answer for answer in answers if isinstance(answer, Exception)]
             if failures:
                 for client, answer in zip(self.clients, answers):
                     if not isinstance(answer, Exception):
                         _close_quietly(client, seq)
+                missing = [f for f in failures if isinstance(f, ShardError) and f.code is ErrorCode.PREFIX_MISSING]
+                if missing and len(missing) == len(failures):
+                    raise PrefixMissing(str(missing[0]))
                 raise failures[0]
         except ShardTimeout as error:  # a shard still restarting: the loop may try again
             raise as_sequence_lost(error, seq) from error
@@ -324,7 +338,9 @@ class Pipeline:
                 raise ValueError("proposing in the verify reply is greedy only (no sampling)")
             head = {"drafts": list(item.tokens[1:]), "propose": item.propose,
                     "carried_layers": [layer for layer in layers if layer not in head_layers]}
-        return self._step(item.seq, item.pos, item.tokens, item.checkpoint, head, capture=layers)
+        step = self._step(item.seq, item.pos, item.tokens, item.checkpoint, head, capture=layers)
+        step.save_prefix = item.save_prefix
+        return step
 
     def _step(self, seq: int, pos: int, tokens: list[int], checkpoint: bool, head: Optional[dict],
               capture: Optional[list[int]] = None) -> "_Step":
@@ -573,8 +589,9 @@ class Pipeline:
             for i in members:
                 step = steps[i]
                 head = self._head_request(step, parts[i]) if shard.owns_head else None
+                save = step.save_prefix if c == len(step.chunks) - 1 else None
                 records.append(forward_record(step.seq, starts[i][c], checkpoint=step.checkpoint, layers=owned[i][k],
-                                              sampling=head, **inputs(i, k, c)))
+                                              sampling=head, save_prefix=save, **inputs(i, k, c)))
             if len(records) == 1:
                 return records[0]
             batch = {} if not direct else {"send_rows": tickets[k] if k < last else None,

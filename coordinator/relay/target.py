@@ -74,8 +74,8 @@ class ReplayTarget:
         self.target = target
         self.pending: dict[int, tuple[int, list[int]]] = {}  # seq -> (pos, tokens) of the checkpointed step
 
-    def open(self, seq: int) -> None:
-        self.target.open(seq)
+    def open(self, seq: int, **prefix) -> None:
+        self.target.open(seq, **prefix)
 
     def close(self, seq: int) -> None:
         self.pending.pop(seq, None)

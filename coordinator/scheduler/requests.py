@@ -36,6 +36,7 @@ class DecodeResult:
     replays: int = 0  # replay mode: restore plus a forward of the kept tokens
     recoveries: int = 0  # SequenceLost (e.g. a restarted shard), state re-filled from history
     drafter_failed: bool = False  # the drafter failed and the request went on without drafts (same output)
+    cached_tokens: int = 0  # prompt tokens resumed from the shards' prefix cache instead of forwarded
     commits: list[int] = field(default_factory=list)  # tokens committed per step
     logprobs: list | None = None  # with sampling.logprobs: per token [logprob, [[id, logprob], ...top]]
     finish_reason: str = LENGTH  # "stop": an EOS or a StopDecoding; "length": max_new_tokens or the context limit
@@ -97,6 +98,7 @@ class Request:
         block_size: int = 16,
         on_commit: Optional[Callable[[list[int]], None]] = None,
         on_finish: Optional[Callable[["Request"], None]] = None,
+        cache_salt: str = "",
     ) -> None:
         check_request(list(prompt), max_new_tokens)
         if drafter is not None and block_size < 2:
@@ -114,6 +116,10 @@ class Request:
         self.drafter_endpoint = getattr(drafter, "endpoint", None)
         self.target = None  # what opens, closes and re-fills this request's sequence, chosen at admission
         self.block_size = block_size
+        # prefix caching (coordinator.scheduler.prefix): only prompts of the same salt share cached prefixes
+        self.cache_salt = cache_salt
+        self.prefix_digests: list[bytes] = []
+        self.saving: dict[int, int] = {}  # prompt position -> the prefix entry its chunk's step saves
         self.on_commit = on_commit
         self.on_finish = on_finish
         self.result = DecodeResult(prompt_tokens=len(self.prompt))

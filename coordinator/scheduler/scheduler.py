@@ -51,11 +51,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from coordinator.relay.pipeline import BatchForward
+from coordinator.relay.pipeline import BatchForward, PrefixMissing
 from coordinator.relay.target import ReplayTarget, RollbackFailed, SequenceLost
 from coordinator.scheduler.commit import (
     commit_block, committed_ids, count_rollback, finished, keep_logprobs, last_row, record_commit,
 )
+from coordinator.scheduler.prefix import PrefixIndex
 from coordinator.scheduler.recovery import RECOVERY_TIMEOUT_S, recover
 from coordinator.scheduler.requests import (
     DECODE, DONE, LENGTH, PREFILL, STOP, DecodeResult, Request, StopDecoding, check_prompt_fits, context_limit,
@@ -67,6 +68,9 @@ from protocol.layout import CHECKPOINT, REPLAY, ROLLBACK_MODES
 # together are prefilled in one step, and a prompt takes at most half a step (`default_prefill_chunk`), which bounds
 # how long the running streams wait for a token behind it.
 DEFAULT_BATCH_ROWS = 8192
+# The prompt chunk where the shards keep prefix entries (coordinator.scheduler.prefix): a prompt resumes from the
+# last whole chunk it shares with an earlier one, so a smaller chunk hits more prompts, at more steps per prompt.
+PREFIX_CHUNK = 256
 # A drafter daemon that timed out is not asked again for this long (its streams, and those admitted meanwhile,
 # decode plainly); after it, new proposals try it again.
 DRAFTER_RETRY_S = 60.0
@@ -220,6 +224,7 @@ class Scheduler:
         recovery_timeout_s: float = RECOVERY_TIMEOUT_S,
         on_step: Optional[Callable[[StepReport], None]] = None,
         pipeline_groups: Optional[int] = None,
+        prefix_caching: bool = True,
     ) -> None:
         if max_sequences < 1:
             raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
@@ -234,9 +239,13 @@ class Scheduler:
         self.max_sequences = max_sequences
         # A step of more rows than the shards' fixed step runs there as several (shardd.engine.batch); a row's bits stay.
         self.batch_rows = batch_rows or max(getattr(target, "step_rows", None) or 0, DEFAULT_BATCH_ROWS)
-        self.prefill_chunk = prefill_chunk or default_prefill_chunk(self.batch_rows, getattr(target, "prefill_rows", None))
+        # prompts resume from the shards' prefix entries where every shard keeps them (Pipeline.prefix_cache)
+        caching = prefix_caching and bool(getattr(target, "prefix_cache", False))
+        self.prefill_chunk = prefill_chunk or (min(PREFIX_CHUNK, self.batch_rows) if caching else
+                                               default_prefill_chunk(self.batch_rows, getattr(target, "prefill_rows", None)))
         if not 1 <= self.prefill_chunk <= self.batch_rows:
             raise ValueError(f"prefill_chunk must be in [1, batch_rows={self.batch_rows}], got {self.prefill_chunk}")
+        self.prefixes = PrefixIndex(self.prefill_chunk) if caching else None
         if pipeline_groups is not None and pipeline_groups < 1:
             raise ValueError(f"pipeline_groups must be >= 1, got {pipeline_groups}")
         # micro-batches in flight at once (1: every step waits for the one before)
@@ -360,7 +369,7 @@ class Scheduler:
             request.seq = secrets.randbelow(1 << 62)
             request.target = self._target_for(request)
             try:
-                request.target.open(request.seq)
+                self._open(request)
             except Exception as error:  # noqa: BLE001 - this request fails; the others run
                 request.seq = None
                 self._fail(request, error)
@@ -368,6 +377,27 @@ class Scheduler:
             request.state = PREFILL
             request._started = time.perf_counter()
             self.running.append(request)
+
+    def _open(self, request: Request) -> None:
+        """Open the request's sequence: from the longest prefix of its prompt the shards keep (prefix caching, where
+        its target is the batch's own), else empty. A prefix entry a shard no longer holds is forgotten and the
+        sequence opens empty: the same tokens either way."""
+        prefixes = self.prefixes if request.target is self.target else None
+        if prefixes is not None:
+            request.prefix_digests = prefixes.digests(request.cache_salt, request.prompt)
+            hit = prefixes.lookup(request.prefix_digests, len(request.prompt))
+            if hit is not None:
+                try:
+                    request.target.open(request.seq, prefix=hit.entry)
+                except PrefixMissing:
+                    prefixes.forget(hit.entry)
+                else:
+                    request.prefilled = request.result.cached_tokens = hit.length
+                    prefixes.hits += 1
+                    prefixes.cached_tokens += hit.length
+                    return
+            prefixes.misses += 1
+        request.target.open(request.seq)
 
     def _target_for(self, request: Request):
         """What opens, closes and re-fills the request's sequence: the batch's target, or a feature drafter's own,
@@ -419,7 +449,11 @@ class Scheduler:
             tokens = request.prompt[start:start + rows]
             last = start + rows == len(request.prompt)
             sampling = step_keywords(request.sampled, request.prompt, request.result).get("sampling") if last else None
-            return _Item(request, PREFILL, BatchForward(request.seq, start, tokens, sampling=sampling))
+            entry = self.prefixes.new_entry(request.prefix_digests, start + rows) if request.prefix_digests else None
+            if entry is not None:
+                request.saving[start + rows] = entry
+            return _Item(request, PREFILL, BatchForward(request.seq, start, tokens, sampling=sampling,
+                                                        save_prefix=entry))
         history, room = request.history, request.room(self.limit)
         sampling = step_keywords(request.sampled, history, request.result)
         if request.drafter is None:
@@ -556,6 +590,9 @@ class Scheduler:
         if len(outputs) != n:
             raise RuntimeError(f"prefill of {n} tokens returned {len(outputs)} ids")
         request.prefilled += n
+        entry = request.saving.pop(request.prefilled, None)
+        if entry is not None:  # every shard ran the chunk and (budget allowing) kept its state as `entry`
+            self.prefixes.saved(request.prefix_digests, request.prefilled, entry)
         if request.prefilled < len(request.prompt):
             return
         result = request.result

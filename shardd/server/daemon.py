@@ -26,12 +26,25 @@ from shardd.server import loop
 from shardd.server.listen import largest_frame_bytes
 from shardd.server.owners import Owners
 from shardd.server.peer import Peer
+from shardd.server.prefix import PrefixCache
 from shardd.server.relay import Relay, RowsLost, WaitsForRows
 from shardd.server.rows import Waiting
 from shardd.server.sequences import SequenceTable
 from shardd.server.stats import Counters
 
 log = logging.getLogger("shardd")
+
+
+def prefix_budget(shard, config: ShardConfig, memory: dict | None) -> int:
+    """The prefix cache's bytes: the memory plan's item (`shardd serve`), else --prefix-cache-gib or its CPU
+    default (a daemon built in-process); none without layers."""
+    from shardd.weights.memory import PREFIX_CACHE_CPU
+
+    if shard is None:
+        return 0
+    if memory is not None and "prefix_cache" in memory.get("items", {}):
+        return memory["items"]["prefix_cache"]
+    return config.prefix_cache_bytes if config.prefix_cache_bytes is not None else PREFIX_CACHE_CPU
 
 
 class ShardDaemon:
@@ -63,9 +76,10 @@ class ShardDaemon:
         )
         self.counters = Counters()
         self.refusals = Refusals(self.counters)
+        self.prefix_cache = PrefixCache(prefix_budget(shard, config, memory))
         self.sequences = SequenceTable(shard, drafter, max_sequences=config.max_sequences,
                                        max_context=config.max_context, idle_timeout=config.sequence_idle_timeout,
-                                       counters=self.counters)
+                                       counters=self.counters, prefix_cache=self.prefix_cache)
         self.owners = Owners()  # connection -> the client whose secret it presented in HELLO (Curve off)
         self.relay = Relay(config, shard, self.counters, self.refusals, self.resume,
                            max_tokens_per_request=config.max_tokens_per_request)

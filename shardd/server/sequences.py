@@ -12,6 +12,7 @@ import torch
 from protocol import ErrorCode, ProtocolError
 from shardd.draft.model import DraftState
 from shardd.engine.reference.state import SequenceState
+from shardd.server.prefix import PrefixCache, PrefixEntry, capture_entry, draft_rows, entry_bytes, resume
 from shardd.server.stats import Counters
 
 log = logging.getLogger("shardd")
@@ -22,6 +23,9 @@ class Sequence:
     state: SequenceState | None  # the target layers' state; None on a drafter-only daemon
     draft: DraftState | None = None  # the hosted drafter's context (committed rows' features only)
     failed: str | None = None  # why, after an INTERNAL error; only CLOSE is served then
+    prefix: PrefixEntry | None = None  # the prefix entry it resumed from or saved last (pinned while open)
+    # its saved entries still waiting for the drafter's context rows of their prefix
+    draft_waiting: list[PrefixEntry] = field(default_factory=list)
     last_used: float = field(default_factory=time.monotonic)  # the idle lease runs from here
 
     @property
@@ -35,8 +39,9 @@ class SequenceTable:
     by `open` and given back by `close` or the idle lease (`expire_idle`)."""
 
     def __init__(self, shard, drafter, *, max_sequences: int, max_context: int, idle_timeout: float,
-                 counters: Counters):
+                 counters: Counters, prefix_cache: PrefixCache | None = None):
         self.shard, self.drafter = shard, drafter
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0)
         self.max_sequences, self.max_context, self.idle_timeout = max_sequences, max_context, idle_timeout
         self.counters = counters
         self.entries: dict[tuple[bytes, int], Sequence] = {}
@@ -63,13 +68,19 @@ class SequenceTable:
     def find(self, owner: bytes, seq: int) -> Sequence | None:
         return self.entries.get((owner, seq))
 
-    def open(self, owner: bytes, seq: int) -> Sequence:
-        """A fresh state of length 0 for `owner`'s `seq`; ProtocolError (changing nothing) when it is open already,
-        the table is full or the device has no memory for it."""
+    def open(self, owner: bytes, seq: int, prefix: int | None = None) -> Sequence:
+        """A fresh state for `owner`'s `seq`: of length 0, or `prefix`'s (a prefix entry of `owner`); ProtocolError
+        (changing nothing) when it is open already, the table is full, the entry is not held or the device has no
+        memory for it."""
         if (owner, seq) in self.entries:
             raise ProtocolError(ErrorCode.SEQUENCE_EXISTS, f"sequence {seq} is already open")
         if len(self.entries) >= self.max_sequences:
             raise ProtocolError(ErrorCode.CAPACITY, f"{len(self.entries)} sequences open, limit {self.max_sequences}")
+        cached = None
+        if prefix is not None:
+            if self.shard is None:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "a drafter-only daemon holds no prefix entries")
+            cached = self.prefix_cache.find(owner, prefix, draft=self.drafter is not None)
         try:
             state = self.shard.new_state(self.max_context) if self.shard is not None else None
             draft = self.drafter.model.new_state(self.max_context) if self.drafter is not None else None
@@ -78,10 +89,46 @@ class SequenceTable:
             if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)) and "memory" not in str(exc).lower():
                 raise
             raise ProtocolError(ErrorCode.CAPACITY, f"out of memory for a new sequence: {exc}") from None
-        entry = self.entries[(owner, seq)] = Sequence(state, draft)
+        if cached is not None:
+            resume(cached, state, draft)
+            self.prefix_cache.resumed(cached)
+        entry = self.entries[(owner, seq)] = Sequence(state, draft, prefix=cached)
         self.counters.sequences_opened += 1
-        log.info("open seq=%s", seq)
+        log.info("open seq=%s%s", seq, f" from prefix entry {prefix} ({cached.length} tokens)" if cached else "")
         return entry
+
+    def save_prefix(self, owner: bytes, entry: Sequence, entry_id: int) -> bool:
+        """Keep `entry`'s state (settled, nothing pending) as `owner`'s prefix entry `entry_id`, after the entry it
+        resumed from or saved last; False when the budget cannot hold it. The drafter's context rows of the prefix
+        join it as soon as the drafter holds them (`draft_added`)."""
+        cache, state = self.prefix_cache, entry.state
+        parent = entry.prefix
+        if parent is not None and (parent.length > state.length or (owner, parent.id) not in cache.entries):
+            parent = None  # not this sequence's prefix any more: the entry stands alone
+        self.shard.settle(state)
+        draft = entry.draft if entry.draft is not None and entry.draft.length >= state.length else None
+        start = parent.length if parent is not None else 0
+        if not cache.make_room(owner, entry_id, entry_bytes(state, start, draft), parent):
+            return False
+        try:
+            saved = capture_entry(owner, entry_id, state, parent, draft)
+        except (torch.OutOfMemoryError, MemoryError):  # the step stands; only the entry is not kept
+            cache.declined += 1
+            return False
+        cache.insert(saved)
+        cache.release(entry.prefix)
+        saved.pins += 1
+        entry.prefix = saved
+        if self.drafter is not None and draft is None:
+            entry.draft_waiting.append(saved)
+        return True
+
+    def draft_added(self, entry: Sequence) -> None:
+        """The drafter's context of `entry` grew: its saved entries whose prefix it now covers take their rows."""
+        for saved in [s for s in entry.draft_waiting if s.length <= entry.draft.length]:
+            entry.draft_waiting.remove(saved)
+            if (saved.owner, saved.id) in self.prefix_cache.entries and saved.draft is None:
+                self.prefix_cache.add_draft(saved, draft_rows(entry.draft, saved.start, saved.length))
 
     def close(self, owner: bytes, seq: int) -> Sequence:
         """Close `owner`'s `seq` (a failed one too) and give its memory back."""
@@ -93,6 +140,7 @@ class SequenceTable:
 
     def _release(self, key: tuple[bytes, int]) -> None:
         entry = self.entries.pop(key)
+        self.prefix_cache.release(entry.prefix)
         if self.shard is not None and entry.state is not None:
             self.shard.release_state(entry.state)
         if self.drafter is not None and entry.draft is not None:

@@ -353,4 +353,5 @@ def daemon_memory_plan(source: ModelSource, config: ModelConfig, shard):
         step_rows=shard.step_rows or (storage.max_verify_tokens if storage.enabled else 16),
         drafter_bytes=drafter_bytes, drafter_state=drafter_state, cap=shard.max_gpu_memory,
         # the GPU prefill's graphs (--prefill-rows) exist on a GPU only
-        prefill_rows=shard.prefill_rows if layers is not None and shard.on_gpu else 0)
+        prefill_rows=shard.prefill_rows if layers is not None and shard.on_gpu else 0,
+        prefix_cache=shard.prefix_cache_bytes if layers is not None else 0, on_gpu=shard.on_gpu)

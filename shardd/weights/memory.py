@@ -20,6 +20,9 @@ from common.model_config import ModelConfig
 GiB = 1 << 30
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+# --prefix-cache-gib auto: a 27B-shaped shard's prefix entries of a few long conversations
+PREFIX_CACHE_GPU = 4 * GiB
+PREFIX_CACHE_CPU = 1 * GiB
 GRAPH_POOL_BYTES = 64 << 20  # what capturing the step's CUDA graphs keeps besides its static buffers (measured < 40 MiB)
 
 
@@ -87,7 +90,7 @@ def plan_memory(
     config: ModelConfig, begin: int, end: int, *, weight_bytes: int, dtype_bytes: int, engine: str,
     max_sequences: int, max_context: int, max_tokens_per_request: int, checkpoint_bytes_per_sequence: int,
     step_rows: int, drafter_bytes: int = 0, cap: int | None = None, prefill_rows: int = 0,
-    drafter_state: dict[str, int] | None = None,
+    drafter_state: dict[str, int] | None = None, prefix_cache: int | None = 0, on_gpu: bool = False,
 ) -> MemoryPlan:
     """What a daemon serving layers [begin, end) will allocate with these options. The fast engine allocates every
     sequence slot (plus one scratch slot) at start; the reference engine allocates as sequences open, so its plan is
@@ -130,7 +133,13 @@ def plan_memory(
     if drafter_bytes:
         items["drafter"] = drafter_bytes
     items.update(drafter_state or {})
-    return MemoryPlan(items, cap)
+    plan = MemoryPlan(items, cap)
+    if prefix_cache is None:  # auto: a default size, within what the cap leaves
+        prefix_cache = PREFIX_CACHE_GPU if on_gpu else PREFIX_CACHE_CPU
+        if cap is not None:
+            prefix_cache = max(0, min(prefix_cache, cap - plan.total))
+    items["prefix_cache"] = prefix_cache
+    return plan
 
 
 def drafter_weight_bytes(draft_config, target: ModelConfig, dtype_bytes: int, *, shares_embedding: bool,

@@ -59,6 +59,7 @@ class Forward:
         if out.ids is not None and head.needed:  # on out.logits now: the fast path's buffer is valid until the next step
             answer = answer_rows(out.logits, out.ids.tolist(), request.pos, head)
         result, tensors = self._result(request, entry, out, answer)
+        self._save_prefix(request, entry, result, peer)
         if proposing(request):
             self._propose_after([(0, request, entry, out)], [(result, tensors)])
         if request.send_rows is not None:  # the rows go on to the next shard first: they are what it waits for
@@ -115,10 +116,18 @@ class Forward:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"draft token {outside[0]} is outside the vocabulary "
                                                            f"0..{vocab - 1}")
         check_finite("hidden", request.hidden)
+        if request.save_prefix is not None:
+            self.sequences.prefix_cache.check_new(peer.owner, request.save_prefix)
         if proposing(request):
             check_finite("carried", request.carried)
             self.proposer.check(request, shard, entry)
         return entry, head, [layer for layer in layers if shard.begin <= layer < shard.end]
+
+    def _save_prefix(self, request, entry: Sequence, result: dict, peer: Peer) -> None:
+        """A forward that ran and asked for it (`save_prefix`): its state becomes a prefix entry, if the cache
+        can hold it (the reply's `prefix_saved`)."""
+        if request.save_prefix is not None:
+            result["prefix_saved"] = self.sequences.save_prefix(peer.owner, entry, request.save_prefix)
 
     def _result(self, request, entry: Sequence, out, answer) -> tuple[dict, dict]:
         """The result and the tensors (torch, by frame name) of a forward that ran; `answer` is the head's
@@ -212,6 +221,7 @@ class Forward:
                 answers[index] = out
                 continue
             answers[index] = self._result(item, entry, outputs[i], head_answers.get(i))
+            self._save_prefix(item, entry, answers[index][0], peer)
             if proposing(item):
                 verified.append((index, item, entry, outputs[i]))
         if verified:

@@ -32,7 +32,8 @@ class Propose:
         (the only way the context shrinks). A context shorter than pos-n misses rows: POSITION_MISMATCH.
         The target layers' state of the sequence (on a daemon that has both) is not touched."""
         model = self._drafter().model
-        draft = self.sequences.get(peer.owner, request.seq).draft
+        entry = self.sequences.get(peer.owner, request.seq)
+        draft = entry.draft
         check_finite("features", request.features)
         features = request.features.to_torch() if request.features is not None else None
         model.check_propose(draft, request.pos, features, request.last_token, request.block_size)
@@ -47,6 +48,7 @@ class Propose:
         if n:
             model.add_context(draft, features)
             counters.draft_context_rows += n
+            self.sequences.draft_added(entry)
         ids, _ = model.propose(draft, request.last_token, request.block_size + 1)
         counters.proposals += 1
         counters.draft_tokens += request.block_size
@@ -109,6 +111,8 @@ class Propose:
             replies.append({"accepted": accepted, "pos": request.pos + keep, "last_token": ids[accepted]})
             counters.draft_context_rows += keep
         model.add_context_batch(contexts)
+        for _, entry, _, _ in verified:
+            self.sequences.draft_added(entry)
         proposals = model.propose_batch(blocks)
         for reply, (request, entry, _, _), (tokens, _) in zip(replies, verified, proposals):
             reply["tokens"], reply["context_length"] = tokens.tolist(), entry.draft.length

@@ -90,11 +90,14 @@ class Session:
             # rows on the device (PROTOCOL.md): a ring slot's rows asked for / granted, how a wait for them ends
             "device_rows": RING_ROWS,
             "ring_wait": daemon.relay.ring_wait(),
+            # prefix entries this daemon can keep (PROTOCOL.md, "Prefix caching"); null: none (no layers, or off)
+            "prefix_cache": {"budget_bytes": daemon.prefix_cache.budget_bytes}
+            if shard is not None and daemon.prefix_cache.budget_bytes else None,
         }
 
     def open(self, request, peer: Peer):
-        self.daemon.sequences.open(peer.owner, request.seq)
-        return {"seq": request.seq, "length": 0}, {}
+        entry = self.daemon.sequences.open(peer.owner, request.seq, request.prefix)
+        return {"seq": request.seq, "length": entry.length}, {}
 
     def close(self, request, peer: Peer):
         entry = self.daemon.sequences.close(peer.owner, request.seq)
@@ -135,6 +138,7 @@ class Session:
             "compute_seconds": dict(c.compute_seconds),
             "batches": {"requests": c.batches, "items": c.batch_items, "rows": c.batch_rows},
             "rows": daemon.relay.describe(),
+            "prefix_cache": daemon.prefix_cache.describe(),
             # where requests' time went, per type and phase (protocol/timing.py): seconds since the start
             "phases": PHASES.totals(),
         }
