@@ -216,7 +216,6 @@ VLLM_FLAGS = {
     "--tensor-parallel-size": "shardd splits a model by layers, one shard per GPU: --split N --devices cuda:0,...",
     "--pipeline-parallel-size": "shardd's layer split is --split N (or --layers B:E,...) with --devices",
     "--chat-template": "the chat template comes from the model directory (--tokenizer DIR names another)",
-    "--enable-prefix-caching": "shardd has no prefix cache to switch on",
     "--trust-remote-code": "shardd runs only its own Qwen3.5 code, never a checkpoint's: drop the flag",
 }
 
@@ -229,7 +228,7 @@ def _refuse_vllm_flag(ctx, param, value) -> None:
 
 def vllm_flag_refusals(func):
     """vLLM's flag names that shardctl does not take, refused with a hint naming ours (not click's guess)."""
-    flags = {"--enable-prefix-caching", "--trust-remote-code"}
+    flags = {"--trust-remote-code"}
     return _apply([click.option(name, is_flag=name in flags, hidden=True, expose_value=False, is_eager=True,
                                 callback=_refuse_vllm_flag) for name in VLLM_FLAGS], func)
 

@@ -98,6 +98,9 @@ def quiet_cancellations() -> None:
                    "(default: the shards' fixed step, at least 8192, as vLLM's max_num_batched_tokens); prompts go in "
                    "chunks of half that.")
 @pipeline_groups_option
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", "prefix_caching", default=True, show_default=True,
+              help="Prompts resume from the longest prefix the shards hold from earlier prompts (README, \"Prefix "
+                   "caching\"; each daemon's --prefix-cache-gib): same output, no re-prefill of a shared prefix.")
 @click.option("--log-level", type=click.Choice(("critical", "error", "warning", "info", "debug")), default="info",
               show_default=True)
 @click.option("--max-body-bytes", type=click.IntRange(1024), metavar="BYTES",
@@ -116,7 +119,7 @@ def quiet_cancellations() -> None:
                    "/metrics stay open); required when --host is not loopback.")
 def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
           curve_client_key, quantize, max_sequences, max_context, allow_long_context, max_tokens_per_request, recovery_timeout, liveness_timeout,
-          busy_poll_ms, host, port, tokenizer_dir, served_model_name, drafter, draft_shard, draft, draft_placement, block_size, rollback, batch_rows, pipeline_groups, log_level,
+          busy_poll_ms, host, port, tokenizer_dir, served_model_name, drafter, draft_shard, draft, draft_placement, block_size, rollback, batch_rows, pipeline_groups, prefix_caching, log_level,
           max_body_bytes, request_timeout, max_connections, exit_on_shard_loss, as_json, api_key):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
     /version, /health, /metrics).
@@ -195,7 +198,7 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
         try:
             config = EngineConfig(model_name=name, drafter=drafter, rollback=rollback, block_size=block_size,
                                   batch_rows=batch_rows, pipeline_groups=pipeline_groups,
-                                  draft_endpoint=draft_endpoint, eos_ids=eos_ids,
+                                  prefix_caching=prefix_caching, draft_endpoint=draft_endpoint, eos_ids=eos_ids,
                                   defaults=generation_defaults(source_dir), timeout_s=timeout,
                                   recovery_timeout_s=recovery_timeout, liveness_timeout_s=liveness_timeout,
                                   busy_poll_s=seconds(busy_poll_ms))

@@ -98,7 +98,9 @@ def usage_of(results) -> UsageInfo:
     results = [r for r in (results if isinstance(results, list) else [results]) if r is not None]
     completion = sum(len(result.tokens) for result in results)
     prompt = results[0].prompt_tokens if results else 0
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = results[0].cached_tokens if results else 0
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details={"cached_tokens": cached})
 
 
 def sse(payload) -> str:
@@ -295,6 +297,7 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
             stop=stop,
             ignore_eos=body.ignore_eos,
             skip_special_tokens=body.skip_special_tokens,
+            cache_salt=body.cache_salt or "",
         )
         return [dataclasses.replace(first, sampling=dataclasses.replace(sampling, seed=(sampling.seed + i) % (1 << 63)))
                 for i in range(body.n)]
@@ -516,7 +519,7 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
             content, calls = parse_tool_calls(content)
         output = output_items(content, calls)
         return JSONResponse(shape.body(shape.status_of(result.finish_reason), output,
-                                       response_usage(result.prompt_tokens, len(result.tokens))))
+                                       response_usage(result.prompt_tokens, len(result.tokens), result.cached_tokens)))
 
     async def stream_response(choice: GenerateParams, shape: ResponseShape, parse_tools: bool,
                               route: str) -> AsyncIterator[str]:
@@ -532,7 +535,7 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
                 yield event
             if item.result is not None:
                 result = item.result
-                for event in events.finish(result.prompt_tokens, len(result.tokens), result.finish_reason):
+                for event in events.finish(result.prompt_tokens, len(result.tokens), result.finish_reason, result.cached_tokens):
                     yield event
 
     # ---- tokenizer endpoints (vLLM's) ----------------------------------------------------------

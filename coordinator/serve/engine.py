@@ -46,6 +46,7 @@ class GenerateParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # as vLLM: special tokens (<|im_start|>, <|endoftext|>) are not text
     shown_special: frozenset = frozenset()  # special ids kept as text all the same (a tool call's markers)
+    cache_salt: str = ""  # prompts share cached prefixes only with prompts of the same salt
 
 
 @dataclass
@@ -88,6 +89,7 @@ class EngineConfig:
     block_size: int = 16  # --block-size (a DFlash drafter's own limit cuts it)
     batch_rows: Optional[int] = None  # --batch-rows: the scheduler's rows per step (None: the Scheduler's default)
     pipeline_groups: int = 1  # --pipeline-groups: micro-batches in flight
+    prefix_caching: bool = True  # --enable-prefix-caching: prompts resume from the shards' prefix entries
     draft_endpoint: Optional[str] = None  # the DFlash drafter's daemon
     eos_ids: tuple[int, ...] = ()
     defaults: dict = field(default_factory=dict)  # sampling defaults (generation_config.json)
@@ -141,7 +143,7 @@ class Engine:
             raise
         self._engine_connection = first
         self.scheduler = Scheduler(first.pipeline, max_sequences=self.max_sequences, batch_rows=config.batch_rows,
-                                   pipeline_groups=config.pipeline_groups,
+                                   pipeline_groups=config.pipeline_groups, prefix_caching=config.prefix_caching,
                                    rollback=rollback, recovery_timeout_s=config.recovery_timeout_s,
                                    on_step=self.metrics.record_step)
         if drafter != GREEDY and block_size > self.scheduler.batch_rows:
@@ -255,7 +257,7 @@ class Engine:
         elif self.drafter == "dflash":
             drafter = self._dflash.fresh()  # no I/O: its calls run on the engine thread, on the engine's connections
         return Request(params.prompt_ids, params.max_tokens, eos_ids=eos, sampling=params.sampling, drafter=drafter,
-                       block_size=self.block_size, on_commit=post, on_finish=on_finish)
+                       block_size=self.block_size, on_commit=post, on_finish=on_finish, cache_salt=params.cache_salt)
 
     async def _outputs(self, params: GenerateParams, request: Request, commits: asyncio.Queue) -> AsyncIterator[Delta]:
         """The frontend's half of a request, on the event loop (as vLLM's output processor): commits become text
@@ -278,7 +280,8 @@ class Engine:
                     yield Delta(text=rest, logprobs=pending[:])
                 if text.stopped:
                     item.finish_reason = "stop"
-                self.metrics.record(item, self.rollback if self.drafter != GREEDY else None)
+                self.metrics.record(item, self.rollback if self.drafter != GREEDY else None,
+                                    prefix_caching=self.scheduler.prefixes is not None)
                 yield Delta(finish_reason=item.finish_reason, result=item)
                 return
             if stopped_at is not None:

@@ -36,6 +36,11 @@ class ServeMetrics:
                                    registry=registry)
         self.prefill_rows = Counter("shardctl_prefill_rows", "Prompt rows forwarded in steps shared with running "
                                     "streams (chunked prefill)", registry=registry)
+        self.prefix_cache_requests = Counter("shardctl_prefix_cache_requests", "Requests admitted with prefix caching "
+                                             "on, by whether their prompt resumed from a cached prefix",
+                                             ["outcome"], registry=registry)
+        self.prefix_cache_tokens = Counter("shardctl_prefix_cache_cached_tokens", "Prompt tokens resumed from the "
+                                           "shards' prefix cache instead of prefilled", registry=registry)
         self.queue_seconds = Histogram("shardctl_time_in_queue_seconds", "Request arrival to its admission",
                                        buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
                                        registry=registry)
@@ -49,9 +54,12 @@ class ServeMetrics:
             self.step_rows.observe(report.rows)
             self.prefill_rows.inc(report.prefill_rows)
 
-    def record(self, result, rollback_mode: str | None) -> None:
+    def record(self, result, rollback_mode: str | None, prefix_caching: bool = False) -> None:
         """A finished generation's `DecodeResult`."""
         self.prompt_tokens.inc(result.prompt_tokens)
+        if prefix_caching:
+            self.prefix_cache_requests.labels("hit" if result.cached_tokens else "miss").inc()
+            self.prefix_cache_tokens.inc(result.cached_tokens)
         self.generation_tokens.inc(len(result.tokens))
         if result.drafted:
             for committed in result.commits:

@@ -56,6 +56,8 @@ class SamplingFields(OpenAIModel):
     stream: bool = False
     stream_options: Optional[dict[str, Any]] = None
     n: int = Field(default=1, ge=1)
+    # vLLM's: prompts share cached prefixes only with prompts of the same salt (README, "Prefix caching")
+    cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=1024)
     best_of: Optional[int] = None  # only equal to n (vLLM v1 has no best_of either)
     presence_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
@@ -210,6 +212,7 @@ class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: dict = Field(default_factory=lambda: {"cached_tokens": 0})
 
 
 class CompletionLogprobs(BaseModel):

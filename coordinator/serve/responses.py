@@ -47,6 +47,7 @@ class ResponsesRequest(OpenAIModel):
     stop: Optional[Union[str, list[str]]] = None
     repetition_penalty: Optional[float] = Field(default=None, gt=0, le=100)
     ignore_eos: bool = False
+    cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=1024)  # as on chat
     # known, accepted only at their defaults (refusal() says why)
     store: Optional[bool] = None
     previous_response_id: Optional[str] = None
@@ -107,6 +108,7 @@ class ResponsesRequest(OpenAIModel):
         fields = dict(messages=messages, max_tokens=self.max_output_tokens, temperature=self.temperature,
                       top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=self.stop,
                       repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos, stream=self.stream,
+                      cache_salt=self.cache_salt,
                       parallel_tool_calls=self.parallel_tool_calls, tool_choice=_chat_tool_choice(self.tool_choice))
         if self.tools is not None:
             fields["tools"] = [_chat_tool(tool, f"tools[{index}]") for index, tool in enumerate(self.tools)]
@@ -222,8 +224,8 @@ def output_items(content: Optional[str], calls: list[ToolCall]) -> list[dict]:
     return items + [call_item(call) for call in calls]
 
 
-def usage(prompt_tokens: int, output_tokens: int) -> dict:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt_tokens + output_tokens}
 
@@ -294,13 +296,14 @@ class ResponseEvents:
                 out += self._close_message() + self._call(piece)
         return out
 
-    def finish(self, prompt_tokens: int, output_tokens: int, finish_reason: Optional[str]) -> list[str]:
+    def finish(self, prompt_tokens: int, output_tokens: int, finish_reason: Optional[str],
+               cached_tokens: int = 0) -> list[str]:
         out = []
         if self.message is None and not self.output:
             out += self._open_message()  # an empty answer is an empty message, as a non-streamed one
         out += self._close_message()
         status = self.shape.status_of(finish_reason)
-        body = self.shape.body(status, self.output, usage(prompt_tokens, output_tokens))
+        body = self.shape.body(status, self.output, usage(prompt_tokens, output_tokens, cached_tokens))
         return out + [self.event(f"response.{status}", response=body)]
 
     def failed(self, message: str) -> list[str]:

@@ -70,6 +70,15 @@ class DaemonMetrics:
                        (("received_on_device",), c.rows_on_device)])
         yield gauge("shardd_rows_waiting", "FORWARDs waiting for their rows from the previous shard now",
                     len(daemon.relay.inbox.waiting))
+        cache = daemon.prefix_cache
+        yield counter("shardd_prefix_cache", "Prefix cache events (PROTOCOL.md, \"Prefix caching\"): entries saved, "
+                      "declined for want of room, resumed from (hits), refused (misses), evicted", ["event"],
+                      [(("saved",), cache.saves), (("declined",), cache.declined), (("hit",), cache.hits),
+                       (("miss",), cache.misses), (("evicted",), cache.evictions)])
+        yield counter("shardd_prefix_cache_tokens_served", "Prompt tokens resumed from prefix entries",
+                      items=[((), cache.tokens_served)])
+        yield gauge("shardd_prefix_cache_bytes", "Prefix entries held, bytes", cache.bytes)
+        yield gauge("shardd_prefix_cache_entries", "Prefix entries held", len(cache.entries))
         entries = list(daemon.sequences.values())
         states = [entry.state for entry in entries if entry.state is not None]
         yield gauge("shardd_open_sequences", "Sequences open now", len(entries))

@@ -117,7 +117,7 @@ def test_no_silent_substitutes(made, short, tmp_path):
 
 def test_a_vllm_user_s_flags(made, short):
     for flag in VLLM_FLAGS:
-        value = [] if flag in ("--enable-prefix-caching", "--trust-remote-code") else ["1"]
+        value = [] if flag == "--trust-remote-code" else ["1"]
         for command in ("serve", "generate", "launch"):
             result = shardctl(command, *TINY, "--split", 1, flag, *value)
             assert result.exit_code == 2 and f"{flag} is vLLM's flag" in result.output, (command, result.output)

@@ -1,0 +1,175 @@
+"""Prefix caching (PROTOCOL.md, "Prefix caching"; README): prompts that share a prefix resume from the shards' prefix
+entries, and every output is the cold run's, token for token, in every rollback mode, greedy and seeded, speculating
+or not; a budget too small for the entries evicts and the outputs stay; a restarted shard's entries are gone and the
+prompt goes cold; the wire refuses what cannot be resumed. Over real `shardd serve` daemons on loopback."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from coordinator.drafting.drafters import NgramDrafter
+from coordinator.relay.pipeline import Pipeline
+from coordinator.sampling import Sampling
+from coordinator.scheduler.requests import Request
+from coordinator.scheduler.scheduler import Scheduler
+from protocol import MessageType
+from tests.support.daemons import Client, kill_and_replace, start_pair, stop_all
+from tests.support.serving import Server
+
+CHUNK = 16
+SYSTEM = list(b"You are a careful assistant. Answer in one short line, and never guess. ")
+PROMPTS = [SYSTEM + list(question) for question in
+           (b"What is two plus two?", b"Name a colour of the sky.", b"What is two plus three?", b"Spell cat.")]
+TURN = PROMPTS[0] + list(b" Four. And what is four plus four?")  # a second turn: the first one's prompt extended
+
+
+def _run(pipeline, prompts, *, caching, rollback="checkpoint", sampled=False, drafter=False, together=False,
+         scheduler=None):
+    """Each prompt's tokens and cached_tokens, one request after another (so later ones can hit), or `together`."""
+    scheduler = scheduler or Scheduler(pipeline, max_sequences=4, prefill_chunk=CHUNK, prefix_caching=caching,
+                                       rollback=rollback)
+
+    def request(i, prompt):
+        sampling = Sampling(temperature=0.8, seed=7 + i) if sampled else None
+        return Request(prompt, 12, sampling=sampling, drafter=NgramDrafter() if drafter else None, block_size=4)
+
+    if together:
+        done = scheduler.run_all([request(i, p) for i, p in enumerate(prompts)])
+    else:
+        done = [scheduler.run_all([request(i, p)])[0] for i, p in enumerate(prompts)]
+    return [(r.outcome().tokens, r.result.cached_tokens) for r in done], scheduler
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    binds, daemons = start_pair(tmp_path_factory.mktemp("prefix"))
+    try:
+        yield binds, daemons, tmp_path_factory.mktemp("prefix-restart")
+    finally:
+        stop_all(daemons)
+
+
+@pytest.fixture(scope="module")
+def pipeline(pair):
+    pipeline = Pipeline.connect(pair[0])
+    yield pipeline
+    pipeline.disconnect()
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("drafter", [False, True], ids=["plain", "ngram"])
+def test_a_hit_gives_the_cold_run_s_tokens(pipeline, sampled, drafter):
+    cold, _ = _run(pipeline, PROMPTS + [TURN], caching=False, sampled=sampled, drafter=drafter)
+    warm, scheduler = _run(pipeline, PROMPTS + [TURN], caching=True, sampled=sampled, drafter=drafter)
+    assert [tokens for tokens, _ in warm] == [tokens for tokens, _ in cold]
+    assert all(cached == 0 for _, cached in cold)
+    # the later prompts resume after the shared system prompt's whole chunks, the second turn after its first's
+    shared = len(SYSTEM) // CHUNK * CHUNK
+    assert all(cached >= shared for _, cached in warm[1:4]), warm
+    assert warm[4][1] >= (len(PROMPTS[0]) - 1) // CHUNK * CHUNK
+    assert all(cached % CHUNK == 0 for _, cached in warm)
+    assert scheduler.prefixes.hits >= 4
+
+
+def test_prompts_arriving_together_resume_from_what_the_first_left(pipeline):
+    cold, _ = _run(pipeline, PROMPTS, caching=False, together=True)
+    _, scheduler = _run(pipeline, PROMPTS[:1], caching=True)  # the system prompt's entries are there
+    warm, _ = _run(pipeline, PROMPTS, caching=True, together=True, scheduler=scheduler)
+    assert [t for t, _ in warm] == [t for t, _ in cold]
+    assert all(cached > 0 for _, cached in warm)
+
+
+def test_the_wire_refuses_what_cannot_be_resumed(pair):
+    first = Client(pair[0][0])
+    other = Client(pair[0][0])
+    try:
+        refused = first.request(MessageType.OPEN, seq=901, prefix=12345)
+        assert refused.error_code == "PREFIX_MISSING" and "open the sequence cold" in refused.error_message
+        assert first.call(MessageType.OPEN, seq=902).result["length"] == 0
+        saved = first.call(MessageType.FORWARD, seq=902, pos=0, tokens=list(range(1, 9)), save_prefix=77)
+        assert saved.result["prefix_saved"] is True and saved.result["length"] == 8
+        again = first.request(MessageType.FORWARD, seq=902, pos=8, tokens=[5], save_prefix=77)
+        assert again.error_code == "BAD_REQUEST" and "exists already" in again.error_message
+        pending = first.request(MessageType.FORWARD, seq=902, pos=8, tokens=[5, 6], checkpoint=True,
+                                parents=[-1, 0], save_prefix=78, validate=False)
+        assert pending.error_code == "BAD_REQUEST" and "save_prefix" in pending.error_message
+        assert first.call(MessageType.FORWARD, seq=902, pos=8, tokens=[5]).result["length"] == 9  # nothing changed
+        # another client does not see the entry; its owner resumes from it at its length
+        assert other.request(MessageType.OPEN, seq=903, prefix=77).error_code == "PREFIX_MISSING"
+        assert first.call(MessageType.OPEN, seq=903, prefix=77).result["length"] == 8
+        stats = first.call(MessageType.STATS).result["prefix_cache"]
+        assert stats["hits"] >= 1 and stats["misses"] >= 2 and stats["bytes"] <= stats["budget_bytes"]
+        for seq in (902, 903):
+            first.call(MessageType.CLOSE, seq=seq)
+    finally:
+        first.close()
+        other.close()
+
+
+def test_a_restarted_shard_s_entries_are_gone_and_the_prompt_goes_cold(pair, pipeline):
+    binds, daemons, workdir = pair
+    cold, _ = _run(pipeline, PROMPTS[:2], caching=False)
+    scheduler = Scheduler(pipeline, max_sequences=4, prefill_chunk=CHUNK)
+    [first] = scheduler.run_all([Request(PROMPTS[0], 12)])
+    kill_and_replace(daemons, 1, "restarted", ["--layers", "3:6"], workdir)
+    [second] = scheduler.run_all([Request(PROMPTS[1], 12)])
+    assert [first.outcome().tokens, second.outcome().tokens] == [t for t, _ in cold]
+    assert second.result.cached_tokens == 0 and scheduler.prefixes.lost == 1
+    [third] = scheduler.run_all([Request(PROMPTS[1], 12)])  # the entries saved cold just now serve it
+    assert third.outcome().tokens == cold[1][0] and third.result.cached_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def small_budget(tmp_path_factory):
+    """Two replay-ssm daemons whose prefix cache holds about three entries of the tiny model at CHUNK tokens."""
+    binds, daemons = start_pair(tmp_path_factory.mktemp("prefix-small"),
+                                extra=["--rollback-mode", "replay-ssm", "--prefix-cache-gib", "0.00003"])
+    pipeline = Pipeline.connect(binds)
+    try:
+        yield pipeline
+    finally:
+        pipeline.disconnect()
+        stop_all(daemons)
+
+
+@pytest.mark.parametrize("rollback", ["replay-ssm", "replay"])
+def test_a_budget_that_evicts_keeps_every_output(small_budget, rollback):
+    distinct = [list(bytes([65 + i])) * 40 + list(b" and then?") for i in range(5)]
+    prompts = distinct + PROMPTS + distinct[:2]
+    cold, _ = _run(small_budget, prompts, caching=False, rollback=rollback, drafter=True)
+    warm, _ = _run(small_budget, prompts, caching=True, rollback=rollback, drafter=True)
+    assert [t for t, _ in warm] == [t for t, _ in cold]
+    for stats in small_budget.stats():
+        cache = stats["prefix_cache"]
+        assert cache["bytes"] <= cache["budget_bytes"] and cache["evictions"] > 0, cache
+
+
+@pytest.fixture(scope="module")
+def server(pair):
+    with Server("--shards", ",".join(pair[0]), "--drafter", "none") as server:
+        yield server
+
+
+def test_the_api_reports_cached_tokens_and_salts_keep_tenants_apart(server):
+    client = server.client()
+    name = client.models.list().data[0].id
+    system = "You are a careful assistant who answers in one short line and never guesses. " * 5
+
+    def ask(question, **extra):
+        return client.chat.completions.create(model=name, max_tokens=4, temperature=0, extra_body=extra,
+                                              messages=[{"role": "system", "content": system},
+                                                        {"role": "user", "content": question}])
+
+    first, second = ask("What is two plus two?"), ask("Name a colour.")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= 256
+    salted = ask("Name a colour.", cache_salt="tenant-b")
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    assert salted.choices[0].message.content == second.choices[0].message.content
+    assert ask("Spell cat.", cache_salt="tenant-b").usage.prompt_tokens_details.cached_tokens >= 256
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'shardctl_prefix_cache_requests_total{outcome="hit"}' in metrics
+    refused = httpx.post(server.url + "/v1/chat/completions",
+                         json={"model": name, "messages": [{"role": "user", "content": "hi"}], "cache_salt": ""})
+    assert refused.status_code == 400 and "cache_salt" in refused.text
