@@ -228,12 +228,14 @@ class DFlashDrafterClient:
 
     # ---- driven by FeatureCapture ----------------------------------------------------------
 
-    def opened(self, seq: int) -> None:
+    def opened(self, seq: int, length: int = 0) -> None:
+        """The target opened `seq` at `length` (a prefix entry's: the daemon hosting the drafter restored its
+        context rows too)."""
         if self.seq is not None and self.seq != seq:
             raise RuntimeError(f"the dflash drafter serves sequence {self.seq}; sequence {seq} needs its own client")
         if not self.shares_pipeline_daemon:
             self.client.open(seq)
-        self.seq, self.rows, self.context_length = seq, CapturedRows(self.layer_ids), 0
+        self.seq, self.rows, self.context_length = seq, CapturedRows(self.layer_ids), length
         self.next_block, self.pending = None, None
 
     def closed(self, seq: int) -> None:
@@ -268,14 +270,20 @@ class FeatureCapture:
         self.pipeline = pipeline
         self.drafter = drafter
 
-    def open(self, seq: int) -> None:
-        self.pipeline.open(seq)
+    @property
+    def prefix_cache(self) -> bool:
+        """Prompts resume from prefix entries where the drafter's context is in them: beside a pipeline shard."""
+        return self.pipeline.prefix_cache and self.drafter.shares_pipeline_daemon
+
+    def open(self, seq: int, prefix: Optional[int] = None) -> int:
+        length = self.pipeline.open(seq, prefix=prefix)
         try:
-            self.drafter.opened(seq)
+            self.drafter.opened(seq, length)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.pipeline.close(seq)
             raise
+        return length
 
     def close(self, seq: int) -> None:
         try:

@@ -233,9 +233,9 @@ class Pipeline:
                     f"{', '.join(changes)}; refusing to re-fill it"
                 )
 
-    def open(self, seq: int, prefix: Optional[int] = None) -> None:
-        """OPEN on every shard at once, empty or (`prefix`) from that prefix entry; when one fails, the shards it
-        opened on are closed again (PrefixMissing: a shard no longer holds the entry)."""
+    def open(self, seq: int, prefix: Optional[int] = None) -> int:
+        """OPEN on every shard at once, empty or (`prefix`) from that prefix entry; the length it starts at. When one
+        fails, the shards it opened on are closed again (PrefixMissing: a shard no longer holds the entry)."""
         self._settle(seq, quiet=True)
         try:
             self.check_same_shards()
@@ -249,6 +249,11 @@ class Pipeline:
                 if missing and len(missing) == len(failures):
                     raise PrefixMissing(str(missing[0]))
                 raise failures[0]
+            lengths = {answer["length"] for answer in answers}
+            if len(lengths) != 1:  # cannot be: every shard saved the entry after the same forward
+                self.close(seq)
+                raise PrefixMissing(f"the shards hold prefix entry {prefix} at different lengths {sorted(lengths)}")
+            return lengths.pop()
         except ShardTimeout as error:  # a shard still restarting: the loop may try again
             raise as_sequence_lost(error, seq) from error
 

@@ -74,8 +74,12 @@ class ReplayTarget:
         self.target = target
         self.pending: dict[int, tuple[int, list[int]]] = {}  # seq -> (pos, tokens) of the checkpointed step
 
-    def open(self, seq: int, **prefix) -> None:
-        self.target.open(seq, **prefix)
+    def open(self, seq: int, **prefix) -> int:
+        return self.target.open(seq, **prefix)
+
+    @property
+    def prefix_cache(self) -> bool:
+        return bool(getattr(self.target, "prefix_cache", False))
 
     def close(self, seq: int) -> None:
         self.pending.pop(seq, None)

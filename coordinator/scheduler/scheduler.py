@@ -380,9 +380,10 @@ class Scheduler:
 
     def _open(self, request: Request) -> None:
         """Open the request's sequence: from the longest prefix of its prompt the shards keep (prefix caching, where
-        its target is the batch's own), else empty. A prefix entry a shard no longer holds is forgotten and the
-        sequence opens empty: the same tokens either way."""
-        prefixes = self.prefixes if request.target is self.target else None
+        its target resumes: the batch's own, a drafter's beside a shard), else empty. A prefix entry a shard no
+        longer holds is forgotten and the sequence opens empty: the same tokens either way."""
+        resumes = request.target is self.target or getattr(request.target, "prefix_cache", False)
+        prefixes = self.prefixes if resumes else None
         if prefixes is not None:
             request.prefix_digests = prefixes.digests(request.cache_salt, request.prompt)
             hit = prefixes.lookup(request.prefix_digests, len(request.prompt))

@@ -173,3 +173,37 @@ def test_the_api_reports_cached_tokens_and_salts_keep_tenants_apart(server):
     refused = httpx.post(server.url + "/v1/chat/completions",
                          json={"model": name, "messages": [{"role": "user", "content": "hi"}], "cache_salt": ""})
     assert refused.status_code == 400 and "cache_salt" in refused.text
+
+
+@pytest.fixture(scope="module")
+def beside(tmp_path_factory):
+    """Two daemons, the second hosting a synthetic DFlash drafter beside its layers."""
+    from tests.support.daemons import free_tcp_endpoint, start_daemons
+
+    binds = [free_tcp_endpoint(), free_tcp_endpoint()]
+    specs = {"first": (binds[0], ["--layers", "0:3"]), "head": (binds[1], ["--layers", "3:6", "--draft", "synthetic"])}
+    daemons = start_daemons(specs, tmp_path_factory.mktemp("prefix-dflash"))
+    pipeline = Pipeline.connect(binds)
+    try:
+        yield pipeline
+    finally:
+        pipeline.disconnect()
+        stop_all(daemons.values())
+
+
+def test_dflash_resumes_its_drafter_context_too(beside):
+    from coordinator.drafting.dflash import DFlashDrafterClient
+
+    drafter = DFlashDrafterClient(beside.clients[1], beside)
+    assert drafter.target.prefix_cache
+
+    def run(caching):
+        scheduler = Scheduler(beside, max_sequences=2, prefill_chunk=CHUNK, prefix_caching=caching)
+        done = [scheduler.run_all([Request(p, 12, drafter=drafter.fresh(), block_size=4)])[0] for p in PROMPTS]
+        return [(r.outcome().tokens, r.result.drafted, r.result.accepted, r.result.cached_tokens) for r in done]
+
+    cold, warm = run(False), run(True)
+    assert [c[:3] for c in warm] == [c[:3] for c in cold]  # the tokens, and the drafter's acceptance
+    assert all(c[3] == 0 for c in cold) and all(w[3] >= len(SYSTEM) // CHUNK * CHUNK for w in warm[1:])
+    head = beside.stats()[1]["prefix_cache"]
+    assert head["hits"] >= 3 and head["misses"] == 0
