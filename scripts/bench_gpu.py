@@ -16,6 +16,8 @@ Parts, each in its own process (so one part's memory never weighs on the next):
 - `relay`: the same two daemons (as shipped, and `relay_plain`: rows through the coordinator, nobody
   polling), and where each request's time goes (`relay_by_phase`: the daemons'
   STATS phases and the coordinator's client phases, protocol/timing.py, per verify step).
+- `prefix` (scripts/bench_prefix.py): prefix caching over two daemons: a second turn's time to first token, many
+  requests sharing a system prompt, a flood of distinct prompts under a small cache.
 - `batch` (`batch-local`, `batch-daemons`; scripts/bench_batch.py): many streams through the scheduler,
   aggregate tok/s by concurrency, greedy and oracle, one process and two daemons, HTTP at 8 streams, and
   `batch_identical`.
@@ -50,6 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_batch import batch_table, child_pids, pyspy_top, run_batch_daemons, run_batch_local, summarize_batch  # noqa: E402
+from bench_prefix import run_prefix  # noqa: E402
 
 MODES = ("checkpoint", "replay-ssm", "replay")
 BLOCK = 16
@@ -483,6 +486,12 @@ def wait_for_hello(daemons: list[tuple[str, subprocess.Popen, str, Path]], timeo
         client.close()
 
 
+def without_prefix_cache(extra) -> list[str]:
+    """The daemons of every part but `prefix` keep no prefix entries: repeated prompts measure the prefill itself, and
+    the scheduler's prompt chunk stays its default (coordinator.scheduler)."""
+    return [] if "--prefix-cache-gib" in extra else ["--prefix-cache-gib", "0"]
+
+
 def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] | None = None,
                   env: dict | None = None, tag: str = "", tcp_ports: list[int] | None = None, max_sequences: int = 2,
                   extra: list[str] = (), direct_rows: bool = False, pyspy: list[Path] | None = None) -> tuple[list, list[str]]:
@@ -508,7 +517,8 @@ def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] 
             "--rollback-mode", mode, "--max-verify-tokens", str(BLOCK), *same_step]
         command = [sys.executable, "-m", "shardd", "serve", "--synthetic", f"{args.preset}:{args.seed}", *layers,
                    "--device", devices[index], "--dtype", args.e2e_dtype, "--bind", endpoint, "--max-sequences", str(max_sequences),
-                   "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK), *relay, *extra]
+                   "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK), *relay, *extra,
+                   *without_prefix_cache(extra)]
         if devices[index] == "cpu":  # a CPU check: one torch thread per daemon, as the tests start them
             command += ["--threads", "1"]
         if pyspy is not None:  # py-spy as the daemon's parent (attaching to a sibling needs ptrace rights it may lack)
@@ -665,7 +675,7 @@ def serve_processes(args, specs: dict[str, list[str]], run_dir: Path, *, max_seq
         command = [sys.executable, "-m", "shardd", "serve", "--synthetic", f"{args.preset}:{args.seed}",
                    "--device", args.dflash_device, "--dtype", args.dflash_dtype, "--engine", args.dflash_engine, "--bind", endpoint,
                    "--rollback-mode", rollback, "--max-verify-tokens", str(BLOCK), "--max-sequences", str(max_sequences),
-                   "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK), *extra]
+                   "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK), *extra, *without_prefix_cache(extra)]
         processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
         endpoints[name] = endpoint
     wait_for_hello([(name, process, endpoint, run_dir / f"{name}.log")
@@ -1663,7 +1673,8 @@ def batch_step_table(merged: dict) -> str:
 PARTS = {"local": run_local, "transformers": run_transformers, "e2e": run_e2e, "relay": run_relay,
          "delay": run_relay_vs_delay, "relay-dflash": run_dflash_relay, "dflash": run_dflash,
          "dflash-batch": run_dflash_batch,
-         "batch-local": run_batch_local, "batch-daemons": run_batch_daemons, "batch-step": run_batch_step}
+         "batch-local": run_batch_local, "batch-daemons": run_batch_daemons, "batch-step": run_batch_step,
+         "prefix": run_prefix}
 BUNDLES = {"batch": ("batch-local", "batch-daemons")}  # --parts batch: the throughput sweep (scripts/bench_batch.py)
 
 
@@ -1710,6 +1721,14 @@ def main() -> int:
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="The batch parts' prompt chunk (default: the scheduler's, half of --batch-rows); at most "
                              "the shards' per-sequence step (16) packs prompt chunks into the batched step.")
+    parser.add_argument("--prefix-history", type=int, default=4000, help="The prefix part's second-turn prompt.")
+    parser.add_argument("--prefix-system", type=int, default=2000, help="The prefix part's shared system prompt.")
+    parser.add_argument("--prefix-streams", type=int, default=32, help="The prefix part's requests sharing it.")
+    parser.add_argument("--prefix-repeats", type=int, default=3)
+    parser.add_argument("--prefix-cache-gib", type=float, default=16, help="The prefix part's daemons' cache.")
+    parser.add_argument("--prefix-flood-gib", type=float, default=1, help="The prefix part's flood daemons' cache.")
+    parser.add_argument("--prefix-flood-prompts", type=int, default=32)
+    parser.add_argument("--prefix-flood-length", type=int, default=1024)
     parser.add_argument("--json", default=None)
     parser.add_argument("--draft", default="synthetic:5", help="The dflash part's drafter (shardd serve --draft).")
     parser.add_argument("--commits", default="3,5,7", help="The dflash part's mean commits per step.")
@@ -1750,6 +1769,11 @@ def main() -> int:
                    *(["--daemon-step-rows", str(args.daemon_step_rows)] if args.daemon_step_rows else []),
                    *(["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []),
                    "--step-rows", args.step_rows, "--batch-step-budget-s", str(args.batch_step_budget_s),
+                   "--prefix-history", str(args.prefix_history), "--prefix-system", str(args.prefix_system),
+                   "--prefix-streams", str(args.prefix_streams), "--prefix-repeats", str(args.prefix_repeats),
+                   "--prefix-cache-gib", str(args.prefix_cache_gib), "--prefix-flood-gib", str(args.prefix_flood_gib),
+                   "--prefix-flood-prompts", str(args.prefix_flood_prompts),
+                   "--prefix-flood-length", str(args.prefix_flood_length),
                    "--batch-step-device", args.batch_step_device]
         print(f"== {part}", flush=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
