@@ -133,7 +133,7 @@ def shard_source_options(func):
         click.option("--model", "model_dir", metavar="DIR|ORG/NAME",
                      help="Checkpoint directory or Hugging Face model id (downloaded to its cache): launch local shards for it."),
         click.option("--synthetic", metavar="PRESET[:SEED]", help="Synthetic model: launch local shards for it."),
-        click.option("--split", type=click.IntRange(1), help="Launch this many shards, layers split evenly."),
+        click.option("--split", type=click.IntRange(1), help="Launch this many shards, the layers split so that each holds about as many weight bytes."),
         click.option("--layers", "layer_spec", metavar="B:E,B:E,...", help="Launch shards for these layer ranges."),
         devices_option,
         click.option("--transport", type=click.Choice(TRANSPORTS), default="tcp", show_default=True,
@@ -170,6 +170,9 @@ def daemon_options(func):
                      help="Rollback storage kind: checkpoint or replay-ssm."),
         *capacity_options,
         click.option("--max-tokens-per-request", type=click.IntRange(1), default=None),
+        click.option("--max-gpu-memory", metavar="SIZE|FRACTION", default=None,
+                     help="Each daemon's memory cap (shardd serve --max-gpu-memory: 24GiB, or 0.9 of its device); a "
+                          "daemon whose plan does not fit refuses to start, naming each part."),
     ], func)
 
 
