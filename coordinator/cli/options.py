@@ -12,6 +12,7 @@ from coordinator.tokenizer import BYTES
 from coordinator.launch import TRANSPORTS
 from coordinator.relay.client import CurveKeys
 from coordinator.relay.liveness import LIVENESS_TIMEOUT_S
+from coordinator.scheduler.block_size import AUTO, AUTO_LARGEST_BLOCK
 from coordinator.scheduler.recovery import RECOVERY_TIMEOUT_S
 from protocol.layout import SHARD_ROLLBACK_MODES
 
@@ -79,6 +80,35 @@ def busy_poll_option(default: str):
              "way in), and launched shards the same for their next request (shardd serve --busy-poll-ms). auto: "
              "as the shards do (they poll on a GPU host with at least 8 usable CPUs), when this host has 8 too. Both "
              "ends polling shorten the relay between daemons; on a small host it takes the cores the daemons need.")
+
+
+class BlockSize(click.ParamType):
+    """--block-size: rows of a verify block (at least 2), or `auto` (coordinator.scheduler.block_size)."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or str(value).strip().lower() == AUTO:
+            return value if isinstance(value, int) else AUTO
+        try:
+            rows = int(value)
+        except ValueError:
+            self.fail(f"a number of tokens (at least 2) or auto, got {value!r}", param, ctx)
+        if rows < 2:
+            self.fail(f"must be at least 2 (a token and a draft), got {rows}", param, ctx)
+        return rows
+
+
+block_size_option = click.option(
+    "--block-size", type=BlockSize(), default=16, show_default=True,
+    help="Tokens per verify step, or auto: per sequence and step, the block (2 to 16) with the most tokens "
+         "expected per byte read, from the sequence's acceptance rate and, on a MoE target, the distinct experts "
+         "a block's rows select (a dense target: always 16). The output is the same whatever the block.")
+
+
+def block_size_limit(block_size) -> int:
+    """The most rows a verify block takes: the fixed size, or auto's largest."""
+    return AUTO_LARGEST_BLOCK if block_size == AUTO else block_size
 
 
 def parse_ids(text: str, what: str) -> list[int]:
