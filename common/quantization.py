@@ -16,6 +16,7 @@ The weights themselves (dequantizing, the FP8 linear) are shardd.weights.quant's
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -204,3 +205,11 @@ SYNTHETIC_IGNORE = {FP8_BLOCK: ["lm_head", "linear_attn.in_proj_a"],
 
 def synthetic_scheme(layout: str) -> Fp8Scheme:
     return scheme_from_config({"quantization_config": quantization_config(layout, SYNTHETIC_IGNORE[layout])})
+
+
+def scale_shape(scheme: Fp8Scheme, shape: tuple[int, int]) -> tuple[int, ...]:
+    """The scale tensor's shape for a [N, K] weight."""
+    n, k = shape
+    if scheme.block is not None:
+        return (math.ceil(n / scheme.block[0]), math.ceil(k / scheme.block[1]))
+    return (n, 1)

@@ -53,17 +53,40 @@ def owns_head(end: int, num_layers: int) -> bool:
     return end == num_layers
 
 
+def balanced_split(costs: Sequence[int], parts: int) -> list[tuple[int, int]]:
+    """`parts` contiguous ranges covering every layer, each layer weighing `costs[i]` (its bytes, the embedding with
+    layer 0 and the head with the last), minimising the heaviest range; among those, the one whose ranges are
+    closest to equal (least sum of squares), then the one with the longer ranges first. Exact, by dynamic
+    programming over the split points."""
+    n = len(costs)
+    if not 1 <= parts <= n:
+        raise ValueError(f"cannot split {n} layers into {parts} shards")
+    prefix = [0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    # best[j]: the best split of layers [0, j) into the ranges placed so far, as (max, sum of squares, -lengths, ends)
+    best: list = [None] * (n + 1)
+    best[0] = (0, 0, (), ())
+    for placed in range(1, parts + 1):
+        following: list = [None] * (n + 1)
+        for end in range(placed, n - (parts - placed) + 1):  # leave a layer for each range still to place
+            for begin in range(placed - 1, end):
+                before = best[begin]
+                if before is None:
+                    continue
+                weight = prefix[end] - prefix[begin]
+                key = (max(before[0], weight), before[1] + weight * weight, before[2] + (begin - end,),
+                       before[3] + (end,))
+                if following[end] is None or key[:3] < following[end][:3]:
+                    following[end] = key
+        best = following
+    ends = best[n][3]
+    return [(begin, end) for begin, end in zip((0, *ends[:-1]), ends)]
+
+
 def even_split(num_layers: int, parts: int) -> list[tuple[int, int]]:
-    """`parts` contiguous ranges covering 0:num_layers, sizes differing by at most one."""
-    if not 1 <= parts <= num_layers:
-        raise ValueError(f"cannot split {num_layers} layers into {parts} shards")
-    size, extra = divmod(num_layers, parts)
-    ranges, begin = [], 0
-    for index in range(parts):
-        end = begin + size + (1 if index < extra else 0)
-        ranges.append((begin, end))
-        begin = end
-    return ranges
+    """`parts` contiguous ranges covering 0:num_layers, sizes differing by at most one (the longer ones first)."""
+    return balanced_split([1] * num_layers, parts)
 
 
 def coverage_problems(ranges: Sequence[tuple[int, int]], num_layers: int, names: Iterable[str] | None = None) -> list[str]:

@@ -347,7 +347,7 @@ def run_compare(args) -> dict:
 # ---- the whole run ------------------------------------------------------------------------------------------
 
 def size(value) -> str:
-    from shardd.weights.memory import fmt_gib
+    from common.memory import fmt_gib
 
     return fmt_gib(value) if value is not None else "?"
 

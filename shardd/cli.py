@@ -202,7 +202,7 @@ def run(config: ShardConfig, log) -> None:
     from shardd.server.daemon import ShardDaemon
     from shardd.server.listen import BindError, largest_frame_bytes, listen, write_endpoint_file
     from shardd.weights.loading import build_drafter, build_shard, daemon_memory_plan, draft_feature_size
-    from shardd.weights.memory import MemoryBudgetError, fmt_gib
+    from common.memory import MemoryBudgetError, fmt_gib
 
     if config.threads:
         torch.set_num_threads(config.threads)

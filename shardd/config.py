@@ -117,7 +117,7 @@ class ShardConfig:
         from shardd.engine.select import resolve_engine, step_rows_for
         from shardd.obs.health import device_memory
         from shardd.weights.loading import parse_draft
-        from shardd.weights.memory import parse_memory
+        from common.memory import parse_memory
 
         try:
             check_device(torch, config.device)

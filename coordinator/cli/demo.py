@@ -19,13 +19,13 @@ from coordinator.cli.generate import GREEDY, ORACLE_NOTE, generation_record, run
 from coordinator.cli.make_model import write_model
 from coordinator.cli.options import EXIT_DIFFER, check_mean_commit
 from coordinator.cli.output import emit_json, fmt, fmt_percent, format_table, progress
-from coordinator.cli.plan import mode_daemon_args, model_config
+from coordinator.cli.plan import mode_daemon_args, model_config, split_by_bytes
 from coordinator.drafting.drafters import DRAFTERS
 from coordinator.launch import TRANSPORTS, ShardSet, drafter_set, launched_sets
 from coordinator.relay.client import ShardClient
 from coordinator.relay.pipeline import Pipeline
 from coordinator.tokenizer import load_tokenizer
-from protocol.layout import CHECKPOINT, REPLAY, REPLAY_SSM, SHARD_ROLLBACK_MODES, even_split
+from protocol.layout import CHECKPOINT, REPLAY, REPLAY_SSM, SHARD_ROLLBACK_MODES
 
 
 DEMO_PROMPT = "Speculative decoding over layer-split shards: "
@@ -79,8 +79,7 @@ def demo(max_new_tokens, block_size, mean_commit, transport, as_json):
     check_mean_commit("oracle", mean_commit, block_size)
     started = time.perf_counter()
     model_dir = demo_model()
-    num_layers = model_config(str(model_dir), None).num_layers
-    splits = even_split(num_layers, 2)
+    splits = split_by_bytes(model_config(str(model_dir), None), 2, None, on_gpu=False)
     source = ("--model", str(model_dir))
     # The rollback mode is a daemon setting: one shard pair per mode that the shards do.
     sets = [ShardSet(source, splits, transport, tuple(mode_daemon_args(mode, block_size, True)))

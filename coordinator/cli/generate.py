@@ -15,6 +15,8 @@ import click
 
 from coordinator import benchstats
 from coordinator.cli.options import (
+    block_size_limit,
+    block_size_option,
     busy_poll_option,
     check_mean_commit,
     check_pipeline_groups,
@@ -38,6 +40,7 @@ from coordinator.relay.client import ShardClient
 from coordinator.relay.shards import PipelineError, ShardInfo
 from coordinator.relay.target import Target
 from coordinator.sampling import Sampling
+from coordinator.scheduler.block_size import AUTO, VerifyCost, verify_cost_of
 from coordinator.scheduler.recovery import RECOVERY_TIMEOUT_S
 from coordinator.scheduler.requests import DecodeResult
 from coordinator.scheduler.requests import Request
@@ -117,13 +120,16 @@ def run_generation(
     recovery_timeout_s: float = RECOVERY_TIMEOUT_S,
     concurrency: int = 1,
     pipeline_groups: int = 1,
+    verify_cost: Optional[VerifyCost] = None,
 ) -> Generation:
     """One generation through `target` (the scheduler, as `shardctl serve` runs it) with fresh random sequence
     ids. `oracle` first decodes greedily through the same target, unless `reference` (those ids) is given.
     `dflash` drafts on the daemon behind `draft_client`; `target` is then a Pipeline.
 
     `concurrency` > 1 runs that many copies of the request at once in one batch (a throughput benchmark); the
-    result is the first stream's, with `Generation.streams` holding every stream's."""
+    result is the first stream's, with `Generation.streams` holding every stream's. With `verify_cost`
+    (`--block-size auto`) each verify block takes the scheduler's choice, at most `block_size` rows (a DFlash
+    drafter's own limit cuts it)."""
     batch = dict(concurrency=concurrency, recovery_timeout_s=recovery_timeout_s, pipeline_groups=pipeline_groups)
     if drafter == GREEDY:
         results, wall = decode_together(target, prompt, max_new_tokens, eos_ids, on_commit, sampling, **batch)
@@ -141,6 +147,8 @@ def run_generation(
         raise click.UsageError(str(error)) from None
     except ValueError as error:  # the oracle's schedule
         raise click.BadParameter(str(error), param_hint="--mean-commit") from None
+    if drafter == "dflash" and verify_cost is not None:
+        block_size = min(block_size, chosen.max_block_size)
     if drafter == "dflash" and block_size > chosen.max_block_size:
         raise click.BadParameter(
             f"the dflash drafter fills blocks of at most {chosen.max_block_size} tokens, got {block_size}",
@@ -153,7 +161,7 @@ def run_generation(
                                             block_size=block_size, mean_commit=mean_commit, seed=oracle_seed)
                                for _ in range(concurrency - 1)]
     results, wall = decode_together(target, prompt, max_new_tokens, eos_ids, on_commit, sampling, drafters,
-                                    block_size=block_size, rollback=rollback, **batch)
+                                    block_size=block_size, rollback=rollback, verify_cost=verify_cost, **batch)
     return Generation(results[0], reference_result, drafter, rollback, block_size, results, wall)
 
 
@@ -161,12 +169,12 @@ def decode_together(
     target: Target, prompt: list[int], max_new_tokens: int, eos_ids: Sequence[int] = (),
     on_commit: Optional[Callable[[list[int]], None]] = None, sampling: Optional[Sampling] = None,
     drafters: Optional[Sequence] = None, *, concurrency: int = 1, block_size: int = 16, rollback: str = CHECKPOINT,
-    recovery_timeout_s: float = RECOVERY_TIMEOUT_S, pipeline_groups: int = 1,
+    recovery_timeout_s: float = RECOVERY_TIMEOUT_S, pipeline_groups: int = 1, verify_cost: Optional[VerifyCost] = None,
 ) -> tuple[list[DecodeResult], float]:
     """`concurrency` copies of one request through one scheduler (the first streams to `on_commit`): each
     stream's result, and the wall seconds of the whole batch."""
     requests = [Request(prompt, max_new_tokens, eos_ids=eos_ids, sampling=sampling,
-                        drafter=drafters[index] if drafters else None, block_size=block_size,
+                        drafter=drafters[index] if drafters else None, block_size=block_size, verify_cost=verify_cost,
                         on_commit=on_commit if index == 0 else None) for index in range(concurrency)]
     started = time.perf_counter()
     results = decode_all(target, requests, rollback=rollback, recovery_timeout_s=recovery_timeout_s,
@@ -240,7 +248,7 @@ def describe_generation(record: dict) -> str:
                    "(default: MODEL/draft for --model when it exists, synthetic for --synthetic).")
 @click.option("--draft-placement", type=click.Choice(DRAFT_PLACEMENTS), default=DEFAULT_DRAFT_PLACEMENT, show_default=True,
               help="Where a launched drafter runs: its own daemon, or beside the first or the last shard (proposing in the verify reply).")
-@click.option("--block-size", type=click.IntRange(2), default=16, show_default=True, help="Tokens per verify step.")
+@block_size_option
 @click.option("--rollback-mode", "--rollback", "rollback", type=click.Choice(ROLLBACK_MODES), default=CHECKPOINT,
               show_default=True, help="replay (by the coordinator, any shards), checkpoint or replay-ssm (by the shards).")
 @click.option("--mean-commit", type=float, default=6.0, show_default=True,
@@ -280,6 +288,7 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     ids = parse_ids(prompt_ids, "--prompt-ids") if prompt_ids is not None else None
+    adaptive, block_size = block_size == AUTO, block_size_limit(block_size)
     check_mean_commit(drafter, mean_commit, block_size)
     speculating = drafter != GREEDY
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
@@ -345,6 +354,7 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
             stream = None if as_json else TextStream(tokenizer, print_ids or isinstance(tokenizer, NoTokenizer), eos_ids)
             generation = run_generation(
                 pipeline, ids, drafter=drafter, rollback=rollback, block_size=block_size,
+                verify_cost=adaptive_cost(pipeline) if adaptive and speculating else None,
                 max_new_tokens=max_new_tokens, eos_ids=eos_ids, mean_commit=mean_commit, oracle_seed=oracle_seed,
                 on_commit=stream, draft_client=draft_client, sampling=sampling, recovery_timeout_s=recovery_timeout,
                 concurrency=concurrency, pipeline_groups=pipeline_groups,
@@ -358,3 +368,11 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
     else:
         stream.finish()
         progress(describe_generation(record))
+
+
+def adaptive_cost(target) -> VerifyCost:
+    """--block-size auto's cost model of `target`, or the usage error saying why there is none."""
+    try:
+        return verify_cost_of(target)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None

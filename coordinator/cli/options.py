@@ -12,6 +12,7 @@ from coordinator.tokenizer import BYTES
 from coordinator.launch import TRANSPORTS
 from coordinator.relay.client import CurveKeys
 from coordinator.relay.liveness import LIVENESS_TIMEOUT_S
+from coordinator.scheduler.block_size import AUTO, AUTO_LARGEST_BLOCK
 from coordinator.scheduler.recovery import RECOVERY_TIMEOUT_S
 from protocol.layout import SHARD_ROLLBACK_MODES
 
@@ -81,6 +82,35 @@ def busy_poll_option(default: str):
              "ends polling shorten the relay between daemons; on a small host it takes the cores the daemons need.")
 
 
+class BlockSize(click.ParamType):
+    """--block-size: rows of a verify block (at least 2), or `auto` (coordinator.scheduler.block_size)."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or str(value).strip().lower() == AUTO:
+            return value if isinstance(value, int) else AUTO
+        try:
+            rows = int(value)
+        except ValueError:
+            self.fail(f"a number of tokens (at least 2) or auto, got {value!r}", param, ctx)
+        if rows < 2:
+            self.fail(f"must be at least 2 (a token and a draft), got {rows}", param, ctx)
+        return rows
+
+
+block_size_option = click.option(
+    "--block-size", type=BlockSize(), default=16, show_default=True,
+    help="Tokens per verify step, or auto: per sequence and step, the block (2 to 16) with the most tokens "
+         "expected per byte read, from the sequence's acceptance rate and, on a MoE target, the distinct experts "
+         "a block's rows select (a dense target: always 16). The output is the same whatever the block.")
+
+
+def block_size_limit(block_size) -> int:
+    """The most rows a verify block takes: the fixed size, or auto's largest."""
+    return AUTO_LARGEST_BLOCK if block_size == AUTO else block_size
+
+
 def parse_ids(text: str, what: str) -> list[int]:
     try:
         ids = [int(part) for part in text.replace(" ", "").split(",") if part]
@@ -133,7 +163,7 @@ def shard_source_options(func):
         click.option("--model", "model_dir", metavar="DIR|ORG/NAME",
                      help="Checkpoint directory or Hugging Face model id (downloaded to its cache): launch local shards for it."),
         click.option("--synthetic", metavar="PRESET[:SEED]", help="Synthetic model: launch local shards for it."),
-        click.option("--split", type=click.IntRange(1), help="Launch this many shards, layers split evenly."),
+        click.option("--split", type=click.IntRange(1), help="Launch this many shards, the layers split so that each holds about as many weight bytes."),
         click.option("--layers", "layer_spec", metavar="B:E,B:E,...", help="Launch shards for these layer ranges."),
         devices_option,
         click.option("--transport", type=click.Choice(TRANSPORTS), default="tcp", show_default=True,
@@ -170,6 +200,9 @@ def daemon_options(func):
                      help="Rollback storage kind: checkpoint or replay-ssm."),
         *capacity_options,
         click.option("--max-tokens-per-request", type=click.IntRange(1), default=None),
+        click.option("--max-gpu-memory", metavar="SIZE|FRACTION", default=None,
+                     help="Each daemon's memory cap (shardd serve --max-gpu-memory: 24GiB, or 0.9 of its device); a "
+                          "daemon whose plan does not fit refuses to start, naming each part."),
     ], func)
 
 

@@ -15,8 +15,10 @@ import click
 
 from common.endpoints import endpoint_problem, ipc_file, ipc_in_use
 from common.hub import ModelNotFound, resolve_model
-from common.model_config import ModelConfig, context_problem, load_config
+from common.model_config import ModelConfig, check_quantization, context_problem, load_config, read_config_json
 from common.presets import parse_synthetic, preset_config
+from common.quantization import Fp8Scheme, synthetic_scheme
+from common.shapes import layer_split_costs
 from coordinator.cli.options import parse_list, seconds
 from coordinator.cli.output import progress
 from coordinator.launch import ShardSet, drafter_set, launched_sets
@@ -25,7 +27,7 @@ from coordinator.relay.liveness import LIVENESS_TIMEOUT_S
 from coordinator.relay.pipeline import Pipeline
 from coordinator.relay.shards import PipelineError
 from protocol import Hello
-from protocol.layout import REPLAY, check_layer_range, coverage_problems, even_split, parse_layer_ranges
+from protocol.layout import REPLAY, balanced_split, check_layer_range, coverage_problems, parse_layer_ranges
 
 
 # Where a launched DFlash drafter runs: its own daemon, or beside the first or the last shard's layers (`--draft` on
@@ -113,6 +115,23 @@ def model_config(model_dir: Optional[str], synthetic: Optional[str]) -> ModelCon
         raise click.UsageError(str(error)) from None
 
 
+def quantization_scheme(model_dir: Optional[str], quantize: Optional[str]) -> Optional[Fp8Scheme]:
+    """How the launched daemons' linears are stored: the checkpoint's FP8 scheme, --quantize's, or None."""
+    try:
+        if model_dir is not None:
+            return check_quantization(read_config_json(model_dir), model_dir)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+    return synthetic_scheme(quantize) if quantize else None
+
+
+def split_by_bytes(config: ModelConfig, parts: int, scheme: Optional[Fp8Scheme], on_gpu: bool) -> list[tuple[int, int]]:
+    """--split N: the ranges whose heaviest holds the fewest weight bytes (MoE layers, attention and GDN layers,
+    the embedding and the head weigh differently). Only the ratios matter: FP8 linears stay FP8 beside 16-bit
+    embedding and head on a GPU, and are dequantized to the weight dtype on the CPU, as the daemons load them."""
+    return balanced_split(layer_split_costs(config, dtype_bytes=2, scheme=scheme if on_gpu else None), parts)
+
+
 def make_plan(
     shards: Optional[str],
     model_dir: Optional[str],
@@ -160,8 +179,11 @@ def make_plan(
     problem = context_problem(max_context or 0, config.max_position_embeddings, bool(allow_long_context))
     if problem is not None:  # before any daemon starts, as the daemons would refuse it
         raise click.BadParameter(problem, param_hint="--max-context")
+    device_list = tuple(parse_list(devices))
     try:
-        splits = even_split(num_layers, split) if split else parse_layer_ranges(layer_spec)
+        on_gpu = any(device.startswith("cuda") for device in device_list)
+        splits = split_by_bytes(config, split, quantization_scheme(model_dir, quantize), on_gpu) if split else \
+            parse_layer_ranges(layer_spec)
         for begin, end in splits:
             check_layer_range(begin, end, num_layers)
     except ValueError as error:
@@ -174,7 +196,6 @@ def make_plan(
     if problems:
         raise click.BadParameter(f"the shards must form the model's {num_layers} layers: {'; '.join(problems)}",
                                  param_hint="--layers")
-    device_list = tuple(parse_list(devices))
     if device_list and len(device_list) not in (1, len(splits)):
         raise click.UsageError(f"--devices lists {len(device_list)} devices for {len(splits)} shards: give one, or one per shard")
     source_args = ("--model", str(model_dir)) if model_dir else ("--synthetic", synthetic)

@@ -11,6 +11,8 @@ import click
 from common.hub import model_name
 from common.synthetic_tokenizer import chat_template, tokenizer_config
 from coordinator.cli.options import (
+    block_size_limit,
+    block_size_option,
     MissingExtra,
     busy_poll_option,
     check_pipeline_groups,
@@ -29,6 +31,7 @@ from coordinator.cli.output import emit_json, progress
 from coordinator.cli.plan import (DEFAULT_DRAFT_PLACEMENT, DRAFT_PLACEMENTS, connect_pipeline, dflash_daemon, make_plan,
                                   mode_daemon_args)
 from coordinator.launch import LaunchError
+from coordinator.scheduler.block_size import AUTO
 from coordinator.supervise import ShardLost
 from coordinator.relay.shards import PipelineError
 from coordinator.serve.auth import is_loopback_host
@@ -90,7 +93,7 @@ def quiet_cancellations() -> None:
 @click.option("--draft", metavar="DIR|synthetic[:LAYERS]", help="dflash when launching shards: the drafter to launch.")
 @click.option("--draft-placement", type=click.Choice(DRAFT_PLACEMENTS), default=DEFAULT_DRAFT_PLACEMENT, show_default=True,
               help="Where a launched drafter runs: its own daemon, or beside the first or the last shard (proposing in the verify reply).")
-@click.option("--block-size", type=click.IntRange(2), default=16, show_default=True, help="Tokens per verify step.")
+@block_size_option
 @click.option("--rollback-mode", "--rollback", "rollback", type=click.Choice(ROLLBACK_MODES), default=CHECKPOINT,
               show_default=True, help="replay (by the coordinator, any shards), checkpoint or replay-ssm (by the shards).")
 @click.option("--batch-rows", type=click.IntRange(1), default=None, metavar="ROWS",
@@ -129,6 +132,7 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
       shardctl serve --shards tcp://127.0.0.1:7700,ipc:///tmp/$USER-shard1.sock --port 8000
       shardctl serve --model /srv/Qwen3.5-27B --split 2 --devices cuda:0,cuda:1 --drafter ngram --json
     """
+    adaptive, block_size = block_size == AUTO, block_size_limit(block_size)
     try:
         import uvicorn
 
@@ -197,6 +201,7 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
                                      f"synthetic-{preset}" if preset else "shardd")
         try:
             config = EngineConfig(model_name=name, drafter=drafter, rollback=rollback, block_size=block_size,
+                                  adaptive_block=adaptive,
                                   batch_rows=batch_rows, pipeline_groups=pipeline_groups,
                                   prefix_caching=prefix_caching, draft_endpoint=draft_endpoint, eos_ids=eos_ids,
                                   defaults=generation_defaults(source_dir), timeout_s=timeout,

@@ -127,7 +127,7 @@ def fmt_memory(memory: dict) -> str | None:
 
 
 def fmt_plan(plan: dict) -> str:
-    """'weights 12.10 GiB, kv_cache 0.13 GiB, ... = 14.02 GiB of 24.00 GiB' (shardd.weights.memory's breakdown)."""
+    """'weights 12.10 GiB, kv_cache 0.13 GiB, ... = 14.02 GiB of 24.00 GiB' (common.memory's breakdown)."""
     gib = lambda n: f"{n / (1 << 30):.2f} GiB"  # noqa: E731
     items = ", ".join(f"{name} {gib(n)}" for name, n in (plan.get("items") or {}).items() if n)
     cap = plan.get("cap_bytes")

@@ -68,8 +68,10 @@ def commit_block(result: DecodeResult, history: list[int], drafts: list[int], ve
     committed, keep = commit_tokens(drafts, verified, room, eos)
     history.extend(committed)
     keep_logprobs(result, verified, len(committed))
+    accepted = accept_length(drafts, verified)
     result.drafted += len(drafts)
-    result.accepted += accept_length(drafts, verified)
+    result.accepted += accepted
+    result.rejected += accepted < len(drafts)
     return keep
 
 

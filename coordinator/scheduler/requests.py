@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from coordinator.drafting.drafters import Drafter
+from coordinator.scheduler.block_size import VerifyCost, acceptance_estimate, choose_block_size
 
 STOP, LENGTH = "stop", "length"  # finish reasons, as the OpenAI API names them
 QUEUED, PREFILL, DECODE, DONE = "queued", "prefill", "decode", "done"
@@ -28,6 +29,7 @@ class DecodeResult:
     steps: int = 0  # target forwards after prefill (verify steps when speculating)
     drafted: int = 0
     accepted: int = 0  # drafts the target agreed with, before any budget / EOS cut
+    rejected: int = 0  # verify steps that ended at a draft the target disagreed with
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     draft_seconds: float = 0.0  # of decode_seconds, in the drafter's propose (speculative decoding)
@@ -83,7 +85,8 @@ class DecodeResult:
 class Request:
     """One generation: a prompt, its budget and sampling, and, when speculating, its drafter.
 
-    `on_commit(ids)` runs on the scheduler's thread as tokens commit (ids carry `.logprobs` when asked for);
+    With `verify_cost` (`--block-size auto`) each verify block takes coordinator.scheduler.block_size's choice, at
+    most `block_size` rows. `on_commit(ids)` runs on the scheduler's thread as tokens commit (ids carry `.logprobs` when asked for);
     raising `StopDecoding` there ends the request after this commit. `on_finish(request)` runs once at the
     end, whether it finished, failed or was cancelled. `cancel()` may be called from any thread."""
 
@@ -96,6 +99,7 @@ class Request:
         sampling=None,
         drafter: Optional[Drafter] = None,
         block_size: int = 16,
+        verify_cost: Optional[VerifyCost] = None,
         on_commit: Optional[Callable[[list[int]], None]] = None,
         on_finish: Optional[Callable[["Request"], None]] = None,
         cache_salt: str = "",
@@ -115,7 +119,8 @@ class Request:
         # asking it for a while (coordinator.scheduler).
         self.drafter_endpoint = getattr(drafter, "endpoint", None)
         self.target = None  # what opens, closes and re-fills this request's sequence, chosen at admission
-        self.block_size = block_size
+        self.block_size = block_size  # the verify block's rows; with `verify_cost` (--block-size auto) the most
+        self.verify_cost = verify_cost
         # prefix caching (coordinator.scheduler.prefix): only prompts of the same salt share cached prefixes
         self.cache_salt = cache_salt
         self.prefix_digests: list[bytes] = []
@@ -154,7 +159,15 @@ class Request:
     def rows_wanted(self, limit: Optional[int]) -> int:
         if self.drafter is None:
             return 1
-        return min(self.block_size, self.room(limit))
+        return min(self.next_block_size(), self.room(limit))
+
+    def next_block_size(self) -> int:
+        """The rows of this request's next verify block: `block_size`, or with a `verify_cost` the one with the most
+        expected tokens per byte read at this sequence's acceptance rate so far."""
+        if self.verify_cost is None:
+            return self.block_size
+        acceptance = acceptance_estimate(self.result.accepted, self.result.rejected)
+        return choose_block_size(self.verify_cost, acceptance, self.block_size)
 
 
 def check_request(prompt: list[int], max_new_tokens: int) -> None:

@@ -22,6 +22,7 @@ from coordinator.relay.client import ShardClient
 from coordinator.relay.liveness import LIVENESS_TIMEOUT_S
 from coordinator.relay.pipeline import Pipeline
 from coordinator.sampling import Sampling
+from coordinator.scheduler.block_size import verify_cost_of
 from coordinator.scheduler.recovery import RECOVERY_TIMEOUT_S
 from coordinator.scheduler.requests import DecodeResult
 from coordinator.scheduler.requests import Request
@@ -86,7 +87,8 @@ class EngineConfig:
     model_name: str  # --served-model-name
     drafter: str = "ngram"  # --drafter
     rollback: str = CHECKPOINT  # --rollback-mode
-    block_size: int = 16  # --block-size (a DFlash drafter's own limit cuts it)
+    block_size: int = 16  # --block-size (a DFlash drafter's own limit cuts it); with adaptive_block the most
+    adaptive_block: bool = False  # --block-size auto: each verify block chosen by coordinator.scheduler.block_size
     batch_rows: Optional[int] = None  # --batch-rows: the scheduler's rows per step (None: the Scheduler's default)
     pipeline_groups: int = 1  # --pipeline-groups: micro-batches in flight
     prefix_caching: bool = True  # --enable-prefix-caching: prompts resume from the shards' prefix entries
@@ -138,6 +140,7 @@ class Engine:
             if drafter == "dflash":
                 self._dflash = make_drafter("dflash", draft_client=first.draft_client, pipeline=pipeline)
                 self.block_size = min(block_size, self._dflash.max_block_size)
+            self.verify_cost = verify_cost_of(pipeline) if config.adaptive_block and drafter != GREEDY else None
         except BaseException:
             first.close()
             raise
@@ -257,7 +260,8 @@ class Engine:
         elif self.drafter == "dflash":
             drafter = self._dflash.fresh()  # no I/O: its calls run on the engine thread, on the engine's connections
         return Request(params.prompt_ids, params.max_tokens, eos_ids=eos, sampling=params.sampling, drafter=drafter,
-                       block_size=self.block_size, on_commit=post, on_finish=on_finish, cache_salt=params.cache_salt)
+                       block_size=self.block_size, verify_cost=self.verify_cost, on_commit=post, on_finish=on_finish,
+                       cache_salt=params.cache_salt)
 
     async def _outputs(self, params: GenerateParams, request: Request, commits: asyncio.Queue) -> AsyncIterator[Delta]:
         """The frontend's half of a request, on the event loop (as vLLM's output processor): commits become text

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from shardd.engine.sizes import DEFAULT_STEP_ROWS, MOE_REFUSAL, PREFILL_ROWS, drafter_step_rows  # noqa: F401 (the flags' defaults, named here too)
+from common.sizes import DEFAULT_STEP_ROWS, MOE_REFUSAL, PREFILL_ROWS, drafter_step_rows, step_rows_for  # noqa: F401 (the flags' defaults, named here too)
 
 
 ENGINES = ("auto", "reference", "fast")
@@ -47,32 +47,6 @@ def resolve_engine(engine: str, device, *, moe: bool = False) -> str:
     return engine
 
 
-def step_rows_for(engine: str, step_rows: int | None, max_verify_tokens: int, *, max_sequences: int | None = None,
-                  fp8: bool = False) -> int | None:
-    """The fast engine's R for `--step-rows` (None: the default); None for the reference engine, which has no
-    step (and refuses an explicit --step-rows by name). R must hold one sequence's step (max_verify_tokens, or
-    the fast engine's 16 rows without rollback storage).
-
-    The default is DEFAULT_STEP_ROWS, but never more rows than `max_sequences` sequences' steps can fill (a
-    daemon of one sequence steps 16 rows: unused rows still cost their GEMM), and one sequence's step with FP8
-    weights: the weight-only FP8 GEMM's time grows with the rows (past bf16's at 64), so FP8 batching is an
-    operator's explicit --step-rows."""
-    one_sequence = max_verify_tokens or 16  # shardd.engine.fast.shard.DEFAULT_ROWS
-    if engine != "fast":
-        if step_rows is not None:
-            raise ValueError(f"--step-rows sizes the fast engine's step; the {engine} engine has none")
-        return None
-    if step_rows is None:
-        if fp8:
-            return one_sequence
-        rows = DEFAULT_STEP_ROWS if max_sequences is None else min(DEFAULT_STEP_ROWS, max_sequences * one_sequence)
-        return max(rows, one_sequence)
-    if step_rows < one_sequence:
-        raise ValueError(f"--step-rows {step_rows} must hold one sequence's step of {one_sequence} rows "
-                         "(--max-verify-tokens)")
-    return step_rows
-
-
 def serve_with(engine: str, shard, *, max_sequences: int, max_context: int, step_rows: int | None = None,
                prefill_rows: int | None = None):
     """The shard as the daemon serves it: itself, or a FastShard over it (state pools sized here; `step_rows`: the
@@ -89,7 +63,7 @@ def serve_with(engine: str, shard, *, max_sequences: int, max_context: int, step
 def draft_with(engine: str, hosted, *, max_sequences: int, max_context: int, step_rows: int | None = None):
     """The hosted drafter as the daemon serves it: its reference model, or a FastDrafter over it (shardd/engine/fast/draft.py:
     its two steps as multi-sequence CUDA graphs over fused weights, caches in slots sized here; its steps' rows
-    from the target's `step_rows`: shardd.engine.sizes.drafter_step_rows)."""
+    from the target's `step_rows`: common.sizes.drafter_step_rows)."""
     if engine != "fast" or hosted is None:
         return hosted
     from shardd.engine.fast.draft import FastDrafter

@@ -38,7 +38,7 @@ log = logging.getLogger("shardd")
 def prefix_budget(shard, config: ShardConfig, memory: dict | None) -> int:
     """The prefix cache's bytes: the memory plan's item (`shardd serve`), else --prefix-cache-gib or its CPU
     default (a daemon built in-process); none without layers."""
-    from shardd.weights.memory import PREFIX_CACHE_CPU
+    from common.memory import PREFIX_CACHE_CPU
 
     if shard is None:
         return 0

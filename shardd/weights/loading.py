@@ -4,7 +4,6 @@ place a daemon gets weights."""
 from __future__ import annotations
 
 import hashlib
-import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import torch
 
 from common import quantization
+from common.shapes import checkpoint_module, fp8_tensors, weight_bytes_by_part
 from common.model_config import ModelConfig, check_quantization, dtype_name, load_config, read_config_json
 from common.presets import parse_synthetic, preset_config
 from shardd.weights import quant
@@ -124,9 +124,8 @@ class ModelSource:
         if scheme is None:
             return set()
         keys = checkpoint_keys(self.model_dir) if self.model_dir is not None else {}
-        module = lambda name: keys.get(name, f"model.language_model.{name}").removesuffix(".weight")  # noqa: E731
-        return {name for name, shape in shapes.items()
-                if name.endswith(".weight") and len(shape) == 2 and scheme.quantizes(module(name))}
+        module = lambda name: keys[name].removesuffix(".weight") if name in keys else checkpoint_module(name)  # noqa: E731
+        return fp8_tensors(shapes, scheme, module)
 
     def _read_fp8(self, fp8: set[str], shapes, scheme: quantization.Fp8Scheme, device) -> dict:
         """(weight, scale) of each FP8 linear, as stored; a WeightError naming the tensor when the checkpoint's
@@ -155,17 +154,14 @@ class ModelSource:
             stored[name] = (loaded[name], scale)
         return stored
 
-    def weight_bytes(self, shapes: dict[str, tuple[int, ...]], *, dtype: torch.dtype, keep_fp8: bool) -> int:
-        """The bytes `tensors(shapes, ...)` will hold, before loading anything (the memory budget's first line)."""
+    def weight_bytes(self, shapes: dict[str, tuple[int, ...]], *, dtype: torch.dtype, keep_fp8: bool,
+                     begin: int = 0) -> dict[str, int]:
+        """The bytes `tensors(shapes, ...)` (a shard's from layer `begin`) will hold, by common.shapes.WEIGHT_PARTS,
+        before loading anything (the memory budget's first line)."""
         scheme = self.scheme()
         fp8 = self.fp8_names(shapes, scheme) if keep_fp8 else set()
-        total = 0
-        for name, shape in shapes.items():
-            if name in fp8:
-                total += math.prod(shape) + 4 * math.prod(quant.scale_shape(scheme, shape))
-            else:
-                total += math.prod(shape) * dtype.itemsize
-        return total
+        return weight_bytes_by_part(self.config(), shapes, begin=begin, dtype_bytes=dtype.itemsize, scheme=scheme,
+                                    fp8=fp8)
 
 
 def _is_expert_of(name: str, layer: int) -> bool:
@@ -320,10 +316,9 @@ def build_drafter(
 
 def daemon_memory_plan(source: ModelSource, config: ModelConfig, shard):
     """The memory a daemon of `shard` (a ShardConfig: its layers, None for only a drafter, its drafter, engine and
-    limits) will allocate (shardd.weights.memory), from the configs alone: nothing is loaded."""
-    from shardd.engine.sizes import drafter_step_rows
-    from shardd.weights.memory import drafter_state_bytes, drafter_weight_bytes, plan_memory
-    from shardd.engine.reference import rollback as rb
+    limits) will allocate (common.memory), from the configs alone: nothing is loaded."""
+    from common.sizes import drafter_step_rows
+    from common.memory import drafter_state_bytes, drafter_weight_bytes, plan_memory, rollback_bytes_per_sequence
 
     layers, draft, storage, engine = shard.layers, shard.draft, shard.storage(), shard.engine
     torch_dtype = DTYPES[shard.dtype]
@@ -341,14 +336,15 @@ def daemon_memory_plan(source: ModelSource, config: ModelConfig, shard):
                                             max_sequences=shard.max_sequences, max_context=shard.max_context,
                                             step_rows=rows)
     gdn = [i for i in range(begin, end) if config.is_gdn(i)]
-    weights = source.weight_bytes(shard_shapes(config, begin, end), dtype=torch_dtype, keep_fp8=shard.keeps_fp8) \
-        if layers is not None else 0
+    weights = source.weight_bytes(shard_shapes(config, begin, end), dtype=torch_dtype, keep_fp8=shard.keeps_fp8,
+                                  begin=begin) if layers is not None else {}
     return plan_memory(
         config, begin, end, weight_bytes=weights, dtype_bytes=torch_dtype.itemsize,
         engine=engine if layers is not None else "reference",
         max_sequences=shard.max_sequences if layers is not None else 0, max_context=shard.max_context,
         max_tokens_per_request=shard.max_tokens_per_request,
-        checkpoint_bytes_per_sequence=rb.storage_bytes_per_sequence(config, gdn, storage),
+        checkpoint_bytes_per_sequence=rollback_bytes_per_sequence(config, len(gdn), storage.mode if storage.enabled
+                                                                   else None, storage.max_verify_tokens),
         # the fast step's R (--step-rows), else one sequence's rows (FastShard's DEFAULT_ROWS without storage)
         step_rows=shard.step_rows or (storage.max_verify_tokens if storage.enabled else 16),
         drafter_bytes=drafter_bytes, drafter_state=drafter_state, cap=shard.max_gpu_memory,

@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from common.quantization import FP8_BLOCK, FP8_CHANNEL, LAYOUTS, Fp8Scheme
+from common.quantization import FP8_BLOCK, FP8_CHANNEL, LAYOUTS, Fp8Scheme, scale_shape  # noqa: F401
 
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -21,14 +21,6 @@ FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 
 
 # ---- scales and dequantization ----------------------------------------------------------------------
-
-def scale_shape(scheme: Fp8Scheme, shape: tuple[int, int]) -> tuple[int, ...]:
-    """The scale tensor's shape for a [N, K] weight."""
-    n, k = shape
-    if scheme.block is not None:
-        return (math.ceil(n / scheme.block[0]), math.ceil(k / scheme.block[1]))
-    return (n, 1)
-
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
     """float32 [N, K]: weight * its scale (per block, partial at the edges; or per row, or one per tensor).

@@ -14,8 +14,10 @@ import torch
 from safetensors import safe_open
 
 from common.model_config import ModelConfig
-from protocol.layout import owns_embedding, owns_head
-from shardd.draft.config import DraftConfig
+from common.shapes import (  # noqa: F401 - the tables of what the loader reads, torch-free
+    FUSED_DOWN, FUSED_GATE_UP, draft_shapes, embedding_and_head_shapes, fused_expert_shapes, head_name, layer_shapes,
+    shard_shapes,
+)
 
 _IGNORED_PREFIXES = ("mtp.", "model.visual.", "visual.")
 _KEY_PREFIXES = ("model.language_model.", "model.")
@@ -42,46 +44,6 @@ def draft_name(key: str) -> str:
     return key
 
 
-def _swiglu_shapes(prefix: str, hidden: int, width: int) -> dict[str, tuple[int, ...]]:
-    return {
-        f"{prefix}.gate_proj.weight": (width, hidden),
-        f"{prefix}.up_proj.weight": (width, hidden),
-        f"{prefix}.down_proj.weight": (hidden, width),
-    }
-
-
-def _residual_shapes(config: ModelConfig | DraftConfig, prefix: str) -> dict[str, tuple[int, ...]]:
-    """What every decoder layer has around its token mixer: the two norms and the SwiGLU MLP, or the sparse block
-    in the hub's layout (one tensor per expert and projection, as save_pretrained writes them)."""
-    h = config.hidden_size
-    shapes = {f"{prefix}.input_layernorm.weight": (h,), f"{prefix}.post_attention_layernorm.weight": (h,)}
-    moe = getattr(config, "moe", None)
-    if moe is None:
-        shapes.update(_swiglu_shapes(f"{prefix}.mlp", h, config.intermediate_size))
-        return shapes
-    shapes[f"{prefix}.mlp.gate.weight"] = (moe.num_experts, h)  # the router
-    for expert in range(moe.num_experts):
-        shapes.update(_swiglu_shapes(f"{prefix}.mlp.experts.{expert}", h, moe.moe_intermediate_size))
-    shapes.update(_swiglu_shapes(f"{prefix}.mlp.shared_expert", h, moe.shared_expert_intermediate_size))
-    shapes[f"{prefix}.mlp.shared_expert_gate.weight"] = (1, h)
-    return shapes
-
-
-# transformers' in-memory layout of a layer's experts (`Qwen3_5MoeExperts`), which some tools save as it is: two
-# tensors per layer, gate and up stacked along the rows
-FUSED_GATE_UP = "mlp.experts.gate_up_proj"  # [experts, 2 * moe_intermediate_size, hidden]
-FUSED_DOWN = "mlp.experts.down_proj"  # [experts, hidden, moe_intermediate_size]
-
-
-def fused_expert_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
-    """The two fused expert tensors of a MoE layer, by our name, with their shapes."""
-    moe, h = config.moe, config.hidden_size
-    return {
-        f"layers.{layer}.{FUSED_GATE_UP}": (moe.num_experts, 2 * moe.moe_intermediate_size, h),
-        f"layers.{layer}.{FUSED_DOWN}": (moe.num_experts, h, moe.moe_intermediate_size),
-    }
-
-
 def split_fused_experts(config: ModelConfig, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> dict:
     """A layer's fused expert tensors as the per-expert names of layer_shapes (views: nothing is copied)."""
     width = config.moe.moe_intermediate_size
@@ -92,82 +54,6 @@ def split_fused_experts(config: ModelConfig, layer: int, gate_up: torch.Tensor, 
         out[f"{prefix}.up_proj.weight"] = gate_up[expert, width:]
         out[f"{prefix}.down_proj.weight"] = down[expert]
     return out
-
-
-def _attention_shapes(config: ModelConfig | DraftConfig, prefix: str, *, gated: bool) -> dict[str, tuple[int, ...]]:
-    """Qwen attention with per-head q/k norms; a gated one's q_proj also yields the output gate."""
-    h = config.hidden_size
-    q = config.num_attention_heads * config.head_dim
-    kv = config.num_key_value_heads * config.head_dim
-    return {
-        f"{prefix}.q_proj.weight": (2 * q if gated else q, h),
-        f"{prefix}.k_proj.weight": (kv, h),
-        f"{prefix}.v_proj.weight": (kv, h),
-        f"{prefix}.o_proj.weight": (h, q),
-        f"{prefix}.q_norm.weight": (config.head_dim,),
-        f"{prefix}.k_norm.weight": (config.head_dim,),
-    }
-
-
-def layer_shapes(config: ModelConfig, index: int) -> dict[str, tuple[int, ...]]:
-    c = config
-    h = c.hidden_size
-    p = f"layers.{index}"
-    shapes = _residual_shapes(c, p)
-    if c.is_gdn(index):
-        a = f"{p}.linear_attn"
-        shapes.update(
-            {
-                f"{a}.in_proj_qkv.weight": (c.linear_conv_dim, h),
-                f"{a}.in_proj_z.weight": (c.linear_value_dim, h),
-                f"{a}.in_proj_b.weight": (c.linear_num_value_heads, h),
-                f"{a}.in_proj_a.weight": (c.linear_num_value_heads, h),
-                f"{a}.conv1d.weight": (c.linear_conv_dim, 1, c.linear_conv_kernel_dim),
-                f"{a}.dt_bias": (c.linear_num_value_heads,),
-                f"{a}.A_log": (c.linear_num_value_heads,),
-                f"{a}.norm.weight": (c.linear_value_head_dim,),
-                f"{a}.out_proj.weight": (h, c.linear_value_dim),
-            }
-        )
-    else:
-        shapes.update(_attention_shapes(c, f"{p}.self_attn", gated=True))
-    return shapes
-
-
-def head_name(config: ModelConfig) -> str:
-    """The tensor the lm_head reads: the embedding itself when the checkpoint ties them."""
-    return "embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-
-
-def shard_shapes(config: ModelConfig, begin: int, end: int) -> dict[str, tuple[int, ...]]:
-    """Every tensor the shard owning layers [begin, end) needs, by our name, with its shape."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    embedding = (config.vocab_size, config.hidden_size)
-    if owns_embedding(begin):
-        shapes["embed_tokens.weight"] = embedding
-    for i in range(begin, end):
-        shapes.update(layer_shapes(config, i))
-    if owns_head(end, config.num_layers):
-        shapes["norm.weight"] = (config.hidden_size,)
-        shapes[head_name(config)] = embedding
-    return shapes
-
-
-def embedding_and_head_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The target tensors a DFlash drafter borrows: the token embedding and the lm_head (not the final norm)."""
-    embedding = (config.vocab_size, config.hidden_size)
-    return {"embed_tokens.weight": embedding, head_name(config): embedding}
-
-
-def draft_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a DFlash drafter needs, by our (= its checkpoint's) name, with its shape."""
-    h = config.hidden_size
-    shapes = {"fc.weight": (h, config.feature_size), "hidden_norm.weight": (h,)}
-    for i in range(config.num_hidden_layers):
-        shapes.update(_residual_shapes(config, f"layers.{i}"))
-        shapes.update(_attention_shapes(config, f"layers.{i}.self_attn", gated=False))
-    shapes["norm.weight"] = (h,)
-    return shapes
 
 
 def _key_locations(model_dir: Path, names: Callable[[str], str | None]) -> dict[str, tuple[Path, str]]:

@@ -226,7 +226,7 @@ def test_hello_describes_the_full_model_shard(full):
     assert hello["protocol_version"] == 1
     assert hello["model"] == {
         "fingerprint": FINGERPRINT, "num_layers": NUM_LAYERS, "hidden_size": HIDDEN, "vocab_size": VOCAB,
-        "layer_types": LAYER_TYPES, "eos_token_ids": [],
+        "layer_types": LAYER_TYPES, "eos_token_ids": [], "moe": None,
     }
     assert hello["layers"] == [0, NUM_LAYERS]
     assert hello["owns_embedding"] is True and hello["owns_head"] is True

@@ -25,7 +25,7 @@ from protocol.layout import CHECKPOINT, REPLAY, REPLAY_SSM
 from shardd.weights import quant
 from shardd.weights.loading import ModelSource, build_shard
 from shardd.local import LocalTarget
-from shardd.weights.memory import GiB, parse_memory
+from common.memory import GiB, parse_memory
 from shardd.engine.reference.rollback import RollbackStorage
 from shardd.synthetic.model import write_checkpoint
 from shardd.weights.reader import WeightError, shard_shapes

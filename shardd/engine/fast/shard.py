@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from protocol.layout import CHECKPOINT, REPLAY_SSM
 from protocol.timing import DAEMON as PHASES
-from shardd.engine.sizes import MOE_REFUSAL
-from shardd.engine.sizes import PREFILL_ROWS
+from common.sizes import MOE_REFUSAL
+from common.sizes import PREFILL_ROWS
 from shardd.engine.fast import prefill
 from shardd.engine.fast.graph import PrefillGraphs, StepRunner
 from shardd.engine.fast.pools import StatePools

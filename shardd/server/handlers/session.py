@@ -51,6 +51,8 @@ class Session:
                 "vocab_size": c.vocab_size,
                 "layer_types": list(c.layer_types),
                 "eos_token_ids": list(c.eos_token_ids),
+                "moe": None if c.moe is None else {"num_experts": c.moe.num_experts,
+                                                   "num_experts_per_tok": c.moe.num_experts_per_tok},
             },
             # where this daemon's model keeps its tokenizer.json (None: synthetic, or the checkpoint ships none)
             "tokenizer": config.tokenizer_dir,

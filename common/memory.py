@@ -1,6 +1,7 @@
 """A daemon's memory budget: what it will allocate, line by line, computed from the config and the options before
 anything loads (`shardd serve --max-gpu-memory`), so a configuration that cannot fit is refused in one line instead
-of running out of memory minutes later; HELLO reports the same breakdown.
+of running out of memory minutes later; HELLO reports the same breakdown, and `shardctl launch --dry-run` prints it
+for every daemon of a launch (torch-free: the daemon and shardctl share it).
 
 The accounting is device-independent (bytes of the tensors the daemon will allocate), so a CPU shard computes and
 checks it too; on CUDA the cap is also handed to the allocator (torch.cuda.set_per_process_memory_fraction).
@@ -15,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 
 from common.model_config import ModelConfig
+from protocol.layout import CHECKPOINT
 
 
 GiB = 1 << 30
@@ -66,6 +68,7 @@ class MemoryPlan:
 
     items: dict[str, int] = field(default_factory=dict)
     cap: int | None = None
+    weight_parts: dict[str, int] = field(default_factory=dict)  # `weights` by common.shapes.WEIGHT_PARTS
 
     @property
     def total(self) -> int:
@@ -83,18 +86,20 @@ class MemoryPlan:
 
     def describe(self) -> dict:
         """HELLO's `memory` field."""
-        return {"cap_bytes": self.cap, "total_bytes": self.total, "items": dict(self.items)}
+        return {"cap_bytes": self.cap, "total_bytes": self.total, "items": dict(self.items),
+                "weight_parts": {name: n for name, n in self.weight_parts.items() if n}}
 
 
 def plan_memory(
-    config: ModelConfig, begin: int, end: int, *, weight_bytes: int, dtype_bytes: int, engine: str,
+    config: ModelConfig, begin: int, end: int, *, weight_bytes: dict[str, int], dtype_bytes: int, engine: str,
     max_sequences: int, max_context: int, max_tokens_per_request: int, checkpoint_bytes_per_sequence: int,
     step_rows: int, drafter_bytes: int = 0, cap: int | None = None, prefill_rows: int = 0,
     drafter_state: dict[str, int] | None = None, prefix_cache: int | None = 0, on_gpu: bool = False,
 ) -> MemoryPlan:
     """What a daemon serving layers [begin, end) will allocate with these options. The fast engine allocates every
     sequence slot (plus one scratch slot) at start; the reference engine allocates as sequences open, so its plan is
-    the worst case of `max_sequences` open at once. `prefill_rows`: the GPU prefill's graphed piece (0: none)."""
+    the worst case of `max_sequences` open at once. `weight_bytes`: the weights by common.shapes.WEIGHT_PARTS;
+    `prefill_rows`: the GPU prefill's graphed piece (0: none)."""
     c = config
     attention = [i for i in range(begin, end) if not c.is_gdn(i)]
     gdn = [i for i in range(begin, end) if c.is_gdn(i)]
@@ -104,7 +109,7 @@ def plan_memory(
     states = (c.recurrent_state_bytes() + c.conv_state_bytes()) * len(gdn) * slots
     head = begin < end and end == c.num_layers
     items = {
-        "weights": weight_bytes,
+        "weights": sum(weight_bytes.values()),
         "kv_cache": kv,
         "gdn_states": states,
         "checkpoint_buffers": checkpoint_bytes_per_sequence * slots,
@@ -133,7 +138,7 @@ def plan_memory(
     if drafter_bytes:
         items["drafter"] = drafter_bytes
     items.update(drafter_state or {})
-    plan = MemoryPlan(items, cap)
+    plan = MemoryPlan(items, cap, dict(weight_bytes))
     if prefix_cache is None:  # auto: a default size, within what the cap leaves
         prefix_cache = PREFIX_CACHE_GPU if on_gpu else PREFIX_CACHE_CPU
         if cap is not None:
@@ -142,11 +147,26 @@ def plan_memory(
     return plan
 
 
+def rollback_bytes_per_sequence(config: ModelConfig, gdn_layers: int, mode: str | None, max_tokens: int) -> int:
+    """float32 rollback storage of one sequence on a shard of `gdn_layers` GDN layers (shardd.engine.reference.rollback
+    allocates exactly this): `checkpoint` keeps the state after each of `max_tokens` tokens and the one before;
+    `replay-ssm` the state before and each token's conv input, key, value, g and beta."""
+    if mode is None or not gdn_layers or not max_tokens:
+        return 0
+    c = config
+    recurrent, conv = c.recurrent_state_bytes(), c.conv_state_bytes()
+    if mode == CHECKPOINT:
+        return gdn_layers * (max_tokens + 1) * (recurrent + conv)
+    heads = c.linear_num_value_heads
+    per_token = c.linear_conv_dim + heads * (c.linear_key_head_dim + c.linear_value_head_dim + 2)
+    return gdn_layers * (recurrent + conv + 4 * max_tokens * per_token)
+
+
 def drafter_weight_bytes(draft_config, target: ModelConfig, dtype_bytes: int, *, shares_embedding: bool,
                          shares_head: bool) -> int:
     """A hosted DFlash drafter's weights plus the target embedding / head it reads where its daemon's layers do
     not hold them already."""
-    from shardd.weights.reader import draft_shapes
+    from common.shapes import draft_shapes
 
     total = sum(math.prod(shape) for shape in draft_shapes(draft_config).values()) * dtype_bytes
     embedding = target.vocab_size * target.hidden_size * dtype_bytes

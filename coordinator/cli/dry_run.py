@@ -1,0 +1,111 @@
+"""`shardctl launch --dry-run`: each daemon's memory plan for a launch, from the model's config alone (no weights
+read, no daemon started, no GPU needed), with the accounting the daemons check `--max-gpu-memory` by
+(common.memory, common.shapes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import click
+
+from common.dtypes import resolve_dtype
+from common.memory import MemoryPlan, fmt_gib, parse_memory, plan_memory, rollback_bytes_per_sequence
+from common.model_config import ModelConfig
+from common.quantization import Fp8Scheme
+from common.shapes import fp8_tensors, shard_shapes, weight_bytes_by_part
+from common.sizes import PREFILL_ROWS, step_rows_for
+from coordinator.cli.output import format_table
+from protocol.layout import CHECKPOINT
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# shardd serve's defaults, which a launched daemon takes where the launch does not say
+DAEMON_DEFAULTS = {"max_sequences": 8, "max_context": 4096, "max_tokens_per_request": 4096, "max_verify_tokens": 16,
+                   "rollback_mode": CHECKPOINT}
+# what a daemon holds per sequence, beside its weights
+STATE_ITEMS = ("kv_cache", "gdn_states", "checkpoint_buffers")
+
+
+@dataclass
+class DaemonPlan:
+    layers: tuple[int, int]
+    device: str
+    dtype: str
+    engine: str
+    plan: MemoryPlan
+
+    def describe(self) -> dict:
+        return {"layers": list(self.layers), "device": self.device, "dtype": self.dtype, "engine": self.engine,
+                "weights": {name: n for name, n in self.plan.weight_parts.items() if n},
+                "items": dict(self.plan.items), "total_bytes": self.plan.total, "cap_bytes": self.plan.cap,
+                "fits": self.plan.fits()}
+
+
+def daemon_plans(config: ModelConfig, splits, *, scheme: Optional[Fp8Scheme], model_dir: Optional[str],
+                 devices: tuple[str, ...], dtype: Optional[str], max_gpu_memory: Optional[str],
+                 **limits) -> list[DaemonPlan]:
+    """The memory plan of each daemon `splits` launches, as `shardd serve` computes it at its start with the same
+    flags (`limits`: max_sequences, max_context, max_tokens_per_request, max_verify_tokens, rollback_mode; None
+    takes the daemon's default). The engine is `--engine auto`'s: the fast step on a GPU for a dense model, the
+    reference engine for MoE and on the CPU."""
+    limits = {name: DAEMON_DEFAULTS[name] if limits.get(name) is None else limits[name] for name in DAEMON_DEFAULTS}
+    try:
+        cap = None if max_gpu_memory is None else parse_memory(max_gpu_memory, None)
+    except ValueError as error:
+        raise click.BadParameter(f"{error} (a dry run knows no device: give a size)", param_hint="--max-gpu-memory")
+    plans = []
+    for index, (begin, end) in enumerate(splits):
+        device = devices[index] if len(devices) > 1 else (devices[0] if devices else "cpu")
+        on_gpu = device.startswith("cuda")
+        weight_dtype = resolve_dtype(dtype or "auto", device, model_dir)
+        engine = "fast" if on_gpu and config.moe is None else "reference"
+        keeps_fp8 = on_gpu  # shardd.config.ShardConfig.keeps_fp8: the CPU dequantizes at load
+        shapes = shard_shapes(config, begin, end)
+        fp8 = fp8_tensors(shapes, scheme) if keeps_fp8 else set()
+        weights = weight_bytes_by_part(config, shapes, begin=begin, dtype_bytes=DTYPE_BYTES[weight_dtype],
+                                       scheme=scheme, fp8=fp8)
+        verify, mode = limits["max_verify_tokens"], limits["rollback_mode"]
+        step_rows = step_rows_for(engine, None, verify, max_sequences=limits["max_sequences"], fp8=bool(fp8))
+        gdn = sum(1 for layer in range(begin, end) if config.is_gdn(layer))
+        plan = plan_memory(
+            config, begin, end, weight_bytes=weights, dtype_bytes=DTYPE_BYTES[weight_dtype], engine=engine,
+            max_sequences=limits["max_sequences"], max_context=limits["max_context"],
+            max_tokens_per_request=limits["max_tokens_per_request"],
+            checkpoint_bytes_per_sequence=rollback_bytes_per_sequence(config, gdn, mode if verify else None, verify),
+            step_rows=step_rows or (verify or 16), cap=cap, prefill_rows=PREFILL_ROWS if on_gpu else 0,
+            prefix_cache=None, on_gpu=on_gpu)  # the daemons' --prefix-cache-gib auto
+        plans.append(DaemonPlan((begin, end), device, weight_dtype, engine, plan))
+    return plans
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f}"
+
+
+def plans_table(plans: list[DaemonPlan]) -> str:
+    """One row a daemon, GiB: its weights by part, what its sequences hold, the rest, the total against its cap."""
+    rows = []
+    for daemon in plans:
+        parts, items = daemon.plan.weight_parts, daemon.plan.items
+        state = sum(items.get(name, 0) for name in STATE_ITEMS)
+        other = daemon.plan.total - items["weights"] - state
+        begin, end = daemon.layers
+        rows.append([
+            f"{begin}:{end}", daemon.device, daemon.dtype, parts["experts"], parts["shared_expert"] + parts["mlp"],
+            parts["attention"] + parts["gdn"], parts["embedding"] + parts["head"], items["weights"], state, other,
+            daemon.plan.total,
+            "-" if daemon.plan.cap is None else f"{_gib(daemon.plan.cap)} {'ok' if daemon.plan.fits() else 'OVER'}"])
+    return format_table(
+        ["LAYERS", "DEVICE", "DTYPE", "EXPERTS", "MLP/SHARED", "ATTN+GDN", "EMBED+HEAD", "WEIGHTS", "STATE", "OTHER",
+         "TOTAL", "CAP"],
+        [[_gib(cell) if isinstance(cell, int) else cell for cell in row] for row in rows])
+
+
+def plans_summary(plans: list[DaemonPlan]) -> str:
+    """The line under the table: the largest daemon, and the daemons over their cap."""
+    largest = max(plans, key=lambda daemon: daemon.plan.total)
+    over = [f"{b}:{e}" for (b, e) in (daemon.layers for daemon in plans if not daemon.plan.fits())]
+    weights = sum(daemon.plan.items["weights"] for daemon in plans)
+    line = (f"weights {fmt_gib(weights)} in all; the largest daemon ({largest.layers[0]}:{largest.layers[1]}) "
+            f"needs {fmt_gib(largest.plan.total)}")
+    return line + (f"; over --max-gpu-memory: {', '.join(over)}" if over else "")

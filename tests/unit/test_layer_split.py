@@ -1,0 +1,72 @@
+"""--split balances weight bytes, not layer counts, and `shardctl launch --dry-run` prints every daemon's memory
+plan from the config alone (no daemon, no GPU), failing when one does not fit its cap."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from common.presets import preset_config
+from common.quantization import synthetic_scheme
+from common.shapes import layer_split_costs
+from coordinator.cli import cli
+from protocol.layout import balanced_split, even_split
+
+EIGHT_GPUS = ",".join(f"cuda:{i}" for i in range(8))
+
+
+def heaviest(costs, ranges):
+    return max(sum(costs[b:e]) for b, e in ranges)
+
+
+def test_balanced_split_is_exact_on_small_cases():
+    from itertools import combinations
+
+    costs = [5, 1, 1, 1, 1, 9, 2, 2, 3]
+    for parts in range(1, len(costs) + 1):
+        best = min(heaviest(costs, list(zip((0, *cuts), (*cuts, len(costs)))))
+                   for cuts in combinations(range(1, len(costs)), parts - 1))
+        ranges = balanced_split(costs, parts)
+        assert heaviest(costs, ranges) == best and len(ranges) == parts
+        assert ranges[0][0] == 0 and ranges[-1][1] == len(costs)
+        assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(ranges, ranges[1:]))
+
+
+def test_uniform_layers_split_as_evenly_as_before():
+    assert even_split(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert balanced_split([4] * 10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+
+
+def test_the_27b_split_over_eight_is_lighter_than_equal_layer_counts():
+    costs = layer_split_costs(preset_config("qwen3.5-27b"), dtype_bytes=2)
+    assert heaviest(costs, balanced_split(costs, 8)) < 0.85 * heaviest(costs, even_split(64, 8))
+
+
+def test_dry_run_plans_the_397b_over_eight_daemons_in_fp8_and_bf16():
+    base = ["launch", "--synthetic", "qwen3.5-397b-a17b", "--split", "8", "--devices", EIGHT_GPUS, "--dry-run", "--json"]
+    fp8 = CliRunner().invoke(cli, [*base, "--quantize", "fp8-block", "--max-gpu-memory", "80GiB"])
+    assert fp8.exit_code == 0, fp8.output
+    plan = json.loads(fp8.stdout)
+    daemons = plan["daemons"]
+    assert [d["layers"][1] for d in daemons][-1] == 60 and len(daemons) == 8
+    costs = layer_split_costs(preset_config("qwen3.5-397b-a17b"), dtype_bytes=2, scheme=synthetic_scheme("fp8-block"))
+    assert [sum(d["weights"].values()) for d in daemons] == [sum(costs[b:e]) for b, e in (d["layers"] for d in daemons)]
+    assert all(d["weights"]["experts"] > 0.9 * d["items"]["weights"] - 2 * 248320 * 4096 * 2 for d in daemons)
+    assert "embedding" in daemons[0]["weights"] and "head" in daemons[-1]["weights"]
+    assert all(d["fits"] and d["engine"] == "reference" for d in daemons)
+    bf16 = CliRunner().invoke(cli, [*base, "--dtype", "bf16", "--max-gpu-memory", "80GiB"])
+    assert bf16.exit_code == 1  # about 740 GiB of bf16 weights do not fit eight 80 GiB daemons
+    assert not any(d["fits"] for d in json.loads(bf16.stdout)["daemons"])
+    table = CliRunner().invoke(cli, base[:-1] + ["--quantize", "fp8-block"])
+    assert table.exit_code == 0 and "EXPERTS" in table.stdout and "53:60" in table.stdout
+
+
+def test_dry_run_35b_a3b_fp8_fits_two_24_gib_daemons():
+    result = CliRunner().invoke(cli, ["launch", "--synthetic", "qwen3.5-35b-a3b", "--quantize", "fp8-block", "--split",
+                                      "2", "--devices", "cuda:0,cuda:1", "--max-gpu-memory", "24GiB", "--max-sequences",
+                                      "1", "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    daemons = json.loads(result.stdout)["daemons"]
+    assert [d["layers"] for d in daemons] == [[0, 20], [20, 40]]
+    assert all(d["total_bytes"] <= 24 << 30 for d in daemons)
