@@ -276,7 +276,7 @@ class FeatureCapture:
         return self.pipeline.prefix_cache and self.drafter.shares_pipeline_daemon
 
     def open(self, seq: int, prefix: Optional[int] = None) -> int:
-        length = self.pipeline.open(seq, prefix=prefix)
+        length = self.pipeline.open(seq, prefix=prefix) if prefix is not None else self.pipeline.open(seq) or 0
         try:
             self.drafter.opened(seq, length)
         except BaseException:

@@ -253,7 +253,7 @@ class FeatureDrafter:
         self.rows: dict[int, int] = {}
         self.opens = 0
 
-    def opened(self, seq):
+    def opened(self, seq, length=0):
         self.rows, self.opens = {}, self.opens + 1
 
     def closed(self, seq):
