@@ -354,7 +354,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_sequences:
             request = self.waiting.popleft()
             request.queued_seconds = time.monotonic() - request.arrived
-            if request.max_new_tokens == 0:
+            if request.max_new_tokens == 0 and request.prompt_logprobs is None:  # nothing to compute
                 self._finish(request, LENGTH)
                 continue
             request.seq = secrets.randbelow(1 << 62)
@@ -419,7 +419,11 @@ class Scheduler:
             tokens = request.prompt[start:start + rows]
             last = start + rows == len(request.prompt)
             sampling = step_keywords(request.sampled, request.prompt, request.result).get("sampling") if last else None
-            return _Item(request, PREFILL, BatchForward(request.seq, start, tokens, sampling=sampling))
+            forward = BatchForward(request.seq, start, tokens, sampling=sampling)
+            scored = request.prompt[start + 1:start + rows + 1]  # the prompt token after each row
+            if request.prompt_logprobs is not None and scored:
+                forward = replace(forward, prompt_logprobs=request.prompt_logprobs, next_tokens=scored)
+            return _Item(request, PREFILL, forward)
         history, room = request.history, request.room(self.limit)
         sampling = step_keywords(request.sampled, history, request.result)
         if request.drafter is None:
@@ -555,11 +559,20 @@ class Scheduler:
         n = len(item.forward.tokens)
         if len(outputs) != n:
             raise RuntimeError(f"prefill of {n} tokens returned {len(outputs)} ids")
+        result = request.result
+        if result.prompt_logprobs is not None:
+            scored = len(item.forward.next_tokens or ())
+            rows = getattr(outputs, "prompt_logprobs", None) or []
+            if len(rows) != scored:
+                raise RuntimeError(f"the head shard answered {len(rows)} prompt logprob rows for {scored} prompt tokens")
+            result.prompt_logprobs.extend(rows)
         request.prefilled += n
         if request.prefilled < len(request.prompt):
             return
-        result = request.result
         result.prefill_seconds = time.perf_counter() - request._started
+        if request.max_new_tokens == 0:  # prefilled for its prompt logprobs alone
+            self._finish(request, LENGTH)
+            return
         first = outputs[-1]
         if result.logprobs is not None:
             keep_logprobs(result, last_row(outputs), 1)
