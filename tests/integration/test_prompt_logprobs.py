@@ -20,6 +20,8 @@ from coordinator.scheduler.requests import Request
 from coordinator.scheduler.scheduler import Scheduler
 from coordinator.serve.limits import MAX_CHOICES
 from protocol import ErrorCode, MessageType
+from shardd.local import LocalTarget
+from shardd.weights.loading import ModelSource
 from tests.support.daemons import Client
 from tests.support.served_model import MAX_CONTEXT, PROMPT, hf_greedy, model, shards  # noqa: F401 (fixtures)
 from tests.support.serving import Server
@@ -61,10 +63,13 @@ def assert_scores_match(scored: list, prompt: list[int], expected: torch.Tensor,
         assert rank == int((row >= row[token]).sum())
 
 
-def scheduled(endpoints, prompts: list[list[int]], max_new_tokens: int, top: int, prefill_chunk: int) -> list:
-    with Pipeline.connect(endpoints) as pipeline:
-        scheduler = Scheduler(pipeline, max_sequences=len(prompts), prefill_chunk=prefill_chunk)
-        requests = scheduler.run_all([Request(prompt, max_new_tokens, prompt_logprobs=top) for prompt in prompts])
+def scheduled(target, prompts: list[list[int]], max_new_tokens: int, top: int, prefill_chunk: int) -> list:
+    """The results of `prompts` run together by the scheduler over `target` (daemons' endpoints, or a target)."""
+    if isinstance(target, list):
+        with Pipeline.connect(target) as pipeline:
+            return scheduled(pipeline, prompts, max_new_tokens, top, prefill_chunk)
+    scheduler = Scheduler(target, max_sequences=len(prompts), prefill_chunk=prefill_chunk)
+    requests = scheduler.run_all([Request(prompt, max_new_tokens, prompt_logprobs=top) for prompt in prompts])
     return [request.outcome() for request in requests]
 
 
@@ -82,6 +87,10 @@ def test_prompt_logprobs_equal_the_reference_in_any_chunking_and_split(model, sh
         answers[name] = result.prompt_logprobs
     # a split changes nothing a row computes: the same bits
     assert answers["two shards, chunks of 3"] == answers["three shards, chunks of 3"]
+    # in process too (its torch threads may sum in another order than the daemons' one thread)
+    local = LocalTarget(ModelSource(model_dir=str(model["dir"])), [(0, 3), (3, 4)], max_context=MAX_CONTEXT)
+    (result,) = scheduled(local, [prompt], 0, 5, 3)
+    assert_scores_match(result.prompt_logprobs, prompt, expected, 5)
 
 
 def test_a_batch_of_prompts_scores_each_as_alone_and_still_generates(model, shards):
@@ -238,3 +247,29 @@ def test_choices_beyond_the_bound_are_refused_naming_the_prompt(server):
         "prompt": ["a"] * (MAX_CHOICES // 2 + 1), "n": 2, "max_tokens": 1})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt"
     assert str(MAX_CHOICES) in reply.json()["error"]["message"]
+
+
+def test_lm_eval_loglikelihood_requests_read_as_it_reads_them(server, model):
+    """lm-eval's `local-completions` loglikelihood: a batch of token-id prompts (context + continuation), echo,
+    logprobs 1, max_tokens 1, temperature 0; it sums token_logprobs[ctxlen:-1] and calls the continuation greedy
+    when each of those is the most likely of its top_logprobs."""
+    context = model["prompt_ids"][:6]
+    expected = reference(model, model["prompt_ids"])
+    likely = int(expected[5].argmax())
+    unlikely = int(expected[5].argmin())
+    prompts = [context + model["prompt_ids"][6:9], context + [likely], context + [unlikely]]
+    answer = completion(server, model=None, prompt=prompts, temperature=0, max_tokens=1, logprobs=1, seed=1234,
+                        echo=True)
+    choices = sorted(answer["choices"], key=lambda choice: choice["index"])
+    assert len(choices) == len(prompts)
+    for prompt, choice in zip(prompts, choices):
+        scores = choice["logprobs"]
+        assert len(scores["token_logprobs"]) == len(prompt) + 1  # the prompt, then the one new token
+        logprob = sum(scores["token_logprobs"][len(context):-1])
+        rows = reference(model, prompt)
+        assert abs(logprob - sum(float(rows[i - 1][prompt[i]]) for i in range(len(context), len(prompt)))) < TOL
+        greedy = all(token == max(top.values()) for token, top in
+                     zip(scores["token_logprobs"][len(context):-1], scores["top_logprobs"][len(context):-1]))
+        assert greedy == all(int(rows[i - 1].argmax()) == prompt[i] for i in range(len(context), len(prompt)))
+    assert [choice["logprobs"]["token_logprobs"][-2] for choice in choices[1:]] == [
+        pytest.approx(float(expected[5][likely]), abs=TOL), pytest.approx(float(expected[5][unlikely]), abs=TOL)]
