@@ -117,7 +117,7 @@ class Forward:
             if outside:
                 what = "draft token" if name == "drafts" else "next token"
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"{what} {outside[0]} is outside the vocabulary "
-                                                           f"0..{vocab - 1} (field '{name}')")
+                                                           f"0..{vocab - 1}")
         check_finite("hidden", request.hidden)
         if proposing(request):
             check_finite("carried", request.carried)
