@@ -417,10 +417,7 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
             chat_prompt, body.messages, body.tools, body.add_generation_prompt, body.chat_template_kwargs)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
-        if body.prompt_logprobs is not None and body.stream:
-            refuse("'prompt_logprobs' is answered on a whole chat completion, not a stream (stream: false)",
-                   "prompt_logprobs")
-        choices = params_of(body, ids, max_tokens, engine.max_context - len(ids), top, body.prompt_logprobs)
+        choices = params_of(body, ids, max_tokens, engine.max_context - len(ids), top)
         if parse_tools:  # a tokenizer that marks the call markers special must not strip them from the text parsed
             markers = engine.tokenizer.special_ids(TOOL_CALL_START, TOOL_CALL_END)
             choices = [dataclasses.replace(choice, shown_special=markers) for choice in choices]
@@ -431,7 +428,12 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
         refused = check_common(body)
         if refused is not None:
             return refused
+        if body.prompt_logprobs is not None and body.stream:
+            refuse("'prompt_logprobs' is answered on a whole chat completion, not a stream (stream: false)",
+                   "prompt_logprobs")
         choices, top, parse_tools = await chat_choices(body)
+        if body.prompt_logprobs is not None:  # the response carries the prompt's scores once: the first choice's
+            choices[0] = dataclasses.replace(choices[0], prompt_logprobs=body.prompt_logprobs)
         route = "/v1/chat/completions"
         if body.stream:
             return StreamingResponse(stream_chat(choices, top, parse_tools, body.include_usage(), route),

@@ -31,9 +31,10 @@ TOL = 1e-4  # float32 log-softmax of the same logits, computed shard by shard ag
 
 @pytest.fixture(scope="module")
 def three_shards(model):
-    """The same checkpoint split another way, over three daemons."""
+    """The same checkpoint split another way, over three daemons that take at most 4 tokens a request (a longer
+    prompt chunk is relayed in pieces)."""
     sets = [ShardSet(("--model", str(model["dir"])), [(0, 1), (1, 3), (3, 4)], "tcp",
-                     ("--max-context", str(MAX_CONTEXT), "--threads", "1"))]
+                     ("--max-context", str(MAX_CONTEXT), "--threads", "1", "--max-tokens-per-request", "4"))]
     with launched_sets(sets, ready_timeout_s=120) as (three,):
         yield [s.endpoint for s in three]
 
@@ -80,7 +81,8 @@ def test_prompt_logprobs_equal_the_reference_in_any_chunking_and_split(model, sh
     expected = reference(model, prompt)
     answers = {}
     for name, endpoints, chunk in (("two shards, chunks of 3", shards, 3), ("two shards, one chunk", shards, 64),
-                                   ("three shards, chunks of 3", three_shards, 3)):
+                                   ("three shards, chunks of 3", three_shards, 3),
+                                   ("three shards, one chunk relayed in pieces of 4", three_shards, 64)):
         (result,) = scheduled(endpoints, [prompt], 0, 5, chunk)
         assert result.tokens == [] and result.finish_reason == "length"
         assert_scores_match(result.prompt_logprobs, prompt, expected, 5)
@@ -273,3 +275,31 @@ def test_lm_eval_loglikelihood_requests_read_as_it_reads_them(server, model):
         assert greedy == all(int(rows[i - 1].argmax()) == prompt[i] for i in range(len(context), len(prompt)))
     assert [choice["logprobs"]["token_logprobs"][-2] for choice in choices[1:]] == [
         pytest.approx(float(expected[5][likely]), abs=TOL), pytest.approx(float(expected[5][unlikely]), abs=TOL)]
+
+
+def test_the_fast_engine_scores_prompts_as_the_reference_engine(tmp_path):
+    """Daemons on the fast engine (the GPU's step; on the CPU under Triton's interpreter) score a batch of prompts,
+    chunked and in batched steps, as the reference engine does."""
+    from common.presets import preset_config
+    from tests.support.daemons import free_tcp_endpoint, start_daemons, stop_all
+
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    common = ["--engine", "fast", "--device", device, "--dtype", "float32", "--max-verify-tokens", "4",
+              "--step-rows", "4", "--max-context", "64", "--max-sequences", "2"]
+    specs = {"first": (free_tcp_endpoint(), ["--layers", "0:3", *common]),
+             "second": (free_tcp_endpoint(), ["--layers", "3:6", *common])}
+    vocab = preset_config("tiny").vocab_size
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (9, 6)]
+    daemons = start_daemons(specs, tmp_path)
+    try:
+        fast = scheduled([bind for bind, _ in specs.values()], prompts, 1, 3, 4)
+    finally:
+        stop_all(daemons.values())
+    reference_engine = scheduled(LocalTarget(ModelSource(synthetic="tiny")), prompts, 1, 3, 4)
+    for ours, theirs in zip(fast, reference_engine):
+        assert len(ours.prompt_logprobs) == len(theirs.prompt_logprobs) > 0
+        for (logprob, ranked, rank), (expected, expected_ranked, expected_rank) in zip(ours.prompt_logprobs,
+                                                                                          theirs.prompt_logprobs):
+            assert abs(logprob - expected) < TOL and rank == expected_rank
+            assert [i for i, _ in ranked] == [i for i, _ in expected_ranked]
