@@ -85,10 +85,10 @@ class Request:
     """One generation: a prompt, its budget and sampling, and, when speculating, its drafter.
 
     `on_commit(ids)` runs on the scheduler's thread as tokens commit (ids carry `.logprobs` when asked for);
-    raising `StopDecoding` there ends the request after this commit. With `prompt_logprobs` (top logprobs per
-    position) the prefill also scores each prompt token after the first (`result.prompt_logprobs`, complete
-    before the first commit); with it, `max_new_tokens` 0 prefills and ends there. `on_finish(request)` runs once at the
-    end, whether it finished, failed or was cancelled. `cancel()` may be called from any thread."""
+    raising `StopDecoding` there ends the request after this commit. `on_finish(request)` runs once at the
+    end, whether it finished, failed or was cancelled. `cancel()` may be called from any thread.
+    With `prompt_logprobs` (top logprobs per position) the prefill also scores each prompt token after the first
+    (`result.prompt_logprobs`, complete before the first commit); with it, `max_new_tokens` 0 prefills and ends."""
 
     def __init__(
         self,

@@ -315,7 +315,7 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
         if refused is not None:
             return refused
         prompts = body.prompt
-        several = isinstance(prompts, list) and prompts and all(isinstance(p, (str, list)) for p in prompts)
+        several = isinstance(prompts, list) and bool(prompts) and all(isinstance(p, (str, list)) for p in prompts)
         prompts = list(prompts) if several else [prompts]
         if len(prompts) * body.n > MAX_CHOICES and body.n <= MAX_CHOICES:
             refuse(f"'prompt' x 'n' is at most {MAX_CHOICES} choices on this server (got {len(prompts)} prompts x "
@@ -331,9 +331,9 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
         if len(prompts) > 1 and budget > MAX_CHOICE_TOKENS:
             refuse(f"'prompt' x 'n' x 'max_tokens' is at most {MAX_CHOICE_TOKENS} tokens on this server (got "
                    f"{len(prompts)} prompts x {body.n} x {choices[0].max_tokens} or fewer: {budget})", "prompt")
-        decode = engine.tokenizer.decode
-        prefixes = [(prompt if isinstance(prompt, str) else decode(prompt_ids)) if body.echo else ""
-                    for prompt, prompt_ids in zip(prompts, ids) for _ in range(body.n)]
+        echoed = [(prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt_ids)) if body.echo else ""
+                  for prompt, prompt_ids in zip(prompts, ids)]
+        prefixes = [prefix for prefix in echoed for _ in range(body.n)]  # per choice
         shape = CompletionShape(engine.tokenizer, body.echo, body.logprobs, body.prompt_logprobs)
         route = "/v1/completions"
         if body.stream:
