@@ -97,6 +97,8 @@ GREEDY = Sampling()
 
 class TokenIds(list):
     """A forward's ids, with the head shard's `logprobs` of its answered rows (the last len(drafts) + 1) when
-    the request asked for them: per row [logprob of the id, [[id, logprob], ...top]]."""
+    the request asked for them: per row [logprob of the id, [[id, logprob], ...top]]; and its prompt logprobs."""
 
     logprobs: Optional[list] = None
+    # with prompt logprobs asked: per scored row [logprob of its next token, [[id, logprob], ...top], rank]
+    prompt_logprobs: Optional[list] = None

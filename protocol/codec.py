@@ -630,6 +630,11 @@ def _check_request(record: Request, limits: Limits) -> None:
                            f"the argmax ids by the coordinator)")
             if len(record.drafts) >= n:
                 raise _bad(f"{len(record.drafts)} drafts for {n} rows: a verify has one row more than drafts")
+        if (record.prompt_logprobs is None) != (record.next_tokens is None):
+            raise _bad(f"fields 'prompt_logprobs' and 'next_tokens' of {kind.value} go together")
+        if record.next_tokens is not None and not 1 <= len(record.next_tokens) <= n:
+            raise _bad(f"field 'next_tokens' holds {len(record.next_tokens)} tokens for {n} rows: 1 to {n}, one per "
+                       "row scored from the first")
     if isinstance(record, Capture):
         layers = record.layers
         if not layers:

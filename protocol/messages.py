@@ -185,6 +185,13 @@ class Forward(_SequenceRequest):
     # Head-shard extras (shardd.engine.head.answer): penalties over the output so far, and logprobs of the answered rows.
     logprobs: Optional[int] = _header("int", "also answer the logprob of each answered row's id and this many top "
                                       "logprobs (absent: none)", minimum=0, limit=21, default=None)
+    # Prompt logprobs (shardd.engine.head.logprobs): a prefill's rows scored against the prompt's next tokens.
+    prompt_logprobs: Optional[int] = _header(
+        "int", "also answer, for each of the first len(next_tokens) rows, the logprob and rank of that row's next "
+        "token and this many top logprobs (with next_tokens)", minimum=0, limit=21, default=None)
+    next_tokens: Optional[list[int]] = _header(
+        "int_list", "the token that follows each of the first rows (1 to n of them), scored by prompt_logprobs",
+        minimum=0, limit=TOKEN_LIMIT, default=None)
     presence_penalty: Optional[float] = _header("float", "vLLM's presence penalty over the output (absent: 0)",
                                                 minimum=-2, limit=2, default=None)
     frequency_penalty: Optional[float] = _header("float", "vLLM's frequency penalty over the output (absent: 0)",

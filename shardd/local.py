@@ -115,6 +115,7 @@ class LocalTarget:
         from coordinator.sampling import TokenIds
         from shardd.engine.batch import BatchItem
         from shardd.engine.head.answer import answer_batch
+        from shardd.engine.head.logprobs import scored_rows
 
         items = list(items)
         results: list = [None] * len(items)
@@ -135,10 +136,11 @@ class LocalTarget:
         hidden: dict[int, torch.Tensor] = {}
         for k, shard in enumerate(self.shards):
             batch = [BatchItem(self.states[items[i].seq][k], items[i].pos, checkpoint=items[i].checkpoint,
-                               logits=items[i].sampling is not None and not items[i].sampling.plain,
+                               logits=(items[i].sampling is not None and not items[i].sampling.plain)
+                               or bool(items[i].next_tokens),
                                **({"tokens": list(items[i].tokens)} if shard.owns_embedding else {"hidden": hidden.pop(i)}))
                      for i in live]
-            survivors, heads = [], []
+            survivors, heads, scoring = [], [], []
             for index, out in zip(live, shard.forward_batch(batch)):
                 item = items[index]
                 if isinstance(out, ModelError):
@@ -153,6 +155,8 @@ class LocalTarget:
                     results[index] = TokenIds(out.ids.tolist())
                     if item.sampling is not None and not item.sampling.plain:
                         heads.append((index, out))
+                    if item.next_tokens:
+                        scoring.append((index, out))
             if heads:  # what the head shard's daemon does (shardd.engine.head.answer)
                 from protocol.messages import Forward
                 from shardd.server.handlers.forward import head_request
@@ -166,6 +170,10 @@ class LocalTarget:
                 for (index, _), (ids, _, logprobs) in zip(heads, answer_batch(rows)):
                     results[index] = TokenIds(ids)
                     results[index].logprobs = logprobs
+            if scoring:  # prompt logprobs, as the head shard's daemon scores them
+                asked = [(out.logits, items[index].next_tokens, items[index].prompt_logprobs) for index, out in scoring]
+                for (index, _), entries in zip(scoring, scored_rows(asked)):
+                    results[index].prompt_logprobs = entries
             live = survivors
         return results
 

@@ -55,6 +55,9 @@ class BatchForward:
     capture: Optional[list[int]] = None  # layers whose outputs come back: the item's answer is a `Captured`
     propose: Optional[int] = None  # a greedy verify [t0, drafts...]: the head, hosting the drafter, proposes so many
     save_prefix: Optional[int] = None  # a prompt chunk: every shard keeps its state after it as this prefix entry
+    # prompt logprobs: the head scores the first len(next_tokens) rows against these, with this many top logprobs
+    prompt_logprobs: Optional[int] = None
+    next_tokens: Optional[list[int]] = None
 
 
 @dataclass
@@ -331,6 +334,10 @@ class Pipeline:
         (PROTOCOL.md, "Proposing in the verify reply"); the layers earlier shards capture ride along to it as
         `carried`."""
         head, layers = _head_fields(item.sampling, item.drafts), None
+        if item.next_tokens:
+            if not len(item.next_tokens) <= len(item.tokens):
+                raise ValueError(f"{len(item.next_tokens)} next tokens scored for {len(item.tokens)} rows")
+            head = {**(head or {}), "prompt_logprobs": item.prompt_logprobs, "next_tokens": list(item.next_tokens)}
         if item.capture is not None:
             layers = sorted(set(item.capture))
             if not layers or not all(0 <= layer < self.num_layers for layer in layers):
@@ -593,7 +600,8 @@ class Pipeline:
             shard, records = self.shards[k], []
             for i in members:
                 step = steps[i]
-                head = self._head_request(step, parts[i]) if shard.owns_head else None
+                head = self._head_request(step, parts[i], starts[i][c] - step.pos, len(step.chunks[c])) \
+                    if shard.owns_head else None
                 save = step.save_prefix if c == len(step.chunks) - 1 else None
                 records.append(forward_record(step.seq, starts[i][c], checkpoint=step.checkpoint, layers=owned[i][k],
                                               sampling=head, save_prefix=save, **inputs(i, k, c)))
@@ -683,6 +691,8 @@ class Pipeline:
                     elif not (direct and k < last):  # the head's ids (of each chunk in turn)
                         ids[i].extend(answer.result["ids"])
                         ids[i].logprobs = answer.result.get("logprobs")
+                        if "prompt_logprobs" in answer.result:  # each chunk scores its own rows
+                            ids[i].prompt_logprobs = (ids[i].prompt_logprobs or []) + answer.result["prompt_logprobs"]
                         heads[i] = answer.result
                 if direct and not live:  # (no failure here: the steps left for a refused ROLLBACK of theirs)
                     self._end_later(sent, k, bool(failures) and all(_refused(error) for error in failures))
@@ -703,10 +713,17 @@ class Pipeline:
             return [error] * n
 
     @staticmethod
-    def _head_request(step: "_Step", parts: dict) -> Optional[dict]:
-        """The head shard's extra fields for `step`: its `head`, with the layers captured before (`carried_layers`)
-        side by side in `carried` (an item's `propose`: `_batch_step`)."""
+    def _head_request(step: "_Step", parts: dict, offset: int, n: int) -> Optional[dict]:
+        """The head shard's extra fields for the chunk of `step` at rows `offset .. offset + n - 1`: its `head`,
+        with the next tokens of that chunk's rows alone (none left: no prompt logprobs), and the layers captured
+        before (`carried_layers`) side by side in `carried` (an item's `propose`: `_batch_step`)."""
         head = step.head
+        if head is not None and "next_tokens" in head:
+            scored = head["next_tokens"][offset:offset + n]
+            head = {key: value for key, value in head.items() if key not in ("next_tokens", "prompt_logprobs")}
+            if scored:
+                head.update(prompt_logprobs=step.head["prompt_logprobs"], next_tokens=scored)
+            head = head or None
         if head is None or "carried_layers" not in head:
             return head
         carried = head["carried_layers"]

@@ -41,6 +41,8 @@ class DecodeResult:
     cached_tokens: int = 0  # prompt tokens resumed from the shards' prefix cache instead of forwarded
     commits: list[int] = field(default_factory=list)  # tokens committed per step
     logprobs: list | None = None  # with sampling.logprobs: per token [logprob, [[id, logprob], ...top]]
+    # with prompt logprobs asked: per prompt token after the first [logprob, [[id, logprob], ...top], rank]
+    prompt_logprobs: list | None = None
     finish_reason: str = LENGTH  # "stop": an EOS or a StopDecoding; "length": max_new_tokens or the context limit
 
     @property
@@ -88,7 +90,9 @@ class Request:
     With `verify_cost` (`--block-size auto`) each verify block takes coordinator.scheduler.block_size's choice, at
     most `block_size` rows. `on_commit(ids)` runs on the scheduler's thread as tokens commit (ids carry `.logprobs` when asked for);
     raising `StopDecoding` there ends the request after this commit. `on_finish(request)` runs once at the
-    end, whether it finished, failed or was cancelled. `cancel()` may be called from any thread."""
+    end, whether it finished, failed or was cancelled. `cancel()` may be called from any thread.
+    With `prompt_logprobs` (top logprobs per position) the prefill also scores each prompt token after the first
+    (`result.prompt_logprobs`, complete before the first commit); with it, `max_new_tokens` 0 prefills and ends."""
 
     def __init__(
         self,
@@ -103,8 +107,11 @@ class Request:
         on_commit: Optional[Callable[[list[int]], None]] = None,
         on_finish: Optional[Callable[["Request"], None]] = None,
         cache_salt: str = "",
+        prompt_logprobs: Optional[int] = None,
     ) -> None:
         check_request(list(prompt), max_new_tokens)
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {prompt_logprobs}")
         if drafter is not None and block_size < 2:
             raise ValueError(f"block_size must be >= 2 to speculate, got {block_size}")
         self.prompt = list(prompt)
@@ -130,6 +137,9 @@ class Request:
         self.result = DecodeResult(prompt_tokens=len(self.prompt))
         if self.sampled and self.sampled["sampling"].logprobs is not None:
             self.result.logprobs = []
+        self.prompt_logprobs = prompt_logprobs
+        if prompt_logprobs is not None:
+            self.result.prompt_logprobs = []
         self.state = QUEUED
         self.seq: Optional[int] = None
         self.history: list[int] = []  # prompt + committed, once prefilled

@@ -363,7 +363,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_sequences:
             request = self.waiting.popleft()
             request.queued_seconds = time.monotonic() - request.arrived
-            if request.max_new_tokens == 0:
+            if request.max_new_tokens == 0 and request.prompt_logprobs is None:  # nothing to compute
                 self._finish(request, LENGTH)
                 continue
             request.seq = secrets.randbelow(1 << 62)
@@ -386,7 +386,9 @@ class Scheduler:
         prefixes = self.prefixes if resumes else None
         if prefixes is not None:
             request.prefix_digests = prefixes.digests(request.cache_salt, request.prompt)
-            hit = prefixes.lookup(request.prefix_digests, len(request.prompt))
+            # a prompt scored token by token (prompt logprobs) forwards all of it, leaving entries for others
+            hit = prefixes.lookup(request.prefix_digests, len(request.prompt)) if request.prompt_logprobs is None \
+                else None
             if hit is not None:
                 try:
                     request.target.open(request.seq, prefix=hit.entry)
@@ -453,8 +455,11 @@ class Scheduler:
             entry = self.prefixes.new_entry(request.prefix_digests, start + rows) if request.prefix_digests else None
             if entry is not None:
                 request.saving[start + rows] = entry
-            return _Item(request, PREFILL, BatchForward(request.seq, start, tokens, sampling=sampling,
-                                                        save_prefix=entry))
+            forward = BatchForward(request.seq, start, tokens, sampling=sampling, save_prefix=entry)
+            scored = request.prompt[start + 1:start + rows + 1]  # the prompt token after each row
+            if request.prompt_logprobs is not None and scored:
+                forward = replace(forward, prompt_logprobs=request.prompt_logprobs, next_tokens=scored)
+            return _Item(request, PREFILL, forward)
         history, room = request.history, request.room(self.limit)
         sampling = step_keywords(request.sampled, history, request.result)
         if request.drafter is None:
@@ -590,14 +595,23 @@ class Scheduler:
         n = len(item.forward.tokens)
         if len(outputs) != n:
             raise RuntimeError(f"prefill of {n} tokens returned {len(outputs)} ids")
+        result = request.result
+        if result.prompt_logprobs is not None:
+            scored = len(item.forward.next_tokens or ())
+            rows = getattr(outputs, "prompt_logprobs", None) or []
+            if len(rows) != scored:
+                raise RuntimeError(f"the head shard answered {len(rows)} prompt logprob rows for {scored} prompt tokens")
+            result.prompt_logprobs.extend(rows)
         request.prefilled += n
         entry = request.saving.pop(request.prefilled, None)
         if entry is not None:  # every shard ran the chunk and (budget allowing) kept its state as `entry`
             self.prefixes.saved(request.prefix_digests, request.prefilled, entry)
         if request.prefilled < len(request.prompt):
             return
-        result = request.result
         result.prefill_seconds = time.perf_counter() - request._started
+        if request.max_new_tokens == 0:  # prefilled for its prompt logprobs alone
+            self._finish(request, LENGTH)
+            return
         first = outputs[-1]
         if result.logprobs is not None:
             keep_logprobs(result, last_row(outputs), 1)

@@ -1,6 +1,7 @@
 """The FastAPI app of `shardctl serve`: thin routes over `Engine`, OpenAI's request and response shapes
 (`coordinator.serve.protocol`), streaming as server-sent events from an async generator, errors as OpenAI
-error objects. `n > 1` runs n sequences of the same prompt, choice i with seed + i (as vLLM seeds them)."""
+error objects. `n > 1` runs n sequences of the same prompt, choice i with seed + i (as vLLM seeds them); a
+completion's list of prompts runs each prompt's n sequences, choice `prompt * n + i`, all submitted at once."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from coordinator.relay.target import RollbackFailed, SequenceLost
 from coordinator.serve.auth import authorized, needs_key
 from coordinator.serve.chat import ChatTemplateError
 from coordinator.serve.engine import Engine, GenerateParams, RequestError
-from coordinator.serve.logprobs import chat_logprobs, completion_logprobs
+from coordinator.serve.logprobs import CompletionShape, chat_logprobs, joined, vllm_prompt_logprobs
 from coordinator.serve.frontdoor import OffLoopRoute, RefusalLog, RequestGuard
 from coordinator.serve.limits import (
     MAX_CHOICE_TOKENS,
@@ -93,12 +94,17 @@ def error_response(status: int, message: str, kind: Optional[str] = None, param:
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
-def usage_of(results) -> UsageInfo:
-    """One result or the n results of one request: the prompt counted once, every choice's tokens."""
-    results = [r for r in (results if isinstance(results, list) else [results]) if r is not None]
-    completion = sum(len(result.tokens) for result in results)
-    prompt = results[0].prompt_tokens if results else 0
-    cached = results[0].cached_tokens if results else 0
+def usage_of(results, per_prompt: Optional[int] = None) -> UsageInfo:
+    """The results of one request's choices, `per_prompt` of each prompt (default: all of one prompt): each
+    prompt (and its cached prefix) counted once, every choice's tokens."""
+    results = results if isinstance(results, list) else [results]
+    per_prompt = per_prompt or len(results) or 1
+    prompt = cached = 0
+    for start in range(0, len(results), per_prompt):
+        done = [r for r in results[start:start + per_prompt] if r is not None]
+        prompt += done[0].prompt_tokens if done else 0
+        cached += done[0].cached_tokens if done else 0
+    completion = sum(len(result.tokens) for result in results if result is not None)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details={"cached_tokens": cached})
 
@@ -273,9 +279,10 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
         return requested
 
     def params_of(body, prompt_ids: list[int], max_tokens: Optional[int], default_max: int,
-                  logprobs: Optional[int]) -> list[GenerateParams]:
+                  logprobs: Optional[int], prompt_logprobs: Optional[int] = None) -> list[GenerateParams]:
         """One GenerateParams per choice; choice i samples with seed + i. What a request may cost is checked here,
-        before anything is admitted: its choices, their tokens, its stop strings."""
+        before anything is admitted: its choices, their tokens, its stop strings. `prompt_logprobs`: the prompt is
+        scored, with so many top logprobs per position."""
         engine.check_prompt(prompt_ids)
         stop = body.stop_strings()
         if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
@@ -298,6 +305,7 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
             ignore_eos=body.ignore_eos,
             skip_special_tokens=body.skip_special_tokens,
             cache_salt=body.cache_salt or "",
+            prompt_logprobs=prompt_logprobs,
         )
         return [dataclasses.replace(first, sampling=dataclasses.replace(sampling, seed=(sampling.seed + i) % (1 << 63)))
                 for i in range(body.n)]
@@ -309,49 +317,71 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
         refused = check_common(body)
         if refused is not None:
             return refused
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-            if len(prompt) != 1:
-                refuse("one prompt per request (a list of several prompts is not supported)", "prompt")
-            prompt = prompt[0]
-        if body.echo and body.logprobs is not None:
-            refuse("'echo' with 'logprobs' asks for prompt logprobs, which this server does not compute", "echo")
-        ids = await asyncio.to_thread(engine.tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
-        choices = params_of(body, ids, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs)
-        prefix = (prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids)) if body.echo else ""
+        prompts = body.prompt
+        several = isinstance(prompts, list) and bool(prompts) and all(isinstance(p, (str, list)) for p in prompts)
+        prompts = list(prompts) if several else [prompts]
+        if len(prompts) * body.n > MAX_CHOICES and body.n <= MAX_CHOICES:
+            refuse(f"'prompt' x 'n' is at most {MAX_CHOICES} choices on this server (got {len(prompts)} prompts x "
+                   f"{body.n})", "prompt")
+        encode = engine.tokenizer.encode
+        ids = await asyncio.to_thread(lambda: [encode(p) if isinstance(p, str) else list(p) for p in prompts])
+        # an echo with logprobs starts with the prompt's entries; vLLM's prompt_logprobs asks for its own top
+        asked = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+        prompt_top = max(asked) if asked else None
+        choices = [choice for prompt_ids in ids for choice in params_of(
+            body, prompt_ids, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs, prompt_top)]
+        budget = sum(choice.max_tokens for choice in choices)
+        if len(prompts) > 1 and budget > MAX_CHOICE_TOKENS:
+            refuse(f"'prompt' x 'n' x 'max_tokens' is at most {MAX_CHOICE_TOKENS} tokens on this server (got "
+                   f"{len(prompts)} prompts x {body.n} x {choices[0].max_tokens} or fewer: {budget})", "prompt")
+        echoed = [(prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt_ids)) if body.echo else ""
+                  for prompt, prompt_ids in zip(prompts, ids)]
+        prefixes = [prefix for prefix in echoed for _ in range(body.n)]  # per choice
+        shape = CompletionShape(engine.tokenizer, body.echo, body.logprobs, body.prompt_logprobs)
         route = "/v1/completions"
         if body.stream:
-            return StreamingResponse(stream_completion(choices, prefix, body.logprobs, body.include_usage(), route),
+            return StreamingResponse(stream_completion(choices, prefixes, shape, body.n, body.include_usage(), route),
                                      media_type="text/event-stream")
         outputs = await complete_all(engine, choices)
         metrics.requests.labels(route, "200").inc()
-        return CompletionResponse(model=engine.model_name, usage=usage_of([r for _, r, _ in outputs]), choices=[
-            CompletionChoice(index=i, text=prefix + text, finish_reason=result.finish_reason,
-                             logprobs=None if body.logprobs is None else
-                             completion_logprobs(engine.tokenizer, entries, body.logprobs, len(prefix)))
-            for i, (text, result, entries) in enumerate(outputs)])
+        answers = []
+        for i, (choice, prefix, (text, result, entries)) in enumerate(zip(choices, prefixes, outputs)):
+            logprobs = shape.generated(entries, len(prefix))
+            if shape.echo_scores:
+                logprobs = joined(shape.echoed(choice.prompt_ids, result.prompt_logprobs), logprobs)
+            answers.append(CompletionChoice(index=i, text=prefix + text, finish_reason=result.finish_reason,
+                                            logprobs=logprobs,
+                                            prompt_logprobs=shape.vllm(choice.prompt_ids, result.prompt_logprobs)))
+        return CompletionResponse(model=engine.model_name, choices=answers,
+                                  usage=usage_of([r for _, r, _ in outputs], body.n))
 
-    async def stream_completion(choices: list[GenerateParams], prefix: str, logprobs: Optional[int],
-                                include_usage: bool, route: str) -> AsyncIterator[str]:
+    async def stream_completion(choices: list[GenerateParams], prefixes: list[str], shape: CompletionShape,
+                                per_prompt: int, include_usage: bool, route: str) -> AsyncIterator[str]:
         ident, created = random_id("cmpl"), int(time.time())
         offsets = [0] * len(choices)
         results: list = [None] * len(choices)
 
-        def chunk(index: int, text: str, finish_reason=None, entries=None) -> str:
-            scores = None
-            if logprobs is not None:
-                scores = completion_logprobs(engine.tokenizer, entries or [], logprobs, offsets[index])
+        def chunk(index: int, text: str, finish_reason=None, entries=None, scores=None, prompt_scores=None) -> str:
+            if scores is None:
+                scores = shape.generated(entries or [], offsets[index])
             offsets[index] += len(text)
             return sse(CompletionResponse(id=ident, created=created, model=engine.model_name, choices=[
-                CompletionChoice(index=index, text=text, finish_reason=finish_reason, logprobs=scores)]))
+                CompletionChoice(index=index, text=text, finish_reason=finish_reason, logprobs=scores,
+                                 prompt_logprobs=prompt_scores)]))
 
-        if prefix:
-            for index in range(len(choices)):
+        for index, (choice, prefix) in enumerate(zip(choices, prefixes)):
+            if prefix and choice.prompt_logprobs is None:  # a scored prompt's echo comes with its scores
                 yield chunk(index, prefix)
         async for index, item in guarded(merged([engine.generate(params) for params in choices]), route):
             if isinstance(item, str):
                 yield item
                 return
+            if item.prompt_logprobs is not None:
+                prompt = choices[index].prompt_ids
+                scores = shape.echoed(prompt, item.prompt_logprobs) if shape.echo_scores else None
+                yield chunk(index, prefixes[index], scores=scores,
+                            prompt_scores=shape.vllm(prompt, item.prompt_logprobs))
+                continue
             if item.result is None:
                 if item.text or item.logprobs:
                     yield chunk(index, item.text, entries=item.logprobs)
@@ -360,7 +390,7 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
             yield chunk(index, item.text, item.finish_reason, item.logprobs)
         if include_usage:
             yield sse(CompletionResponse(id=ident, created=created, model=engine.model_name, choices=[],
-                                         usage=usage_of(results)))
+                                         usage=usage_of(results, per_prompt)))
         yield sse("[DONE]")
 
     # ---- chat ----------------------------------------------------------------------------
@@ -401,7 +431,12 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
         refused = check_common(body)
         if refused is not None:
             return refused
+        if body.prompt_logprobs is not None and body.stream:
+            refuse("'prompt_logprobs' is answered on a whole chat completion, not a stream (stream: false)",
+                   "prompt_logprobs")
         choices, top, parse_tools = await chat_choices(body)
+        if body.prompt_logprobs is not None:  # the response carries the prompt's scores once: the first choice's
+            choices[0] = dataclasses.replace(choices[0], prompt_logprobs=body.prompt_logprobs)
         route = "/v1/chat/completions"
         if body.stream:
             return StreamingResponse(stream_chat(choices, top, parse_tools, body.include_usage(), route),
@@ -417,8 +452,12 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
             answers.append(ChatChoice(index=i, message=ResponseMessage(content=content, tool_calls=calls),
                                       finish_reason=finish,
                                       logprobs=None if top is None else chat_logprobs(engine.tokenizer, entries, top)))
+        prompt_scores = None
+        if body.prompt_logprobs is not None:  # every choice scored the same prompt: the first one's
+            prompt_scores = vllm_prompt_logprobs(engine.tokenizer, choices[0].prompt_ids, outputs[0][1].prompt_logprobs,
+                                                 body.prompt_logprobs)
         return ChatCompletionResponse(model=engine.model_name, usage=usage_of([r for _, r, _ in outputs]),
-                                      choices=answers)
+                                      choices=answers, prompt_logprobs=prompt_scores)
 
     async def stream_chat(choices: list[GenerateParams], top: Optional[int], parse_tools: bool, include_usage: bool,
                           route: str) -> AsyncIterator[str]:

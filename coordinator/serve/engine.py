@@ -48,6 +48,7 @@ class GenerateParams:
     skip_special_tokens: bool = True  # as vLLM: special tokens (<|im_start|>, <|endoftext|>) are not text
     shown_special: frozenset = frozenset()  # special ids kept as text all the same (a tool call's markers)
     cache_salt: str = ""  # prompts share cached prefixes only with prompts of the same salt
+    prompt_logprobs: Optional[int] = None  # top logprobs per prompt position; None: the prompt is not scored
 
 
 @dataclass
@@ -56,6 +57,9 @@ class Delta:
     logprobs: list = field(default_factory=list)  # (token, head-shard entry) of the tokens this text covers
     finish_reason: Optional[str] = None
     result: Optional[DecodeResult] = None  # on the last delta
+    # on a delta of its own before any text, when the prompt was scored: per prompt token after the first
+    # [logprob, [[id, logprob], ...top], rank]
+    prompt_logprobs: Optional[list] = None
 
 
 @dataclass
@@ -261,7 +265,7 @@ class Engine:
             drafter = self._dflash.fresh()  # no I/O: its calls run on the engine thread, on the engine's connections
         return Request(params.prompt_ids, params.max_tokens, eos_ids=eos, sampling=params.sampling, drafter=drafter,
                        block_size=self.block_size, verify_cost=self.verify_cost, on_commit=post, on_finish=on_finish,
-                       cache_salt=params.cache_salt)
+                       cache_salt=params.cache_salt, prompt_logprobs=params.prompt_logprobs)
 
     async def _outputs(self, params: GenerateParams, request: Request, commits: asyncio.Queue) -> AsyncIterator[Delta]:
         """The frontend's half of a request, on the event loop (as vLLM's output processor): commits become text
@@ -272,10 +276,14 @@ class Engine:
         last = time.perf_counter()  # the first commit observes the time to first token
         pending: list = []  # (token, logprobs entry) committed since the last text delta; an EOS is not text
         stopped_at: Optional[int] = None  # tokens the request holds, once a stop string matched
+        scored = request.prompt_logprobs is None  # the prompt's scores were handed on (or none were asked)
         while True:
             item = await commits.get()
             if isinstance(item, BaseException):
                 raise item
+            if not scored:  # the prefill ended before the first commit or the end: the scores are complete
+                scored = True
+                yield Delta(prompt_logprobs=request.result.prompt_logprobs)
             if isinstance(item, DecodeResult):
                 if stopped_at is not None:
                     cut_result(item, stopped_at)

@@ -40,7 +40,6 @@ UNSUPPORTED = {
     "min_tokens": lambda value: value == 0,
     "stop_token_ids": lambda value: not value,
     "include_stop_str_in_output": lambda value: value is False,
-    "prompt_logprobs": lambda value: False,
     "truncate_prompt_tokens": lambda value: False,
 }
 
@@ -64,6 +63,8 @@ class SamplingFields(OpenAIModel):
     repetition_penalty: Optional[float] = Field(default=None, gt=0, le=100)  # vLLM's extension
     ignore_eos: bool = False  # vLLM's extension
     skip_special_tokens: bool = True  # vLLM's extension: special tokens are not returned text
+    # vLLM's extension: the logprob of each prompt token after the first, and this many most likely tokens
+    prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     user: Optional[str] = None
     # UNSUPPORTED: known, refused unless default
     logit_bias: Optional[dict[str, float]] = None
@@ -77,7 +78,6 @@ class SamplingFields(OpenAIModel):
     min_tokens: Optional[int] = None
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: Optional[bool] = None
-    prompt_logprobs: Optional[int] = None
     truncate_prompt_tokens: Optional[int] = None
 
     def stop_strings(self) -> list[str]:
@@ -222,11 +222,25 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's `Logprob`: one token's logprob at a prompt position, its rank there (1: the most likely) and text."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# vLLM's `prompt_logprobs`: None for the first prompt token, then per token {token id: PromptLogprob} of the prompt's
+# token and the most likely ones
+PromptLogprobs = list[Optional[dict[int, PromptLogprob]]]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[Literal["stop", "length"]] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class CompletionResponse(BaseModel):
@@ -275,6 +289,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: Optional[PromptLogprobs] = None  # vLLM's: the rendered prompt's, as on a completion's choice
 
 
 class DeltaFunctionCall(BaseModel):

@@ -372,7 +372,6 @@ REFUSED = [
     ("completions", "logit_bias", {"logit_bias": {"5": 3}}),
     ("completions", "suffix", {"suffix": "end"}),
     ("completions", "best_of", {"best_of": 2}),
-    ("completions", "echo", {"echo": True, "logprobs": 1}),
     ("completions", "min_tokens", {"min_tokens": 2}),
     ("completions", "stop_token_ids", {"stop_token_ids": [3]}),
     ("completions", "guided_json", {"guided_json": {"type": "object"}}),

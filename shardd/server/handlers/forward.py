@@ -18,6 +18,7 @@ from protocol.layout import CHECKPOINT
 from protocol.timing import DAEMON as PHASES
 from shardd.engine.batch import BatchItem
 from shardd.engine.head.answer import HeadRequest, answer_batch, answer_rows
+from shardd.engine.head.logprobs import scored_rows
 from shardd.engine.head.penalties import Penalties
 from shardd.engine.head.sampling import SamplingParams
 from shardd.server.errors import Refusals
@@ -55,10 +56,12 @@ class Forward:
             checkpoint=request.checkpoint, capture_layers=layers)
         if wait is not None and not rows_go_on_device(request, out.hidden):
             check_landed([wait])  # else their wait's outcome goes on with them (or is checked before the host)
-        answer = None
+        answer = scored = None
         if out.ids is not None and head.needed:  # on out.logits now: the fast path's buffer is valid until the next step
             answer = answer_rows(out.logits, out.ids.tolist(), request.pos, head)
-        result, tensors = self._result(request, entry, out, answer)
+        if out.ids is not None and request.next_tokens is not None:
+            (scored,) = scored_rows([(out.logits, request.next_tokens, request.prompt_logprobs)])
+        result, tensors = self._result(request, entry, out, answer, scored)
         self._save_prefix(request, entry, result, peer)
         if proposing(request):
             self._propose_after([(0, request, entry, out)], [(result, tensors)])
@@ -106,14 +109,15 @@ class Forward:
         if request.return_logits and not shard.owns_head:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "return_logits asks for logits from a shard without the head")
         head = head_request(request)
-        if head.needed and not shard.owns_head:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "sampling (temperature >= 1e-5), penalties or logprobs ask a shard "
-                                                       "without the head")
-        if request.drafts:  # the sampler reads p(draft): an id past the vocabulary must not reach it
-            vocab = shard.config.vocab_size
-            outside = [token for token in request.drafts if token >= vocab]
+        if (head.needed or request.next_tokens is not None) and not shard.owns_head:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "sampling (temperature >= 1e-5), penalties, logprobs or prompt "
+                                                       "logprobs ask a shard without the head")
+        vocab = shard.config.vocab_size
+        for name in ("drafts", "next_tokens"):  # read as indices into a row: an id past the vocabulary must not reach it
+            outside = [token for token in getattr(request, name) or () if token >= vocab]
             if outside:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"draft token {outside[0]} is outside the vocabulary "
+                what = "draft token" if name == "drafts" else "next token"
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"{what} {outside[0]} is outside the vocabulary "
                                                            f"0..{vocab - 1}")
         check_finite("hidden", request.hidden)
         if request.save_prefix is not None:
@@ -129,9 +133,10 @@ class Forward:
         if request.save_prefix is not None:
             result["prefix_saved"] = self.sequences.save_prefix(peer.owner, entry, request.save_prefix)
 
-    def _result(self, request, entry: Sequence, out, answer) -> tuple[dict, dict]:
+    def _result(self, request, entry: Sequence, out, answer, scored=None) -> tuple[dict, dict]:
         """The result and the tensors (torch, by frame name) of a forward that ran; `answer` is the head's
-        (ids, accepted, logprobs) when the request asked for more than the argmax. Counts it."""
+        (ids, accepted, logprobs) when the request asked for more than the argmax, `scored` its prompt logprobs
+        when it asked for them. Counts it."""
         shard, counters = self.shard, self.counters
         n = request.n_tokens
         counters.forwards += 1
@@ -152,6 +157,8 @@ class Forward:
                     result["accepted"] = accepted
                 if logprobs is not None:
                     result["logprobs"] = logprobs
+            if scored is not None:
+                result["prompt_logprobs"] = scored
             if request.return_logits:
                 # float32 on the wire, copied: the GPU step's logits are a view of a buffer its next step reuses
                 tensors["logits"] = out.logits.to("cpu", torch.float32, copy=True)
@@ -195,7 +202,8 @@ class Forward:
             runs.append((index, item, entry, head))
             batch.append(BatchItem(entry.state, item.pos, tokens=item.tokens, hidden=hidden_of(item),
                                    checkpoint=item.checkpoint, capture_layers=tuple(layers),
-                                   logits=head.needed or bool(item.return_logits)))  # else ids only: no copies
+                                   logits=head.needed or bool(item.return_logits) or item.next_tokens is not None))
+            # (without logits: ids only, no copies)
         PHASES.lap("lookup")
         waits = {id(w): w for w in (getattr(item.hidden, "wait", None) for _, item, _, _ in runs) if w is not None}
 
@@ -214,13 +222,20 @@ class Forward:
             rows = [(out.logits, out.ids.tolist(), runs[i][1].pos, runs[i][3]) for i, out in heads]
             answered = self._run_items([runs[i] for i, _ in heads], lambda: answer_batch(rows))
             head_answers = {i: answer for (i, _), answer in zip(heads, answered)}
+        scoring = [(i, out) for i, out in enumerate(outputs) if not isinstance(out, Exception) and out.ids is not None
+                   and runs[i][1].next_tokens is not None and not isinstance(head_answers.get(i), Exception)]
+        prompt_scores = {}
+        if scoring:
+            asked = [(out.logits, runs[i][1].next_tokens, runs[i][1].prompt_logprobs) for i, out in scoring]
+            scored = self._run_items([runs[i] for i, _ in scoring], lambda: scored_rows(asked))
+            prompt_scores = {i: entries for (i, _), entries in zip(scoring, scored)}
         verified = []  # (index, item, entry, output) of the items whose reply brings the next block
         for i, (index, item, entry, head) in enumerate(runs):
             out = head_answers.get(i, outputs[i])
-            if isinstance(out, Exception):
-                answers[index] = out
+            if isinstance(out, Exception) or isinstance(prompt_scores.get(i), Exception):
+                answers[index] = out if isinstance(out, Exception) else prompt_scores[i]
                 continue
-            answers[index] = self._result(item, entry, outputs[i], head_answers.get(i))
+            answers[index] = self._result(item, entry, outputs[i], head_answers.get(i), prompt_scores.get(i))
             self._save_prefix(item, entry, answers[index][0], peer)
             if proposing(item):
                 verified.append((index, item, entry, outputs[i]))
