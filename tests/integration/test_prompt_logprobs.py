@@ -157,7 +157,8 @@ def test_echo_with_logprobs_and_no_new_tokens_scores_the_prompt(server, model):
         best = {tokenizer.decode([int(i)]): float(v) for i, v in zip(*reversed(row.topk(3)))}
         best.setdefault(tokenizer.decode([token]), float(row[token]))
         assert ranked.keys() == best.keys() and all(abs(ranked[k] - best[k]) < TOL for k in best)
-    assert answer["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt)}
+    assert answer["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt),
+                               "prompt_tokens_details": {"cached_tokens": 0}}
     # without logprobs the echo alone needs no step at all
     assert completion(server, prompt=PROMPT, echo=True, max_tokens=0)["choices"][0]["text"] == PROMPT
 
