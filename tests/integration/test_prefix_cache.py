@@ -207,3 +207,38 @@ def test_dflash_resumes_its_drafter_context_too(beside):
     assert all(c[3] == 0 for c in cold) and all(w[3] >= len(SYSTEM) // CHUNK * CHUNK for w in warm[1:])
     head = beside.stats()[1]["prefix_cache"]
     assert head["hits"] >= 3 and head["misses"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["checkpoint", "replay-ssm"])
+def test_the_fast_engine_resumes_bit_for_bit(tmp_path, mode):
+    """Two fast bf16 daemons on the GPU (rows through the device ring, DFlash beside the head): every prompt's
+    tokens with its prefix resumed from the state pools' entries equal the cold run's, greedy, seeded and DFlash."""
+    from coordinator.drafting.dflash import DFlashDrafterClient
+    from tests.support.daemons import start_daemons
+
+    binds = [f"ipc://{tmp_path}/s{k}.sock" for k in range(2)]
+    common = ["--engine", "fast", "--device", "cuda:0", "--dtype", "bfloat16", "--rollback-mode", mode,
+              "--max-verify-tokens", "8"]
+    specs = {"first": (binds[0], ["--layers", "0:3", *common, "--relay-to", binds[1]]),
+             "head": (binds[1], ["--layers", "3:6", *common, "--draft", "synthetic"])}
+    daemons = start_daemons(specs, tmp_path)
+    try:
+        with Pipeline.connect(binds) as pipeline:
+            for sampled in (False, True):
+                cold, _ = _run(pipeline, PROMPTS + [TURN], caching=False, sampled=sampled, drafter=True)
+                warm, _ = _run(pipeline, PROMPTS + [TURN], caching=True, sampled=sampled, drafter=True)
+                assert [t for t, _ in warm] == [t for t, _ in cold]
+                assert all(cached > 0 for _, cached in warm[1:])
+            drafter = DFlashDrafterClient(pipeline.clients[1], pipeline)
+
+            def dflash(caching):
+                scheduler = Scheduler(pipeline, max_sequences=2, prefill_chunk=CHUNK, prefix_caching=caching)
+                done = [scheduler.run_all([Request(p, 12, drafter=drafter.fresh(), block_size=4)])[0]
+                        for p in PROMPTS]
+                return [(r.outcome().tokens, r.result.accepted, r.result.cached_tokens) for r in done]
+
+            cold, warm = dflash(False), dflash(True)
+            assert [c[:2] for c in warm] == [c[:2] for c in cold] and all(w[2] > 0 for w in warm[1:])
+    finally:
+        stop_all(daemons.values())
