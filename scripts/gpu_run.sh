@@ -18,6 +18,7 @@
 # | fp8-gemm      | -                  | tests/unit/test_fp8_gemm.py                         | each 27B FP8 matrix vs its floor, tile sweep (fp8_gemm.json); NCU=1: Nsight Compute (fp8_gemm_ncu.txt) |
 # | seed          | wheels             | -                                                   | the seed's benchmark, within SEED_BUDGET s (seed_bench.json) |
 # | sampling      | -                  | the head shard's sampler on CUDA                    | per-row vs batched sampling (gpu_bench_sampling.json) |
+# | prefix        | wheels             | prefix entries on the fast engine, prompt logprobs  | prefix caching: second turn, shared system prompt, flood (gpu_bench_prefix.json) |
 # | gpu-tests     | wheels             | every test marked gpu (`pytest -m gpu tests`)       | - |
 #
 # Each run also writes RUN.log (its tests' tail and the benchmark's output); a short summary of every run is printed
@@ -49,7 +50,7 @@ runs=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do runs+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 ARGS=("$@")
-known=" check local relay relay-profile ring batch batch-step dflash dflash-batch fp8 fp8-gemm seed sampling gpu-tests "
+known=" check local relay relay-profile ring batch batch-step dflash dflash-batch fp8 fp8-gemm seed sampling prefix gpu-tests "
 if [ ${#runs[@]} -eq 0 ]; then
     sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
     exit 2
@@ -130,6 +131,10 @@ run_relay() {
     bench relay 380 python3 scripts/bench_gpu.py --parts "${PARTS:-relay,local}" --tokens 64 --repeats 10 --timeline \
         --json "$OUT/gpu_bench_relay.json" "${ARGS[@]}"
 }
+run_prefix() {
+    gpu_tests prefix 200 tests/integration/test_prefix_cache.py tests/integration/test_prompt_logprobs.py -k fast_engine
+    bench prefix 420 python3 scripts/bench_gpu.py --parts prefix --json "$OUT/gpu_bench_prefix.json" "${ARGS[@]}"
+}
 run_relay-profile() {
     bench relay-profile 320 python3 scripts/bench_gpu.py --parts relay --tokens 64 --daemon-profile /tmp/daemon-prof \
         --json "$OUT/relay_profile.json" "${ARGS[@]}"
@@ -195,13 +200,13 @@ KEYS = ("outputs_identical", "failed_parts", "floor_ms", "greedy_ms_per_token", 
         "floor_ratio_step", "tok_s", "rollback_ms", "prefill_tok_s", "e2e_tok_s", "e2e_vs_local", "relay_ms_per_step",
         "e2e_greedy_vs_local", "relay_timeline", "draft_propose_ms_fast", "draft_floor_ratio", "dflash_vs_oracle",
         "batch_identical", "batch_http", "relay_vs_delay", "e2e_dflash_step_ms", "dflash_batch_vs_oracle",
-        "dflash_batch_identical")
+        "dflash_batch_identical", "prefix_turn", "prefix_shared", "prefix_flood", "prefix_outputs_identical")
 FILES = {"check": "prefill_profile.json", "local": "gpu_bench_local.json", "relay": "gpu_bench_relay.json",
          "relay-profile": "relay_profile.json", "ring": "cuda_ipc_probe.json",
          "batch": "gpu_bench_batch.json", "batch-step": "gpu_bench_batch_step.json", "dflash": "gpu_bench_dflash.json",
          "dflash-batch": "gpu_bench_dflash_batch.json",
          "fp8": "gpu_bench_fp8.json", "fp8-gemm": "fp8_gemm.json", "seed": "seed_bench.json",
-         "sampling": "gpu_bench_sampling.json"}
+         "sampling": "gpu_bench_sampling.json", "prefix": "gpu_bench_prefix.json"}
 for run in runs:
     print(f"==== {run}")
     log = out / f"{run}.log"
