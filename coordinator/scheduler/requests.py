@@ -82,6 +82,8 @@ class DecodeResult:
 class Request:
     """One generation: a prompt, its budget and sampling, and, when speculating, its drafter.
 
+    With `guide` (constrained decoding) each answered row is masked to the tokens its grammar allows, and the
+    request ends ("stop") when the grammar is complete.
     `on_commit(ids)` runs on the scheduler's thread as tokens commit (ids carry `.logprobs` when asked for);
     raising `StopDecoding` there ends the request after this commit. `on_finish(request)` runs once at the
     end, whether it finished, failed or was cancelled. `cancel()` may be called from any thread."""
@@ -97,6 +99,7 @@ class Request:
         block_size: int = 16,
         on_commit: Optional[Callable[[list[int]], None]] = None,
         on_finish: Optional[Callable[["Request"], None]] = None,
+        guide=None,
     ) -> None:
         check_request(list(prompt), max_new_tokens)
         if drafter is not None and block_size < 2:
@@ -116,6 +119,7 @@ class Request:
         self.block_size = block_size
         self.on_commit = on_commit
         self.on_finish = on_finish
+        self.guide = guide  # a coordinator.guided.Guide: the grammar its output keeps to (None: unconstrained)
         self.result = DecodeResult(prompt_tokens=len(self.prompt))
         if self.sampled and self.sampled["sampling"].logprobs is not None:
             self.result.logprobs = []

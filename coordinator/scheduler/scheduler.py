@@ -133,8 +133,8 @@ class LoopBatches:
     def forward_batch(self, items: Sequence[BatchForward]) -> list:
         results = []
         for item in items:
-            extra = {key: value for key, value in (("sampling", item.sampling), ("drafts", item.drafts))
-                     if value is not None}
+            extra = {key: value for key, value in (("sampling", item.sampling), ("drafts", item.drafts),
+                                                   ("token_mask", item.token_mask)) if value is not None}
             try:
                 results.append(self.target.forward(item.seq, item.pos, item.tokens, checkpoint=item.checkpoint,
                                                    **extra))
@@ -414,17 +414,22 @@ class Scheduler:
 
     def _item(self, request: Request, rows: int) -> _Item:
         request.last_step = self.steps
+        guide = request.guide
         if request.state == PREFILL:
             start = request.prefilled
             tokens = request.prompt[start:start + rows]
             last = start + rows == len(request.prompt)
             sampling = step_keywords(request.sampled, request.prompt, request.result).get("sampling") if last else None
-            return _Item(request, PREFILL, BatchForward(request.seq, start, tokens, sampling=sampling))
+            token_mask = guide.plan()[1] if last and guide is not None else None
+            return _Item(request, PREFILL, BatchForward(request.seq, start, tokens, sampling=sampling,
+                                                        token_mask=token_mask))
         history, room = request.history, request.room(self.limit)
         sampling = step_keywords(request.sampled, history, request.result)
         if request.drafter is None:
             return _Item(request, DECODE, BatchForward(request.seq, len(history) - 1, [history[-1]],
-                                                       sampling=sampling.get("sampling")), room=room)
+                                                       sampling=sampling.get("sampling"),
+                                                       token_mask=guide.plan()[1] if guide is not None else None),
+                         room=room)
         started = time.perf_counter()
         drafts = self._propose(request, history, rows - 1)
         request.result.draft_seconds += time.perf_counter() - started
@@ -432,9 +437,13 @@ class Scheduler:
             return self._item(request, 1)
         if len(drafts) != rows - 1:
             raise ValueError(f"drafter {request.drafter.name!r} proposed {len(drafts)} tokens, asked for {rows - 1}")
+        token_mask = None
+        if guide is not None:  # the drafts the grammar takes, and the mask of each answered row
+            drafts, token_mask = guide.plan(drafts)
         extra = with_drafts(sampling, drafts)
         forward = BatchForward(request.seq, len(history) - 1, [history[-1]] + drafts, checkpoint=True,
-                               sampling=extra.get("sampling"), drafts=extra.get("drafts"))
+                               sampling=extra.get("sampling"), drafts=drafts if guide is not None else extra.get("drafts"),
+                               token_mask=token_mask)
         return _Item(request, DECODE, forward, drafts=drafts, room=room)
 
     def _propose(self, request: Request, history: list[int], n: int) -> Optional[list[int]]:
@@ -561,6 +570,8 @@ class Scheduler:
         result = request.result
         result.prefill_seconds = time.perf_counter() - request._started
         first = outputs[-1]
+        if request.guide is not None:
+            request.guide.commit([first])
         if result.logprobs is not None:
             keep_logprobs(result, last_row(outputs), 1)
         result.tokens.append(first)
@@ -572,13 +583,17 @@ class Scheduler:
     def _verified(self, item: _Item, verified, rollbacks: list[tuple[Request, int]]) -> list[int]:
         """Commit what a decode or verify row answered (coordinator.scheduler.commit's rule); queue its rollback."""
         request, result = item.request, item.request.result
+        guide = request.guide
         if item.drafts is None:
             (token,) = verified
+            if guide is not None:
+                guide.commit([token])
             request.history.append(token)
             keep_logprobs(result, verified, 1)
             return [token]
         before = len(request.history)
-        keep = commit_block(result, request.history, item.drafts, verified, item.room, request.eos)
+        keep = commit_block(result, request.history, item.drafts, verified, item.room, request.eos,
+                            guide.commit if guide is not None else None)
         if keep < len(item.forward.tokens):
             rollbacks.append((request, keep))
             count_rollback(result, self.rollback)
@@ -601,7 +616,9 @@ class Scheduler:
             self._fail(request, error)
             return
         tokens = request.result.tokens
-        if finished(tokens, request.max_new_tokens, request.eos):
+        if request.guide is not None and request.guide.finished:  # the grammar is complete
+            self._finish(request, STOP)
+        elif finished(tokens, request.max_new_tokens, request.eos):
             self._finish(request, STOP if tokens[-1] in request.eos else LENGTH)
 
     def _finish(self, request: Request, reason: str) -> None:
