@@ -55,14 +55,15 @@ class GrammarSpec:
 
     kind: str  # "json_schema", "json_object" or "tool_calls"
     source: str = ""
-    strict: bool = True
     param: str = "response_format"  # the request field the grammar came from (named in a refusal)
 
     @classmethod
-    def json_schema(cls, schema, strict: Optional[bool] = None, param: str = "response_format") -> "GrammarSpec":
+    def json_schema(cls, schema, param: str = "response_format") -> "GrammarSpec":
+        """Output that keeps to `schema`, strict or not (as vLLM, an object has only the properties the schema allows:
+        `additionalProperties` absent is false)."""
         if not isinstance(schema, dict):
             raise GrammarError(param, f"'{param}' needs a JSON schema object, got {type(schema).__name__}")
-        return cls("json_schema", canonical(schema), bool(strict), param)
+        return cls("json_schema", canonical(schema), param)
 
     @classmethod
     def json_object(cls, param: str = "response_format") -> "GrammarSpec":
@@ -79,7 +80,7 @@ class GrammarSpec:
             functions = {name: functions[name]}
         if not functions:
             raise GrammarError("tool_choice", "'tool_choice' \"required\" needs tools")
-        return cls("tool_calls", canonical({"functions": functions, "parallel": parallel}), True, "tool_choice")
+        return cls("tool_calls", canonical({"functions": functions, "parallel": parallel}), "tool_choice")
 
 
 def canonical(value) -> str:
@@ -112,7 +113,7 @@ class GrammarCompiler:
 
     def compile(self, spec: GrammarSpec):
         """The compiled grammar of `spec`; GrammarError naming `spec.param` when xgrammar refuses it."""
-        key = (spec.kind, spec.source, spec.strict, self.tokenizer_key)
+        key = (spec.kind, spec.source, self.tokenizer_key)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
@@ -134,7 +135,7 @@ class GrammarCompiler:
         if spec.kind == "json_object":
             return self._json({"type": "object"}, strict=False)
         if spec.kind == "json_schema":
-            return self._json(json.loads(spec.source), strict=spec.strict)
+            return self._json(json.loads(spec.source), strict=True)
         calls = json.loads(spec.source)
         one = grammar.union(*(grammar.concat(
             grammar.from_ebnf(_literal(TOOL_CALL_START)),

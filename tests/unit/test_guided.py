@@ -63,7 +63,7 @@ def tokenizer(local):
 
 def decode(local, compiler, prompt, schema, *, drafter=None, sampling=None, rollback=CHECKPOINT, n=1):
     requests = [Request(prompt, NEW, sampling=sampling, drafter=drafter() if drafter else None, block_size=4,
-                        guide=compiler.guide(GrammarSpec.json_schema(schema, strict=True))) for _ in range(n)]
+                        guide=compiler.guide(GrammarSpec.json_schema(schema))) for _ in range(n)]
     return decode_all(local, requests, rollback=rollback)
 
 
@@ -121,7 +121,7 @@ def test_a_batch_of_grammars_equals_each_alone(local, compiler, tokenizer):
     alone = [decode(local, compiler, prompt, schema)[0].tokens for prompt, schema in zip(prompts, schemas)]
     unconstrained = Request(prompts[0], 12)
     requests = [Request(prompt, NEW, drafter=NgramDrafter(), block_size=4,
-                        guide=compiler.guide(GrammarSpec.json_schema(schema, strict=True)))
+                        guide=compiler.guide(GrammarSpec.json_schema(schema)))
                 for prompt, schema in zip(prompts, schemas)]
     together = decode_all(local, [*requests, unconstrained])
     assert [result.tokens for result in together[:3]] == alone
@@ -135,7 +135,7 @@ def test_sampling_under_a_mask_is_lossless(local, compiler, tokenizer):
 
     def counts(drafter) -> Counter:
         requests = [Request(prompt, 8, sampling=Sampling(temperature=1.0, seed=seed), drafter=drafter and drafter(),
-                            block_size=4, guide=compiler.guide(GrammarSpec.json_schema(schema, strict=True)))
+                            block_size=4, guide=compiler.guide(GrammarSpec.json_schema(schema)))
                     for seed in range(200)]
         return Counter(tuple(result.tokens[6:8]) for result in decode_all(local, requests))
 
@@ -170,8 +170,8 @@ def test_allowed_tokens_reads_bit_31():
 
 
 def test_a_compiled_grammar_is_cached_and_a_bad_schema_is_named(compiler):
-    spec = GrammarSpec.json_schema(PERSON, strict=True)
-    assert compiler.compile(spec) is compiler.compile(GrammarSpec.json_schema(dict(PERSON), strict=True))
+    spec = GrammarSpec.json_schema(PERSON)
+    assert compiler.compile(spec) is compiler.compile(GrammarSpec.json_schema(dict(PERSON)))
     with pytest.raises(GrammarError, match="frob") as refused:
         compiler.compile(GrammarSpec.json_schema({"type": "frob"}))
     assert refused.value.param == "response_format"
