@@ -8,9 +8,10 @@ tags so the output is what `coordinator.serve.tools` parses:
 
     <tool_call>\\n{"name": "<one of the tools>", "arguments": <that tool's parameters schema>}\\n</tool_call>
 
-(a union over the tools, one per allowed name; with parallel tool calls, more calls may follow, each after a
-newline). It is composed of xgrammar's own grammars (`Grammar.from_json_schema`, `concat`, `union`) rather than
-structural tags, so the text outside the JSON is fixed and nothing in the tags depends on the model's vocabulary.
+(a union over the tools, one per allowed name; each newline optional; with parallel tool calls, more calls may
+follow, each after a newline). It is composed of xgrammar's own grammars (`Grammar.from_json_schema`, `concat`,
+`union`) rather than structural tags, so the text outside the JSON is fixed and nothing in the tags depends on the
+model's vocabulary.
 JSON is compact (no whitespace between tokens beyond `separators`): output stays bounded, as vLLM's
 `disable-any-whitespace`.
 
@@ -37,7 +38,8 @@ CACHE_SIZE = 64
 # Tokens that end a grammar when the model has no EOS of its own (a synthetic model, a checkpoint without one).
 FALLBACK_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 JSON_SEPARATORS = (", ", ": ")
-TOOL_CALL_START, TOOL_CALL_END = "<tool_call>\n", "\n</tool_call>"
+# Qwen's template writes a newline inside each tag; a model may leave it out (the parser reads both)
+TOOL_CALL_START, TOOL_CALL_END = 'root ::= "<tool_call>" "\\n"?', 'root ::= "\\n"? "</tool_call>"'
 
 
 class GrammarError(ValueError):
@@ -138,10 +140,10 @@ class GrammarCompiler:
             return self._json(json.loads(spec.source), strict=True)
         calls = json.loads(spec.source)
         one = grammar.union(*(grammar.concat(
-            grammar.from_ebnf(_literal(TOOL_CALL_START)),
+            grammar.from_ebnf(TOOL_CALL_START),
             self._json({"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
                         "required": ["name", "arguments"], "additionalProperties": False}, strict=True),
-            grammar.from_ebnf(_literal(TOOL_CALL_END))) for name, parameters in calls["functions"].items()))
+            grammar.from_ebnf(TOOL_CALL_END)) for name, parameters in calls["functions"].items()))
         if not calls["parallel"]:
             return one
         # one call, then more, each after a newline
@@ -154,10 +156,6 @@ class GrammarCompiler:
 
     def guide(self, spec: GrammarSpec) -> "Guide":
         return Guide(self.compile(spec), self.vocab_size, self.stop_ids)
-
-
-def _literal(text: str) -> str:
-    return "root ::= " + json.dumps(text)
 
 
 class Guide:
