@@ -441,9 +441,10 @@ class Scheduler:
         if guide is not None:  # the drafts the grammar takes, and the mask of each answered row
             drafts, token_mask = guide.plan(drafts)
         extra = with_drafts(sampling, drafts)
+        if guide is not None:  # the mask covers the answered rows: the head is told the drafts, greedy or not
+            extra["drafts"] = drafts
         forward = BatchForward(request.seq, len(history) - 1, [history[-1]] + drafts, checkpoint=True,
-                               sampling=extra.get("sampling"), drafts=drafts if guide is not None else extra.get("drafts"),
-                               token_mask=token_mask)
+                               sampling=extra.get("sampling"), drafts=extra.get("drafts"), token_mask=token_mask)
         return _Item(request, DECODE, forward, drafts=drafts, room=room)
 
     def _propose(self, request: Request, history: list[int], n: int) -> Optional[list[int]]:

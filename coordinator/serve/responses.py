@@ -261,7 +261,8 @@ class ResponseShape:
             "metadata": request.metadata, "parallel_tool_calls": request.parallel_tool_calls is not False,
             "previous_response_id": None, "reasoning": None, "store": False, "background": False,
             "temperature": request.temperature, "top_p": request.top_p,
-            "text": {"format": (request.text or {}).get("format") or {"type": "text"}}, "tool_choice": request.tool_choice or "auto",
+            "text": {"format": (request.text or {}).get("format") or {"type": "text"}},
+            "tool_choice": request.tool_choice or "auto",
             "tools": request.tools or [], "truncation": request.truncation or "disabled", "user": request.user,
         }
 

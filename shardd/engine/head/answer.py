@@ -5,8 +5,8 @@ the last committed token and one per draft). Row j of them follows the output so
 its penalised logits are those plain decoding would see at that token; sampling (shardd.engine.head.sampling) and greedy
 alike read them. A token mask (constrained decoding: bit j of word i allows token 32 i + j) sets the logits of the
 tokens a row may not take to -inf after the penalties, so the argmax and the sampler (and its rejection rule) see
-the constrained distribution; logprobs stay those of the raw logits. `answer_batch` answers every row of a batch of forwards at once, each sequence with its own
-settings: the rows' penalties, sampling, first rejection and logprobs are a few batched ops on the logits'
+the constrained distribution; logprobs stay those of the raw logits. `answer_batch` answers every row of a batch
+of forwards at once, each sequence with its own settings: the rows' penalties, sampling, first rejection and logprobs are a few batched ops on the logits'
 device, and the answers come back in one device-to-host copy. A row's answer depends on its own logits and
 request alone, never on what else is in the batch."""
 
