@@ -200,7 +200,7 @@ def test_each_verify_row_sees_the_drafts_before_it():
 @pytest.mark.parametrize("fields,message", [
     (dict(output_tokens=[3]), "only read by a penalty"),
     (dict(repetition_penalty=0.0), "must be > 0"),
-    (dict(drafts=[2]), "needs temperature > 0, a penalty, logprobs or propose"),
+    (dict(drafts=[2]), "needs temperature > 0, a penalty, logprobs, a token mask or propose"),
     (dict(logprobs=21), "logprobs"),
     (dict(presence_penalty=2.5), "presence_penalty"),
 ])
