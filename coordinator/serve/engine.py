@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable, Optional, Sequence
 
+from coordinator.guided import GrammarCompiler, GrammarError, GrammarSpec
 from coordinator.drafting.drafters import NgramDrafter, make_drafter
 from coordinator.relay.client import ShardClient
 from coordinator.relay.liveness import LIVENESS_TIMEOUT_S
@@ -46,7 +47,7 @@ class GenerateParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # as vLLM: special tokens (<|im_start|>, <|endoftext|>) are not text
     shown_special: frozenset = frozenset()  # special ids kept as text all the same (a tool call's markers)
-    grammar: Optional[object] = None  # a coordinator.guided.GrammarSpec the output keeps to (compiled: Engine.compile)
+    grammar: Optional[GrammarSpec] = None  # what the output keeps to (compiled first: Engine.compile)
 
 
 @dataclass
@@ -218,8 +219,6 @@ class Engine:
     def compile(self, spec) -> None:
         """Compile `spec` (a `coordinator.guided.GrammarSpec`) now, so a grammar xgrammar refuses is a 400 naming its
         field before any sequence opens (RequestError with `param`); cached for the requests that follow."""
-        from coordinator.guided import GrammarCompiler, GrammarError
-
         try:
             with self._grammar_lock:
                 if self._grammars is None:  # xgrammar and the tokenizer's vocabulary, at the first grammar

@@ -11,6 +11,7 @@ import uuid
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from coordinator.guided import GrammarError, GrammarSpec
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -175,8 +176,6 @@ class ChatCompletionRequest(SamplingFields):
 def response_format_grammar(value: Optional[dict[str, Any]], param: str = "response_format"):
     """The grammar (`coordinator.guided.GrammarSpec`) `response_format` asks for; None for text (or none).
     GrammarError naming `param` for a format this server does not know."""
-    from coordinator.guided import GrammarError, GrammarSpec
-
     if value is None or value.get("type") == "text":
         return None
     kind = value.get("type")

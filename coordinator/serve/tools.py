@@ -18,6 +18,7 @@ import json
 import re
 from typing import Any, Optional, Union
 
+from coordinator.guided import GrammarError, GrammarSpec
 from coordinator.serve.protocol import ChatMessage, FunctionCall, ToolCall
 
 START, END = "<tool_call>", "</tool_call>"
@@ -43,8 +44,6 @@ def check_tool_choice(tools, tool_choice) -> bool:
 def tool_call_grammar(tools, tool_choice, parallel: bool):
     """The grammar (`coordinator.guided.GrammarSpec`) a "required" or named `tool_choice` constrains the output to;
     None for "auto" and "none". ToolError for a choice that names no function among the tools."""
-    from coordinator.guided import GrammarError, GrammarSpec
-
     if tool_choice not in ("required",) and not isinstance(tool_choice, dict):
         return None
     name = None
