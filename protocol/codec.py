@@ -29,6 +29,7 @@ from .messages import (
     REQUEST_FIELDS,
     REQUEST_TENSORS,
     SAMPLING_EPS,
+    TOKEN_LIMIT,
     Capture,
     FieldSpec,
     Forward,
@@ -418,7 +419,7 @@ def _decode_batch(header: dict, views: list[memoryview], mtype: MessageType, lim
                for name in _TICKET_FIELDS if name in header}
     found = _tensors(header.get("tensors", []), views[1:])
     tensors = _request_tensors(found, _BATCH_TENSOR_SPECS[mtype], mtype)
-    hidden, carried = tensors.get("hidden"), tensors.get("carried")
+    hidden, carried, token_mask = tensors.get("hidden"), tensors.get("carried"), tensors.get("token_mask")
     rows_ticket = tickets.get("rows_ticket")
     if rows_ticket is not None and hidden is not None:
         raise _bad(f"a batched {mtype.value} with field 'rows_ticket' takes its rows from the previous shard's ROWS, "
@@ -435,14 +436,15 @@ def _decode_batch(header: dict, views: list[memoryview], mtype: MessageType, lim
         seqs.add(seq)
     rows = _batch_rows(items, hidden, mtype, ticketed=rows_ticket is not None)
     carried_rows = _carried_rows(items, rows, carried, mtype, counted=hidden is not None or rows_ticket is not None)
+    mask_rows = _mask_rows(items, token_mask)
     total = sum(rows) if hidden is not None else sum(len(item["tokens"]) for item in items
                                                       if type(item.get("tokens")) is list)
     if total > limits.max_tokens_per_request:
         raise _too_large(f"{total} rows in one batch, limit {limits.max_tokens_per_request}")
     decoded: list = []
-    start = carried_start = 0
+    start = carried_start = mask_start = 0
     ticket = {"rows_ticket": rows_ticket} if rows_ticket is not None else None
-    for item, n, m in zip(items, rows, carried_rows):
+    for item, n, m, k in zip(items, rows, carried_rows, mask_rows):
         parts = {}
         if hidden is not None:
             parts["hidden"] = row_slice(hidden, start, n)
@@ -450,6 +452,9 @@ def _decode_batch(header: dict, views: list[memoryview], mtype: MessageType, lim
         if m:
             parts["carried"] = row_slice(carried, carried_start, m)
             carried_start += m
+        if k:
+            parts["token_mask"] = row_slice(token_mask, mask_start, k)
+            mask_start += k
         try:
             decoded.append(_decode_item(item, parts, mtype, limits, ticket and {**ticket, "ticket_rows": n}))
         except ProtocolError as error:
@@ -486,6 +491,19 @@ def _carried_rows(items: list, rows: list[int], carried: Optional[WireTensor], m
     if sum(taken) != have or (carried is not None and not any(taken)):
         raise _bad(f"the rows of the items with 'carried_layers' add up to {sum(taken)}, tensor 'carried' has "
                    f"{have if carried is not None else 'none'}")
+    return taken
+
+
+def _mask_rows(items: list, token_mask: Optional[WireTensor]) -> list[int]:
+    """Each item's rows of tensor `token_mask`: its `mask_rows`, in item order; together the tensor's rows."""
+    taken = []
+    for index, item in enumerate(items):
+        taken.append(_check_int(item["mask_rows"], f"field 'mask_rows' of items[{index}]", 1, TOKEN_LIMIT)
+                     if "mask_rows" in item else 0)
+    have = token_mask.shape[0] if token_mask is not None else 0
+    if sum(taken) != have or (token_mask is not None and not any(taken)):
+        raise _bad(f"the items' mask_rows add up to {sum(taken)}, tensor 'token_mask' has "
+                   f"{have if token_mask is not None else 'none'}")
     return taken
 
 
@@ -622,10 +640,21 @@ def _check_request(record: Request, limits: Limits) -> None:
                 if getattr(record, name) is not None:
                     raise _bad(f"field '{name}' of {kind.value} is only read by a penalty "
                                f"({', '.join(PENALTY_FIELDS)})")
+        masked = record.token_mask is not None
+        if masked != (record.mask_rows is not None):
+            raise _bad(f"field 'mask_rows' and tensor 'token_mask' of {kind.value} go together")
+        if masked:
+            answered = len(record.drafts or ()) + 1
+            if record.mask_rows != answered or record.token_mask.shape[0] != answered:
+                raise _bad(f"tensor 'token_mask' of {kind.value} has {record.token_mask.shape[0]} rows (mask_rows "
+                           f"{record.mask_rows}); the answered rows are len(drafts) + 1 = {answered}")
+            if record.token_mask.shape[1] < 1:
+                raise _bad(f"tensor 'token_mask' has zero width: shape {list(record.token_mask.shape)}")
         if record.drafts is not None:
             proposing = isinstance(record, Capture) and record.propose is not None
-            if not (samples(record.temperature) or penalised or record.logprobs is not None or proposing):
-                raise _bad(f"field 'drafts' of {kind.value} needs temperature > 0, a penalty, logprobs or propose "
+            if not (samples(record.temperature) or penalised or record.logprobs is not None or proposing or masked):
+                raise _bad(f"field 'drafts' of {kind.value} needs temperature > 0, a penalty, logprobs, a token mask or "
+                           f"propose "
                            f"(a temperature below {SAMPLING_EPS:g} is greedy, and greedy drafts are compared with "
                            f"the argmax ids by the coordinator)")
             if len(record.drafts) >= n:
@@ -715,7 +744,7 @@ def encode_request(record: Request, validate: bool = True) -> Frames:
 def _encode_batch(record: Batch, validate: bool) -> Frames:
     """A batched request: each item's fields in `items`, its hidden rows (if any) after the previous item's in
     one `hidden` frame, with `rows` saying how many."""
-    items, hidden, carried = [], [], []
+    items, hidden, carried, token_mask = [], [], [], []
     for item in record.items:
         # the fields that are set, read off the record's __dict__ at once (a getattr for each of a FORWARD's ~25
         # fields would be most of the time of encoding an item)
@@ -728,6 +757,9 @@ def _encode_batch(record: Batch, validate: bool) -> Frames:
             entry["rows"] = entry.pop("ticket_rows", None)
         rows = entry.pop("hidden", None)
         carried_rows = entry.pop("carried", None)
+        mask = entry.pop("token_mask", None)
+        if mask is not None:
+            token_mask.append(mask)
         for name, value in entry.items():
             if type(value) is tuple:
                 entry[name] = list(value)
@@ -744,7 +776,7 @@ def _encode_batch(record: Batch, validate: bool) -> Frames:
     if hidden and validate and len(hidden) != len(items):
         raise _bad("a batch carries hidden rows for every item or for none")
     tensors = {}
-    for name, parts in (("hidden", hidden), ("carried", carried)):
+    for name, parts in (("hidden", hidden), ("carried", carried), ("token_mask", token_mask)):
         try:
             if parts:
                 tensors[name] = concat_rows(parts)

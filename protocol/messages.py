@@ -14,6 +14,8 @@ from typing import Any, ClassVar, Optional, Union, get_args
 
 from .tensors import FLOAT_DTYPES, WireTensor
 
+MASK_DTYPES = frozenset({"int32"})  # a token mask: 32 tokens per word, bit j of word i is token 32 * i + j
+
 PROTOCOL_VERSION = 1
 
 ID_LIMIT = 1 << 63      # ids and sequence numbers: 0 <= x < 2**63
@@ -181,7 +183,7 @@ class Forward(_SequenceRequest):
                                   minimum=0, limit=ID_LIMIT, default=None)
     drafts: Optional[list[int]] = _header(
         "int_list", "draft tokens of a speculative verify: the last len(drafts)+1 rows are verified by rejection "
-        "sampling (needs temperature >= 1e-5, a penalty or logprobs)", minimum=0, limit=TOKEN_LIMIT, default=None)
+        "sampling (needs temperature >= 1e-5, a penalty, logprobs, a token mask or propose)", minimum=0, limit=TOKEN_LIMIT, default=None)
     # Head-shard extras (shardd.engine.head.answer): penalties over the output so far, and logprobs of the answered rows.
     logprobs: Optional[int] = _header("int", "also answer the logprob of each answered row's id and this many top "
                                       "logprobs (absent: none)", minimum=0, limit=21, default=None)
@@ -206,6 +208,12 @@ class Forward(_SequenceRequest):
     save_prefix: Optional[int] = _header(
         "int", "after this forward (not checkpointed) keep the sequence's state as this client's prefix entry of "
         "this id; the reply says whether it was kept (prefix_saved)", minimum=0, limit=ID_LIMIT, default=None)
+    # Constrained decoding (PROTOCOL.md, "Token masks"): the tokens each answered row may take, on the head shard.
+    mask_rows: Optional[int] = _header("int", "rows of tensor token_mask: the answered rows, len(drafts) + 1",
+                                       minimum=1, limit=TOKEN_LIMIT, default=None)
+    token_mask: Optional[WireTensor] = field(default=None, metadata={"tensor": {
+        "ndim": 2, "dtypes": MASK_DTYPES, "doc": "[mask_rows, ceil(V / 32)] int32 bitmask of the tokens each "
+                                                 "answered row may take (bit set: allowed)"}})
 
     @property
     def n_tokens(self) -> int:
@@ -350,8 +358,8 @@ BATCH_RECORD_TYPES: dict[MessageType, type] = {record.type: record for record in
 BATCH_REFUSED_FIELDS = frozenset({"send_rows", "rows_ticket", "ticket_rows"})
 # The tensor frames of a batch, one per name for all its items (their rows end to end, in item order).
 BATCH_TENSORS: dict[MessageType, tuple[str, ...]] = {
-    MessageType.FORWARD: ("hidden", "carried"),  # a FORWARD batch's item with `layers` is a CAPTURE
-    MessageType.CAPTURE: ("hidden", "carried"),
+    MessageType.FORWARD: ("hidden", "carried", "token_mask"),  # a FORWARD batch's item with `layers` is a CAPTURE
+    MessageType.CAPTURE: ("hidden", "carried", "token_mask"),
     MessageType.ROLLBACK: (),
     MessageType.ROWS: ("hidden",),
 }

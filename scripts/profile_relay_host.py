@@ -29,7 +29,7 @@ import torch
 from common.model_config import config_from_dict
 from common.presets import PRESETS
 from coordinator.relay.client import forward_record
-from coordinator.relay.pipeline import _head_fields
+from coordinator.relay.pipeline import head_fields
 from protocol import Close, ForwardBatch, Open, Rollback, RollbackBatch, decode_reply, encode_request, split_batch_reply
 from protocol.layout import CHECKPOINT
 from shardd.config import ShardConfig
@@ -85,7 +85,7 @@ class Relay:
         drafts = list(range(1, self.rows)) if verify else None
         answers = None
         for k, shard in enumerate(self.shards):
-            head = _head_fields(None, drafts) if k == len(self.shards) - 1 else None
+            head = head_fields(None, drafts) if k == len(self.shards) - 1 else None
             def inputs(seq):
                 return {"tokens": list(range(self.rows))} if k == 0 else {"hidden": answers[seq].tensors["hidden"]}
 

@@ -76,11 +76,12 @@ class LocalTarget:
             shard.release_state(state)
 
     def forward(self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False, sampling=None,
-                drafts=None) -> list[int]:
+                drafts=None, token_mask=None) -> list[int]:
         """A batch of one (`forward_batch`): its ids, or the error that refused it raised."""
         from coordinator.relay.pipeline import BatchForward
 
-        (ids,) = self.forward_batch([BatchForward(seq, pos, list(tokens), checkpoint, sampling, drafts)])
+        (ids,) = self.forward_batch([BatchForward(seq, pos, list(tokens), checkpoint, sampling, drafts,
+                                                  token_mask=token_mask)])
         if isinstance(ids, Exception):
             raise ids
         return ids
@@ -134,10 +135,11 @@ class LocalTarget:
                 continue
             live.append(index)
         hidden: dict[int, torch.Tensor] = {}
+        answered = [(item.sampling is not None and not item.sampling.plain) or item.token_mask is not None
+                    for item in items]  # the head answers more than the argmax
         for k, shard in enumerate(self.shards):
             batch = [BatchItem(self.states[items[i].seq][k], items[i].pos, checkpoint=items[i].checkpoint,
-                               logits=(items[i].sampling is not None and not items[i].sampling.plain)
-                               or bool(items[i].next_tokens),
+                               logits=answered[i] or bool(items[i].next_tokens),
                                **({"tokens": list(items[i].tokens)} if shard.owns_embedding else {"hidden": hidden.pop(i)}))
                      for i in live]
             survivors, heads, scoring = [], [], []
@@ -153,19 +155,20 @@ class LocalTarget:
                     survivors.append(index)
                 else:
                     results[index] = TokenIds(out.ids.tolist())
-                    if item.sampling is not None and not item.sampling.plain:
+                    if answered[index]:
                         heads.append((index, out))
                     if item.next_tokens:
                         scoring.append((index, out))
             if heads:  # what the head shard's daemon does (shardd.engine.head.answer)
+                from coordinator.relay.pipeline import head_fields
                 from protocol.messages import Forward
                 from shardd.server.handlers.forward import head_request
 
                 rows = []
                 for index, out in heads:
                     item = items[index]
-                    record = Forward(id=0, seq=item.seq, pos=item.pos, tokens=list(item.tokens), **item.sampling.wire(),
-                                     drafts=list(item.drafts) if item.drafts else None)
+                    head = head_fields(item.sampling, item.drafts, item.token_mask) or {}
+                    record = Forward(id=0, seq=item.seq, pos=item.pos, tokens=list(item.tokens), **head)
                     rows.append((out.logits, results[index], item.pos, head_request(record)))
                 for (index, _), (ids, _, logprobs) in zip(heads, answer_batch(rows)):
                     results[index] = TokenIds(ids)

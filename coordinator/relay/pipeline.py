@@ -58,6 +58,7 @@ class BatchForward:
     # prompt logprobs: the head scores the first len(next_tokens) rows against these, with this many top logprobs
     prompt_logprobs: Optional[int] = None
     next_tokens: Optional[list[int]] = None
+    token_mask: Optional[WireTensor] = None  # int32 [len(drafts) + 1, ceil(V / 32)]: the tokens each answered row may take
 
 
 @dataclass
@@ -305,7 +306,8 @@ class Pipeline:
         return answers
 
     def forward(
-        self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False, sampling=None, drafts=None
+        self, seq: int, pos: int, tokens: list[int], *, checkpoint: bool = False, sampling=None, drafts=None,
+        token_mask: Optional[WireTensor] = None,
     ) -> list[int]:
         """Longer inputs than every shard takes at once (not checkpointed) go in chunks,
         pipelined: shard k works on chunk c while shard k+1 works on chunk c-1.
@@ -313,7 +315,7 @@ class Pipeline:
         With `sampling` (a `coordinator.sampling.Sampling`, temperature > 0) the head shard samples the ids
         instead of taking the argmax; `drafts` (the block's last tokens, a speculative verify) it accepts or
         replaces by rejection sampling, so the ids agree with the drafts up to the first rejection."""
-        ids, _, _ = self._relay_one(self._step(seq, pos, tokens, checkpoint, _head_fields(sampling, drafts)))
+        ids, _, _ = self._relay_one(self._step(seq, pos, tokens, checkpoint, head_fields(sampling, drafts, token_mask)))
         return ids
 
     def capture(
@@ -333,7 +335,7 @@ class Pipeline:
         a greedy verify [t0, drafts...] whose head shard hosts the drafter proposes the next block in its reply
         (PROTOCOL.md, "Proposing in the verify reply"); the layers earlier shards capture ride along to it as
         `carried`."""
-        head, layers = _head_fields(item.sampling, item.drafts), None
+        head, layers = head_fields(item.sampling, item.drafts, item.token_mask), None
         if item.next_tokens:
             if not len(item.next_tokens) <= len(item.tokens):
                 raise ValueError(f"{len(item.next_tokens)} next tokens scored for {len(item.tokens)} rows")
@@ -346,9 +348,9 @@ class Pipeline:
             head_layers = [layer for layer in layers or () if self.shards[-1].begin <= layer < self.shards[-1].end]
             if not head_layers:
                 raise ValueError("proposing in the verify reply needs the head shard to capture one of the layers")
-            if head is not None:
+            if item.sampling is not None and item.sampling.wire():
                 raise ValueError("proposing in the verify reply is greedy only (no sampling)")
-            head = {"drafts": list(item.tokens[1:]), "propose": item.propose,
+            head = {**(head or {}), "drafts": list(item.tokens[1:]), "propose": item.propose,
                     "carried_layers": [layer for layer in layers if layer not in head_layers]}
         step = self._step(item.seq, item.pos, item.tokens, item.checkpoint, head, capture=layers)
         step.save_prefix = item.save_prefix
@@ -877,9 +879,12 @@ def _head_ids(result: dict) -> TokenIds:
     return ids
 
 
-def _head_fields(sampling, drafts) -> Optional[dict]:
-    """The head shard's extra FORWARD fields for a sampled step; None for greedy (today's argmax request)."""
+def head_fields(sampling, drafts, token_mask: Optional[WireTensor] = None) -> Optional[dict]:
+    """The head shard's extra FORWARD fields for a sampled or constrained step; None for plain greedy (today's argmax
+    request). A token mask covers the answered rows, so its step names its drafts whether it samples or not."""
     fields = sampling.wire() if sampling is not None else {}
+    if token_mask is not None:
+        fields.update(mask_rows=token_mask.shape[0], token_mask=token_mask)
     if not fields:
         return None
     if drafts:

@@ -17,7 +17,8 @@ was cut short by the token budget or an EOS (the last committed token is the nex
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Optional
 
 from coordinator.sampling import TokenIds
 from coordinator.scheduler.requests import DecodeResult
@@ -43,11 +44,12 @@ def commit_tokens(
     verified: list[int],
     room: int,
     eos_ids: Iterable[int] = (),
+    cut: Optional[Callable[[list[int]], int]] = None,
 ) -> tuple[list[int], int]:
     """Tokens this step commits, and how many verify inputs stay in the state.
 
-    committed = `d1 .. da` + bonus `y_a`, cut to `room` tokens and after the first EOS;
-    keep = len(committed) (see the module invariant)."""
+    committed = `d1 .. da` + bonus `y_a`, cut to `room` tokens, after the first EOS and to the first `cut(committed)`
+    (a grammar's end: `coordinator.guided.Guide.commit`); keep = len(committed) (see the module invariant)."""
     if room < 0:
         raise ValueError(f"room must be >= 0, got {room}")
     accepted = accept_length(draft, verified)
@@ -57,15 +59,18 @@ def commit_tokens(
         if token in eos:
             committed = committed[: index + 1]
             break
+    if cut is not None:
+        committed = committed[:cut(committed)]
     return committed, len(committed)
 
 
 def commit_block(result: DecodeResult, history: list[int], drafts: list[int], verified, room: int,
-                 eos: frozenset[int]) -> int:
+                 eos: frozenset[int], cut: Optional[Callable[[list[int]], int]] = None) -> int:
     """The commit rule of a verify step (the reference loop's and the scheduler's): the agreeing prefix of
-    `drafts` plus the target's own next token, at most `room` and up to an EOS, appended to `history` and
-    counted in `result`. Returns `keep`, the block rows to keep (len(drafts) + 1: nothing to roll back)."""
-    committed, keep = commit_tokens(drafts, verified, room, eos)
+    `drafts` plus the target's own next token, at most `room`, up to an EOS and a grammar's end (`cut`), appended
+    to `history` and counted in `result`. Returns `keep`, the block rows to keep (len(drafts) + 1: nothing to roll
+    back)."""
+    committed, keep = commit_tokens(drafts, verified, room, eos, cut)
     history.extend(committed)
     keep_logprobs(result, verified, len(committed))
     accepted = accept_length(drafts, verified)

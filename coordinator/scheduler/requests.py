@@ -89,6 +89,8 @@ class Request:
 
     With `verify_cost` (`--block-size auto`) each verify block takes coordinator.scheduler.block_size's choice, at
     most `block_size` rows. `on_commit(ids)` runs on the scheduler's thread as tokens commit (ids carry `.logprobs` when asked for);
+    With `guide` (constrained decoding) each answered row is masked to the tokens its grammar allows, and the
+    request ends ("stop") when the grammar is complete.
     raising `StopDecoding` there ends the request after this commit. `on_finish(request)` runs once at the
     end, whether it finished, failed or was cancelled. `cancel()` may be called from any thread.
     With `prompt_logprobs` (top logprobs per position) the prefill also scores each prompt token after the first
@@ -108,6 +110,7 @@ class Request:
         on_finish: Optional[Callable[["Request"], None]] = None,
         cache_salt: str = "",
         prompt_logprobs: Optional[int] = None,
+        guide=None,
     ) -> None:
         check_request(list(prompt), max_new_tokens)
         if prompt_logprobs is not None and not 0 <= prompt_logprobs <= 20:
@@ -134,6 +137,7 @@ class Request:
         self.saving: dict[int, int] = {}  # prompt position -> the prefix entry its chunk's step saves
         self.on_commit = on_commit
         self.on_finish = on_finish
+        self.guide = guide  # a coordinator.guided.Guide: the grammar its output keeps to (None: unconstrained)
         self.result = DecodeResult(prompt_tokens=len(self.prompt))
         if self.sampled and self.sampled["sampling"].logprobs is not None:
             self.result.logprobs = []

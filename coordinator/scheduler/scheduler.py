@@ -137,8 +137,8 @@ class LoopBatches:
     def forward_batch(self, items: Sequence[BatchForward]) -> list:
         results = []
         for item in items:
-            extra = {key: value for key, value in (("sampling", item.sampling), ("drafts", item.drafts))
-                     if value is not None}
+            extra = {key: value for key, value in (("sampling", item.sampling), ("drafts", item.drafts),
+                                                   ("token_mask", item.token_mask)) if value is not None}
             try:
                 results.append(self.target.forward(item.seq, item.pos, item.tokens, checkpoint=item.checkpoint,
                                                    **extra))
@@ -447,6 +447,7 @@ class Scheduler:
 
     def _item(self, request: Request, rows: int) -> _Item:
         request.last_step = self.steps
+        guide = request.guide
         if request.state == PREFILL:
             start = request.prefilled
             tokens = request.prompt[start:start + rows]
@@ -455,7 +456,9 @@ class Scheduler:
             entry = self.prefixes.new_entry(request.prefix_digests, start + rows) if request.prefix_digests else None
             if entry is not None:
                 request.saving[start + rows] = entry
-            forward = BatchForward(request.seq, start, tokens, sampling=sampling, save_prefix=entry)
+            token_mask = guide.plan()[1] if last and guide is not None else None
+            forward = BatchForward(request.seq, start, tokens, sampling=sampling, save_prefix=entry,
+                                   token_mask=token_mask)
             scored = request.prompt[start + 1:start + rows + 1]  # the prompt token after each row
             if request.prompt_logprobs is not None and scored:
                 forward = replace(forward, prompt_logprobs=request.prompt_logprobs, next_tokens=scored)
@@ -464,7 +467,9 @@ class Scheduler:
         sampling = step_keywords(request.sampled, history, request.result)
         if request.drafter is None:
             return _Item(request, DECODE, BatchForward(request.seq, len(history) - 1, [history[-1]],
-                                                       sampling=sampling.get("sampling")), room=room)
+                                                       sampling=sampling.get("sampling"),
+                                                       token_mask=guide.plan()[1] if guide is not None else None),
+                         room=room)
         started = time.perf_counter()
         drafts = self._propose(request, history, rows - 1)
         request.result.draft_seconds += time.perf_counter() - started
@@ -472,9 +477,14 @@ class Scheduler:
             return self._item(request, 1)
         if len(drafts) != rows - 1:
             raise ValueError(f"drafter {request.drafter.name!r} proposed {len(drafts)} tokens, asked for {rows - 1}")
+        token_mask = None
+        if guide is not None:  # the drafts the grammar takes, and the mask of each answered row
+            drafts, token_mask = guide.plan(drafts)
         extra = with_drafts(sampling, drafts)
+        if guide is not None:  # the mask covers the answered rows: the head is told the drafts, greedy or not
+            extra["drafts"] = drafts
         forward = BatchForward(request.seq, len(history) - 1, [history[-1]] + drafts, checkpoint=True,
-                               sampling=extra.get("sampling"), drafts=extra.get("drafts"))
+                               sampling=extra.get("sampling"), drafts=extra.get("drafts"), token_mask=token_mask)
         return _Item(request, DECODE, forward, drafts=drafts, room=room)
 
     def _propose(self, request: Request, history: list[int], n: int) -> Optional[list[int]]:
@@ -613,6 +623,8 @@ class Scheduler:
             self._finish(request, LENGTH)
             return
         first = outputs[-1]
+        if request.guide is not None:
+            request.guide.commit([first])
         if result.logprobs is not None:
             keep_logprobs(result, last_row(outputs), 1)
         result.tokens.append(first)
@@ -624,13 +636,17 @@ class Scheduler:
     def _verified(self, item: _Item, verified, rollbacks: list[tuple[Request, int]]) -> list[int]:
         """Commit what a decode or verify row answered (coordinator.scheduler.commit's rule); queue its rollback."""
         request, result = item.request, item.request.result
+        guide = request.guide
         if item.drafts is None:
             (token,) = verified
+            if guide is not None:
+                guide.commit([token])
             request.history.append(token)
             keep_logprobs(result, verified, 1)
             return [token]
         before = len(request.history)
-        keep = commit_block(result, request.history, item.drafts, verified, item.room, request.eos)
+        keep = commit_block(result, request.history, item.drafts, verified, item.room, request.eos,
+                            guide.commit if guide is not None else None)
         if keep < len(item.forward.tokens):
             rollbacks.append((request, keep))
             count_rollback(result, self.rollback)
@@ -653,7 +669,9 @@ class Scheduler:
             self._fail(request, error)
             return
         tokens = request.result.tokens
-        if finished(tokens, request.max_new_tokens, request.eos):
+        if request.guide is not None and request.guide.finished:  # the grammar is complete
+            self._finish(request, STOP)
+        elif finished(tokens, request.max_new_tokens, request.eos):
             self._finish(request, STOP if tokens[-1] in request.eos else LENGTH)
 
     def _finish(self, request: Request, reason: str) -> None:

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common import __version__
+from coordinator.guided import GrammarError
 from coordinator.relay.pipeline import SHARD_FAILURES
 from coordinator.relay.shards import PipelineError
 from coordinator.relay.target import RollbackFailed, SequenceLost
@@ -58,6 +59,7 @@ from coordinator.serve.protocol import (
     TokenizeResponse,
     UsageInfo,
     random_id,
+    response_format_grammar,
 )
 from coordinator.serve.responses import (
     ResponseEvents,
@@ -69,7 +71,9 @@ from coordinator.serve.responses import (
 from coordinator.serve.responses import usage as response_usage
 from coordinator.serve.tools import END as TOOL_CALL_END
 from coordinator.serve.tools import START as TOOL_CALL_START
-from coordinator.serve.tools import ToolCallStream, ToolError, check_tool_choice, parse_tool_calls, template_messages
+from coordinator.serve.tools import (
+    ToolCallStream, ToolError, check_tool_choice, parse_tool_calls, template_messages, tool_call_grammar,
+)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default
 HEALTH_FRESH_S = 1.0  # /health checks the shards again once its last check is this old
@@ -259,6 +263,12 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
         error.param = param
         raise error
 
+    def grammar_of(response_format):
+        try:
+            return response_format_grammar(response_format)
+        except GrammarError as error:
+            refuse(str(error), error.param)
+
     def check_common(body) -> Optional[JSONResponse]:
         if body.model is not None and body.model != engine.model_name:
             raise not_found_model(body.model)
@@ -279,11 +289,13 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
         return requested
 
     def params_of(body, prompt_ids: list[int], max_tokens: Optional[int], default_max: int,
-                  logprobs: Optional[int], prompt_logprobs: Optional[int] = None) -> list[GenerateParams]:
+                  logprobs: Optional[int], prompt_logprobs: Optional[int] = None, grammar=None) -> list[GenerateParams]:
         """One GenerateParams per choice; choice i samples with seed + i. What a request may cost is checked here,
-        before anything is admitted: its choices, their tokens, its stop strings. `prompt_logprobs`: the prompt is
-        scored, with so many top logprobs per position."""
+        before anything is admitted: its choices, their tokens, its stop strings, its grammar (compiled).
+        `prompt_logprobs`: the prompt is scored, with so many top logprobs per position."""
         engine.check_prompt(prompt_ids)
+        if grammar is not None:
+            engine.compile(grammar)
         stop = body.stop_strings()
         if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
             refuse(f"'stop' holds at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each "
@@ -306,6 +318,7 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
             skip_special_tokens=body.skip_special_tokens,
             cache_salt=body.cache_salt or "",
             prompt_logprobs=prompt_logprobs,
+            grammar=grammar,
         )
         return [dataclasses.replace(first, sampling=dataclasses.replace(sampling, seed=(sampling.seed + i) % (1 << 63)))
                 for i in range(body.n)]
@@ -328,8 +341,10 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
         # an echo with logprobs starts with the prompt's entries; vLLM's prompt_logprobs asks for its own top
         asked = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
         prompt_top = max(asked) if asked else None
-        choices = [choice for prompt_ids in ids for choice in params_of(
-            body, prompt_ids, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs, prompt_top)]
+        grammar = grammar_of(body.response_format)
+        choices = await asyncio.to_thread(lambda: [  # a grammar compiles on a worker thread
+            choice for prompt_ids in ids for choice in params_of(
+                body, prompt_ids, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs, prompt_top, grammar)])
         budget = sum(choice.max_tokens for choice in choices)
         if len(prompts) > 1 and budget > MAX_CHOICE_TOKENS:
             refuse(f"'prompt' x 'n' x 'max_tokens' is at most {MAX_CHOICE_TOKENS} tokens on this server (got "
@@ -414,13 +429,19 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
             refuse("when using 'top_logprobs', 'logprobs' must be set to true", "top_logprobs")
         try:
             parse_tools = check_tool_choice(body.tools, body.tool_choice)
+            calls = tool_call_grammar(body.tools, body.tool_choice, parallel=body.parallel_tool_calls is not False)
         except ToolError as error:
             refuse(str(error), "tool_choice")
+        grammar = grammar_of(body.response_format)
+        if grammar is not None and calls is not None:
+            refuse("'response_format' and a tool_choice that requires a call constrain the output twice; send one",
+                   "response_format")
         ids = await asyncio.to_thread(  # on a worker thread: a template and a tokenizer take time
             chat_prompt, body.messages, body.tools, body.add_generation_prompt, body.chat_template_kwargs)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
-        choices = params_of(body, ids, max_tokens, engine.max_context - len(ids), top)
+        choices = await asyncio.to_thread(  # a grammar compiles on a worker thread
+            lambda: params_of(body, ids, max_tokens, engine.max_context - len(ids), top, grammar=grammar or calls))
         if parse_tools:  # a tokenizer that marks the call markers special must not strip them from the text parsed
             markers = engine.tokenizer.special_ids(TOOL_CALL_START, TOOL_CALL_END)
             choices = [dataclasses.replace(choice, shown_special=markers) for choice in choices]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable, Optional, Sequence
 
+from coordinator.guided import GrammarCompiler, GrammarError, GrammarSpec
 from coordinator.drafting.drafters import NgramDrafter, make_drafter
 from coordinator.relay.client import ShardClient
 from coordinator.relay.liveness import LIVENESS_TIMEOUT_S
@@ -49,6 +50,7 @@ class GenerateParams:
     shown_special: frozenset = frozenset()  # special ids kept as text all the same (a tool call's markers)
     cache_salt: str = ""  # prompts share cached prefixes only with prompts of the same salt
     prompt_logprobs: Optional[int] = None  # top logprobs per prompt position; None: the prompt is not scored
+    grammar: Optional[GrammarSpec] = None  # what the output keeps to (compiled first: Engine.compile)
 
 
 @dataclass
@@ -130,6 +132,8 @@ class Engine:
         self.curve = curve
         self.chat_template = chat_template
         self.metrics = metrics or ServeMetrics()
+        self._grammars = None  # the GrammarCompiler, built at the first request with a grammar
+        self._grammar_lock = threading.Lock()
         drafter, rollback, block_size = config.drafter, config.rollback, config.block_size
         first = self._connect()  # refuses a shard set that cannot form the model, or cannot speculate so
         self._dflash = None  # the checked DFlash drafter each request's own (`fresh`) is made from
@@ -221,6 +225,19 @@ class Engine:
         except ValueError as error:
             raise RequestError(str(error)) from None
 
+    def compile(self, spec) -> None:
+        """Compile `spec` (a `coordinator.guided.GrammarSpec`) now, so a grammar xgrammar refuses is a 400 naming its
+        field before any sequence opens (RequestError with `param`); cached for the requests that follow."""
+        try:
+            with self._grammar_lock:
+                if self._grammars is None:  # xgrammar and the tokenizer's vocabulary, at the first grammar
+                    self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids)
+            self._grammars.compile(spec)
+        except GrammarError as error:
+            refusal = RequestError(str(error))
+            refusal.param = error.param
+            raise refusal from None
+
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise RequestError("the prompt is empty")
@@ -263,9 +280,13 @@ class Engine:
             drafter = NgramDrafter()
         elif self.drafter == "dflash":
             drafter = self._dflash.fresh()  # no I/O: its calls run on the engine thread, on the engine's connections
+        guide = None
+        if params.grammar is not None:
+            self.compile(params.grammar)
+            guide = self._grammars.guide(params.grammar)  # each choice its own matcher
         return Request(params.prompt_ids, params.max_tokens, eos_ids=eos, sampling=params.sampling, drafter=drafter,
                        block_size=self.block_size, verify_cost=self.verify_cost, on_commit=post, on_finish=on_finish,
-                       cache_salt=params.cache_salt, prompt_logprobs=params.prompt_logprobs)
+                       cache_salt=params.cache_salt, prompt_logprobs=params.prompt_logprobs, guide=guide)
 
     async def _outputs(self, params: GenerateParams, request: Request, commits: asyncio.Queue) -> AsyncIterator[Delta]:
         """The frontend's half of a request, on the event loop (as vLLM's output processor): commits become text

@@ -11,6 +11,7 @@ import uuid
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from coordinator.guided import GrammarError, GrammarSpec
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -20,16 +21,11 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 naming it, never silently ignored
 
 
-def _default_or_text(value: Any) -> bool:
-    return isinstance(value, dict) and value.get("type") == "text"
-
-
 # Fields of the OpenAI API (and vLLM's extensions) this server knows but does not implement: accepted only when
 # the value is the default (the check returns True), refused by name otherwise.
 UNSUPPORTED = {
     "logit_bias": lambda value: not value,
     "suffix": lambda value: not value,
-    "response_format": _default_or_text,
     "guided_json": lambda value: False,
     "guided_regex": lambda value: False,
     "guided_choice": lambda value: False,
@@ -104,6 +100,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     suffix: Optional[str] = None
+    response_format: Optional[dict[str, Any]] = None  # vLLM's extension: json_schema / json_object (constrained)
 
 
 class FunctionCall(OpenAIModel):
@@ -173,9 +170,26 @@ class ChatCompletionRequest(SamplingFields):
     tools: Optional[list[ToolDefinition]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None  # every call the model writes is returned
-    response_format: Optional[dict[str, Any]] = None
+    response_format: Optional[dict[str, Any]] = None  # text, json_object or json_schema (constrained decoding)
     add_generation_prompt: bool = True  # vLLM's extension
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's extension
+
+
+def response_format_grammar(value: Optional[dict[str, Any]], param: str = "response_format"):
+    """The grammar (`coordinator.guided.GrammarSpec`) `response_format` asks for; None for text (or none).
+    GrammarError naming `param` for a format this server does not know."""
+    if value is None or value.get("type") == "text":
+        return None
+    kind = value.get("type")
+    if kind == "json_object":
+        return GrammarSpec.json_object(param)
+    if kind != "json_schema":
+        raise GrammarError(param, f"'{param}' of type {kind!r} is not supported (text, json_object, json_schema)")
+    described = value.get("json_schema")
+    if not isinstance(described, dict) or not isinstance(described.get("schema"), dict):
+        raise GrammarError(param, f"'{param}' of type json_schema needs 'json_schema': {{'name': ..., 'schema': "
+                                  f"{{...}}}}")
+    return GrammarSpec.json_schema(described["schema"], param)
 
 
 class TokenizeCompletionRequest(OpenAIModel):

@@ -6,7 +6,8 @@ model's chat template and decoded as a chat completion is; the answer becomes ou
 `response.output_text.delta`, ..., `response.completed`).
 
 Nothing is stored: `store: true`, `previous_response_id` and `conversation` are refused by name, as is every
-other field this server would have to ignore (hosted tools, `include`, reasoning, structured `text.format`)."""
+other field this server would have to ignore (hosted tools, `include`, reasoning). `text.format` json_schema and
+json_object constrain the output as chat's `response_format` does."""
 
 from __future__ import annotations
 
@@ -89,10 +90,10 @@ class ResponsesRequest(OpenAIModel):
             return ResponsesError("max_tool_calls", "'max_tool_calls' is not supported by this server")
         for key, value in (self.text or {}).items():
             if key == "format":
-                if value is not None and (not isinstance(value, dict) or value.get("type") != "text"):
+                if value is not None and (not isinstance(value, dict) or value.get("type") not in FORMATS):
                     kind = value.get("type") if isinstance(value, dict) else value
-                    return ResponsesError("text.format", f"'text.format' of type {kind!r} needs constrained "
-                                                         f"(guided) decoding, which this server does not implement")
+                    return ResponsesError("text.format", f"'text.format' of type {kind!r} is not supported "
+                                                         f"({', '.join(FORMATS)})")
             elif value is not None:
                 return ResponsesError(f"text.{key}", f"'text.{key}' is not supported by this server")
         return None
@@ -112,6 +113,7 @@ class ResponsesRequest(OpenAIModel):
                       parallel_tool_calls=self.parallel_tool_calls, tool_choice=_chat_tool_choice(self.tool_choice))
         if self.tools is not None:
             fields["tools"] = [_chat_tool(tool, f"tools[{index}]") for index, tool in enumerate(self.tools)]
+        fields["response_format"] = _chat_response_format((self.text or {}).get("format"))
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
         except ValidationError as error:
@@ -123,6 +125,7 @@ class ResponsesRequest(OpenAIModel):
 # ---- input items -> chat messages -------------------------------------------------------------------------------
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+FORMATS = ("text", "json_object", "json_schema")  # text.format types (the JSON ones constrain the output)
 TEXT_PARTS = ("input_text", "output_text")
 
 
@@ -196,6 +199,14 @@ def _chat_tool(tool: Any, where: str) -> dict:
     return {"type": "function", "function": function}
 
 
+def _chat_response_format(format: Optional[dict]) -> Optional[dict]:
+    """`text.format` as chat's `response_format`: the Responses API writes a json_schema's name, schema and strict
+    beside its type."""
+    if format is None or format.get("type") != "json_schema":
+        return format
+    return {"type": "json_schema", "json_schema": {key: format.get(key) for key in ("name", "schema", "strict")}}
+
+
 def _chat_tool_choice(choice: Any) -> Any:
     if not isinstance(choice, dict):
         return choice
@@ -252,7 +263,8 @@ class ResponseShape:
             "metadata": request.metadata, "parallel_tool_calls": request.parallel_tool_calls is not False,
             "previous_response_id": None, "reasoning": None, "store": False, "background": False,
             "temperature": request.temperature, "top_p": request.top_p,
-            "text": {"format": {"type": "text"}}, "tool_choice": request.tool_choice or "auto",
+            "text": {"format": (request.text or {}).get("format") or {"type": "text"}},
+            "tool_choice": request.tool_choice or "auto",
             "tools": request.tools or [], "truncation": request.truncation or "disabled", "user": request.user,
         }
 

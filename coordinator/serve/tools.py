@@ -9,8 +9,8 @@ which becomes an OpenAI `tool_calls` entry (`arguments` as a JSON string), as vL
 Text before the first `<tool_call>` stays the message content.
 
 `tool_choice`: "none" renders the tools and parses nothing; "auto" (the default with tools) renders and
-parses. "required" and a named function need the output constrained (vLLM uses guided decoding); this server
-cannot constrain decoding, so it refuses them by name rather than hope the model complies."""
+parses. "required" and a named function render, parse, and constrain the output to a call (of that function) with
+arguments valid for its parameters (`tool_call_grammar`; coordinator.guided builds the grammar)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import json
 import re
 from typing import Any, Optional, Union
 
+from coordinator.guided import GrammarError, GrammarSpec
 from coordinator.serve.protocol import ChatMessage, FunctionCall, ToolCall
 
 START, END = "<tool_call>", "</tool_call>"
@@ -33,15 +34,30 @@ def check_tool_choice(tools, tool_choice) -> bool:
     if tool_choice is None:
         return bool(tools)
     if isinstance(tool_choice, dict):
-        name = (tool_choice.get("function") or {}).get("name")
-        raise ToolError(f"tool_choice naming the function {name!r} needs constrained (guided) decoding, which this "
-                        f"server does not implement; use tool_choice \"auto\"")
-    if tool_choice == "required":
-        raise ToolError("tool_choice \"required\" needs constrained (guided) decoding, which this server does not "
-                        "implement; use tool_choice \"auto\"")
-    if tool_choice == "auto" and not tools:
-        raise ToolError("tool_choice \"auto\" needs tools")
-    return tool_choice == "auto"
+        tool_call_grammar(tools, tool_choice, parallel=False)  # names a function among the tools
+        return True
+    if tool_choice in ("auto", "required") and not tools:
+        raise ToolError(f"tool_choice \"{tool_choice}\" needs tools")
+    return tool_choice in ("auto", "required")
+
+
+def tool_call_grammar(tools, tool_choice, parallel: bool):
+    """The grammar (`coordinator.guided.GrammarSpec`) a "required" or named `tool_choice` constrains the output to;
+    None for "auto" and "none". ToolError for a choice that names no function among the tools."""
+    if tool_choice not in ("required",) and not isinstance(tool_choice, dict):
+        return None
+    name = None
+    if isinstance(tool_choice, dict):
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if tool_choice.get("type") != "function" or not isinstance(name, str):
+            raise ToolError(f"tool_choice must be \"none\", \"auto\", \"required\" or "
+                            f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {tool_choice!r}")
+    functions = [{"name": tool.function.name, "parameters": tool.function.parameters} for tool in tools or ()]
+    try:
+        return GrammarSpec.tool_calls(functions, name, parallel)
+    except GrammarError as error:
+        raise ToolError(str(error)) from None
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -200,7 +200,7 @@ def test_each_verify_row_sees_the_drafts_before_it():
 @pytest.mark.parametrize("fields,message", [
     (dict(output_tokens=[3]), "only read by a penalty"),
     (dict(repetition_penalty=0.0), "must be > 0"),
-    (dict(drafts=[2]), "needs temperature > 0, a penalty, logprobs or propose"),
+    (dict(drafts=[2]), "needs temperature > 0, a penalty, logprobs, a token mask or propose"),
     (dict(logprobs=21), "logprobs"),
     (dict(presence_penalty=2.5), "presence_penalty"),
 ])
@@ -326,13 +326,14 @@ def test_tool_calls_stream_and_special_tokens_never_show(tool_server, tool_model
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_tool_choice_that_needs_guided_decoding_is_refused(tool_server, tool_model, choice):
-    from openai import BadRequestError
-
-    with pytest.raises(BadRequestError, match="tool_choice") as refused:
-        client_of(tool_server).chat.completions.create(model=Path(tool_model["dir"]).resolve().name, messages=ASK,
-                                                       tools=[WEATHER], tool_choice=choice, max_tokens=3)
-    assert "guided" in str(refused.value)
+def test_tool_choice_required_or_named_constrains_to_a_call(tool_server, tool_model, choice):
+    """The model's own call keeps to the call grammar, which then ends the answer (no tokens after the call)."""
+    answer = client_of(tool_server).chat.completions.create(
+        model=Path(tool_model["dir"]).resolve().name, messages=ASK, tools=[WEATHER], tool_choice=choice,
+        parallel_tool_calls=False, max_tokens=10).choices[0]
+    assert answer.finish_reason == "tool_calls" and answer.message.content is None
+    (call,) = answer.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
 
 
 # ---- API key, tokenizer endpoints ----------------------------------------------------------------
@@ -376,7 +377,7 @@ REFUSED = [
     ("completions", "stop_token_ids", {"stop_token_ids": [3]}),
     ("completions", "guided_json", {"guided_json": {"type": "object"}}),
     ("completions", "frobnicate", {"frobnicate": 1}),
-    ("chat", "response_format", {"response_format": {"type": "json_object"}}),
+    ("chat", "response_format", {"response_format": {"type": "regex", "regex": "a+"}}),
     ("chat", "guided_choice", {"guided_choice": ["a", "b"]}),
     ("chat", "logit_bias", {"logit_bias": {"5": 3}}),
     ("chat", "frobnicate", {"frobnicate": 1}),

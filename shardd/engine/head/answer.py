@@ -3,8 +3,10 @@
 The rows answered are the last `len(drafts) + 1` (a prefill or a decode: the last row; a verify: the row of
 the last committed token and one per draft). Row j of them follows the output so far plus drafts 0..j-1, so
 its penalised logits are those plain decoding would see at that token; sampling (shardd.engine.head.sampling) and greedy
-alike read them. `answer_batch` answers every row of a batch of forwards at once, each sequence with its own
-settings: the rows' penalties, sampling, first rejection and logprobs are a few batched ops on the logits'
+alike read them. A token mask (constrained decoding: bit j of word i allows token 32 i + j) sets the logits of the
+tokens a row may not take to -inf after the penalties, so the argmax and the sampler (and its rejection rule) see
+the constrained distribution; logprobs stay those of the raw logits. `answer_batch` answers every row of a batch
+of forwards at once, each sequence with its own settings: the rows' penalties, sampling, first rejection and logprobs are a few batched ops on the logits'
 device, and the answers come back in one device-to-host copy. A row's answer depends on its own logits and
 request alone, never on what else is in the batch."""
 
@@ -29,11 +31,20 @@ class HeadRequest:
     output: Sequence[int] = ()  # the tokens generated before the first answered row
     drafts: Sequence[int] = ()
     logprobs: Optional[int] = None  # top logprobs per answered row; None: none at all
+    token_mask: Optional[torch.Tensor] = None  # int32 [answered rows, ceil(V / 32)]: the tokens each row may take
 
     @cached_property  # read several times per batch item; a frozen request's answer never changes
     def needed(self) -> bool:
         """Whether the shard's argmax ids are not already the whole answer."""
-        return self.sampling is not None or self.penalties.active or self.logprobs is not None
+        return (self.sampling is not None or self.penalties.active or self.logprobs is not None
+                or self.token_mask is not None)
+
+
+def allowed_tokens(mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool [rows, vocab] of an int32 bitmask [rows, W >= vocab / 32]: token 32 i + j where bit j of word i is set."""
+    bits = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int32, device=mask.device),
+                                    torch.arange(32, dtype=torch.int32, device=mask.device))
+    return (mask.unsqueeze(-1) & bits).ne(0).flatten(1)[:, :vocab]
 
 
 Answer = tuple[list[int], int, Optional[list]]  # (ids, drafts accepted, logprobs of the answered rows or None)
@@ -63,6 +74,7 @@ def answer_batch(items: Sequence[tuple[torch.Tensor, Sequence[int], int, HeadReq
     sampled, argmaxed, logprobbed = [], [], []  # rows sampled, rows whose answer is the penalised argmax, ...
     temperature, top_p, top_k, seed, position = [], [], [], [], []
     groups, slices = [], []
+    masks, masked = [], []  # the answered rows' token masks, and their rows
     for item, (logits, ids, pos, head) in enumerate(items):
         drafts = [int(token) for token in head.drafts]
         n = logits.shape[0]
@@ -81,8 +93,13 @@ def answer_batch(items: Sequence[tuple[torch.Tensor, Sequence[int], int, HeadReq
             top_k += [int(params.top_k)] * answered
             seed += [params.seed] * answered
             position += range(pos + first, pos + n)
-        elif head.penalties.active:
+        elif head.penalties.active or head.token_mask is not None:
             argmaxed += range(row, row + answered)
+        if head.token_mask is not None:
+            if head.token_mask.shape[0] != answered:
+                raise ValueError(f"a token mask of {head.token_mask.shape[0]} rows for {answered} answered rows")
+            masks.append(head.token_mask)
+            masked += range(row, row + answered)
         if head.logprobs is not None:
             logprobbed += range(row, row + answered)
         groups.append(PenaltyRows(head.penalties, head.prompt, head.output, drafts, answered))
@@ -109,6 +126,11 @@ def answer_batch(items: Sequence[tuple[torch.Tensor, Sequence[int], int, HeadReq
     (item_of_row, index_of_row, given, draft, sampled, argmaxed, logprobbed) = to_device(
         device, item_of_row, index_of_row, given, draft, sampled, argmaxed, logprobbed)
     penalised = penalise_rows(logits, groups) if any(group.penalties.active for group in groups) else logits
+    if masks:  # -inf outside each masked row's allowed tokens; a row without a mask keeps every token
+        allowed = torch.ones_like(penalised, dtype=torch.bool)
+        rows_masked = torch.tensor(masked, dtype=torch.long).to(device)
+        allowed[rows_masked] = allowed_tokens(torch.cat(masks).to(device, non_blocking=True), penalised.shape[-1])
+        penalised = penalised.masked_fill(~allowed, float("-inf"))
 
     if every:  # every row sampled: the sampler's answers are the candidates
         candidate, accepted_row = verify_rows(penalised, temperature, top_p, top_k, seed, position, sampled_drafts)

@@ -108,6 +108,8 @@ class Forward:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"capture layer {bad[0]} is outside 0..{shard.config.num_layers - 1}")
         if request.return_logits and not shard.owns_head:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "return_logits asks for logits from a shard without the head")
+        if request.token_mask is not None:
+            check_token_mask(request.token_mask, shard)
         head = head_request(request)
         if (head.needed or request.next_tokens is not None) and not shard.owns_head:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "sampling (temperature >= 1e-5), penalties, logprobs or prompt "
@@ -342,9 +344,20 @@ class Forward:
 
 # The fields head_request reads; with all of them absent a request wants the argmax alone.
 HEAD_FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
-               "prompt_tokens", "output_tokens", "drafts", "logprobs")
+               "prompt_tokens", "output_tokens", "drafts", "logprobs", "token_mask")
 _head_values = operator.attrgetter(*HEAD_FIELDS)
 PLAIN_HEAD = HeadRequest()
+
+
+def check_token_mask(mask: WireTensor, shard) -> None:
+    """A token mask goes to the head shard, one int32 word per 32 tokens of the model's vocabulary (codec.py checked
+    its rank, dtype and rows); BAD_REQUEST otherwise."""
+    if not shard.owns_head:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "tensor 'token_mask' asks a shard without the head")
+    words = -(-shard.config.vocab_size // 32)
+    if mask.shape[1] != words:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"tensor 'token_mask' has {mask.shape[1]} words per row; the "
+                                                   f"vocabulary of {shard.config.vocab_size} tokens needs {words}")
 
 
 def proposing(request) -> bool:
@@ -362,5 +375,6 @@ def head_request(request) -> HeadRequest:
                                   request.top_k or 0, request.seed or 0)
     penalties = Penalties(request.presence_penalty or 0.0, request.frequency_penalty or 0.0,
                           1.0 if request.repetition_penalty is None else request.repetition_penalty)
+    token_mask = request.token_mask.to_torch() if request.token_mask is not None else None
     return HeadRequest(sampling, penalties, request.prompt_tokens or (), request.output_tokens or (),
-                       request.drafts or (), request.logprobs)
+                       request.drafts or (), request.logprobs, token_mask)
