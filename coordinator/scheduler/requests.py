@@ -88,9 +88,9 @@ class Request:
     """One generation: a prompt, its budget and sampling, and, when speculating, its drafter.
 
     With `verify_cost` (`--block-size auto`) each verify block takes coordinator.scheduler.block_size's choice, at
-    most `block_size` rows. `on_commit(ids)` runs on the scheduler's thread as tokens commit (ids carry `.logprobs` when asked for);
-    With `guide` (constrained decoding) each answered row is masked to the tokens its grammar allows, and the
-    request ends ("stop") when the grammar is complete.
+    most `block_size` rows. With `guide` (constrained decoding) each answered row is masked to the tokens its grammar
+    allows, and the request ends ("stop") when the grammar is complete.
+    `on_commit(ids)` runs on the scheduler's thread as tokens commit (ids carry `.logprobs` when asked for);
     raising `StopDecoding` there ends the request after this commit. `on_finish(request)` runs once at the
     end, whether it finished, failed or was cancelled. `cancel()` may be called from any thread.
     With `prompt_logprobs` (top logprobs per position) the prefill also scores each prompt token after the first
