@@ -19,7 +19,6 @@ from coordinator.cli.options import (
     block_size_option,
     busy_poll_option,
     check_mean_commit,
-    check_pipeline_groups,
     daemon_args_from,
     launched_capacity_options,
     liveness_timeout_option,
@@ -282,7 +281,6 @@ def generate(shards, model_dir, synthetic, split, layer_spec, devices, transport
       shardctl generate --synthetic small --split 2 --max-context 8192 --prompt "hello" --drafter oracle --json
     """
     sampling = Sampling.make(temperature, top_p, top_k, seed)
-    check_pipeline_groups(drafter, pipeline_groups)
     if not sampling.greedy and drafter == "oracle":
         raise click.UsageError("--drafter oracle replays the greedy output; sample with ngram, dflash or none")
     if (prompt is None) == (prompt_ids is None):

@@ -40,14 +40,7 @@ recovery_timeout_option = click.option(
 pipeline_groups_option = click.option(
     "--pipeline-groups", type=click.IntRange(1), default=1, show_default=True, metavar="N",
     help="Micro-batches in flight over shards that pass rows on themselves: the running streams in N groups, one "
-         "group's step in each shard at once (N = the shards keeps each busy); outputs stay each request's alone. "
-         "DFlash streams take 1.")
-
-
-def check_pipeline_groups(drafter: str, pipeline_groups: int) -> None:
-    """The usage error of the scheduler's rule (coordinator.scheduler: a DFlash stream takes one group)."""
-    if drafter == "dflash" and pipeline_groups > 1:
-        raise click.UsageError("--drafter dflash takes --pipeline-groups 1 (DFlash in several groups is not yet exact)")
+         "group's step in each shard at once (N = the shards keeps each busy); outputs stay each request's alone.")
 
 
 liveness_timeout_option = click.option(

@@ -15,7 +15,6 @@ from coordinator.cli.options import (
     block_size_option,
     MissingExtra,
     busy_poll_option,
-    check_pipeline_groups,
     daemon_args_from,
     launched_capacity_options,
     liveness_timeout_option,
@@ -148,7 +147,6 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
         raise click.UsageError(f"--host {host} is not loopback: give --api-key (or SHARDCTL_API_KEY) so that not "
                                f"everyone who reaches it can use the model")
     speculating = drafter != "none"
-    check_pipeline_groups(drafter, pipeline_groups)
     listener = listen_socket(host, port)  # a taken port fails now, before any shard loads its weights
     port = listener.getsockname()[1]
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,

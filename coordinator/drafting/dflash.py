@@ -134,7 +134,10 @@ class DFlashDrafterClient:
         # A sequence belongs to the connection that opened it: on a pipeline shard, use the pipeline's own.
         self.shares_pipeline_daemon = where in pipeline.endpoints
         self.endpoint = where  # the daemon that drafts (named when it fails)
-        self.client = pipeline.clients[pipeline.endpoints.index(where)] if self.shares_pipeline_daemon else client
+        # PROPOSE goes on a connection of its own (the same owner as the pipeline's, on a pipeline shard): behind the
+        # pipeline's, it would wait for the rows of other micro-batches' steps in flight there
+        self.client = pipeline.clients[pipeline.endpoints.index(where)].sibling() if self.shares_pipeline_daemon \
+            else client
         self.pipeline = pipeline
         self.layer_ids: list[int] = list(info["target_layer_ids"])
         self.max_draft_tokens: int = info["max_draft_tokens"]

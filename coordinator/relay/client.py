@@ -120,6 +120,8 @@ class ShardClient:
         busy_poll_s: Optional[float] = 0.0,
     ) -> None:
         self.endpoint = endpoint
+        self._options = dict(timeout_s=timeout_s, curve=curve, liveness_timeout_s=liveness_timeout_s,
+                             busy_poll_s=busy_poll_s)
         # a reply awaited for up to this long is polled for without sleeping (a core kept busy, no wake-up on its way
         # in; the daemons' --busy-poll-ms is the same on their side). None: as the daemon does, from its HELLO
         # (common.busy_poll.follow_busy_poll; 0 until then)
@@ -162,6 +164,13 @@ class ShardClient:
         self._failed: dict[int, Exception] = {}  # a held request that could not go out: raised by its receive
         # where this client's requests spend their time: encode, send, wait, receive, decode (protocol/timing.py)
         self.phases = PhaseClock()
+
+    def sibling(self) -> "ShardClient":
+        """A second connection to the same daemon acting on this client's sequences (the same owner secret, or Curve
+        key): its requests are not held back behind this one's waits for rows (micro-batches in flight)."""
+        other = ShardClient(self.endpoint, **self._options)
+        other._owner = self._owner
+        return other
 
     # ---- transport -----------------------------------------------------------------------
 

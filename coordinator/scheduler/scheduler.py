@@ -249,7 +249,6 @@ class Scheduler:
         if pipeline_groups is not None and pipeline_groups < 1:
             raise ValueError(f"pipeline_groups must be >= 1, got {pipeline_groups}")
         # micro-batches in flight at once (1: every step waits for the one before)
-        # (off by default: DFlash streams in several groups are not yet exact, see tests/integration/test_groups.py)
         self.pipeline_groups = pipeline_groups or 1
         self.recovery_timeout_s = recovery_timeout_s
         self.on_step = on_step
@@ -270,9 +269,6 @@ class Scheduler:
     def submit(self, request: Request) -> Request:
         """Queue `request`; ValueError (nothing queued) when its prompt cannot fit the shards' context."""
         check_prompt_fits(request.prompt, self.limit)
-        if request.feature_target is not None and self.pipeline_groups > 1:
-            raise ValueError("a DFlash stream needs pipeline_groups=1: its output in several groups is not yet "
-                             "checked exact")
         if request.drafter is not None and request.block_size > self.batch_rows:
             raise ValueError(f"a block of {request.block_size} tokens does not fit a step of {self.batch_rows} rows")
         request.arrived = time.monotonic()

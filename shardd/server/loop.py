@@ -116,7 +116,7 @@ def answer(daemon, envelope: list, peer: Peer, reply) -> tuple[list[list], objec
     FORWARDs its rows let run. Also the request's type, and whether it now waits for its rows."""
     relay = daemon.relay
     out = []
-    waiting = relay.inbox.cancel(peer.owner)
+    waiting = relay.inbox.cancel(peer.link)
     if waiting is not None:
         out.append(waiting.envelope + relay.missing(waiting, "a later request of its connection came first"))
     frames, mtype = reply()

@@ -15,3 +15,9 @@ class Peer:
     owner: bytes = b""
     trusted: bool = True
     connection: bytes | None = None
+
+    @property
+    def link(self) -> bytes:
+        """Its connection, as the rows from shard to shard know it: a FORWARD's wait for its rows ends at that
+        connection's next request, not at another connection's of the same owner (PROTOCOL.md, "Micro-batches")."""
+        return self.connection if self.connection is not None else self.owner

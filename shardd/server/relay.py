@@ -171,7 +171,7 @@ class Relay:
                                                                f"{dtype_name(shard.dtype)} [n, {shard.config.hidden_size}], "
                                                                f"got {part.hidden.dtype}{list(part.hidden.shape)}")
                 nbytes += expected_nbytes(part.hidden.dtype, part.hidden.shape)
-        sender = peer.connection if peer.connection is not None else peer.owner
+        sender = peer.link
         if any(part.slot is not None for part in parts):
             try:
                 request = self._rows_from_ring(request, parts)

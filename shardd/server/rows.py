@@ -231,11 +231,11 @@ class RowsInbox:
             self._drop(next(iter(self.rows)))
 
     def wait(self, waiting: Waiting) -> None:
-        self.waiting[waiting.peer.owner] = waiting
+        self.waiting[waiting.peer.link] = waiting
 
-    def cancel(self, owner: bytes) -> Optional[Waiting]:
-        """The FORWARD of `owner`'s connection still waiting, taken off the wait (a later request of it came)."""
-        return self.waiting.pop(owner, None)
+    def cancel(self, link: bytes) -> Optional[Waiting]:
+        """The FORWARD of connection `link` still waiting, taken off the wait (a later request of it came)."""
+        return self.waiting.pop(link, None)
 
     def expired(self, now: float) -> list[Waiting]:
         self.expire(now)

@@ -189,9 +189,9 @@ def test_a_middle_shard_killed_with_rollbacks_unread_recovers_in_seconds(tmp_pat
         finished.set()
 
 
-def test_generate_takes_pipeline_groups_and_refuses_them_with_dflash():
+def test_generate_takes_pipeline_groups():
     """`shardctl generate --pipeline-groups 2` over launched shards (which relay rows themselves) gives the tokens of
-    one group; with --drafter dflash it is a usage error naming the option."""
+    one group, with the ngram drafter and with DFlash."""
     import json
 
     from click.testing import CliRunner
@@ -204,6 +204,38 @@ def test_generate_takes_pipeline_groups_and_refuses_them_with_dflash():
     assert all(run.exit_code == 0 for run in runs), [run.output for run in runs]
     records = [json.loads(run.stdout.strip().splitlines()[-1]) for run in runs]
     assert records[0]["tokens"] == records[1]["tokens"] and records[1]["streams_identical"]
-    refused = CliRunner().invoke(cli, ["generate", "--synthetic", "tiny", "--split", "2", "--prompt-ids", "1,2",
-                                       "--drafter", "dflash", "--pipeline-groups", "2"])
-    assert refused.exit_code == 2 and "--pipeline-groups 1" in refused.output
+    dflash = [a if a != "ngram" else "dflash" for a in args]
+    runs = [CliRunner().invoke(cli, [*dflash, "--pipeline-groups", groups]) for groups in ("1", "2")]
+    assert all(run.exit_code == 0 for run in runs), [run.output for run in runs]
+    records = [json.loads(run.stdout.strip().splitlines()[-1]) for run in runs]
+    assert records[0]["tokens"] == records[1]["tokens"] and records[1]["streams_identical"]
+
+
+@pytest.mark.parametrize("layers", [["0:2", "2:4", "4:6"], ["0:2", "2:3", "3:6"]], ids=["propose", "in-reply"])
+def test_dflash_streams_in_groups_are_the_same_requests_alone(tmp_path, layers):
+    """DFlash beside the head of a chain that relays its own rows, in 1, 2 and 3 groups: each stream's tokens and
+    acceptance are those of the request alone. The drafter reads layers 1 and 3: with the head owning neither, its
+    context comes by PROPOSE (on a connection of its own, not held behind the steps of the groups in flight); owning
+    layer 3, it proposes in each verify's reply, layer 1's rows carried to it."""
+    from coordinator.drafting.dflash import DFlashDrafterClient
+
+    binds = [f"ipc://{tmp_path}/first.sock", free_tcp_endpoint(), f"ipc://{tmp_path}/head.sock"]
+    specs = {f"dflash{k}": (bind, ["--layers", layers[k], "--max-verify-tokens", str(BLOCK), "--rows-wait", "30",
+                                   *(["--relay-to", binds[k + 1]] if k < 2 else ["--draft", "synthetic"])])
+             for k, bind in enumerate(binds)}
+    daemons = start_daemons(specs, tmp_path)
+    try:
+        with Pipeline.connect(binds) as pipeline:
+            drafter = DFlashDrafterClient(pipeline.clients[2], pipeline)
+            assert drafter.proposes_in_reply == (layers[1] == "2:3")
+
+            def run(groups, prompts):
+                scheduler = Scheduler(pipeline, max_sequences=len(prompts), pipeline_groups=groups)
+                done = scheduler.run_all([Request(p, 14, drafter=drafter.fresh(), block_size=BLOCK) for p in prompts])
+                return [(r.outcome().tokens, r.result.accepted, r.result.drafted) for r in done]
+
+            alone = [run(1, [prompt])[0] for prompt in PROMPTS]
+            for groups in (1, 2, 3):
+                assert run(groups, PROMPTS) == alone, groups
+    finally:
+        stop_all(daemons.values())
