@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 
 from common.model_config import ModelConfig
+from common.shapes import draft_shapes
 from protocol.layout import CHECKPOINT
 
 
@@ -166,8 +167,6 @@ def drafter_weight_bytes(draft_config, target: ModelConfig, dtype_bytes: int, *,
                          shares_head: bool) -> int:
     """A hosted DFlash drafter's weights plus the target embedding / head it reads where its daemon's layers do
     not hold them already."""
-    from common.shapes import draft_shapes
-
     total = sum(math.prod(shape) for shape in draft_shapes(draft_config).values()) * dtype_bytes
     embedding = target.vocab_size * target.hidden_size * dtype_bytes
     return total + (0 if shares_embedding else embedding) + (0 if shares_head else embedding)

@@ -183,6 +183,15 @@ def launched_capacity_options(func):
     return _apply(capacity_options, func)
 
 
+max_gpu_memory_option = click.option(
+    "--max-gpu-memory", metavar="SIZE|FRACTION", default=None,
+    help="Each daemon's memory cap (shardd serve --max-gpu-memory: 24GiB, or 0.9 of its device); a daemon whose plan "
+         "does not fit refuses to start, naming each part.")
+prefix_cache_option = click.option(
+    "--prefix-cache-gib", metavar="GIB|auto", default=None,
+    help="Each launched daemon's prefix cache (shardd serve --prefix-cache-gib; default auto, 0: none).")
+
+
 def daemon_options(func):
     """Options passed through to every launched daemon (only when given)."""
     return _apply([
@@ -193,9 +202,7 @@ def daemon_options(func):
                      help="Rollback storage kind: checkpoint or replay-ssm."),
         *capacity_options,
         click.option("--max-tokens-per-request", type=click.IntRange(1), default=None),
-        click.option("--max-gpu-memory", metavar="SIZE|FRACTION", default=None,
-                     help="Each daemon's memory cap (shardd serve --max-gpu-memory: 24GiB, or 0.9 of its device); a "
-                          "daemon whose plan does not fit refuses to start, naming each part."),
+        max_gpu_memory_option,
     ], func)
 
 

@@ -17,6 +17,8 @@ from coordinator.cli.options import (
     busy_poll_option,
     daemon_args_from,
     launched_capacity_options,
+    max_gpu_memory_option,
+    prefix_cache_option,
     liveness_timeout_option,
     load_curve,
     pipeline_groups_option,
@@ -77,6 +79,8 @@ def quiet_cancellations() -> None:
 @shard_source_options
 @quantize_option
 @launched_capacity_options
+@max_gpu_memory_option
+@prefix_cache_option
 @click.option("--max-tokens-per-request", type=click.IntRange(1), default=None,
               help="Tokens one request to a launched shard may carry (shardd's default).")
 @recovery_timeout_option
@@ -122,7 +126,8 @@ def quiet_cancellations() -> None:
 def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, dtype, timeout, curve_server_key,
           curve_client_key, quantize, max_sequences, max_context, allow_long_context, max_tokens_per_request, recovery_timeout, liveness_timeout,
           busy_poll_ms, host, port, tokenizer_dir, served_model_name, drafter, draft_shard, draft, draft_placement, block_size, rollback, batch_rows, pipeline_groups, prefix_caching, log_level,
-          max_body_bytes, request_timeout, max_connections, exit_on_shard_loss, as_json, api_key):
+          max_body_bytes, request_timeout, max_connections, exit_on_shard_loss, as_json, api_key, max_gpu_memory,
+          prefix_cache_gib):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
     /version, /health, /metrics).
 
@@ -152,13 +157,15 @@ def serve(shards, model_dir, synthetic, split, layer_spec, devices, transport, d
     plan = make_plan(shards, model_dir, synthetic, split, layer_spec, devices, transport,
                      daemon_args_from(dtype=dtype, max_sequences=max_sequences, max_context=max_context,
                                       allow_long_context=allow_long_context,
-                                      max_tokens_per_request=max_tokens_per_request,
+                                      max_tokens_per_request=max_tokens_per_request, max_gpu_memory=max_gpu_memory,
+                                      prefix_cache_gib=prefix_cache_gib,
                                       busy_poll_ms="auto" if busy_poll_ms is None else busy_poll_ms),
                      curve=curve_server_key or curve_client_key, quantize=quantize,
                      max_context=max_context, allow_long_context=allow_long_context)
-    if shards and (max_sequences or max_context or max_tokens_per_request):
-        raise click.UsageError("--max-sequences, --max-context and --max-tokens-per-request size the shards serve "
-                               "launches; running shards (--shards) keep the limits they were started with")
+    if shards and (max_sequences or max_context or max_tokens_per_request or max_gpu_memory or prefix_cache_gib):
+        raise click.UsageError("--max-sequences, --max-context, --max-tokens-per-request, --max-gpu-memory and "
+                               "--prefix-cache-gib size the shards serve launches; running shards (--shards) keep "
+                               "the limits they were started with")
     if drafter == "dflash":
         plan.draft_endpoint, plan.draft = dflash_daemon(plan, draft_shard, draft)
         plan.draft_placement = draft_placement

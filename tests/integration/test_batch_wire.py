@@ -261,8 +261,8 @@ def test_a_malformed_envelope_is_refused_whole_and_changes_nothing(daemons):
                                     "items": [{"seq": 1, "pos": 0, "rows": 1}, {"seq": 2, "pos": 0, "rows": 2}]},
                            bytes(2 * 64 * 4))
     assert (ok, got) == (False, ErrorCode.BAD_REQUEST) and "add up" in message
-    # a batch's third frame is its tensor 'carried' (the CAPTURE items' carried rows), read and checked; a fourth
-    # is one too many
+    # a batch's third frame is its tensor 'carried' (the CAPTURE items' carried rows), read and checked; its fourth
+    # `token_mask`; a fifth is one too many
     carried = {"name": "carried", "dtype": "float32", "shape": [1, 128]}
     verify = {"seq": 1, "pos": 0, "rows": 2, "layers": [5], "checkpoint": True, "parents": [-1, 0], "drafts": [3],
               "propose": 1, "carried_layers": [1, 3]}
@@ -270,8 +270,8 @@ def test_a_malformed_envelope_is_refused_whole_and_changes_nothing(daemons):
     ok, got, message = raw(client, {"type": "FORWARD", "tensors": [hidden, carried], "items": [verify]}, *frames)
     assert (ok, got) == (False, ErrorCode.BAD_REQUEST) and "tensor 'carried' has 1" in message
     ok, got, message = raw(client, {"type": "FORWARD", "tensors": [hidden, carried], "items": [verify]}, *frames,
-                           bytes(4))
-    assert (ok, got) == (False, ErrorCode.BAD_REQUEST) and "FORWARD batch has at most 3 frame(s)" in message
+                           bytes(4), bytes(4))
+    assert (ok, got) == (False, ErrorCode.BAD_REQUEST) and "FORWARD batch has at most 4 frame(s)" in message
     length_is(client, 1, 0)
     length_is(client, 2, 0)
     closed(client, 1, 2)

@@ -716,7 +716,7 @@ BAD_CASES = [
     Case("descriptor-extra-key", "last", ErrorCode.BAD_REQUEST, lambda c: c.message(
         "FORWARD", bytes(4 * 2 * HIDDEN), tensors=[{"name": "hidden", "dtype": "float32", "shape": [2, HIDDEN], "order": "C"}])),
     # more frames than FORWARD can carry at all: refused by count as they arrive, not by descriptor
-    Case("too-many-frames", "last", ErrorCode.BAD_REQUEST, hidden_frame_count(2), message="at most 2 frame.*3 frames"),
+    Case("too-many-frames", "last", ErrorCode.BAD_REQUEST, hidden_frame_count(3), message="at most 3 frame.*4 frames"),
     Case("too-few-frames", "last", ErrorCode.BAD_REQUEST, hidden_frame_count(0), message="1 tensor.*0 tensor frame"),
     Case("frame-without-descriptor", "full", ErrorCode.BAD_REQUEST, lambda c: c.message("FORWARD", b"\x00" * 8)),
     Case("tensor-on-close", "full", ErrorCode.BAD_REQUEST, lambda c: c.message(
@@ -753,6 +753,10 @@ BAD_CASES = [
          modes=(COMMITTED,)),
     Case("restore-without-snapshot", "full", ErrorCode.NO_SNAPSHOT, lambda c: c.encode(Restore, seq=c.seq)),
     Case("open-an-open-sequence", "full", ErrorCode.SEQUENCE_EXISTS, lambda c: c.encode(Open, seq=c.seq)),
+    Case("open-from-a-prefix-entry-not-held", "full", ErrorCode.PREFIX_MISSING,
+         lambda c: c.encode(Open, seq=c.seq + 10**9, prefix=12345), message="prefix entry 12345"),
+    Case("save-prefix-with-checkpoint", "full", ErrorCode.BAD_REQUEST,
+         lambda c: c.forward(checkpoint=True, parents=pure_chain(len(NEXT)), save_prefix=7), message="save_prefix"),
     Case("forward-unknown-sequence", "full", ErrorCode.NO_SUCH_SEQUENCE, lambda c: c.forward(seq=c.seq + 10**9, pos=0)),
     Case("capture-unknown-sequence", "last", ErrorCode.NO_SUCH_SEQUENCE,
          lambda c: c.forward(record_type=Capture, layers=[4], seq=c.seq + 10**9, pos=0)),

@@ -342,7 +342,8 @@ def test_every_command_spells_rollback_mode_and_serve_takes_the_launch_options()
                    "--liveness-timeout"):
         assert option in serve_help, option
     for option in re.findall(r"^\s+(--[a-z-]+)", launch_help, re.M):
-        if option not in ("--split", "--layers", "--ready-timeout", "--max-verify-tokens", "--json", "--help"):
+        if option not in ("--split", "--layers", "--ready-timeout", "--max-verify-tokens", "--json", "--help",
+                          "--dry-run"):
             assert option in serve_help, option
     assert "--recovery-timeout" in shardctl("generate", "--help").output
     assert "--liveness-timeout" in shardctl("generate", "--help").output
