@@ -19,6 +19,7 @@
 # | seed          | wheels             | -                                                   | the seed's benchmark, within SEED_BUDGET s (seed_bench.json) |
 # | sampling      | -                  | the head shard's sampler on CUDA                    | per-row vs batched sampling (gpu_bench_sampling.json) |
 # | prefix        | wheels             | prefix entries on the fast engine, prompt logprobs  | prefix caching: second turn, shared system prompt, flood (gpu_bench_prefix.json) |
+# | guided        | wheels             | -                                                   | constrained vs plain batched step, 8 streams (gpu_bench_guided.json) |
 # | gpu-tests     | wheels             | every test marked gpu (`pytest -m gpu tests`)       | - |
 #
 # Each run also writes RUN.log (its tests' tail and the benchmark's output); a short summary of every run is printed
@@ -37,7 +38,7 @@
 # `run(carry=[".whl"], command="bash scripts/gpu_run.sh relay fp8")`). Fill it where pip works (Python 3.12 there):
 #   P="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
 #      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
-#   pip download --no-deps $P -d .whl pyzmq fla-core py-spy
+#   pip download --no-deps $P -d .whl pyzmq fla-core py-spy xgrammar apache-tvm-ffi
 #   pip download $P -d .whl/serve fastapi uvicorn prometheus_client
 # Other knobs: SKIP_TESTS=1 (benchmarks only), PARTS (relay: bench_gpu parts, default relay,local; add
 # delay,relay-dflash when the call has room), SEED_BUDGET (seed, default 450), BENCH_HTTP_PYSPY=FILE (batch: the HTTP part again under py-spy),
@@ -50,7 +51,7 @@ runs=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do runs+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 ARGS=("$@")
-known=" check local relay relay-profile ring batch batch-step dflash dflash-batch fp8 fp8-gemm seed sampling prefix gpu-tests "
+known=" check local relay relay-profile ring batch batch-step dflash dflash-batch fp8 fp8-gemm seed sampling prefix guided gpu-tests "
 if [ ${#runs[@]} -eq 0 ]; then
     sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
     exit 2
@@ -135,6 +136,9 @@ run_prefix() {
     gpu_tests prefix 200 tests/integration/test_prefix_cache.py tests/integration/test_prompt_logprobs.py -k fast_engine
     bench prefix 420 python3 scripts/bench_gpu.py --parts prefix --json "$OUT/gpu_bench_prefix.json" "${ARGS[@]}"
 }
+run_guided() {
+    bench guided 300 python3 scripts/bench_gpu.py --parts guided --json "$OUT/gpu_bench_guided.json" "${ARGS[@]}"
+}
 run_relay-profile() {
     bench relay-profile 320 python3 scripts/bench_gpu.py --parts relay --tokens 64 --daemon-profile /tmp/daemon-prof \
         --json "$OUT/relay_profile.json" "${ARGS[@]}"
@@ -200,13 +204,14 @@ KEYS = ("outputs_identical", "failed_parts", "floor_ms", "greedy_ms_per_token", 
         "floor_ratio_step", "tok_s", "rollback_ms", "prefill_tok_s", "e2e_tok_s", "e2e_vs_local", "relay_ms_per_step",
         "e2e_greedy_vs_local", "relay_timeline", "draft_propose_ms_fast", "draft_floor_ratio", "dflash_vs_oracle",
         "batch_identical", "batch_http", "relay_vs_delay", "e2e_dflash_step_ms", "dflash_batch_vs_oracle",
-        "dflash_batch_identical", "prefix_turn", "prefix_shared", "prefix_flood", "prefix_outputs_identical")
+        "dflash_batch_identical", "prefix_turn", "prefix_shared", "prefix_flood", "prefix_outputs_identical", "guided_step_ms", "plain_step_ms",
+        "guided_step_ratio", "guided_identical")
 FILES = {"check": "prefill_profile.json", "local": "gpu_bench_local.json", "relay": "gpu_bench_relay.json",
          "relay-profile": "relay_profile.json", "ring": "cuda_ipc_probe.json",
          "batch": "gpu_bench_batch.json", "batch-step": "gpu_bench_batch_step.json", "dflash": "gpu_bench_dflash.json",
          "dflash-batch": "gpu_bench_dflash_batch.json",
          "fp8": "gpu_bench_fp8.json", "fp8-gemm": "fp8_gemm.json", "seed": "seed_bench.json",
-         "sampling": "gpu_bench_sampling.json", "prefix": "gpu_bench_prefix.json"}
+         "sampling": "gpu_bench_sampling.json", "prefix": "gpu_bench_prefix.json", "guided": "gpu_bench_guided.json"}
 for run in runs:
     print(f"==== {run}")
     log = out / f"{run}.log"
