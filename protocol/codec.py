@@ -435,7 +435,14 @@ def _decode_batch(header: dict, views: list[memoryview], mtype: MessageType, lim
             raise _bad(f"sequence {seq} appears twice in one batch (items name distinct sequences)")
         seqs.add(seq)
     rows = _batch_rows(items, hidden, mtype, ticketed=rows_ticket is not None)
-    carried_rows = _carried_rows(items, rows, carried, mtype, counted=hidden is not None or rows_ticket is not None)
+    if rows_ticket is not None and carried is not None:
+        raise _bad(f"a batched {mtype.value} with field 'rows_ticket' takes its carried rows from the previous shard's "
+                   "ROWS, not from tensor 'carried'")
+    if mtype is MessageType.ROWS:
+        carried_rows = _passed_rows(items, rows, carried, hidden is not None)
+    else:
+        carried_rows = ([0] * len(items) if rows_ticket is not None else
+                        _carried_rows(items, rows, carried, mtype, counted=hidden is not None))
     mask_rows = _mask_rows(items, token_mask)
     total = sum(rows) if hidden is not None else sum(len(item["tokens"]) for item in items
                                                       if type(item.get("tokens")) is list)
@@ -467,6 +474,19 @@ def _item_record(mtype: MessageType, item: dict) -> type:
     if mtype is MessageType.FORWARD and "layers" in item:
         return Capture
     return RECORD_TYPES[mtype]
+
+
+def _passed_rows(items: list, rows: list[int], carried: Optional[WireTensor], hosted: bool) -> list[int]:
+    """A batched ROWS' items' rows of tensor `carried` (the carried rows their FORWARDs passed on): one per row of
+    each item that `carries` (its `rows`, or its `slot_rows` in a device slot), in item order."""
+    if carried is None:
+        return [0] * len(items)
+    taken = [0 if item.get("carries") is not True else n if hosted else
+             _check_int(item.get("slot_rows"), f"field 'slot_rows' of items[{index}]", 1, ID_LIMIT)
+             for index, (item, n) in enumerate(zip(items, rows))]
+    if sum(taken) != carried.shape[0]:
+        raise _bad(f"the items' rows add up to {sum(taken)}, tensor 'carried' has {carried.shape[0]}")
+    return taken
 
 
 def _carried_rows(items: list, rows: list[int], carried: Optional[WireTensor], mtype: MessageType,
@@ -672,14 +692,17 @@ def _check_request(record: Request, limits: Limits) -> None:
             raise _too_large(f"{len(layers)} capture layers, limit {limits.max_capture_layers}")
         if len(set(layers)) != len(layers):
             raise _bad(f"field 'layers' of CAPTURE repeats a layer: {layers}")
-        if (record.carried is None) != (record.carried_layers is None):
+        if record.carried is not None and record.carried_layers is None:
             raise _bad("field 'carried_layers' and tensor 'carried' of CAPTURE go together")
-        if record.carried is not None:
-            if record.propose is None:
-                raise _bad("tensor 'carried' of CAPTURE goes with field 'propose'")
+        if record.carried_layers is not None and record.carried is None and record.rows_ticket is None:
+            raise _bad("field 'carried_layers' of CAPTURE needs tensor 'carried', or field 'rows_ticket' (the "
+                       "previous shard's ROWS bring the carried rows)")
+        if record.carried_layers is not None and record.propose is None:
+            raise _bad("field 'carried_layers' of CAPTURE goes with field 'propose'")
+        if record.carried_layers is not None:
             if len(set(record.carried_layers)) != len(record.carried_layers) or not record.carried_layers:
                 raise _bad(f"field 'carried_layers' must be distinct and non-empty, got {record.carried_layers}")
-            if record.carried.shape[0] != record.n_tokens:
+            if record.carried is not None and record.carried.shape[0] != record.n_tokens:
                 raise _bad(f"tensor 'carried' has {record.carried.shape[0]} rows for {record.n_tokens} tokens")
         if record.propose is not None:
             if samples(record.temperature):
@@ -696,6 +719,11 @@ def _check_request(record: Request, limits: Limits) -> None:
         n = record.hidden.shape[0] if record.hidden is not None else record.slot_rows or 0
         if n > limits.max_tokens_per_request:
             raise _too_large(f"{n} rows, limit {limits.max_tokens_per_request}")
+        if record.carried is not None and (record.refused or record.carried.shape[0] != n):
+            raise _bad(f"tensor 'carried' of ROWS goes with the rows, one per row ({n}), got "
+                       f"{list(record.carried.shape)}")
+        if bool(record.carries) != (record.carried is not None):
+            raise _bad("field 'carries' and tensor 'carried' of ROWS go together")
     if isinstance(record, Propose):
         if record.block_size > limits.max_tokens_per_request:
             raise _too_large(f"block_size {record.block_size}, limit {limits.max_tokens_per_request}")

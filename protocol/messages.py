@@ -205,6 +205,10 @@ class Forward(_SequenceRequest):
         default=None)
     prompt_tokens: Optional[list[int]] = _header(
         "int_list", "the prompt (repetition penalty)", minimum=0, limit=TOKEN_LIMIT, default=None)
+    carry: Optional[bool] = _header(
+        "bool", "with send_rows (this request's or its batch's): the ROWS also bring the next shard tensor carried, "
+        "the carried rows this request took in followed by the outputs of its CAPTURE layers this shard owns, "
+        "ascending (absent: false)", default=None)
     save_prefix: Optional[int] = _header(
         "int", "after this forward (not checkpointed) keep the sequence's state as this client's prefix entry of "
         "this id; the reply says whether it was kept (prefix_saved)", minimum=0, limit=ID_LIMIT, default=None)
@@ -280,6 +284,10 @@ class Rows(_SequenceRequest):
     slot_gen: Optional[int] = _header("int", "with slot: the writer's count of puts into the slot since its RING, "
                                       "this one's included (the flag a device wait waits for)", minimum=1,
                                       limit=ID_LIMIT, default=None)
+    carried: Optional[WireTensor] = _tensor(2, "[n, k * H] the drafter's feature rows the FORWARD passed on (its "
+                                               "carry), for the next shard's carried_layers")
+    carries: Optional[bool] = _header("bool", "with tensor carried: these rows come with carried rows (a batch's "
+                                      "items: which of them take rows of tensor carried)", default=None)
 
 
 @dataclass(frozen=True)
@@ -361,7 +369,7 @@ BATCH_TENSORS: dict[MessageType, tuple[str, ...]] = {
     MessageType.FORWARD: ("hidden", "carried", "token_mask"),  # a FORWARD batch's item with `layers` is a CAPTURE
     MessageType.CAPTURE: ("hidden", "carried", "token_mask"),
     MessageType.ROLLBACK: (),
-    MessageType.ROWS: ("hidden",),
+    MessageType.ROWS: ("hidden", "carried"),
 }
 
 RECORD_TYPES: dict[MessageType, type] = {record.type: record for record in get_args(Request)}

@@ -440,6 +440,7 @@ def forward_record(
     ticket_rows: Optional[int] = None,
     send_rows: Optional[int] = None,
     save_prefix: Optional[int] = None,
+    carry: Optional[bool] = None,
 ) -> Forward:
     """A FORWARD (or, with `layers`, a CAPTURE) request; checkpointed ones carry the pure chain. `rows_ticket` /
     `ticket_rows`: its n input rows come from the previous shard's ROWS of that ticket; `send_rows`: its output
@@ -454,6 +455,7 @@ def forward_record(
         "checkpoint": checkpoint,
         "parents": pure_chain(n) if checkpoint else None,
         "save_prefix": save_prefix,
+        "carry": carry,
         **(sampling or {}),  # head shard only: temperature, top_p, top_k, seed, drafts
     }
     if layers is not None:

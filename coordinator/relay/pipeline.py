@@ -578,12 +578,12 @@ class Pipeline:
         it; after any other failure the shards after it may have run: it is inconsistent. Otherwise the rows come
         back here and go on with the next shard's request, which leaves out the steps that failed; a long input
         (several chunks, one step alone) goes as a wavefront, shard k taking chunk t-k at tick t so that all
-        shards compute at once. Chunks, and captures the head takes along (`carried_layers`), need the earlier
-        shards' replies before the later requests are built: they always come back here."""
+        shards compute at once. Chunks need the earlier shards' replies before the later requests are built: they
+        always come back here. Captures the head takes along (`carried_layers`) ride with the rows where those go
+        shard to shard (`carry`), else come back here into the head's `carried`."""
         last = len(self.shards) - 1
         ticks = len(steps[0].chunks)  # > 1 only for one step alone
-        direct = self.direct_rows and ticks == 1 and not any(
-            step.head is not None and step.head.get("carried_layers") for step in steps)
+        direct = self.direct_rows and ticks == 1
         starts = [[step.pos + sum(map(len, step.chunks[:c])) for c in range(len(step.chunks))] for step in steps]
         # per step and shard the capture layers it owns: CAPTURE there, FORWARD (None) where it owns none
         owned = [[[layer for layer in step.capture if shard.begin <= layer < shard.end] or None if step.capture
@@ -598,15 +598,27 @@ class Pipeline:
         every = list(range(len(steps)))
         sent: list = [None] * len(self.shards)
 
+        # rows shard to shard with layers the head takes along (`carried_layers`): from the first shard that
+        # captures one of them, each shard passes them on with its rows (`carry`), the later ones capturing none
+        # passing on what they took in; the head takes them from its ROWS
+        carrying = [direct and step.head is not None and bool(step.head.get("carried_layers")) for step in steps]
+        first_carrier = [min((k for k in range(last) if owned[i][k]), default=last) for i in range(len(steps))]
+
+        def layers_and_carry(i: int, k: int) -> tuple[Optional[list[int]], Optional[bool]]:
+            if carrying[i] and first_carrier[i] <= k < last:
+                return owned[i][k] or list(steps[i].head["carried_layers"]), True
+            return owned[i][k], None
+
         def request(k: int, c: int, members: list[int], inputs) -> Request:
             shard, records = self.shards[k], []
             for i in members:
                 step = steps[i]
-                head = self._head_request(step, parts[i], starts[i][c] - step.pos, len(step.chunks[c])) \
-                    if shard.owns_head else None
+                head = self._head_request(step, parts[i], starts[i][c] - step.pos, len(step.chunks[c]),
+                                          carried_by_rows=carrying[i]) if shard.owns_head else None
                 save = step.save_prefix if c == len(step.chunks) - 1 else None
-                records.append(forward_record(step.seq, starts[i][c], checkpoint=step.checkpoint, layers=owned[i][k],
-                                              sampling=head, save_prefix=save, **inputs(i, k, c)))
+                layers, carry = layers_and_carry(i, k)
+                records.append(forward_record(step.seq, starts[i][c], checkpoint=step.checkpoint, layers=layers,
+                                              sampling=head, save_prefix=save, carry=carry, **inputs(i, k, c)))
             if len(records) == 1:
                 return records[0]
             batch = {} if not direct else {"send_rows": tickets[k] if k < last else None,
@@ -715,10 +727,11 @@ class Pipeline:
             return [error] * n
 
     @staticmethod
-    def _head_request(step: "_Step", parts: dict, offset: int, n: int) -> Optional[dict]:
+    def _head_request(step: "_Step", parts: dict, offset: int, n: int, carried_by_rows: bool = False) -> Optional[dict]:
         """The head shard's extra fields for the chunk of `step` at rows `offset .. offset + n - 1`: its `head`,
         with the next tokens of that chunk's rows alone (none left: no prompt logprobs), and the layers captured
-        before (`carried_layers`) side by side in `carried` (an item's `propose`: `_batch_step`)."""
+        before (`carried_layers`) side by side in `carried` (an item's `propose`: `_batch_step`), or, where the
+        earlier shards pass them on with their rows (`carried_by_rows`), named alone."""
         head = step.head
         if head is not None and "next_tokens" in head:
             scored = head["next_tokens"][offset:offset + n]
@@ -731,7 +744,9 @@ class Pipeline:
         carried = head["carried_layers"]
         fields = {key: value for key, value in head.items() if key != "carried_layers"}
         if carried:
-            fields.update(carried_layers=carried, carried=side_by_side([parts[layer][0] for layer in carried]))
+            fields["carried_layers"] = carried
+            if not carried_by_rows:
+                fields["carried"] = side_by_side([parts[layer][0] for layer in carried])
         return fields
 
     def _end_later(self, sent: list, failed: int, refused: bool) -> None:

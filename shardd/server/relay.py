@@ -95,33 +95,39 @@ class Relay:
             if self.shard.owns_head:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "field 'send_rows': the head shard's output is ids, not rows")
 
-    def send(self, request, hidden, wait) -> None:
+    def send(self, request, hidden, wait, carried: WireTensor | None = None) -> None:
         """A one-sequence FORWARD's output rows to the next shard under its `send_rows` ticket: through the next
         shard's device ring where it can, else through the host (`wait`: the device wait its own input rows came
-        behind, whose outcome goes on with them)."""
+        behind, whose outcome goes on with them); `carried` (its `carry`) goes with them through the host."""
         seq, pos, ticket = request.seq, request.pos, request.send_rows
+        carries = True if carried is not None else None
         if not self._on_device([hidden], lambda slot, gen: Rows(id=0, seq=seq, pos=pos, ticket=ticket, slot=slot,
-                                                                 slot_rows=hidden.shape[0], slot_gen=gen), wait):
+                                                                 slot_rows=hidden.shape[0], slot_gen=gen,
+                                                                 carried=carried, carries=carries), wait):
             hidden = on_host([hidden])[0]
             if wait is not None:  # the rows leave through the host: theirs must be real
                 check_landed([wait])
-            self.link.send(Rows(id=0, seq=seq, pos=pos, ticket=ticket, hidden=WireTensor.from_torch(hidden)))
+            self.link.send(Rows(id=0, seq=seq, pos=pos, ticket=ticket, hidden=WireTensor.from_torch(hidden),
+                                carried=carried, carries=carries))
         self.counters.rows_sent += 1
 
     def send_batch(self, request, ran: list, wait) -> RowsLost | None:
-        """A batched FORWARD's rows (`ran`: (item, hidden) of each item that ran) to the next shard as one ROWS;
-        the RowsLost to fail them with when they would leave through the host without their own rows."""
+        """A batched FORWARD's rows (`ran`: (item, hidden, carried) of each item that ran; carried: its `carry`, or
+        None) to the next shard as one ROWS; the RowsLost to fail them with when they would leave through the host
+        without their own rows."""
         ticket = request.send_rows
         in_slot = lambda slot, gen: RowsBatch(id=0, items=tuple(  # noqa: E731 (the rows of the slot, item by item)
-            Rows(id=0, seq=item.seq, pos=item.pos, ticket=ticket, slot=slot, slot_rows=hidden.shape[0], slot_gen=gen)
-            for item, hidden in ran))
-        if not self._on_device([hidden for _, hidden in ran], in_slot, wait):
-            hosted = on_host([hidden for _, hidden in ran])
+            Rows(id=0, seq=item.seq, pos=item.pos, ticket=ticket, slot=slot, slot_rows=hidden.shape[0], slot_gen=gen,
+                 carried=carried, carries=carried is not None or None)
+            for item, hidden, carried in ran))
+        if not self._on_device([hidden for _, hidden, _ in ran], in_slot, wait):
+            hosted = on_host([hidden for _, hidden, _ in ran])
             if wait is not None and not wait.landed():  # the rows leave through the host: theirs must be real
                 return RowsLost(wait.why())
             self.link.send(RowsBatch(id=0, items=tuple(
-                Rows(id=0, seq=item.seq, pos=item.pos, ticket=ticket, hidden=WireTensor.from_torch(hidden))
-                for (item, _), hidden in zip(ran, hosted))))
+                Rows(id=0, seq=item.seq, pos=item.pos, ticket=ticket, hidden=WireTensor.from_torch(hidden),
+                     carried=carried, carries=carried is not None or None)
+                for (item, _, carried), hidden in zip(ran, hosted))))
         self.counters.rows_sent += 1
         return None
 
@@ -171,6 +177,13 @@ class Relay:
                                                                f"{dtype_name(shard.dtype)} [n, {shard.config.hidden_size}], "
                                                                f"got {part.hidden.dtype}{list(part.hidden.shape)}")
                 nbytes += expected_nbytes(part.hidden.dtype, part.hidden.shape)
+            if part.carried is not None:
+                width = shard.config.hidden_size
+                if part.carried.shape[1] % width or part.carried.dtype != dtype_name(shard.dtype):
+                    raise ProtocolError(ErrorCode.BAD_REQUEST, f"tensor 'carried' of ROWS must be "
+                                                               f"{dtype_name(shard.dtype)} [n, k * {width}], got "
+                                                               f"{part.carried.dtype}{list(part.carried.shape)}")
+                nbytes += expected_nbytes(part.carried.dtype, part.carried.shape)
         sender = peer.link
         if any(part.slot is not None for part in parts):
             try:

@@ -702,3 +702,42 @@ def test_a_removed_relay_flag_is_refused_in_one_line_naming_what_happens_now(fla
     assert len(lines) == 1 and lines[0].startswith(f"Error: {flag} was removed: ") and now in lines[0]
     assert lines[0].endswith("; drop the flag")
     assert flag not in CliRunner().invoke(main, ["serve", "--help"]).output
+
+
+def test_a_capture_s_layers_ride_with_its_rows_to_the_next_shard(direct):
+    """`carry`: the first shard's CAPTURE of layer 1 sends its rows and layer 1's outputs on (tensor `carried` of
+    its ROWS); the middle shard's CAPTURE of layer 3 passes them on with its own (a head hosting the drafter takes
+    them as its `carried`: tests/integration/test_groups.py's DFlash in-reply test, tokens equal to the relay through
+    the coordinator). Refused, changing nothing: `carry` without send_rows, a FORWARD with nothing to carry, a ROWS
+    whose `carried` is not the shard's width, `carries` without `carried`, and carried rows for a FORWARD."""
+    binds, _, _ = direct
+    first, middle, head = _clients(binds)
+    try:
+        seq = 74
+        for client in (first, middle, head):
+            assert client.request("OPEN", seq=seq).ok
+        refused = first.request("CAPTURE", seq=seq, pos=0, tokens=[4, 5], layers=[1], carry=True)
+        assert refused.error_code is ErrorCode.BAD_REQUEST and "send_rows" in refused.error_message
+        empty = first.request("FORWARD", seq=seq, pos=0, tokens=[4, 5], carry=True, send_rows=40)
+        assert empty.error_code is ErrorCode.BAD_REQUEST and "neither took in nor captures" in empty.error_message
+        one = first.request("CAPTURE", seq=seq, pos=0, tokens=[4, 5], layers=[1], carry=True, send_rows=41)
+        assert one.ok and one.result["rows_sent"] and one.result["length"] == 2
+        two = middle.request("CAPTURE", seq=seq, pos=0, rows_ticket=41, ticket_rows=2, layers=[3], carry=True,
+                             send_rows=42)
+        assert two.ok and two.result["length"] == 2
+        # what reached the head: ROWS with the rows and carried [2, 2 x 64] (layer 1's, then layer 3's)
+        stats = head.call("STATS").result["rows"]
+        assert stats["parked"] >= 1
+        wide = head.request("ROWS", seq=999, pos=0, ticket=43, hidden=WireTensor.from_torch(torch.zeros(1, 64)),
+                            carried=WireTensor.from_torch(torch.zeros(1, 65)), carries=True)
+        assert wide.error_code is ErrorCode.BAD_REQUEST and "k * 64" in wide.error_message
+        bare = head.request("ROWS", seq=999, pos=0, ticket=44, hidden=WireTensor.from_torch(torch.zeros(1, 64)),
+                            carries=True, validate=False)
+        assert bare.error_code is ErrorCode.BAD_REQUEST and "carries" in bare.error_message
+        got = head.request("FORWARD", seq=seq, pos=0, rows_ticket=42, ticket_rows=2)
+        assert got.error_code is ErrorCode.BAD_REQUEST and "only a CAPTURE takes them" in got.error_message
+        assert head.call("STATS").result["open_sequences"] >= 1
+    finally:
+        for client in (first, middle, head):
+            client.request("CLOSE", seq=74)
+            client.close()

@@ -46,6 +46,7 @@ class Forward:
     def forward(self, request, peer: Peer):
         shard = layers_of(self.shard, request)
         self.relay.check_send_rows(request)
+        check_carry(request, request.send_rows)
         if request.rows_ticket is not None:
             request = self._with_rows(request, shard, peer)  # or WaitsForRows: the rows are not here yet
         entry, head, layers = self._check(request, shard, peer)
@@ -66,7 +67,7 @@ class Forward:
         if proposing(request):
             self._propose_after([(0, request, entry, out)], [(result, tensors)])
         if request.send_rows is not None:  # the rows go on to the next shard first: they are what it waits for
-            self.relay.send(request, tensors.pop("hidden"), wait)
+            self.relay.send(request, tensors.pop("hidden"), wait, carried_on(request, tensors))
             result["rows_sent"] = True
         return result, {name: WireTensor.from_torch(t) for name, t in zip(tensors, on_host(list(tensors.values())))}
 
@@ -94,8 +95,8 @@ class Forward:
                                                        f"{rows.seq} at {rows.pos}, {rows_n} rows; this FORWARD is for "
                                                        f"{request.seq} at {request.pos}, {request.ticket_rows} rows")
         # built as the decoder builds records (no dataclass __init__ over a FORWARD's ~25 fields)
-        return new_record(type(request), {**request.__dict__, "hidden": rows.hidden, "rows_ticket": None,
-                                          "ticket_rows": None})
+        return new_record(type(request), {**request.__dict__, **with_carried(request, rows), "hidden": rows.hidden,
+                                          "rows_ticket": None, "ticket_rows": None})
 
     def _check(self, request, shard, peer: Peer):
         """What a FORWARD/CAPTURE (one sequence, alone or an item of a batch) needs before it runs: its sequence,
@@ -124,6 +125,10 @@ class Forward:
         check_finite("hidden", request.hidden)
         if request.save_prefix is not None:
             self.sequences.prefix_cache.check_new(peer.owner, request.save_prefix)
+        if request.carry and request.rows_ticket is None and getattr(request, "carried", None) is None \
+                and not any(shard.begin <= layer < shard.end for layer in layers):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "carry asks for feature rows this shard neither took in nor "
+                                                       "captures")
         if proposing(request):
             check_finite("carried", request.carried)
             self.proposer.check(request, shard, entry)
@@ -197,6 +202,7 @@ class Forward:
             try:
                 if isinstance(item, ProtocolError):
                     raise item
+                check_carry(item, getattr(request, "send_rows", None))
                 entry, head, layers = self._check(item, shard, peer)
             except ProtocolError as error:
                 answers[index] = error
@@ -293,25 +299,30 @@ class Forward:
                                                                 f"at {part.pos}, {part.hidden.shape[0]} rows; this item "
                                                                 f"is at {item.pos}, {item.ticket_rows} rows", item.seq))
             else:
+                try:
+                    carried = with_carried(item, part)
+                except ProtocolError as error:
+                    items.append(ItemRefused(error.code, error.message, item.seq))
+                    continue
                 # built as the decoder builds records (no dataclass __init__ per item)
-                items.append(new_record(type(item), {**item.__dict__, "hidden": part.hidden, "rows_ticket": None,
-                                                     "ticket_rows": None}))
+                items.append(new_record(type(item), {**item.__dict__, **carried, "hidden": part.hidden,
+                                                     "rows_ticket": None, "ticket_rows": None}))
         return dataclasses.replace(request, items=tuple(items), rows_ticket=None)
 
     def _send_batch_rows(self, request, answers: list, peer: Peer) -> None:
         """A batched FORWARD's `send_rows`: the rows of its items that ran go to the next shard as one ROWS (each
         item's reply then carries `rows_sent` and no rows); none ran: a refused ROWS."""
-        ran = [(item, answer[0], answer[1].pop("hidden")) for item, answer in zip(request.items, answers)
-               if not isinstance(answer, Exception)]
+        ran = [(item, answer[0], answer[1].pop("hidden"), carried_on(item, answer[1]))
+               for item, answer in zip(request.items, answers) if not isinstance(answer, Exception)]
         if not ran:
             self.relay.refuse_downstream(request)
             return
-        for _, result, _ in ran:
+        for _, result, _, _ in ran:
             result["rows_sent"] = True
-        wait = next((w for w in (getattr(item.hidden, "wait", None) for item, _, _ in ran) if w is not None), None)
-        lost = self.relay.send_batch(request, [(item, hidden) for item, _, hidden in ran], wait)
+        wait = next((w for w in (getattr(item.hidden, "wait", None) for item, _, _, _ in ran) if w is not None), None)
+        lost = self.relay.send_batch(request, [(item, hidden, carried) for item, _, hidden, carried in ran], wait)
         if lost is not None:
-            self._fail_lost(request, [item for item, _, _ in ran], answers, lost, peer)
+            self._fail_lost(request, [item for item, _, _, _ in ran], answers, lost, peer)
 
     def _fail_lost(self, request, items, answers: list, error: RowsLost, peer: Peer) -> None:
         """A batch whose step ran on no rows (its device wait ended without them): each of `items` fails (INTERNAL,
@@ -378,3 +389,32 @@ def head_request(request) -> HeadRequest:
     token_mask = request.token_mask.to_torch() if request.token_mask is not None else None
     return HeadRequest(sampling, penalties, request.prompt_tokens or (), request.output_tokens or (),
                        request.drafts or (), request.logprobs, token_mask)
+
+
+def check_carry(request, send_rows) -> None:
+    """`carry` asks for rows passed on to the next shard: only with `send_rows` (the request's or its batch's)."""
+    if request.carry and send_rows is None:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "field 'carry' goes with send_rows (the rows it sends the next "
+                                                   "shard)")
+
+
+def with_carried(request, rows) -> dict:
+    """The carried rows a ROWS brought for `request` (its previous shard's `carry`), as its tensor `carried`; a
+    CAPTURE takes them, a FORWARD has no such field (its shard passes nothing on)."""
+    if rows.carried is None:
+        return {}
+    if request.type != MessageType.CAPTURE:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"the ROWS of ticket {rows.ticket} carry feature rows; only a "
+                                                   "CAPTURE takes them")
+    return {"carried": rows.carried}
+
+
+def carried_on(request, tensors: dict) -> WireTensor | None:
+    """What a forward with `carry` sends the next shard with its rows: the carried rows it took in, then its captured
+    layers' outputs, ascending (`tensors`: its reply's, torch, `layer.<id>` among them); None without `carry`."""
+    if not request.carry:
+        return None
+    parts = [request.carried.to_torch()] if getattr(request, "carried", None) is not None else []
+    parts += [tensors[name] for name in sorted((n for n in tensors if n.startswith("layer.")),
+                                               key=lambda n: int(n.split(".", 1)[1]))]
+    return WireTensor.from_torch(torch.cat([p.to("cpu") for p in parts], dim=1).contiguous())
