@@ -469,7 +469,7 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
             calls, finish = [], result.finish_reason
             if parse_tools:
                 content, calls = parse_tool_calls(content)
-                finish = "tool_calls" if calls else finish
+                finish = "tool_calls" if calls and finish != "length" else finish  # a call cut short: length
             answers.append(ChatChoice(index=i, message=ResponseMessage(content=content, tool_calls=calls),
                                       finish_reason=finish,
                                       logprobs=None if top is None else chat_logprobs(engine.tokenizer, entries, top)))
@@ -527,7 +527,8 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
                 yield chunk(index, message, entries=entries)
                 entries = None
             parser = parsers[index]
-            finish = "tool_calls" if parser is not None and parser.calls else item.finish_reason
+            finish = ("tool_calls" if parser is not None and parser.calls and item.finish_reason != "length"
+                      else item.finish_reason)
             yield chunk(index, DeltaMessage(), finish, entries)
         if include_usage:
             yield sse(ChatCompletionChunk(id=ident, created=created, model=engine.model_name, choices=[],

@@ -54,8 +54,8 @@ def tool_call_grammar(tools, tool_choice, parallel: bool):
             raise ToolError(f"tool_choice must be \"none\", \"auto\", \"required\" or "
                             f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {tool_choice!r}")
     functions = [{"name": tool.function.name, "parameters": tool.function.parameters} for tool in tools or ()]
-    try:
-        return GrammarSpec.tool_calls(functions, name, parallel)
+    try:  # a named function is called once (as vLLM's named tool_choice); "required" may call several
+        return GrammarSpec.tool_calls(functions, name, parallel and name is None)
     except GrammarError as error:
         raise ToolError(str(error)) from None
 
