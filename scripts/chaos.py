@@ -317,7 +317,7 @@ class Chaos:
         """A pair launched as `shardctl serve` launches its shards (coordinator.launch: endpoint files, rows shard to
         shard under the set's relay key) and supervised (coordinator.supervise); each round kills or freezes one
         shard mid-stream and the supervisor, not this script, brings it back."""
-        from coordinator.launch import ShardSet, launched_sets
+        from coordinator.launch import ShardSet, keep_logs, launched_sets
         from coordinator.supervise import BACKOFF_S, HANG_S, Supervisor
 
         rounds = self.args.launched_kills + self.args.launched_freezes
@@ -343,6 +343,8 @@ class Chaos:
                                      self.args.launched_kills, signal.SIGKILL, LAUNCHED_KILL_S)
                 self.launched_rounds(f"launched: SIGSTOP past {HANG_S:g} s hang ({relayed})", pair, endpoints,
                                      expected, self.args.launched_freezes, signal.SIGSTOP, LAUNCHED_FREEZE_S)
+            if any(row["errors"] for row in self.table.rows[-2:]):  # the run directory goes with the launch
+                said(f"shard logs kept in {keep_logs(pair[0].log_path.parent.parent)}")
         lost = [line for line in lines if "not restarting it" in line]
         if lost:
             self.table.rows[-1]["note"] = f"{lost[0]}; " + self.table.rows[-1]["note"]
@@ -641,8 +643,8 @@ def main() -> int:
                         help="launched phase: SIGSTOP rounds, each past the supervisor's hang timeout")
     parser.add_argument("--seed", type=int, default=19)
     parser.add_argument("--phases", default="http,shards",
-                        help="comma-separated: http, shards (all below), frames, kills, freezes; launched (a supervised "
-                             "launched pair of its own) (default: http,shards)")
+                        help="comma-separated: http, shards (all below), frames, kills, freezes; launched (a "
+                             "supervised launched pair of its own) (default: http,shards)")
     parser.add_argument("--json", type=Path, help="also write the table as JSON here")
     args = parser.parse_args()
     groups = args.phases.split(",")

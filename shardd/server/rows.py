@@ -87,9 +87,9 @@ class RowsLink:
     slot, sent without waiting for the device. A slot is written again only once the ROWS that last used it is
     acknowledged (the reader has copied it out by then, or is about to on its stream).
 
-    With `relay_key` (the shard set's, `--relay-key`), the link presents it in a HELLO before anything else on
-    every connection it makes (a next shard that restarted answers on a new one), so the next shard takes its
-    ROWS as its upstream's."""
+    With `relay_key` (the shard set's, `--relay-key`), the link presents it in a HELLO first, and again as soon as
+    it sees its connection drop (the next shard died: its restart answers on a new connection, which delivers the
+    HELLO queued then ahead of any later ROWS), so the next shard takes its ROWS as its upstream's."""
 
     RING_REPLY_S = 5.0  # how long the first rows wait for the next shard's RING reply before going by host
     ACK_WAIT_S = 1.0  # how long rows wait for the acknowledgement that frees their slot, else they go by host
@@ -99,16 +99,14 @@ class RowsLink:
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.relay_key = relay_key
-        self.monitor = None  # the link's completed handshakes: each new connection presents the key again
-        self.handshakes = 0  # connections made so far
-        self.presented_for = 0  # connections the last HELLO with the key went ahead of the link's ROWS on
+        self.monitor = None  # the link's dropped connections: the next one presents the key again
+        self.present_again = False  # a HELLO goes ahead of the next ROWS (a dropped connection, a refusal)
         if relay_key is not None:
-            self.monitor = self.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.socket.connect(endpoint)
         self._ids = itertools.count(1)
         if relay_key is not None:
             self._present_key()  # queued ahead of any ROWS: the first connection delivers it first
-            self.presented_for = 1
         self.sent = self.refused = self.dropped = 0
         self.device_rows = device_rows
         self.ring = None  # shardd.server.ring.RingWriter once the next shard gave its ring
@@ -122,24 +120,24 @@ class RowsLink:
         try:
             self.socket.send_multipart(encode_request(Hello(id=next(self._ids), relay_key=self.relay_key)),
                                        flags=zmq.NOBLOCK)
-        except zmq.Again:  # the next shard takes nothing now: its next connection presents the key again
-            pass
+            self.present_again = False
+        except zmq.Again:  # the next shard takes nothing now: present it before the next ROWS
+            self.present_again = True
 
-    def _present_key_on_new_connections(self) -> None:
-        """Before a ROWS or RING: a connection made since the last HELLO (the next shard restarted) gets one."""
+    def _present_key_after_drops(self) -> None:
+        """Before a ROWS or RING: after a dropped connection (or a refusal as not the upstream), a HELLO first."""
         if self.monitor is None:
             return
         while self.monitor.poll(0):
-            if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.handshakes += 1
-        if self.handshakes > self.presented_for:
+            if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                self.present_again = True
+        if self.present_again:
             self._present_key()
-            self.presented_for = self.handshakes
 
     def send(self, rows) -> int:
         """Send `rows` (Rows or RowsBatch); its id."""
         self.drain()
-        self._present_key_on_new_connections()
+        self._present_key_after_drops()
         request_id = next(self._ids)
         try:
             frames = encode_request(with_id(rows, request_id), validate=False)
@@ -178,7 +176,7 @@ class RowsLink:
         """RING to the next shard (`device`: where this shard's rows are, its GPU named in the request)."""
         from shardd.server.ring import RingUnavailable, RingWriter, gpu_uuid
 
-        self._present_key_on_new_connections()
+        self._present_key_after_drops()
         request_id = next(self._ids)
         try:
             gpu = gpu_uuid(device) if device is not None and device.type == "cuda" else None
@@ -238,7 +236,7 @@ class RowsLink:
                 self.refused += 1
                 log.warning("%s refused a ROWS: %s %s", self.endpoint, reply.error_code, reply.error_message)
                 if reply.error_code is ErrorCode.FORBIDDEN and self.relay_key is not None:
-                    self.presented_for = -1  # its HELLO did not come first on this connection: the next ROWS's does
+                    self.present_again = True  # a ROWS came on this connection before its HELLO
                 if freed:  # the next shard has no ring now (restarted?): ask again on the next rows
                     self.ring = None
 

@@ -637,7 +637,8 @@ def test_rows_through_the_device_ring_give_the_host_rows_tokens(tmp_path):
     """Three fast bf16 daemons on the GPU, each sending its rows on through the next one's device ring: greedy,
     speculative (checkpoint rollbacks) and a batch of streams give the tokens of the same daemons with the rows
     through the host (a second set whose later shards lend no ring, being under --max-gpu-memory: the first one
-    asks, is refused, and goes by host), every step's rows in a slot (STATS `rows`)."""
+    asks, is refused, and goes by host), every step's rows in a slot (STATS `rows`). The ring set shares a relay
+    key: its RING and slot ROWS come on the connection that presented it."""
     from coordinator.scheduler.requests import Request
     from coordinator.scheduler.scheduler import decode_all
 
@@ -647,8 +648,10 @@ def test_rows_through_the_device_ring_give_the_host_rows_tokens(tmp_path):
         workdir.mkdir()
         binds = [f"ipc://{workdir}/s{k}.sock" for k in range(3)]
         layers = ["0:2", "2:4", "4:6"]
-        specs = {f"{name}{k}": (bind, ["--layers", layers[k], "--engine", "fast", "--device", "cuda:0", "--dtype",
-                                       "bfloat16", "--rollback-mode", "checkpoint", "--max-verify-tokens", str(BLOCK),
+        keyed = ["--relay-key", str(write_relay_key(workdir / "relay.key"))] if name == "ring" else []
+        specs = {f"{name}{k}": (bind, [*keyed, "--layers", layers[k], "--engine", "fast", "--device", "cuda:0",
+                                       "--dtype", "bfloat16", "--rollback-mode", "checkpoint", "--max-verify-tokens",
+                                       str(BLOCK),
                                        # the host set's first shard asks for a ring and is refused
                                        *(["--max-gpu-memory", "0.25"] if name == "host" and k else []),
                                        *(["--relay-to", binds[k + 1]] if k < 2 else [])])
@@ -675,7 +678,7 @@ def test_rows_through_the_device_ring_give_the_host_rows_tokens(tmp_path):
 
                 waits = "device" if front_end_waits() else "host"
                 assert stats[1]["ring_wait"] == stats[2]["ring_wait"] == waits
-                assert all(s["missing"] == 0 for s in stats)
+                assert all(s["missing"] == 0 and s["forbidden"] == 0 for s in stats)
             else:
                 assert stats[0]["sent_on_device"] == 0 and "--max-gpu-memory" in stats[0]["ring_to_next"]
         assert tokens["ring"] == tokens["host"]
@@ -808,7 +811,8 @@ def test_a_relay_key_file_that_cannot_serve_refuses_the_start_in_one_line(tmp_pa
             "world-readable": lambda: _key_file(tmp_path / "k", 0o644),
             "group-readable": lambda: _key_file(tmp_path / "k", 0o640),
             "unreadable": lambda: _key_file(tmp_path / "k", 0o000),
-            "short": lambda: _key_file(tmp_path / "k", key="0123"), "with-curve": lambda: _key_file(tmp_path / "k")}[case]()
+            "short": lambda: _key_file(tmp_path / "k", key="0123"),
+            "with-curve": lambda: _key_file(tmp_path / "k")}[case]()
     curve = ["--curve-secret-key", str(_key_file(tmp_path / "server.key_secret"))] if case == "with-curve" else []
     result = CliRunner().invoke(main, ["serve", *TINY, "--bind", free_tcp_endpoint(), *curve, "--relay-key", str(path)])
     assert result.exit_code == 2, result.output
