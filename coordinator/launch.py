@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -139,15 +140,29 @@ def drafter_set(
     return ShardSet(tuple(source_args), (None,), transport, (*extra_args, "--draft", draft), (device,))
 
 
+def write_relay_key(path: Path) -> Path:
+    """A fresh relay key (`shardd serve --relay-key`) in a new file at `path` that only this user may read."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(descriptor, "w") as out:
+        out.write(secrets.token_hex(32) + "\n")
+    return path
+
+
 def start_shards(shard_set: ShardSet, run_dir: Path, threads_hint: Optional[int] = None) -> list[ShardProcess]:
-    """Spawn the set's daemons (not yet bound, not yet ready). Logs and ipc sockets live in `run_dir`."""
+    """Spawn the set's daemons (not yet bound, not yet ready). Logs, ipc sockets and the set's relay key live in
+    `run_dir`: each shard takes rows only from the one before it (the key stays while they run, so a restarted
+    daemon presents and requires the same one)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     shards: list[ShardProcess] = []
     following = {split[0]: index for index, split in enumerate(shard_set.splits) if split is not None}
+    chained = shard_set.direct_rows and any(split is not None and split[1] in following for split in shard_set.splits)
+    relay_key = ["--relay-key", str(write_relay_key(run_dir / "relay.key"))] if chained else []
     try:
         for index, (split, device) in enumerate(zip(shard_set.splits, shard_set.devices)):
             after = following.get(split[1]) if split is not None and shard_set.direct_rows else None
             relay = [] if after is None else ["--relay-to-file", str(run_dir / f"shard{after}.endpoint")]
+            if split is not None:
+                relay += relay_key
             if shard_set.transport == "tcp":
                 endpoint = "tcp://127.0.0.1:*"
             else:

@@ -113,6 +113,10 @@ class Hello(_Request):
                                    "this connection then acts on the sequences of the connections that presented it "
                                    "(without Curve; see PROTOCOL.md, \"Ownership\")", minimum=32, limit=128,
                                    default=None)
+    relay_key: Optional[str] = _header("str", "the relay key of the daemon's shard set (shardd serve --relay-key): "
+                                       "a daemon started with one takes ROWS and RING only from the connection that "
+                                       "presented it last (PROTOCOL.md, \"Who may do what\")", minimum=32, limit=128,
+                                       default=None)
 
 
 @dataclass(frozen=True)

@@ -2,18 +2,23 @@
 loopback, knocked about on purpose, and one table of how they came back.
 
     python scripts/chaos.py --budget 900 --json bench/results/chaos.json | tee bench/results/chaos.txt
+    python scripts/chaos.py --phases launched --launched-kills 3 --launched-freezes 2 --budget 300  # a quick check
 
 Trials: kill -9 and restart of a shard mid-generation; SIGSTOP of 2-30 s then SIGCONT; a coordinator process
 killed mid-step (its sequences must be reclaimed by the daemons' lease); HTTP clients that drop mid-request
 (streaming or not: their sequences must close); a 50 MB body (Content-Length and chunked); junk bodies (the
-campaign's malformed fields); 2,000 half-open connections; a daemon message of many 16 MiB frames. A decoding
-trial recovers when its output equals an undisturbed run's byte for byte. Everything is bounded by --budget
-(seconds; a phase runs fewer trials when time runs short, and the table says how many ran). Loopback only.
+campaign's malformed fields); 2,000 half-open connections; a daemon message of many 16 MiB frames. The
+`launched` phase (not in the default) launches its own pair as `shardctl serve` does (coordinator.launch: rows
+shard to shard under the set's relay key) under the supervisor, and kills a shard with SIGKILL, or freezes it
+with SIGSTOP past the supervisor's hang timeout, mid-stream: the supervisor restarts it, the coordinator re-fills.
+A decoding trial recovers when its output equals an undisturbed run's byte for byte. Everything is bounded by
+--budget (seconds; a phase runs fewer trials when time runs short, and the table says how many ran). Loopback only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -45,6 +50,8 @@ NEW_TOKENS = 24
 LAYERS = ["0:3", "3:6"]
 LEASE_S = 5.0  # the daemons' --sequence-idle-timeout, so a killed coordinator's sequences go within seconds
 FREEZES_S = [2, 3, 5, 8, 12, 20, 30]
+LAUNCHED_KILL_S = 20  # a launched kill round's time: detection, backoff, the daemon's load, the re-fill
+LAUNCHED_FREEZE_S = 40  # a freeze round's: the supervisor's hang timeout on top
 
 
 def free_port() -> int:
@@ -139,22 +146,28 @@ class Chaos:
         self.deadline = time.monotonic() + args.budget
         self.random = random.Random(args.seed)
         self.table = Table()
-        self.shards = [Shard(i, f"tcp://127.0.0.1:{free_port()}", workdir) for i in range(2)]
+        self.shards: list[Shard] = []
+        self.endpoints: list[str] = []
+        self.seq = 1000
+        self.expected = None
+
+    def start_shards(self) -> None:
+        """The hand-started pair every phase but `launched` knocks about, and its undisturbed output."""
+        self.shards = [Shard(i, f"tcp://127.0.0.1:{free_port()}", self.workdir) for i in range(2)]
         for shard in self.shards:
             shard.wait_ready()
         self.endpoints = [shard.bind for shard in self.shards]
-        self.seq = 1000
         self.expected = self.decode().tokens
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
-    def pipeline(self) -> Pipeline:
-        return Pipeline([ShardClient(endpoint, timeout_s=60) for endpoint in self.endpoints])
+    def pipeline(self, endpoints=None) -> Pipeline:
+        return Pipeline([ShardClient(endpoint, timeout_s=60) for endpoint in endpoints or self.endpoints])
 
-    def decode(self, on_commit=None):
+    def decode(self, on_commit=None, endpoints=None):
         self.seq += 1
-        with self.pipeline() as pipeline:
+        with self.pipeline(endpoints) as pipeline:
             return greedy_decode(pipeline, self.seq, PROMPT, NEW_TOKENS, on_commit=on_commit, recovery_timeout_s=60)
 
     # ---- the shards ---------------------------------------------------------------------------------
@@ -297,6 +310,110 @@ class Chaos:
         after = rss_bytes(pid)
         self.table.add(f"{self.args.frames} frames of 16 MiB", trials, trials - len(errors), (), len(errors), before,
                        after, "refused frame by frame, each extra frame let go at once")
+
+    # ---- launched shards under their supervisor ------------------------------------------------------
+
+    def launched_trials(self) -> None:
+        """A pair launched as `shardctl serve` launches its shards (coordinator.launch: endpoint files, rows shard to
+        shard under the set's relay key) and supervised (coordinator.supervise); each round kills or freezes one
+        shard mid-stream and the supervisor, not this script, brings it back."""
+        from coordinator.launch import ShardSet, keep_logs, launched_sets
+        from coordinator.supervise import BACKOFF_S, HANG_S, Supervisor
+
+        rounds = self.args.launched_kills + self.args.launched_freezes
+        if rounds == 0 or self.left() < 30:
+            return
+        lines: list[str] = []
+
+        def said(line: str) -> None:
+            lines.append(line)
+            self.table.progress(line)
+
+        shard_set = ShardSet(("--synthetic", "tiny"), ((0, 3), (3, 6)), "tcp", ("--threads", "1"))
+        with launched_sets([shard_set], ready_timeout_s=120, progress=said, supervise=False) as (pair,):
+            endpoints = [shard.endpoint for shard in pair]
+            with self.pipeline(endpoints) as pipeline:
+                relayed = "rows shard to shard" if pipeline.direct_rows else "rows through the coordinator"
+            expected = self.decode(endpoints=endpoints).tokens
+            if self.expected is not None and expected != self.expected:
+                self.table.progress("launched: the undisturbed output differs from the hand-started pair's")
+            # each round a first fault: the first backoff, and enough restarts for every round
+            with Supervisor(pair, said, max_restarts=rounds + 1, backoff_s=BACKOFF_S[:1]):
+                self.launched_rounds(f"launched: kill -9 ({relayed})", pair, endpoints, expected,
+                                     self.args.launched_kills, signal.SIGKILL, LAUNCHED_KILL_S)
+                self.launched_rounds(f"launched: SIGSTOP past {HANG_S:g} s hang ({relayed})", pair, endpoints,
+                                     expected, self.args.launched_freezes, signal.SIGSTOP, LAUNCHED_FREEZE_S)
+            if any(row["errors"] for row in self.table.rows[-2:]):  # the run directory goes with the launch
+                said(f"shard logs kept in {keep_logs(pair[0].log_path.parent.parent)}")
+        lost = [line for line in lines if "not restarting it" in line]
+        if lost:
+            self.table.rows[-1]["note"] = f"{lost[0]}; " + self.table.rows[-1]["note"]
+
+    def launched_rounds(self, name: str, pair, endpoints, expected, trials: int, how: signal.Signals,
+                        per_trial_s: float) -> None:
+        """`trials` rounds of decoding while `how` hits one shard of `pair` mid-stream (alternating shards);
+        recovery: from the hit to the next commit. The note adds the supervisor's part: from the hit to the new
+        process."""
+        recovered, times, restarts, errors, ran = 0, [], [], [], 0
+        for trial in range(trials):
+            if self.left() < per_trial_s:
+                break
+            ran += 1
+            victim = pair[trial % 2]
+            old_pid = victim.process.pid
+            at = self.random.randint(2, NEW_TOKENS - 4)
+            commits, marks = [], {}
+
+            def note_restart(victim, old_pid: int, hit: float) -> None:
+                while victim.process.pid == old_pid and time.monotonic() - hit < 120:
+                    time.sleep(0.02)
+                restarts.append(time.monotonic() - hit)
+
+            def on_commit(new_ids):
+                commits.append(time.monotonic())
+                if len(commits) == at:
+                    marks["hit"] = time.monotonic()
+                    os.kill(old_pid, how)
+                    threading.Thread(target=note_restart, args=(victim, old_pid, marks["hit"]), daemon=True).start()
+                elif "hit" in marks and "recovered" not in marks:
+                    marks["recovered"] = time.monotonic()
+
+            try:
+                result = self.decode(on_commit, endpoints)
+                if result.tokens != expected:
+                    errors.append(f"trial {trial}: output differs")
+                elif victim.process.pid == old_pid:
+                    errors.append(f"trial {trial}: {victim.label} was not restarted")
+                else:
+                    recovered += 1
+                    times.append(marks.get("recovered", time.monotonic()) - marks["hit"])
+            except Exception as error:  # noqa: BLE001 - counted and reported
+                errors.append(f"trial {trial}: {type(error).__name__}: {error}")
+            self.table.progress(f"{name} trial {trial} ({victim.label}): "
+                                f"{errors[-1] if errors and errors[-1].startswith(f'trial {trial}:') else 'ok'}")
+            if not self.wait_restarted(victim, old_pid):
+                errors.append(f"trial {trial}: {victim.label} not serving again within 120 s")
+                break
+        note = (f"supervisor (hit to new process): median {statistics.median(restarts):.2f} s, max "
+                f"{max(restarts):.2f} s; " if restarts else "") + "; ".join(errors[:3])
+        self.table.add(name, ran, recovered, times, len(errors), note=note.rstrip("; "))
+
+    def wait_restarted(self, victim, old_pid: int, timeout_s: float = 120) -> bool:
+        """Until the supervisor has replaced `old_pid` and the new daemon answers HELLO (a round that failed may
+        end before that); a daemon still stopped then is let go on."""
+        deadline = time.monotonic() + timeout_s
+        while victim.process.pid == old_pid and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if victim.process.pid == old_pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(old_pid, signal.SIGCONT)
+            return False
+        try:
+            with ShardClient(victim.endpoint, timeout_s=max(1.0, deadline - time.monotonic())) as client:
+                client.hello(max(1.0, deadline - time.monotonic()))
+            return True
+        except Exception:  # noqa: BLE001 - reported by the caller
+            return False
 
     # ---- the HTTP front door ---------------------------------------------------------------------------
 
@@ -521,27 +638,42 @@ def main() -> int:
     parser.add_argument("--drops", type=int, default=20)
     parser.add_argument("--half-open", type=int, default=2000)
     parser.add_argument("--frames", type=int, default=40, help="16 MiB frames in the many-frame message")
+    parser.add_argument("--launched-kills", type=int, default=20, help="launched phase: SIGKILL rounds")
+    parser.add_argument("--launched-freezes", type=int, default=20,
+                        help="launched phase: SIGSTOP rounds, each past the supervisor's hang timeout")
     parser.add_argument("--seed", type=int, default=19)
     parser.add_argument("--phases", default="http,shards",
-                        help="comma-separated: http, shards (all below), frames, kills, freezes (default: http,shards)")
+                        help="comma-separated: http, shards (all below), frames, kills, freezes; launched (a "
+                             "supervised launched pair of its own) (default: http,shards)")
     parser.add_argument("--json", type=Path, help="also write the table as JSON here")
     args = parser.parse_args()
+    groups = args.phases.split(",")
+    known = {"http", "frames", "kills", "freezes", "shards", "launched"}
+    if not set(groups) <= known:
+        parser.error(f"--phases: unknown {sorted(set(groups) - known)}; choose from {sorted(known)}")
+    hand_started = any(group != "launched" for group in groups)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="shardd-chaos-") as workdir:
         chaos = Chaos(args, Path(workdir))
         try:
-            chaos.start_server()
+            if hand_started:
+                chaos.start_shards()
+                chaos.start_server()
             phases = {"http": (chaos.health_baseline, chaos.big_body, chaos.junk, chaos.half_open, chaos.http_drops),
                       "frames": (chaos.many_frames,), "kills": (chaos.kill_trials,), "freezes": (chaos.freeze_trials,),
-                      "shards": (chaos.many_frames, chaos.coordinator_kills, chaos.kill_trials, chaos.freeze_trials)}
-            for group in args.phases.split(","):
+                      "shards": (chaos.many_frames, chaos.coordinator_kills, chaos.kill_trials, chaos.freeze_trials),
+                      "launched": (chaos.launched_trials,)}
+            for group in groups:
                 for phase in phases[group]:
                     phase()
         finally:
             chaos.stop()
     table = chaos.table.render()
-    print(f"chaos run: {time.monotonic() - started:.0f} s of a {args.budget:g} s budget, two shards (tiny synthetic, "
-          f"tcp loopback) + shardctl serve; recovered = identical output (decoding) or the expected answer")
+    what = ["two shards (tiny synthetic, tcp loopback) + shardctl serve"] if hand_started else []
+    if "launched" in groups:
+        what.append("a launched, supervised pair (tiny synthetic, tcp loopback)")
+    print(f"chaos run: {time.monotonic() - started:.0f} s of a {args.budget:g} s budget, {' and '.join(what)}; "
+          f"recovered = identical output (decoding) or the expected answer")
     print(table)
     if args.json is not None:
         args.json.write_text(json.dumps({"seconds": time.monotonic() - started, "budget": args.budget,

@@ -128,6 +128,11 @@ def main():
 @click.option("--relay-to-file", default=None, metavar="PATH",
               help="As --relay-to, the endpoint read from the file the next shard writes (its --endpoint-file) once "
                    "it is there: for launchers whose daemons bind a free port (tcp://HOST:*).")
+@click.option("--relay-key", "relay_key_file", default=None, metavar="FILE",
+              help="The shard set's secret (32 to 128 characters in a file only its owner may read): this daemon "
+                   "presents it to its --relay-to shard, and takes ROWS only from the connection that presented it "
+                   "(refused FORBIDDEN otherwise). Without it any connection's ROWS are taken. shardctl's launched "
+                   "sets get one each; not with --curve-secret-key.")
 @click.option("--rows-wait", type=click.FloatRange(0.1, 3600), default=WAIT_S, show_default=True,
               help="Seconds a FORWARD waits at most for its rows from the previous shard (rows_ticket) before it is "
                    "refused ROWS_MISSING, changing nothing.")
@@ -147,7 +152,7 @@ def main():
 def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_file, max_verify_tokens, rollback_mode, engine,
           step_rows, prefill_rows, max_sequences, max_context, allow_long_context, max_tokens_per_request, max_gpu_memory,
           prefix_cache_gib, quantize, curve_secret_key, curve_allow_dir,
-          sequence_idle_timeout, busy_poll_ms, relay_to, relay_to_file, rows_wait,
+          sequence_idle_timeout, busy_poll_ms, relay_to, relay_to_file, relay_key_file, rows_wait,
           threads, metrics_port,
           metrics_host, log_level, log_format):
     """Load a layer range (and/or a drafter) and serve it until SIGTERM, SIGINT or SHUTDOWN.
@@ -182,7 +187,8 @@ def serve(model_dir, synthetic, layers, draft, device, dtype, bind, endpoint_fil
             prefix_cache_gib=prefix_cache_gib,
             sequence_idle_timeout=sequence_idle_timeout, bind=bind, endpoint_file=endpoint_file,
             curve_secret_key=curve_secret_key, curve_allow_dir=curve_allow_dir, busy_poll_ms=busy_poll_ms,
-            relay_to=relay_to, relay_to_file=relay_to_file, rows_wait_s=rows_wait, threads=threads,
+            relay_to=relay_to, relay_to_file=relay_to_file, relay_key_file=relay_key_file, rows_wait_s=rows_wait,
+            threads=threads,
             metrics_port=metrics_port, metrics_host=metrics_host)
         timeline.capacity(config.device)  # SHARDD_TIMELINE, a diagnostic: refused where it cannot stamp
     except FlagError as error:

@@ -5,7 +5,7 @@ parsed)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.dtypes import resolve_dtype
@@ -14,7 +14,7 @@ from common.endpoints import endpoint_problem, is_loopback
 from common.model_config import context_problem
 from protocol.layout import CHECKPOINT
 from shardd.engine.select import PREFILL_ROWS
-from shardd.server.rows import WAIT_S, check_relay_to
+from shardd.server.rows import WAIT_S, check_relay_to, read_relay_key
 
 
 class FlagError(ValueError):
@@ -57,6 +57,8 @@ class ShardConfig:
     busy_poll_s: float = 0.0  # after a reply, poll for the next request without sleeping this long
     relay_to: str | None = None  # the next shard, which a FORWARD's `send_rows` sends its rows to
     relay_to_file: str | None = None  # or the file the next shard writes its endpoint to
+    # the shard set's secret, read from --relay-key FILE: presented to the next shard, required of the previous one
+    relay_key: str | None = field(default=None, repr=False)
     rows_wait_s: float = WAIT_S  # the longest a FORWARD with `rows_ticket` waits for its rows
     # the process
     threads: int | None = None  # torch's CPU threads (None: 1 on a GPU, torch's choice on the CPU)
@@ -86,7 +88,8 @@ class ShardConfig:
 
     @classmethod
     def from_flags(cls, *, model_dir=None, synthetic=None, layers=None, draft=None, engine="auto", step_rows=None,
-                   max_gpu_memory=None, busy_poll_ms="auto", prefix_cache_gib="auto", **flags) -> "ShardConfig":
+                   max_gpu_memory=None, busy_poll_ms="auto", prefix_cache_gib="auto", relay_key_file=None,
+                   **flags) -> "ShardConfig":
         """The config of `shardd serve`'s flags (the others by their field names), checked against the device
         and the model's config.json; FlagError names what cannot be served. Reads the model's config, not its
         weights."""
@@ -111,6 +114,14 @@ class ShardConfig:
         if config.curve_secret_key is None and not is_loopback(config.bind):
             raise FlagError(f"refusing to bind {config.bind} without encryption: a non-loopback bind needs "
                             "--curve-secret-key (from `shardd keygen`) and --curve-allow DIR")
+        if relay_key_file is not None:
+            if config.curve_secret_key is not None:
+                raise FlagError("--relay-key guards the rows daemons of one host pass each other unencrypted; it does "
+                                "not go with --curve-secret-key (the coordinator carries the rows then)", "--relay-key")
+            try:
+                config.relay_key = read_relay_key(relay_key_file)
+            except ValueError as error:
+                raise FlagError(str(error), "--relay-key") from None
         import torch  # after the checks that need none of it: those fail within a second
 
         from protocol.layout import check_layer_range, parse_layer_range

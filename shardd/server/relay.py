@@ -25,7 +25,7 @@ from shardd.server.handlers.common import layers_of
 from shardd.server.peer import Peer
 from shardd.server.ring import DEFAULT_ROWS as RING_ROWS
 from shardd.server.ring import DeviceRing, RingUnavailable, RowsLost, front_end_waits
-from shardd.server.rows import RowsInbox, RowsLink, Waiting, check_relay_to
+from shardd.server.rows import RowsInbox, RowsLink, Waiting, check_relay_to, same_key
 from shardd.server.stats import Counters
 from shardd.server.tensors import DeviceRows, on_host
 
@@ -44,13 +44,15 @@ class Relay:
 
     def __init__(self, config, shard, counters: Counters, refusals: Refusals, resume: Callable[[Waiting], list], *,
                  max_tokens_per_request: int):
-        self.config = config  # ShardConfig: relay_to, relay_to_file, curve_secret_key, rows_wait_s, max_gpu_memory
+        self.config = config  # ShardConfig: relay_to, relay_to_file, relay_key, curve_secret_key, rows_wait_s, ...
         self.shard = shard
         self.counters = counters
         self.max_tokens_per_request = max_tokens_per_request
         self.endpoint: str | None = config.relay_to  # the next shard, once known (--relay-to or its file)
         self.link: RowsLink | None = None  # made on first use (`target`)
         self.ring: DeviceRing | None = None  # the ring the previous shard's ROWS name slots of (RING), once asked
+        # with --relay-key: the connection that presented the key last, the only one whose ROWS and RING are taken
+        self.upstream: bytes | None = None
         # what one sender may park: a few steps' rows ahead of their FORWARDs (the coordinator keeps at most one
         # micro-batch per shard in flight), never longer than a FORWARD would wait for them
         row_bytes = shard.config.hidden_size * shard.dtype.itemsize if shard is not None else 0
@@ -80,7 +82,7 @@ class Relay:
             self.endpoint = endpoint
         if self.endpoint is not None and self.link is None:
             on_gpu = self.shard is not None and self.shard.device.type == "cuda"
-            self.link = RowsLink(self.endpoint, device_rows=RING_ROWS if on_gpu else 0)
+            self.link = RowsLink(self.endpoint, device_rows=RING_ROWS if on_gpu else 0, relay_key=config.relay_key)
             if on_gpu and self.shard.supports_device_rows:
                 self.shard.rows_out_on_device = True  # the fast step's rows stay on the device for the ring
         return self.endpoint
@@ -151,6 +153,29 @@ class Relay:
 
     # ---- the previous shard ----------------------------------------------------------------------
 
+    def present(self, key: str, peer: Peer) -> None:
+        """HELLO `relay_key`: with --relay-key, the connection that presents it is the previous shard's from now on
+        (one that restarted presents it on its new connection); a wrong key is FORBIDDEN and changes nothing.
+        Without --relay-key it changes nothing (every connection's ROWS are taken)."""
+        if self.config.relay_key is None:
+            return
+        if peer.connection is None or not same_key(key, self.config.relay_key):
+            self.counters.rows_forbidden += 1
+            raise ProtocolError(ErrorCode.FORBIDDEN, "HELLO: relay_key is not this daemon's --relay-key; this "
+                                                     "connection's ROWS are not taken")
+        if peer.connection != self.upstream:
+            log.info("rows from the previous shard: taken on the connection that presented the relay key")
+        self.upstream = peer.connection
+
+    def check_upstream(self, request, peer: Peer) -> None:
+        """With --relay-key, only the previous shard's connection may send ROWS or RING: FORBIDDEN, changing
+        nothing, for any other."""
+        if self.config.relay_key is not None and (self.upstream is None or peer.connection != self.upstream):
+            self.counters.rows_forbidden += 1
+            raise ProtocolError(ErrorCode.FORBIDDEN, f"{request.type.value} is taken only from the previous shard "
+                                                     "(the connection that presented this daemon's relay key in "
+                                                     "HELLO); nothing changed")
+
     def rows_for(self, ticket: int):
         """The ROWS of `ticket` if it came (taken out of the inbox), else None."""
         rows = self.inbox.take(ticket)
@@ -165,6 +190,7 @@ class Relay:
     def take_rows(self, request, peer: Peer):
         """ROWS from the previous shard: kept for its FORWARD; one already waiting runs now (its reply goes out
         after this one's acknowledgement)."""
+        self.check_upstream(request, peer)
         if isinstance(request, RowsBatch) and len({item.ticket for item in request.items}) != 1:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the items of a batched ROWS share one ticket")
         parts = request.items if isinstance(request, RowsBatch) else (request,)
@@ -254,6 +280,7 @@ class Relay:
     def ring_for_writer(self, request, peer: Peer):
         """RING: the device ring the previous shard's ROWS may name slots of (allocated on the first, kept while
         its size is asked for), and its handles."""
+        self.check_upstream(request, peer)
         shard = layers_of(self.shard, request)
         if self.config.max_gpu_memory:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "RING: this daemon runs under --max-gpu-memory, whose plan sets "
@@ -289,6 +316,7 @@ class Relay:
         c, link = self.counters, self.link
         return {"sent": c.rows_sent, "received": c.rows_received, "waits": c.rows_waits,
                 "missing": c.rows_missing, "waiting": len(self.inbox.waiting), "parked": len(self.inbox.rows),
+                "forbidden": c.rows_forbidden,
                 "on_device": c.rows_on_device,
                 "sent_on_device": link.on_device if link is not None else 0,
                 "ring_bytes": self.ring.nbytes if self.ring is not None else 0,

@@ -9,18 +9,22 @@ wait, one per connection: the next request of that connection ends the wait).
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import logging
 import os
+import stat
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from common.endpoints import endpoint_problem, is_loopback
-from protocol import MessageType, ProtocolError, Ring, Rows, decode_reply, encode_request
+from protocol import ErrorCode, Hello, MessageType, ProtocolError, Ring, Rows, decode_reply, encode_request
 from protocol.codec import with_id
 from shardd.server.peer import Peer
 
@@ -44,6 +48,36 @@ def check_relay_to(endpoint: str, curve: bool) -> None:
         raise ValueError(f"--relay-to {endpoint}: only ipc:// or a loopback tcp:// endpoint (a daemon of this host)")
 
 
+RELAY_KEY_CHARS = (32, 128)  # as HELLO's `relay_key` takes it
+
+
+def read_relay_key(path: str) -> str:
+    """The relay key in the file `path` (`shardd serve --relay-key`): ValueError naming the file unless it is a
+    regular file only its owner may read or write, holding 32 to 128 printable characters."""
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{path}: not a regular file")
+        if mode & 0o077:
+            raise ValueError(f"{path}: mode {stat.S_IMODE(mode):04o} lets other users read or write the "
+                             f"key; make it 0600 (chmod 600 {path})")
+        key = Path(path).read_text(encoding="ascii").strip()
+    except OSError as error:
+        raise ValueError(f"{path}: cannot read it: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: the key must be ASCII text") from None
+    low, high = RELAY_KEY_CHARS
+    if not low <= len(key) <= high or not key.isprintable() or any(c.isspace() for c in key):
+        raise ValueError(f"{path}: the key must be {low} to {high} printable characters without spaces "
+                         f"(one line, e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)")
+    return key
+
+
+def same_key(presented: str, key: str) -> bool:
+    """Whether a presented relay key is this daemon's, in time that does not depend on where they differ."""
+    return hmac.compare_digest(presented.encode(), key.encode())
+
+
 class RowsLink:
     """The ROWS this daemon sends to its next shard: one DEALER, never waited on. The next shard acknowledges
     each ROWS; the acknowledgements (and refusals, logged) are read and dropped before each send.
@@ -51,17 +85,28 @@ class RowsLink:
     With `device_rows` (a GPU shard), the first rows on a GPU ask the next shard for its device ring (RING,
     shardd/server/ring.py) and, when it has one, every step's rows that fit go through a slot of it: a ROWS naming the
     slot, sent without waiting for the device. A slot is written again only once the ROWS that last used it is
-    acknowledged (the reader has copied it out by then, or is about to on its stream)."""
+    acknowledged (the reader has copied it out by then, or is about to on its stream).
+
+    With `relay_key` (the shard set's, `--relay-key`), the link presents it in a HELLO first, and again as soon as
+    it sees its connection drop (the next shard died: its restart answers on a new connection, which delivers the
+    HELLO queued then ahead of any later ROWS), so the next shard takes its ROWS as its upstream's."""
 
     RING_REPLY_S = 5.0  # how long the first rows wait for the next shard's RING reply before going by host
     ACK_WAIT_S = 1.0  # how long rows wait for the acknowledgement that frees their slot, else they go by host
 
-    def __init__(self, endpoint: str, device_rows: int = 0):
+    def __init__(self, endpoint: str, device_rows: int = 0, relay_key: Optional[str] = None):
         self.endpoint = endpoint
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.relay_key = relay_key
+        self.monitor = None  # the link's dropped connections: the next one presents the key again
+        self.present_again = False  # a HELLO goes ahead of the next ROWS (a dropped connection, a refusal)
+        if relay_key is not None:
+            self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.socket.connect(endpoint)
         self._ids = itertools.count(1)
+        if relay_key is not None:
+            self._present_key()  # queued ahead of any ROWS: the first connection delivers it first
         self.sent = self.refused = self.dropped = 0
         self.device_rows = device_rows
         self.ring = None  # shardd.server.ring.RingWriter once the next shard gave its ring
@@ -70,9 +115,29 @@ class RowsLink:
         self._slot_ids: dict[int, int] = {}  # slot -> id of the ROWS that used it, until acknowledged
         self._replies: dict[int, object] = {}  # id -> reply, for the one request whose reply is awaited (RING)
 
+    def _present_key(self) -> None:
+        """HELLO with the relay key, without waiting (its reply is read with the ROWS acknowledgements)."""
+        try:
+            self.socket.send_multipart(encode_request(Hello(id=next(self._ids), relay_key=self.relay_key)),
+                                       flags=zmq.NOBLOCK)
+            self.present_again = False
+        except zmq.Again:  # the next shard takes nothing now: present it before the next ROWS
+            self.present_again = True
+
+    def _present_key_after_drops(self) -> None:
+        """Before a ROWS or RING: after a dropped connection (or a refusal as not the upstream), a HELLO first."""
+        if self.monitor is None:
+            return
+        while self.monitor.poll(0):
+            if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                self.present_again = True
+        if self.present_again:
+            self._present_key()
+
     def send(self, rows) -> int:
         """Send `rows` (Rows or RowsBatch); its id."""
         self.drain()
+        self._present_key_after_drops()
         request_id = next(self._ids)
         try:
             frames = encode_request(with_id(rows, request_id), validate=False)
@@ -111,6 +176,7 @@ class RowsLink:
         """RING to the next shard (`device`: where this shard's rows are, its GPU named in the request)."""
         from shardd.server.ring import RingUnavailable, RingWriter, gpu_uuid
 
+        self._present_key_after_drops()
         request_id = next(self._ids)
         try:
             gpu = gpu_uuid(device) if device is not None and device.type == "cuda" else None
@@ -158,16 +224,26 @@ class RowsLink:
             if reply.type == MessageType.RING:
                 self._replies[reply.id] = reply
                 continue
+            if reply.type == MessageType.HELLO:
+                if not reply.ok:
+                    log.error("%s refused this shard's relay key: %s %s", self.endpoint, reply.error_code,
+                              reply.error_message)
+                continue
             freed = [slot for slot, sent in self._slot_ids.items() if sent == reply.id]
             for slot in freed:
                 del self._slot_ids[slot]
             if not reply.ok:
                 self.refused += 1
                 log.warning("%s refused a ROWS: %s %s", self.endpoint, reply.error_code, reply.error_message)
+                if reply.error_code is ErrorCode.FORBIDDEN and self.relay_key is not None:
+                    self.present_again = True  # a ROWS came on this connection before its HELLO
                 if freed:  # the next shard has no ring now (restarted?): ask again on the next rows
                     self.ring = None
 
     def close(self) -> None:
+        if self.monitor is not None:
+            self.socket.disable_monitor()
+            self.monitor.close(linger=0)
         self.socket.close(linger=0)
 
 

@@ -156,6 +156,20 @@ def test_a_launched_shard_that_dies_or_stops_is_restarted_and_the_output_is_unch
         assert len(restarts) == 3 and "killed by SIGKILL" in restarts[0] and "no heartbeat" in restarts[2], lines
 
 
+def test_the_chaos_run_s_launched_phase_recovers_every_round(tmp_path):
+    """scripts/chaos.py --phases launched, two rounds of each: a supervised launched pair whose shards are killed
+    and frozen mid-stream gives the undisturbed output every round, and the table says so."""
+    out = tmp_path / "chaos.json"
+    result = subprocess.run([sys.executable, str(Path(__file__).parents[2] / "scripts" / "chaos.py"), "--phases",
+                             "launched", "--launched-kills", "2", "--launched-freezes", "2", "--budget", "150",
+                             "--json", str(out)], capture_output=True, timeout=240, env=child_env())
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["trial"].split(" (")[0] for row in rows] == ["launched: kill -9", "launched: SIGSTOP past 10 s hang"]
+    assert all(row["trials"] == row["recovered"] == 2 and row["errors"] == 0 for row in rows), rows
+    assert all("rows shard to shard" in row["trial"] and row["recover_max_s"] < 60 for row in rows), rows
+
+
 def test_a_shard_that_cannot_come_back_is_reported_once():
     lines, lost = [], []
     sets = [ShardSet(TINY, even_split(6, 1), "tcp")]

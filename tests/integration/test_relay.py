@@ -3,14 +3,17 @@ both ends, STATS `phases`), over real `shardd serve` daemons on real sockets."""
 
 from __future__ import annotations
 
+import os
+import secrets
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from coordinator.decoding import greedy_decode, speculative_decode
 from coordinator.drafting.drafters import make_drafter
-from coordinator.launch import ShardSet, launched_sets
+from coordinator.launch import ShardSet, launched_sets, write_relay_key
 from coordinator.relay.client import ShardError
 from coordinator.relay.pipeline import Pipeline
 from coordinator.relay.target import RollbackFailed
@@ -634,7 +637,8 @@ def test_rows_through_the_device_ring_give_the_host_rows_tokens(tmp_path):
     """Three fast bf16 daemons on the GPU, each sending its rows on through the next one's device ring: greedy,
     speculative (checkpoint rollbacks) and a batch of streams give the tokens of the same daemons with the rows
     through the host (a second set whose later shards lend no ring, being under --max-gpu-memory: the first one
-    asks, is refused, and goes by host), every step's rows in a slot (STATS `rows`)."""
+    asks, is refused, and goes by host), every step's rows in a slot (STATS `rows`). The ring set shares a relay
+    key: its RING and slot ROWS come on the connection that presented it."""
     from coordinator.scheduler.requests import Request
     from coordinator.scheduler.scheduler import decode_all
 
@@ -644,8 +648,10 @@ def test_rows_through_the_device_ring_give_the_host_rows_tokens(tmp_path):
         workdir.mkdir()
         binds = [f"ipc://{workdir}/s{k}.sock" for k in range(3)]
         layers = ["0:2", "2:4", "4:6"]
-        specs = {f"{name}{k}": (bind, ["--layers", layers[k], "--engine", "fast", "--device", "cuda:0", "--dtype",
-                                       "bfloat16", "--rollback-mode", "checkpoint", "--max-verify-tokens", str(BLOCK),
+        keyed = ["--relay-key", str(write_relay_key(workdir / "relay.key"))] if name == "ring" else []
+        specs = {f"{name}{k}": (bind, [*keyed, "--layers", layers[k], "--engine", "fast", "--device", "cuda:0",
+                                       "--dtype", "bfloat16", "--rollback-mode", "checkpoint", "--max-verify-tokens",
+                                       str(BLOCK),
                                        # the host set's first shard asks for a ring and is refused
                                        *(["--max-gpu-memory", "0.25"] if name == "host" and k else []),
                                        *(["--relay-to", binds[k + 1]] if k < 2 else [])])
@@ -672,7 +678,7 @@ def test_rows_through_the_device_ring_give_the_host_rows_tokens(tmp_path):
 
                 waits = "device" if front_end_waits() else "host"
                 assert stats[1]["ring_wait"] == stats[2]["ring_wait"] == waits
-                assert all(s["missing"] == 0 for s in stats)
+                assert all(s["missing"] == 0 and s["forbidden"] == 0 for s in stats)
             else:
                 assert stats[0]["sent_on_device"] == 0 and "--max-gpu-memory" in stats[0]["ring_to_next"]
         assert tokens["ring"] == tokens["host"]
@@ -680,6 +686,139 @@ def test_rows_through_the_device_ring_give_the_host_rows_tokens(tmp_path):
     finally:
         for _, daemons in sets.values():
             stop_all(daemons.values())
+
+
+# ---- rows only from the previous shard (--relay-key; PROTOCOL.md, "Who may do what") -------------------------
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    """Two daemons of the tiny model sharing a relay key, the first sending its rows to the second."""
+    workdir = tmp_path_factory.mktemp("keyed")
+    key = write_relay_key(workdir / "relay.key")
+    binds = [free_tcp_endpoint(), free_tcp_endpoint()]
+    common = ["--rollback-mode", "checkpoint", "--max-verify-tokens", str(BLOCK), "--rows-wait", "5",
+              "--relay-key", str(key)]
+    args = [["--layers", "0:3", "--relay-to", binds[1], *common], ["--layers", "3:6", *common]]
+    daemons = start_daemons({f"shard{k}": (binds[k], args[k]) for k in range(2)}, workdir)
+    daemons = list(daemons.values())
+    try:
+        yield binds, daemons, args, workdir
+    finally:
+        stop_all(daemons)
+
+
+def _relayed_and_direct(binds) -> tuple[list, list, int]:
+    """Greedy tokens with the coordinator carrying the rows, then with the daemons passing them on, and how many
+    ROWS the second shard took meanwhile."""
+    with Pipeline.connect(binds) as relayed:
+        relayed.direct_rows = False
+        reference = greedy_decode(relayed, 1, PROMPT, 12).tokens
+    with Pipeline.connect(binds) as pipeline:
+        assert pipeline.direct_rows
+        before = pipeline.clients[1].stats()["rows"]["received"]
+        tokens = greedy_decode(pipeline, 1, PROMPT, 12).tokens
+        return reference, tokens, pipeline.clients[1].stats()["rows"]["received"] - before
+
+
+def test_rows_are_taken_only_from_the_shard_that_presented_the_relay_key(keyed):
+    """Was: a daemon took ROWS from any connection. With --relay-key, ROWS and RING from a connection that did not
+    present the key (nor a wrong key in HELLO) are refused FORBIDDEN and counted, and change nothing: the FORWARD
+    waiting for that ticket still waits and takes the real previous shard's rows; decoding over the keyed shards
+    gives the tokens of the coordinator carrying the rows."""
+    binds, _, _, _ = keyed
+    reference, tokens, received = _relayed_and_direct(binds)
+    assert tokens == reference and received == len(reference)  # the prefill and every step after it, shard to shard
+    first, head, foreign = Client(binds[0]), Client(binds[1]), Client(binds[1])
+    try:
+        assert all(client.call("HELLO").result["rows_from_key"] for client in (first, head))
+        seq = 81
+        assert first.request("OPEN", seq=seq).ok and head.request("OPEN", seq=seq).ok
+        before = foreign.call("STATS").result["rows"]
+        waiting = _send(head, "FORWARD", seq=seq, pos=0, rows_ticket=41, ticket_rows=2)
+        forged = foreign.request("ROWS", seq=seq, pos=0, ticket=41, hidden=WireTensor.from_torch(torch.ones(2, 64)))
+        assert forged.error_code is ErrorCode.FORBIDDEN and "nothing changed" in forged.error_message
+        refused = foreign.request("ROWS", seq=seq, pos=0, ticket=41, refused=True)
+        assert refused.error_code is ErrorCode.FORBIDDEN
+        assert foreign.request("RING", rows=16, pid=1).error_code is ErrorCode.FORBIDDEN
+        wrong = foreign.request("HELLO", relay_key="0" * 64)
+        assert wrong.error_code is ErrorCode.FORBIDDEN and "relay_key" in wrong.error_message
+        assert foreign.request("ROWS", seq=seq, pos=0, ticket=41, refused=True).error_code is ErrorCode.FORBIDDEN
+        assert head.receive(0.3) is None  # still waiting: the forged rows did not end its wait
+        after = foreign.call("STATS").result["rows"]
+        assert after["forbidden"] - before["forbidden"] == 5 and after["parked"] == before["parked"]
+        assert first.request("FORWARD", seq=seq, pos=0, tokens=[4, 5], send_rows=41).result["rows_sent"]
+        reply = head.receive(10)
+        assert reply.id == waiting and reply.ok and reply.result["length"] == 2
+    finally:
+        for client in (first, head, foreign):
+            client.close()
+
+
+def test_a_restarted_shard_presents_its_key_again_and_the_rows_still_pass(keyed):
+    """The receiving shard killed and started again on its endpoint (as the supervisor does): the sender's link
+    presents the key on its new connection; the sending shard restarted: its new link presents it. Each time the
+    rows go shard to shard again and the tokens are unchanged."""
+    binds, daemons, args, workdir = keyed
+    for index in (1, 0):
+        kill_and_replace(daemons, index, f"shard{index}-again", args[index], workdir)
+        reference, tokens, received = _relayed_and_direct(binds)
+        assert tokens == reference and received == len(reference), daemons[index].output()
+        assert "FORBIDDEN" not in daemons[1].output()
+
+
+def test_a_launched_set_passes_its_rows_under_a_key_of_its_own():
+    """`launched_sets` writes one key per set (0600, in its run directory) and gives it to every shard: the head
+    takes ROWS only from the shard before it, and decoding gives the coordinator relay's tokens."""
+    with launched_sets([ShardSet(TINY, even_split(6, 2), "tcp")], ready_timeout_s=120, supervise=False) as (pair,):
+        keys = {shard.command[shard.command.index("--relay-key") + 1] for shard in pair}
+        assert len(keys) == 1 and os.stat(keys.pop()).st_mode & 0o777 == 0o600
+        binds = [shard.endpoint for shard in pair]
+        reference, tokens, received = _relayed_and_direct(binds)
+        assert tokens == reference and received == len(reference)
+        foreign = Client(binds[1])
+        try:
+            assert foreign.call("HELLO").result["rows_from_key"]
+            forged = foreign.request("ROWS", seq=1, pos=0, ticket=1, hidden=WireTensor.from_torch(torch.ones(1, 64)))
+            assert forged.error_code is ErrorCode.FORBIDDEN
+        finally:
+            foreign.close()
+
+
+def _key_file(path: Path, mode: int = 0o600, key: str | None = None) -> Path:
+    path.write_text((key or secrets.token_hex(32)) + "\n")
+    path.chmod(mode)
+    return path
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "cannot read it: No such file or directory"),
+    ("directory", "not a regular file"),
+    ("world-readable", "mode 0644 lets other users read or write the key; make it 0600"),
+    ("group-readable", "mode 0640 lets other users read or write the key"),
+    ("unreadable", "cannot read it: Permission denied"),
+    ("short", "the key must be 32 to 128 printable characters"),
+    ("with-curve", "does not go with --curve-secret-key"),
+])
+def test_a_relay_key_file_that_cannot_serve_refuses_the_start_in_one_line(tmp_path, case, message):
+    if case == "unreadable" and os.geteuid() == 0:
+        pytest.skip("root reads a file of any mode")
+    from click.testing import CliRunner
+
+    from shardd.cli import main
+
+    path = {"missing": lambda: tmp_path / "nothing.key", "directory": lambda: tmp_path,
+            "world-readable": lambda: _key_file(tmp_path / "k", 0o644),
+            "group-readable": lambda: _key_file(tmp_path / "k", 0o640),
+            "unreadable": lambda: _key_file(tmp_path / "k", 0o000),
+            "short": lambda: _key_file(tmp_path / "k", key="0123"),
+            "with-curve": lambda: _key_file(tmp_path / "k")}[case]()
+    curve = ["--curve-secret-key", str(_key_file(tmp_path / "server.key_secret"))] if case == "with-curve" else []
+    result = CliRunner().invoke(main, ["serve", *TINY, "--bind", free_tcp_endpoint(), *curve, "--relay-key", str(path)])
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "--relay-key" in errors[0] and message in errors[0], result.stderr
+    assert case == "with-curve" or str(path) in errors[0]
 
 
 # ---- flags that were removed ---------------------------------------------------------------------------------

@@ -29,6 +29,8 @@ class Session:
     def hello(self, request, peer: Peer):
         # What changes while the daemon runs is added here, not in describe().
         daemon = self.daemon
+        if request.relay_key is not None:  # before anything changes: a wrong key refuses the whole HELLO
+            daemon.relay.present(request.relay_key, peer)
         if request.owner is not None and peer.connection is not None:  # with Curve the key is the owner
             daemon.owners.claim(peer.connection, request.owner)
         health = {"version": __version__, "uptime_seconds": daemon.uptime(),
@@ -89,6 +91,8 @@ class Session:
             "busy_poll_ms": round(config.busy_poll_s * 1000, 3),
             # the next shard this daemon sends a FORWARD's rows to when asked (`send_rows`; --relay-to), or None
             "relay_to": daemon.relay.target(),
+            # ROWS and RING taken only from the connection that presented the shard set's relay key (--relay-key)
+            "rows_from_key": config.relay_key is not None,
             # rows on the device (PROTOCOL.md): a ring slot's rows asked for / granted, how a wait for them ends
             "device_rows": RING_ROWS,
             "ring_wait": daemon.relay.ring_wait(),
