@@ -1,0 +1,79 @@
+"""The sparse feed-forward block of a Qwen3.5 MoE layer in the fast step and prefill (the reference is
+shardd/engine/reference/moe.py): one GEMM for the router, the shared expert's gate and its gate|up; routing on the
+device (softmax, top k, normalisation: the reference's own `route`); the routed experts and the sum with the gated
+shared expert in shardd/engine/kernels/moe.py. No host sync and fixed shapes: it runs inside the step's CUDA graph."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from common.model_config import ModelConfig
+from shardd.engine.kernels import elementwise
+from shardd.engine.kernels import moe as moe_kernels
+from shardd.engine.reference.moe import SparseMoeBlock, route
+
+FP8_EXPERTS_REFUSAL = ("the fast engine runs MoE experts in bfloat16 or float32, not FP8; use --engine reference "
+                       "(or a bf16 checkpoint)")
+
+
+@dataclass
+class FusedMoe:
+    router_and_shared: torch.Tensor  # [E + 1 + 2 * shared_width, hidden]: router | shared gate | shared gate | up
+    experts_gate_up: torch.Tensor    # [E, 2 * width, hidden]: each expert's gate | up
+    experts_down: torch.Tensor       # [E, hidden, width]
+    shared_down: torch.Tensor        # [hidden, shared_width]
+    top_k: int
+    norm_topk_prob: bool
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts_gate_up.shape[0]
+
+
+def fuse_moe(block: SparseMoeBlock) -> FusedMoe:
+    """The block's weights fused and its experts stacked; the block's attributes then view them (no second copy)."""
+    shared = block.shared_expert
+    parts = [block.gate, block.shared_expert_gate, shared.gate_proj, shared.up_proj]
+    if any(not isinstance(p, torch.Tensor) for e in block.experts for p in (e.gate_proj, e.up_proj, e.down_proj)) or \
+            any(not isinstance(p, torch.Tensor) for p in [*parts, shared.down_proj]):
+        raise ValueError(FP8_EXPERTS_REFUSAL)
+    router_and_shared = torch.cat(parts)
+    sizes = [p.shape[0] for p in parts]
+    block.gate, block.shared_expert_gate, shared.gate_proj, shared.up_proj = router_and_shared.split(sizes)
+    width = block.experts[0].gate_proj.shape[0]
+    gate_up = torch.stack([torch.cat([e.gate_proj, e.up_proj]) for e in block.experts])
+    down = torch.stack([e.down_proj for e in block.experts])
+    for index, expert in enumerate(block.experts):
+        expert.gate_proj, expert.up_proj, expert.down_proj = gate_up[index, :width], gate_up[index, width:], down[index]
+    return FusedMoe(router_and_shared, gate_up, down, shared.down_proj, block.top_k, block.norm_topk_prob)
+
+
+class MoeBuffers:
+    """The static scratch of the block over `rows` rows."""
+
+    def __init__(self, config: ModelConfig, rows: int, dtype, device):
+        moe = config.moe
+        self.shared_act = torch.zeros((rows, moe.shared_expert_intermediate_size), dtype=dtype, device=device)
+        self.experts = moe_kernels.ExpertScratch(rows, moe.num_experts_per_tok, config.hidden_size,
+                                                 moe.moe_intermediate_size, dtype, device)
+        self.out = torch.zeros((rows, config.hidden_size), dtype=dtype, device=device)
+
+
+def route_rows(moe: FusedMoe, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's routing, each row's experts then put in ascending order (the order the reference adds them)."""
+    experts, weights = route(logits, moe.top_k, moe.norm_topk_prob)
+    experts, order = experts.sort(dim=-1)
+    return experts, weights.gather(-1, order)
+
+
+def sparse_mlp(moe: FusedMoe, x: torch.Tensor, valid: torch.Tensor | None, buffers: MoeBuffers) -> torch.Tensor:
+    """x [R, hidden] -> the block's output [R, hidden] (buffers.out); rows not `valid` (padding) read no expert."""
+    proj = F.linear(x, moe.router_and_shared)
+    e = moe.num_experts
+    experts, weights = route_rows(moe, proj[:, :e])
+    shared = F.linear(elementwise.silu_mul(proj[:, e + 1:], buffers.shared_act), moe.shared_down)
+    return moe_kernels.routed_experts(x, experts, weights, valid, moe.experts_gate_up, moe.experts_down,
+                                      proj[:, e:e + 1], shared, buffers.experts, buffers.out)

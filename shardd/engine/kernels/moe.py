@@ -1,0 +1,172 @@
+"""The routed experts of a MoE layer over a step's rows: each (row, chosen expert) pair's SwiGLU expert, weighted by
+its routing weight, the k weighted outputs of a row added in its slot order, plus the gated shared expert's output.
+
+Each selected expert's weights are read once for all the pairs routed to it: the pairs are sorted by expert
+(`expert_order`, torch ops of fixed shape), and a program per (sorted pair, output tile) runs only where a run of up
+to BLOCK_M pairs of one expert starts, multiplying those pairs' rows by the expert's tile. Row-independent by
+construction: a pair's output element is reduced over K by one program in one fixed order of K tiles, whichever
+pairs share its tile, and a row's k outputs are added by a separate pass in slot order, so a row's bits never depend
+on which other rows chose the same expert or how many rows the step holds. Pairs of padding rows (`valid` False)
+are sorted past every expert and never run: a decode step reads only its real rows' experts.
+
+`routed_experts_reference` is the same computation as a readable loop over rows and slots.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+BLOCK_M = 16  # pairs of one expert a program multiplies at once (tl.dot's least rows)
+BLOCK_N = 64
+BLOCK_K = 64
+COMBINE_BLOCK = 1024
+
+
+def expert_order(experts: torch.Tensor, valid: torch.Tensor | None, num_experts: int) -> tuple[torch.Tensor, ...]:
+    """The step's (row, slot) pairs sorted by expert: (expert of each sorted pair, pair index p = row * k + slot of
+    each, the sorted index where each sorted pair's expert starts). Padding rows' pairs get expert `num_experts`,
+    which sorts last and runs nowhere. Fixed shapes, no host sync: graph-capturable."""
+    pair_expert = experts.reshape(-1)
+    if valid is not None:
+        top_k = experts.shape[1]
+        pair_expert = torch.where(valid[:, None].expand(-1, top_k).reshape(-1), pair_expert, num_experts)
+    sorted_expert, pair = torch.sort(pair_expert, stable=True)
+    run_start = torch.searchsorted(sorted_expert, sorted_expert)
+    return sorted_expert, pair, run_start
+
+
+@triton.jit
+def _run_of(sorted_expert_ptr, pair_ptr, run_start_ptr, j, P, NUM_EXPERTS, BLOCK_M: tl.constexpr):
+    # the sorted pair j's expert, whether j leads a run of BLOCK_M pairs of it, and the run's pair indices (-1: none)
+    expert = tl.load(sorted_expert_ptr + j)
+    leads = (expert < NUM_EXPERTS) & ((j - tl.load(run_start_ptr + j)) % BLOCK_M == 0)
+    offs = j + tl.arange(0, BLOCK_M)
+    inside = offs < P
+    same = inside & (tl.load(sorted_expert_ptr + offs, mask=inside, other=-1) == expert)
+    pair = tl.load(pair_ptr + offs, mask=same, other=-1)
+    return expert, leads, pair
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_expert_ptr, pair_ptr, run_start_ptr, P, NUM_EXPERTS, TOP_K,
+                    H: tl.constexpr, I: tl.constexpr, x_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    # act[pair, n] = silu(x[row] @ gate[e, n]) * (x[row] @ up[e, n]), rounded where the reference's SwiGLU rounds
+    j = tl.program_id(0)
+    expert, leads, pair = _run_of(sorted_expert_ptr, pair_ptr, run_start_ptr, j, P, NUM_EXPERTS, BLOCK_M)
+    if leads:
+        row = tl.where(pair >= 0, pair // TOP_K, 0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        w = w_ptr + expert.to(tl.int64) * 2 * I * H  # gate_up [E, 2I, H]: gate rows 0 .. I-1, up rows I .. 2I-1
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + row[:, None] * x_stride + offs_k[None, :],
+                        mask=(pair[:, None] >= 0) & (offs_k[None, :] < H), other=0.0)
+            mask_w = (offs_n[None, :] < I) & (offs_k[:, None] < H)
+            gate = tl.load(w + offs_n[None, :] * H + offs_k[:, None], mask=mask_w, other=0.0)
+            up = tl.load(w + (I + offs_n[None, :]) * H + offs_k[:, None], mask=mask_w, other=0.0)
+            acc_gate = tl.dot(x, gate, acc_gate, input_precision=PRECISION)
+            acc_up = tl.dot(x, up, acc_up, input_precision=PRECISION)
+        dtype = act_ptr.dtype.element_ty
+        gate = acc_gate.to(dtype).to(tl.float32)
+        activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        act = (activated * acc_up.to(dtype).to(tl.float32)).to(dtype)
+        tl.store(act_ptr + pair[:, None] * I + offs_n[None, :], act, mask=(pair[:, None] >= 0) & (offs_n[None, :] < I))
+
+
+@triton.jit
+def _down_kernel(act_ptr, w_ptr, routing_ptr, out_ptr, sorted_expert_ptr, pair_ptr, run_start_ptr, P, NUM_EXPERTS,
+                 H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    # out[pair, n] = (act[pair] @ down[e, n]) * routing[pair], each rounded as the reference's `expert(x) * weight`
+    j = tl.program_id(0)
+    expert, leads, pair = _run_of(sorted_expert_ptr, pair_ptr, run_start_ptr, j, P, NUM_EXPERTS, BLOCK_M)
+    if leads:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        w = w_ptr + expert.to(tl.int64) * H * I  # down [E, H, I]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            act = tl.load(act_ptr + pair[:, None] * I + offs_k[None, :],
+                          mask=(pair[:, None] >= 0) & (offs_k[None, :] < I), other=0.0)
+            down = tl.load(w + offs_n[None, :] * I + offs_k[:, None],
+                           mask=(offs_n[None, :] < H) & (offs_k[:, None] < I), other=0.0)
+            acc = tl.dot(act, down, acc, input_precision=PRECISION)
+        dtype = out_ptr.dtype.element_ty
+        routing = tl.load(routing_ptr + pair, mask=pair >= 0, other=0.0).to(tl.float32)
+        out = (acc.to(dtype).to(tl.float32) * routing[:, None]).to(dtype)
+        tl.store(out_ptr + pair[:, None] * H + offs_n[None, :], out, mask=(pair[:, None] >= 0) & (offs_n[None, :] < H))
+
+
+@triton.jit
+def _combine_kernel(pair_out_ptr, shared_gate_ptr, shared_ptr, out_ptr, H, shared_gate_stride, shared_stride,
+                    TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    # a row's k weighted expert outputs added in slot order, then sigmoid(gate) * shared expert, each add rounded
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    dtype = out_ptr.dtype.element_ty
+    acc = tl.load(pair_out_ptr + row * TOP_K * H + cols, mask=mask, other=0.0).to(tl.float32)
+    for slot in tl.static_range(1, TOP_K):
+        routed = tl.load(pair_out_ptr + (row * TOP_K + slot) * H + cols, mask=mask, other=0.0).to(tl.float32)
+        acc = (acc + routed).to(dtype).to(tl.float32)
+    gate = tl.load(shared_gate_ptr + row * shared_gate_stride).to(tl.float32)
+    gate = (1.0 / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    shared = tl.load(shared_ptr + row * shared_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * H + cols, (acc + (gate * shared).to(dtype).to(tl.float32)).to(dtype), mask=mask)
+
+
+class ExpertScratch:
+    """What the routed experts of `rows` rows write between their kernels (static: a CUDA graph replays on it)."""
+
+    def __init__(self, rows: int, top_k: int, hidden: int, width: int, dtype, device):
+        self.act = torch.zeros((rows * top_k, width), dtype=dtype, device=device)   # each pair's SwiGLU product
+        self.pair_out = torch.zeros((rows * top_k, hidden), dtype=dtype, device=device)  # each pair's weighted output
+
+
+def routed_experts(x: torch.Tensor, experts: torch.Tensor, routing: torch.Tensor, valid: torch.Tensor | None,
+                   gate_up: torch.Tensor, down: torch.Tensor, shared_gate: torch.Tensor, shared: torch.Tensor,
+                   scratch: ExpertScratch, out: torch.Tensor) -> torch.Tensor:
+    """out [R, H] = for each row, the sum in slot order of routing[row, s] * expert experts[row, s](x[row]), plus
+    sigmoid(shared_gate[row]) * shared[row]. x [R, H]; experts [R, k] (int64) and routing [R, k] (x's dtype);
+    valid [R] bool (None: every row); gate_up [E, 2I, H] (gate | up), down [E, H, I]; shared_gate [R, 1] and
+    shared [R, H] may be column slices. Rows not valid get an unspecified output."""
+    rows, hidden = x.shape
+    num_experts, width = gate_up.shape[0], down.shape[2]
+    top_k = experts.shape[1]
+    pairs = rows * top_k
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    sorted_expert, pair, run_start = expert_order(experts, valid, num_experts)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    _gate_up_kernel[(pairs, triton.cdiv(width, BLOCK_N))](
+        x, gate_up, scratch.act, sorted_expert, pair, run_start, pairs, num_experts, top_k, hidden, width, x.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=precision, num_warps=4)
+    _down_kernel[(pairs, triton.cdiv(hidden, BLOCK_N))](
+        scratch.act, down, routing.reshape(-1), scratch.pair_out, sorted_expert, pair, run_start, pairs, num_experts,
+        hidden, width, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=precision, num_warps=4)
+    _combine_kernel[(rows, triton.cdiv(hidden, COMBINE_BLOCK))](
+        scratch.pair_out, shared_gate, shared, out, hidden, shared_gate.stride(0), shared.stride(0), TOP_K=top_k,
+        BLOCK=COMBINE_BLOCK)
+    return out
+
+
+def routed_experts_reference(x, experts, routing, valid, gate_up, down, shared_gate, shared) -> torch.Tensor:
+    """routed_experts as a loop over rows and slots, with the reference MoE block's rounding points
+    (shardd/engine/reference/moe.py); rows not valid are zero."""
+    out = torch.zeros_like(x)
+    width = down.shape[2]
+    for row in range(x.shape[0]):
+        if valid is not None and not valid[row]:
+            continue
+        total = torch.zeros_like(x[row])
+        for slot in range(experts.shape[1]):
+            expert = int(experts[row, slot])
+            gate, up = F.linear(x[row], gate_up[expert, :width]), F.linear(x[row], gate_up[expert, width:])
+            total = total + F.linear(F.silu(gate) * up, down[expert]) * routing[row, slot]
+        out[row] = total + torch.sigmoid(shared_gate[row]) * shared[row]
+    return out
