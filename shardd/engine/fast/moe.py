@@ -11,12 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from common.model_config import ModelConfig
+from common.sizes import MOE_FP8_REFUSAL
 from shardd.engine.kernels import elementwise
 from shardd.engine.kernels import moe as moe_kernels
 from shardd.engine.reference.moe import SparseMoeBlock, route
 
-FP8_EXPERTS_REFUSAL = ("the fast engine runs MoE experts in bfloat16 or float32, not FP8; use --engine reference "
-                       "(or a bf16 checkpoint)")
 
 
 @dataclass
@@ -39,7 +38,7 @@ def fuse_moe(block: SparseMoeBlock) -> FusedMoe:
     parts = [block.gate, block.shared_expert_gate, shared.gate_proj, shared.up_proj]
     if any(not isinstance(p, torch.Tensor) for e in block.experts for p in (e.gate_proj, e.up_proj, e.down_proj)) or \
             any(not isinstance(p, torch.Tensor) for p in [*parts, shared.down_proj]):
-        raise ValueError(FP8_EXPERTS_REFUSAL)
+        raise ValueError(MOE_FP8_REFUSAL)
     router_and_shared = torch.cat(parts)
     sizes = [p.shape[0] for p in parts]
     block.gate, block.shared_expert_gate, shared.gate_proj, shared.up_proj = router_and_shared.split(sizes)
