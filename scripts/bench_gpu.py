@@ -1777,8 +1777,8 @@ def run_moe(args) -> dict:
     from coordinator.decoding import greedy_decode
     from common.presets import preset_config
     from protocol.layout import CHECKPOINT
-    from shardd.engine.fast import moe as fast_moe
     from shardd.engine.fast.shard import FastShard
+    from shardd.engine.kernels import moe as moe_kernels
     from shardd.engine.reference import rollback as rb
     from shardd.engine.reference.shard import ShardModel
     from shardd.local import LocalTarget
@@ -1829,15 +1829,14 @@ def run_moe(args) -> dict:
     # the experts each step's rows select, per layer: the same step once more, eagerly, its routing recorded
     eager = FastShard(model, max_sequences=1, max_context=context, use_graphs=False, layers=shard.layers)
     recorded: list[torch.Tensor] = []
-    route_rows = fast_moe.route_rows
+    routed_experts = moe_kernels.routed_experts
 
-    def recording(moe, logits):
-        experts, weights = route_rows(moe, logits)
-        recorded.append(experts)
-        return experts, weights
+    def recording(x, experts, *rest):
+        recorded.append(experts.clone())
+        return routed_experts(x, experts, *rest)
 
     distinct = {}
-    fast_moe.route_rows = recording
+    moe_kernels.routed_experts = recording
     try:
         for name, tokens in (("greedy", block[:1]), ("verify", block)):
             probe = eager.new_state(context)
@@ -1847,7 +1846,7 @@ def run_moe(args) -> dict:
             distinct[name] = [len(torch.unique(experts[:len(tokens)])) for experts in recorded]
             eager.release_state(probe)
     finally:
-        fast_moe.route_rows = route_rows
+        moe_kernels.routed_experts = routed_experts
     floors = {name: moe_floor_bytes(config, model, shard, pos, rows, distinct[name], checkpoint=name == "verify")
               for name, rows in (("greedy", 1), ("verify", BLOCK))}
     floor_ms = {name: round(sum(parts.values()) / bandwidth * 1e3, 3) for name, parts in floors.items()}

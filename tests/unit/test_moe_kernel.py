@@ -1,6 +1,7 @@
-"""The routed experts of the fast step (shardd/engine/kernels/moe.py) and its sparse block (shardd/engine/fast/moe.py):
-against the readable loop beside the kernel and the reference MoE block, and row-independent bit for bit (a row's
-output is the same whichever rows share its step and its experts). Under Triton's interpreter on the CPU (conftest
+"""The routing (shardd/engine/kernels/moe_route.py) and routed experts (shardd/engine/kernels/moe.py) of the fast step,
+and its sparse block (shardd/engine/fast/moe.py): against the reference's routing, the readable loop beside the
+kernel and the reference MoE block, and row-independent bit for bit (a row's output is the same whichever rows share
+its step and its experts). Under Triton's interpreter on the CPU (conftest
 sets it), in float32; on a GPU in bf16 too."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from common.model_config import config_from_dict  # noqa: E402
 from common.presets import PRESETS  # noqa: E402
 from shardd.engine.fast import moe as fast_moe  # noqa: E402
 from shardd.engine.kernels import moe as moe_kernels  # noqa: E402
+from shardd.engine.kernels import moe_route  # noqa: E402
 from shardd.engine.reference.moe import SparseMoeBlock  # noqa: E402
 from shardd.synthetic.model import synthetic_weights  # noqa: E402
 
@@ -44,10 +46,10 @@ class Layer:
         weights = torch.rand(n, TOP_K, generator=g)
         return x, experts, weights, self.rand(g, n, 1), self.rand(g, n, HIDDEN)
 
-    def run(self, x, experts, weights, shared_gate, shared, valid=None, reference=False, scratch=None):
+    def run(self, x, experts, weights, shared_gate, shared, reference=False, scratch=None):
         d = dict(device=DEVICE, dtype=self.dtype)
-        args = (x.to(**d), experts.to(DEVICE), weights.to(**d), None if valid is None else valid.to(DEVICE),
-                self.gate_up.to(**d), self.down.to(**d), shared_gate.to(**d), shared.to(**d))
+        args = (x.to(**d), experts.to(DEVICE, torch.int32), weights.to(**d), self.gate_up.to(**d), self.down.to(**d),
+                shared_gate.to(**d), shared.to(**d))
         if reference:
             return moe_kernels.routed_experts_reference(*args).cpu()
         scratch = scratch or moe_kernels.ExpertScratch(x.shape[0], TOP_K, HIDDEN, WIDTH, self.dtype, DEVICE)
@@ -84,7 +86,8 @@ def test_every_row_on_one_expert_and_padding_rows(dtype):
     _close(full, layer.run(x, experts, weights, shared_gate, shared, reference=True), dtype)
     valid = torch.arange(20) % 3 != 0
     scratch = moe_kernels.ExpertScratch(20, TOP_K, HIDDEN, WIDTH, dtype, DEVICE)
-    padded = layer.run(x, experts, weights, shared_gate, shared, valid=valid, scratch=scratch)
+    padding = torch.where(valid[:, None], experts, EXPERTS)  # as the routing marks a padding row
+    padded = layer.run(x, padding, weights, shared_gate, shared, scratch=scratch)
     assert torch.equal(padded[valid], full[valid])
     pair_valid = valid.repeat_interleave(TOP_K).to(DEVICE)
     assert (scratch.act[~pair_valid] == 0).all() and (scratch.pair_out[~pair_valid] == 0).all()
@@ -108,6 +111,27 @@ def test_a_rows_bits_do_not_depend_on_its_neighbours(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_routing_matches_the_reference_s(dtype, norm_topk_prob):
+    """Each row's top k experts (ascending) and weights as the reference routes them, from a column slice of a wider
+    projection (as the step's fused router); padding rows get no expert (E) in every slot."""
+    experts = 60  # not a power of two
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(9, experts + 7, generator=g).to(DEVICE, dtype)[:, 3:3 + experts]
+    row_segment = torch.tensor([0, 0, 1, -1, 1, 2, -1, 2, 2], dtype=torch.int32, device=DEVICE)
+    chosen = torch.full((9, 5), -7, dtype=torch.int32, device=DEVICE)
+    weights = torch.zeros(9, 5, dtype=dtype, device=DEVICE)
+    moe_route.route_rows(logits, 5, norm_topk_prob, row_segment, chosen, weights)
+    expected_experts, expected_weights = moe_route.route_rows_reference(logits, 5, norm_topk_prob, row_segment)
+    assert torch.equal(chosen, expected_experts)
+    assert (chosen[row_segment < 0] == experts).all()
+    tolerance = 2.0**-8 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(weights, expected_weights, rtol=tolerance, atol=tolerance)
+    moe_route.route_rows(logits, 5, norm_topk_prob, None, chosen, weights)  # no padding: every row routed
+    assert torch.equal(chosen, moe_route.route_rows_reference(logits, 5, norm_topk_prob, None)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_the_fast_sparse_block_matches_the_reference_block(dtype):
     """shardd/engine/fast/moe.py's block (fused router and shared expert, device routing, the kernel) against
     shardd/engine/reference/moe.py on the tiny MoE preset's layer: the same experts chosen, outputs within rounding."""
@@ -120,8 +144,7 @@ def test_the_fast_sparse_block_matches_the_reference_block(dtype):
     block = SparseMoeBlock(config.moe, weights, "layers.0.mlp")
     fused = fast_moe.fuse_moe(block)
     buffers = fast_moe.MoeBuffers(config, 12, dtype, DEVICE)
-    routed, _ = fast_moe.route_rows(fused, torch.nn.functional.linear(x, fused.router_and_shared)[:, :config.moe.num_experts])
-    assert torch.equal(routed.cpu(), experts.sort(dim=-1).values.cpu())
-    assert len(torch.unique(routed)) > 2  # the rows spread over the experts
     _close(fast_moe.sparse_mlp(fused, x, None, buffers).cpu(), expected.cpu(), dtype)
+    assert torch.equal(buffers.experts_chosen.cpu(), experts.sort(dim=-1).values.int().cpu())
+    assert len(torch.unique(buffers.experts_chosen)) > 2  # the rows spread over the experts
     _close(block(x).cpu(), expected.cpu(), dtype)  # the fused block's reference attributes view the same weights

@@ -1,7 +1,7 @@
 """The sparse feed-forward block of a Qwen3.5 MoE layer in the fast step and prefill (the reference is
 shardd/engine/reference/moe.py): one GEMM for the router, the shared expert's gate and its gate|up; routing on the
-device (softmax, top k, normalisation: the reference's own `route`); the routed experts and the sum with the gated
-shared expert in shardd/engine/kernels/moe.py. No host sync and fixed shapes: it runs inside the step's CUDA graph."""
+device (softmax, top k, normalisation, shardd/engine/kernels/moe_route.py); the routed experts and the sum with the
+gated shared expert in shardd/engine/kernels/moe.py. No host sync and fixed shapes: it runs inside the step's CUDA graph."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from common.model_config import ModelConfig
 from common.sizes import MOE_FP8_REFUSAL
 from shardd.engine.kernels import elementwise
 from shardd.engine.kernels import moe as moe_kernels
-from shardd.engine.reference.moe import SparseMoeBlock, route
+from shardd.engine.kernels import moe_route
+from shardd.engine.reference.moe import SparseMoeBlock
 
 
 
@@ -55,24 +56,21 @@ class MoeBuffers:
 
     def __init__(self, config: ModelConfig, rows: int, dtype, device):
         moe = config.moe
+        self.experts_chosen = torch.zeros((rows, moe.num_experts_per_tok), dtype=torch.int32, device=device)
+        self.routing = torch.zeros((rows, moe.num_experts_per_tok), dtype=dtype, device=device)
         self.shared_act = torch.zeros((rows, moe.shared_expert_intermediate_size), dtype=dtype, device=device)
         self.experts = moe_kernels.ExpertScratch(rows, moe.num_experts_per_tok, config.hidden_size,
                                                  moe.moe_intermediate_size, dtype, device)
         self.out = torch.zeros((rows, config.hidden_size), dtype=dtype, device=device)
 
 
-def route_rows(moe: FusedMoe, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference's routing, each row's experts then put in ascending order (the order the reference adds them)."""
-    experts, weights = route(logits, moe.top_k, moe.norm_topk_prob)
-    experts, order = experts.sort(dim=-1)
-    return experts, weights.gather(-1, order)
-
-
-def sparse_mlp(moe: FusedMoe, x: torch.Tensor, valid: torch.Tensor | None, buffers: MoeBuffers) -> torch.Tensor:
-    """x [R, hidden] -> the block's output [R, hidden] (buffers.out); rows not `valid` (padding) read no expert."""
+def sparse_mlp(moe: FusedMoe, x: torch.Tensor, row_segment: torch.Tensor | None, buffers: MoeBuffers) -> torch.Tensor:
+    """x [R, hidden] -> the block's output [R, hidden] (buffers.out); rows whose `row_segment` is -1 (padding) read
+    no expert (None: every row is real)."""
     proj = F.linear(x, moe.router_and_shared)
     e = moe.num_experts
-    experts, weights = route_rows(moe, proj[:, :e])
+    moe_route.route_rows(proj[:, :e], moe.top_k, moe.norm_topk_prob, row_segment, buffers.experts_chosen,
+                         buffers.routing)
     shared = F.linear(elementwise.silu_mul(proj[:, e + 1:], buffers.shared_act), moe.shared_down)
-    return moe_kernels.routed_experts(x, experts, weights, valid, moe.experts_gate_up, moe.experts_down,
-                                      proj[:, e:e + 1], shared, buffers.experts, buffers.out)
+    return moe_kernels.routed_experts(x, buffers.experts_chosen, buffers.routing, moe.experts_gate_up,
+                                      moe.experts_down, proj[:, e:e + 1], shared, buffers.experts, buffers.out)

@@ -77,7 +77,7 @@ def run_step(model: ShardModel, layers: list[FusedLayer], pools: StatePools, buf
         b.hidden.copy_(b.hidden_in)
     delta = None  # the last branch's output, added to the residual stream by the next norm
     gdn_row = {layer: row for row, layer in enumerate(pools.gdn_layers)}
-    real_rows = b.control[b.segments * seg.FIELDS:] >= 0 if b.moe is not None else None  # padding rows read no expert
+    row_segment = b.control[b.segments * seg.FIELDS:]  # -1: a padding row, which reads no expert
     replayed = _replays(model, pools, b) if pools.mode == REPLAY_SSM else None
     for layer in layers:
         elementwise.residual_rms_norm(b.hidden, delta, layer.input_layernorm, eps, b.normed)
@@ -88,7 +88,7 @@ def run_step(model: ShardModel, layers: list[FusedLayer], pools: StatePools, buf
                 replayed(gdn_row[layer.index])
             delta = _gdn(model, layer, gdn_row[layer.index], pools, b, rows)
         elementwise.residual_rms_norm(b.hidden, delta, layer.post_attention_layernorm, eps, b.normed)
-        delta = feed_forward(layer, b.normed, b.act, b.moe, real_rows)
+        delta = feed_forward(layer, b.normed, b.act, b.moe, row_segment)
         if layer.index in captured:
             torch.add(b.hidden, delta, out=captured[layer.index])
     if model.owns_head:
@@ -102,10 +102,11 @@ def run_step(model: ShardModel, layers: list[FusedLayer], pools: StatePools, buf
 
 
 def feed_forward(layer: FusedLayer, x: torch.Tensor, act: torch.Tensor | None, moe: MoeBuffers | None,
-                 real_rows: torch.Tensor | None) -> torch.Tensor:
-    """The layer's SwiGLU MLP, or its sparse block (the experts of `real_rows` only; None: every row), over x's rows."""
+                 row_segment: torch.Tensor | None) -> torch.Tensor:
+    """The layer's SwiGLU MLP, or its sparse block (the experts of the rows whose `row_segment` is not -1; None:
+    every row's), over x's rows."""
     if layer.moe is not None:
-        return sparse_mlp(layer.moe, x, real_rows, moe)
+        return sparse_mlp(layer.moe, x, row_segment, moe)
     return F.linear(elementwise.silu_mul(F.linear(x, layer.gate_up), act), layer.down)
 
 

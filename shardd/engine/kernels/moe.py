@@ -6,8 +6,9 @@ Each selected expert's weights are read once for all the pairs routed to it: the
 to BLOCK_M pairs of one expert starts, multiplying those pairs' rows by the expert's tile. Row-independent by
 construction: a pair's output element is reduced over K by one program in one fixed order of K tiles, whichever
 pairs share its tile, and a row's k outputs are added by a separate pass in slot order, so a row's bits never depend
-on which other rows chose the same expert or how many rows the step holds. Pairs of padding rows (`valid` False)
-are sorted past every expert and never run: a decode step reads only its real rows' experts.
+on which other rows chose the same expert or how many rows the step holds. Pairs of padding rows (expert
+`num_experts`, as shardd/engine/kernels/moe_route.py routes them) sort past every expert and never run: a decode
+step reads only its real rows' experts.
 
 `routed_experts_reference` is the same computation as a readable loop over rows and slots.
 """
@@ -25,17 +26,11 @@ BLOCK_K = 64
 COMBINE_BLOCK = 1024
 
 
-def expert_order(experts: torch.Tensor, valid: torch.Tensor | None, num_experts: int) -> tuple[torch.Tensor, ...]:
+def expert_order(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
     """The step's (row, slot) pairs sorted by expert: (expert of each sorted pair, pair index p = row * k + slot of
-    each, the sorted index where each sorted pair's expert starts). Padding rows' pairs get expert `num_experts`,
-    which sorts last and runs nowhere. Fixed shapes, no host sync: graph-capturable."""
-    pair_expert = experts.reshape(-1)
-    if valid is not None:
-        top_k = experts.shape[1]
-        pair_expert = torch.where(valid[:, None].expand(-1, top_k).reshape(-1), pair_expert, num_experts)
-    sorted_expert, pair = torch.sort(pair_expert, stable=True)
-    run_start = torch.searchsorted(sorted_expert, sorted_expert)
-    return sorted_expert, pair, run_start
+    each, the sorted index where each sorted pair's expert starts). Fixed shapes, no host sync: graph-capturable."""
+    sorted_expert, pair = torch.sort(experts.reshape(-1), stable=True)
+    return sorted_expert, pair, torch.searchsorted(sorted_expert, sorted_expert)
 
 
 @triton.jit
@@ -128,20 +123,20 @@ class ExpertScratch:
         self.pair_out = torch.zeros((rows * top_k, hidden), dtype=dtype, device=device)  # each pair's weighted output
 
 
-def routed_experts(x: torch.Tensor, experts: torch.Tensor, routing: torch.Tensor, valid: torch.Tensor | None,
-                   gate_up: torch.Tensor, down: torch.Tensor, shared_gate: torch.Tensor, shared: torch.Tensor,
-                   scratch: ExpertScratch, out: torch.Tensor) -> torch.Tensor:
+def routed_experts(x: torch.Tensor, experts: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor, shared_gate: torch.Tensor, shared: torch.Tensor, scratch: ExpertScratch,
+                   out: torch.Tensor) -> torch.Tensor:
     """out [R, H] = for each row, the sum in slot order of routing[row, s] * expert experts[row, s](x[row]), plus
-    sigmoid(shared_gate[row]) * shared[row]. x [R, H]; experts [R, k] (int64) and routing [R, k] (x's dtype);
-    valid [R] bool (None: every row); gate_up [E, 2I, H] (gate | up), down [E, H, I]; shared_gate [R, 1] and
-    shared [R, H] may be column slices. Rows not valid get an unspecified output."""
+    sigmoid(shared_gate[row]) * shared[row]. x [R, H]; experts [R, k] (integers; E: a padding row, which runs no
+    expert and gets an unspecified output) and routing [R, k] (x's dtype); gate_up [E, 2I, H] (gate | up),
+    down [E, H, I]; shared_gate [R, 1] and shared [R, H] may be column slices."""
     rows, hidden = x.shape
     num_experts, width = gate_up.shape[0], down.shape[2]
     top_k = experts.shape[1]
     pairs = rows * top_k
     if x.stride(1) != 1:
         x = x.contiguous()
-    sorted_expert, pair, run_start = expert_order(experts, valid, num_experts)
+    sorted_expert, pair, run_start = expert_order(experts, num_experts)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     _gate_up_kernel[(pairs, triton.cdiv(width, BLOCK_N))](
         x, gate_up, scratch.act, sorted_expert, pair, run_start, pairs, num_experts, top_k, hidden, width, x.stride(0),
@@ -155,13 +150,13 @@ def routed_experts(x: torch.Tensor, experts: torch.Tensor, routing: torch.Tensor
     return out
 
 
-def routed_experts_reference(x, experts, routing, valid, gate_up, down, shared_gate, shared) -> torch.Tensor:
+def routed_experts_reference(x, experts, routing, gate_up, down, shared_gate, shared) -> torch.Tensor:
     """routed_experts as a loop over rows and slots, with the reference MoE block's rounding points
-    (shardd/engine/reference/moe.py); rows not valid are zero."""
+    (shardd/engine/reference/moe.py); padding rows are zero."""
     out = torch.zeros_like(x)
-    width = down.shape[2]
+    num_experts, width = gate_up.shape[0], down.shape[2]
     for row in range(x.shape[0]):
-        if valid is not None and not valid[row]:
+        if (experts[row] == num_experts).any():
             continue
         total = torch.zeros_like(x[row])
         for slot in range(experts.shape[1]):
