@@ -148,3 +148,21 @@ def test_the_fast_sparse_block_matches_the_reference_block(dtype):
     assert torch.equal(buffers.experts_chosen.cpu(), experts.sort(dim=-1).values.int().cpu())
     assert len(torch.unique(buffers.experts_chosen)) > 2  # the rows spread over the experts
     _close(block(x).cpu(), expected.cpu(), dtype)  # the fused block's reference attributes view the same weights
+
+
+def test_experts_a_checkpoint_stored_fused_are_used_in_place():
+    """The loader hands out fused experts (transformers' gate_up_proj [E, 2I, H], down_proj [E, H, I]) as per-expert
+    views: the fast block runs on those very tensors, no copy; per-expert tensors are stacked into one."""
+    from shardd.weights.reader import split_fused_experts
+
+    config = config_from_dict(PRESETS["tiny-moe"])
+    weights = synthetic_weights(config, 0, 1, seed=0)
+    moe = config.moe
+    gate_up = torch.stack([torch.cat([weights[f"layers.0.mlp.experts.{e}.{name}_proj.weight"] for name in ("gate", "up")])
+                           for e in range(moe.num_experts)])
+    down = torch.stack([weights[f"layers.0.mlp.experts.{e}.down_proj.weight"] for e in range(moe.num_experts)])
+    fused = fast_moe.fuse_moe(SparseMoeBlock(moe, {**weights, **split_fused_experts(config, 0, gate_up, down)},
+                                             "layers.0.mlp"))
+    assert fused.experts_gate_up is gate_up and fused.experts_down is down
+    copied = fast_moe.fuse_moe(SparseMoeBlock(moe, weights, "layers.0.mlp"))
+    assert torch.equal(copied.experts_gate_up, gate_up) and torch.equal(copied.experts_down, down)

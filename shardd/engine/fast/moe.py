@@ -44,11 +44,30 @@ def fuse_moe(block: SparseMoeBlock) -> FusedMoe:
     sizes = [p.shape[0] for p in parts]
     block.gate, block.shared_expert_gate, shared.gate_proj, shared.up_proj = router_and_shared.split(sizes)
     width = block.experts[0].gate_proj.shape[0]
-    gate_up = torch.stack([torch.cat([e.gate_proj, e.up_proj]) for e in block.experts])
-    down = torch.stack([e.down_proj for e in block.experts])
+    gate_up = _stacked([[e.gate_proj, e.up_proj] for e in block.experts])
+    down = _stacked([[e.down_proj] for e in block.experts])
     for index, expert in enumerate(block.experts):
         expert.gate_proj, expert.up_proj, expert.down_proj = gate_up[index, :width], gate_up[index, width:], down[index]
+    if gate_up.is_cuda:  # copied experts' old memory back to the device: the next layer's copy needs it
+        torch.cuda.empty_cache()
     return FusedMoe(router_and_shared, gate_up, down, shared.down_proj, block.top_k, block.norm_topk_prob)
+
+
+def _stacked(parts: list[list[torch.Tensor]]) -> torch.Tensor:
+    """[E, rows, K]: expert e's parts stacked along rows: the tensor they already view when a checkpoint stored them
+    fused in this layout (transformers' `gate_up_proj`, `down_proj`), else a copy."""
+    base = parts[0][0]._base
+    if base is not None and base.is_contiguous() and base.shape[0] == len(parts) and all(
+            p._base is base and p.data_ptr() == base[e].data_ptr() + sum(q.nbytes for q in row[:i])
+            for e, row in enumerate(parts) for i, p in enumerate(row)) and \
+            sum(p.shape[0] for p in parts[0]) == base.shape[1]:
+        return base
+    first = parts[0]
+    stacked = torch.empty((len(parts), sum(p.shape[0] for p in first), first[0].shape[1]), dtype=first[0].dtype,
+                          device=first[0].device)
+    for e, row in enumerate(parts):
+        torch.cat(row, out=stacked[e])
+    return stacked
 
 
 class MoeBuffers:
