@@ -22,7 +22,7 @@ from shardd.engine.reference import rollback as rb  # noqa: E402
 from shardd.engine.reference.shard import ShardModel  # noqa: E402
 from shardd.local import LocalTarget  # noqa: E402
 from shardd.synthetic.model import synthetic_weights  # noqa: E402
-from tests.unit.test_batch_step import run_schedule  # noqa: E402
+from tests.support.steps import reference_chunk_rule, run_schedule  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -109,3 +109,36 @@ def test_fp8_experts_are_refused_by_name():
     with pytest.raises(ValueError, match="the fast engine runs MoE experts in bfloat16 or float32, not FP8; use "
                                          "--engine reference"):
         FastShard(shard_model, max_sequences=1, max_context=16)
+
+
+def test_the_gpu_prefill_path_runs_the_sparse_block(monkeypatch):
+    """shardd.engine.fast.prefill over the MoE model (every row of a chunk routed, the experts grouped over the
+    chunk), fla's rule swapped for the reference recurrence: within rounding of the reference engine with the same
+    ids; and a FastShard's prefill in pieces of 8 through PrefillGraphs (their stages replayed by running their ops)
+    bit-identical to the eager pieces."""
+    from shardd.engine.fast import prefill
+    from shardd.engine.fast.graph import PrefillGraphs
+
+    monkeypatch.setattr(prefill, "fla_rule", lambda direct=True: reference_chunk_rule)
+    reference, step = model(CHECKPOINT, dtype=torch.float32), FastShard(model(CHECKPOINT, dtype=torch.float32),
+                                                                          max_sequences=2, max_context=CONTEXT)
+    a, b = reference.new_state(CONTEXT), step.new_state(CONTEXT)
+    relative = lambda x, ref: ((x.float() - ref.float()).norm() / ref.float().norm()).item()  # noqa: E731
+    for pos, n in ((0, 12), (12, 9)):
+        tokens = ids(n, 20 + pos)
+        expected = reference.forward(a, pos, tokens=tokens)
+        x = torch.nn.functional.embedding(torch.tensor(tokens, device=DEVICE), step.model.embed_tokens)
+        out = prefill.prefill(step.model, step.layers, b, pos, x, ())
+        b.length = pos + n
+        assert relative(out.logits, expected.logits) < 1e-5 and out.ids.tolist() == expected.ids.tolist()
+
+    step.prefill_kernels, step.prefill_rows = True, 8
+    step.prefill_graphs = PrefillGraphs(step.model, step.layers, step.pools, 8, use_graphs=False)
+    eager = step.sharing_weights(rb.RollbackStorage(CHECKPOINT, ROWS))
+    pieced, alone = step.new_state(CONTEXT), eager.new_state(CONTEXT)
+    tokens = ids(21, 7)  # pieces 8 + 8 + 5
+    out = step.forward(pieced, 0, tokens=tokens)
+    x = torch.nn.functional.embedding(torch.tensor(tokens, device=DEVICE), step.model.embed_tokens)
+    pieces = [prefill.prefill(step.model, step.layers, alone, first, x[first:first + 8], ()) for first in range(0, 21, 8)]
+    assert torch.equal(out.logits, torch.cat([piece.logits for piece in pieces]))
+    assert torch.equal(pieced.gdn.recurrent, alone.gdn.recurrent) and torch.equal(pieced.gdn.conv, alone.gdn.conv)

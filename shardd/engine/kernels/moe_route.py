@@ -35,7 +35,9 @@ def _route_kernel(logits_ptr, experts_ptr, weights_ptr, row_segment_ptr, logits_
         chosen = chosen | (cols == pick)
         remaining = tl.where(cols == pick, -1.0, remaining)
         total += best
-    weights = probs / total if NORMALISE else probs
+    weights = probs
+    if NORMALISE:
+        weights = probs / total
     slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # ascending expert order
     expert = cols
     if HAS_ROWS:
