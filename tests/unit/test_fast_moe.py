@@ -142,3 +142,17 @@ def test_the_gpu_prefill_path_runs_the_sparse_block(monkeypatch):
     pieces = [prefill.prefill(step.model, step.layers, alone, first, x[first:first + 8], ()) for first in range(0, 21, 8)]
     assert torch.equal(out.logits, torch.cat([piece.logits for piece in pieces]))
     assert torch.equal(pieced.gdn.recurrent, alone.gdn.recurrent) and torch.equal(pieced.gdn.conv, alone.gdn.conv)
+
+
+def test_the_memory_plan_counts_the_sparse_block_s_step_buffers():
+    """common.memory's per-row share of the feed-forward block holds at least the sparse block's static buffers
+    (and the MoE shape's is its own, not the dense MLP's `intermediate_size`)."""
+    from common.memory import feed_forward_row_bytes
+    from shardd.engine.fast.moe import MoeBuffers
+
+    rows = 16
+    buffers = MoeBuffers(CONFIG, rows, torch.bfloat16, "cpu")
+    held = sum(t.nbytes for t in (buffers.experts_chosen, buffers.routing, buffers.shared_act, buffers.experts.act,
+                                  buffers.experts.pair_out, buffers.out))
+    assert held <= rows * feed_forward_row_bytes(CONFIG, 2)
+    assert feed_forward_row_bytes(CONFIG, 2) != CONFIG.intermediate_size * 3 * 2
