@@ -64,6 +64,21 @@ def _close(out, expected, dtype):
     torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance * scale)
 
 
+@pytest.mark.parametrize("rows, top_k", [(1, 3), (7, 3), (75, 4)])  # 300 pairs: two column blocks of the sort
+def test_the_pairs_sort_by_expert_stably(rows, top_k):
+    """expert_order against torch's stable sort: every pair's place, its expert and where its expert's run starts,
+    with padding rows (expert E) sorted last."""
+    g = torch.Generator().manual_seed(rows)
+    experts = torch.stack([torch.randperm(EXPERTS, generator=g)[:top_k].sort().values for _ in range(rows)])
+    experts[::3] = EXPERTS  # padding rows
+    experts = experts.to(DEVICE, torch.int32)
+    scratch = moe_kernels.ExpertScratch(rows, top_k, HIDDEN, WIDTH, torch.float32, DEVICE)
+    moe_kernels.expert_order(experts, EXPERTS, scratch)
+    expected = moe_kernels.expert_order_reference(experts)
+    for got, want in zip((scratch.sorted_expert, scratch.pair, scratch.run_start), expected):
+        assert torch.equal(got.long(), want.long())
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 7])  # pairs 3, 15 and 21: runs shorter and longer than a block of 16
 def test_routed_experts_match_the_loop_over_rows_and_slots(dtype, rows):

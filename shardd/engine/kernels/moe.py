@@ -2,7 +2,7 @@
 its routing weight, the k weighted outputs of a row added in its slot order, plus the gated shared expert's output.
 
 Each selected expert's weights are read once for all the pairs routed to it: the pairs are sorted by expert
-(`expert_order`, torch ops of fixed shape), and a program per (sorted pair, output tile) runs only where a run of up
+(`expert_order`, one launch of fixed shape), and a program per (sorted pair, output tile) runs only where a run of up
 to BLOCK_M pairs of one expert starts, multiplying those pairs' rows by the expert's tile. Row-independent by
 construction: a pair's output element is reduced over K by one program in one fixed order of K tiles, whichever
 pairs share its tile, and a row's k outputs are added by a separate pass in slot order, so a row's bits never depend
@@ -10,7 +10,8 @@ on which other rows chose the same expert or how many rows the step holds. Pairs
 `num_experts`, as shardd/engine/kernels/moe_route.py routes them) sort past every expert and never run: a decode
 step reads only its real rows' experts.
 
-`routed_experts_reference` is the same computation as a readable loop over rows and slots.
+`routed_experts_reference` is the same computation as a readable loop over rows and slots; `expert_order_reference`
+the sort with torch's.
 """
 
 from __future__ import annotations
@@ -26,9 +27,42 @@ BLOCK_K = 64
 COMBINE_BLOCK = 1024
 
 
-def expert_order(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
-    """The step's (row, slot) pairs sorted by expert: (expert of each sorted pair, pair index p = row * k + slot of
-    each, the sorted index where each sorted pair's expert starts). Fixed shapes, no host sync: graph-capturable."""
+SORT_BLOCK = 32  # pairs a program of the sort places
+
+
+@triton.jit
+def _sort_pairs_kernel(experts_ptr, sorted_expert_ptr, pair_ptr, run_start_ptr, NUM_EXPERTS: tl.constexpr,
+                       PAIRS: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+    # a stable sort by counting: pair i goes after every pair of a smaller expert and every earlier pair of its own
+    offs_i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
+    expert = tl.load(experts_ptr + offs_i, mask=offs_i < PAIRS, other=0)
+    smaller = tl.zeros([BLOCK_I], dtype=tl.int32)
+    earlier = tl.zeros([BLOCK_I], dtype=tl.int32)
+    for j0 in range(0, PAIRS, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        other = tl.load(experts_ptr + offs_j, mask=offs_j < PAIRS, other=NUM_EXPERTS + 1)  # past every pair
+        smaller += tl.sum((other[None, :] < expert[:, None]).to(tl.int32), axis=1)
+        earlier += tl.sum(((other[None, :] == expert[:, None]) & (offs_j[None, :] < offs_i[:, None])).to(tl.int32),
+                          axis=1)
+    at = smaller + earlier
+    mask = offs_i < PAIRS
+    tl.store(sorted_expert_ptr + at, expert, mask=mask)
+    tl.store(pair_ptr + at, offs_i, mask=mask)
+    tl.store(run_start_ptr + at, smaller, mask=mask)
+
+
+def expert_order(experts: torch.Tensor, num_experts: int, scratch: "ExpertScratch") -> None:
+    """The step's (row, slot) pairs sorted by expert, stably, into scratch: `sorted_expert` (each sorted pair's
+    expert), `pair` (its index p = row * k + slot) and `run_start` (the sorted index where its expert's pairs
+    start). One launch of fixed shape, no host sync: graph-capturable."""
+    pairs = experts.numel()
+    _sort_pairs_kernel[(triton.cdiv(pairs, SORT_BLOCK),)](
+        experts, scratch.sorted_expert, scratch.pair, scratch.run_start, NUM_EXPERTS=num_experts, PAIRS=pairs, BLOCK_I=SORT_BLOCK,
+        BLOCK_J=min(triton.next_power_of_2(pairs), 256))
+
+
+def expert_order_reference(experts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """expert_order with torch's stable sort: (sorted_expert, pair, run_start)."""
     sorted_expert, pair = torch.sort(experts.reshape(-1), stable=True)
     return sorted_expert, pair, torch.searchsorted(sorted_expert, sorted_expert)
 
@@ -119,7 +153,10 @@ class ExpertScratch:
     """What the routed experts of `rows` rows write between their kernels (static: a CUDA graph replays on it)."""
 
     def __init__(self, rows: int, top_k: int, hidden: int, width: int, dtype, device):
-        self.act = torch.zeros((rows * top_k, width), dtype=dtype, device=device)   # each pair's SwiGLU product
+        pairs = rows * top_k
+        self.sorted_expert, self.pair, self.run_start = (torch.zeros(pairs, dtype=torch.int32, device=device)
+                                                         for _ in range(3))
+        self.act = torch.zeros((pairs, width), dtype=dtype, device=device)  # each pair's SwiGLU product
         self.pair_out = torch.zeros((rows * top_k, hidden), dtype=dtype, device=device)  # each pair's weighted output
 
 
@@ -136,7 +173,8 @@ def routed_experts(x: torch.Tensor, experts: torch.Tensor, routing: torch.Tensor
     pairs = rows * top_k
     if x.stride(1) != 1:
         x = x.contiguous()
-    sorted_expert, pair, run_start = expert_order(experts, num_experts)
+    expert_order(experts, num_experts, scratch)
+    sorted_expert, pair, run_start = scratch.sorted_expert, scratch.pair, scratch.run_start
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     _gate_up_kernel[(pairs, triton.cdiv(width, BLOCK_N))](
         x, gate_up, scratch.act, sorted_expert, pair, run_start, pairs, num_experts, top_k, hidden, width, x.stride(0),
