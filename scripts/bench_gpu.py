@@ -1826,7 +1826,7 @@ def run_moe(args) -> dict:
     greedy_ms = median_ms(timed(lambda: shard.forward(state, pos, tokens=block[:1])))
     verify_ms = median_ms(timed(lambda: shard.forward(state, pos, tokens=block, checkpoint=True)))
 
-    # the experts each step's rows select, per layer: the same step once more, eagerly, its routing recorded
+    # the experts each timed step's rows select, per layer: the same steps once more, eagerly, their routing recorded
     eager = FastShard(model, max_sequences=1, max_context=context, use_graphs=False, layers=shard.layers)
     recorded: list[torch.Tensor] = []
     routed_experts = moe_kernels.routed_experts
@@ -1840,9 +1840,9 @@ def run_moe(args) -> dict:
     try:
         for name, tokens in (("greedy", block[:1]), ("verify", block)):
             probe = eager.new_state(context)
-            eager.forward(probe, 0, tokens=prompt[:BLOCK])
+            eager.forward(probe, 0, tokens=prompt)
             recorded.clear()
-            eager.forward(probe, BLOCK, tokens=tokens)
+            eager.forward(probe, pos, tokens=tokens)
             distinct[name] = [len(torch.unique(experts[:len(tokens)])) for experts in recorded]
             eager.release_state(probe)
     finally:

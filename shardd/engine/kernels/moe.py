@@ -6,7 +6,8 @@ Each selected expert's weights are read once for all the pairs routed to it: the
 to BLOCK_M pairs of one expert starts, multiplying those pairs' rows by the expert's tile. Row-independent by
 construction: a pair's output element is reduced over K by one program in one fixed order of K tiles, whichever
 pairs share its tile, and a row's k outputs are added by a separate pass in slot order, so a row's bits never depend
-on which other rows chose the same expert or how many rows the step holds. Pairs of padding rows (expert
+on which other rows chose the same expert or how many rows the step holds (given, as for the step's fixed-shape
+GEMMs, that a tile multiply gives a row the same bits at any place in the tile). Pairs of padding rows (expert
 `num_experts`, as shardd/engine/kernels/moe_route.py routes them) sort past every expert and never run: a decode
 step reads only its real rows' experts.
 
@@ -25,8 +26,6 @@ BLOCK_M = 16  # pairs of one expert a program multiplies at once (tl.dot's least
 BLOCK_N = 64
 BLOCK_K = 64
 COMBINE_BLOCK = 1024
-
-
 SORT_BLOCK = 32  # pairs a program of the sort places
 
 
