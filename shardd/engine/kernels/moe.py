@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 BLOCK_M = 16  # pairs of one expert a program multiplies at once (tl.dot's least rows)
+GATE_UP_BLOCK_N = 32  # an expert is narrow (I = 512): more programs stream a decode step's few experts
 BLOCK_N = 64
 BLOCK_K = 64
 COMBINE_BLOCK = 1024
@@ -175,9 +176,9 @@ def routed_experts(x: torch.Tensor, experts: torch.Tensor, routing: torch.Tensor
     expert_order(experts, num_experts, scratch)
     sorted_expert, pair, run_start = scratch.sorted_expert, scratch.pair, scratch.run_start
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    _gate_up_kernel[(pairs, triton.cdiv(width, BLOCK_N))](
+    _gate_up_kernel[(pairs, triton.cdiv(width, GATE_UP_BLOCK_N))](
         x, gate_up, scratch.act, sorted_expert, pair, run_start, pairs, num_experts, top_k, hidden, width, x.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=precision, num_warps=4)
+        BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=precision, num_warps=4)
     _down_kernel[(pairs, triton.cdiv(hidden, BLOCK_N))](
         scratch.act, down, routing.reshape(-1), scratch.pair_out, sorted_expert, pair, run_start, pairs, num_experts,
         hidden, width, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=precision, num_warps=4)
