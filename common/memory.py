@@ -93,15 +93,15 @@ class MemoryPlan:
 
 def feed_forward_row_bytes(config: ModelConfig, dtype_bytes: int) -> int:
     """What the fast step's feed-forward block holds per row: the dense MLP's gate|up and SwiGLU product; or the
-    sparse block's (shardd/engine/fast/moe.py) router|shared projection, float32 probabilities, the k experts'
-    products and weighted outputs, the shared expert's, the block's output and the routing's int64 indices."""
+    sparse block's (shardd/engine/fast/moe.py) router|shared projection, routing weights and int32 indices (each
+    slot's expert and the sort by expert), the k experts' products and weighted outputs, the shared expert's
+    product and output, and the block's output."""
     c, moe = config, config.moe
     if moe is None:
         return c.intermediate_size * 3 * dtype_bytes
     k, shared = moe.num_experts_per_tok, moe.shared_expert_intermediate_size
-    return ((moe.num_experts + 1 + 2 * shared) * dtype_bytes + moe.num_experts * 4
-            + k * (moe.moe_intermediate_size + c.hidden_size) * dtype_bytes
-            + (shared + 2 * c.hidden_size) * dtype_bytes + k * 8 * 6)
+    return ((moe.num_experts + 1 + 2 * shared + k + k * (moe.moe_intermediate_size + c.hidden_size) + shared
+             + 2 * c.hidden_size) * dtype_bytes + 4 * k * 4)
 
 
 def plan_memory(

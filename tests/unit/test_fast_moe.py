@@ -152,7 +152,8 @@ def test_the_memory_plan_counts_the_sparse_block_s_step_buffers():
 
     rows = 16
     buffers = MoeBuffers(CONFIG, rows, torch.bfloat16, "cpu")
-    held = sum(t.nbytes for t in (buffers.experts_chosen, buffers.routing, buffers.shared_act, buffers.experts.act,
-                                  buffers.experts.pair_out, buffers.out))
+    scratch = buffers.experts
+    held = sum(t.nbytes for t in (buffers.experts_chosen, buffers.routing, buffers.shared_act, scratch.sorted_expert,
+                                  scratch.pair, scratch.run_start, scratch.act, scratch.pair_out, buffers.out))
     assert held <= rows * feed_forward_row_bytes(CONFIG, 2)
     assert feed_forward_row_bytes(CONFIG, 2) != CONFIG.intermediate_size * 3 * 2
