@@ -18,10 +18,10 @@ from shardd.engine.kernels import moe_route
 from shardd.engine.reference.moe import SparseMoeBlock
 
 
-
 @dataclass
 class FusedMoe:
-    router_and_shared: torch.Tensor  # [E + 1 + 2 * shared_width, hidden]: router | shared gate | shared gate | up
+    # [E + 1 + 2 * shared_width, hidden]: the router | the shared expert's sigmoid gate | its gate_proj | its up_proj
+    router_and_shared: torch.Tensor
     experts_gate_up: torch.Tensor    # [E, 2 * width, hidden]: each expert's gate | up
     experts_down: torch.Tensor       # [E, hidden, width]
     shared_down: torch.Tensor        # [hidden, shared_width]
