@@ -91,6 +91,19 @@ class MemoryPlan:
                 "weight_parts": {name: n for name, n in self.weight_parts.items() if n}}
 
 
+def feed_forward_row_bytes(config: ModelConfig, dtype_bytes: int) -> int:
+    """What the fast step's feed-forward block holds per row: the dense MLP's gate|up and SwiGLU product; or the
+    sparse block's (shardd/engine/fast/moe.py) router|shared projection, routing weights and int32 indices (each
+    slot's expert and the sort by expert), the k experts' products and weighted outputs, the shared expert's
+    product and output, and the block's output."""
+    c, moe = config, config.moe
+    if moe is None:
+        return c.intermediate_size * 3 * dtype_bytes
+    k, shared = moe.num_experts_per_tok, moe.shared_expert_intermediate_size
+    return ((moe.num_experts + 1 + 2 * shared + k + k * (moe.moe_intermediate_size + c.hidden_size) + shared
+             + 2 * c.hidden_size) * dtype_bytes + 4 * k * 4)
+
+
 def plan_memory(
     config: ModelConfig, begin: int, end: int, *, weight_bytes: dict[str, int], dtype_bytes: int, engine: str,
     max_sequences: int, max_context: int, max_tokens_per_request: int, checkpoint_bytes_per_sequence: int,
@@ -117,7 +130,7 @@ def plan_memory(
     }
     if engine == "fast":
         rows = step_rows
-        buffers = rows * (c.hidden_size * 4 * dtype_bytes + c.intermediate_size * 3 * dtype_bytes
+        buffers = rows * (c.hidden_size * 4 * dtype_bytes + feed_forward_row_bytes(c, dtype_bytes)
                           + 2 * c.linear_conv_dim * 4 + c.num_attention_heads * c.head_dim * 3 * dtype_bytes
                           + (c.vocab_size * 4 * 2 if head else 0))
         buffers += (max_context + rows) * c.rotary_dim * dtype_bytes  # the cos / sin tables
@@ -133,7 +146,7 @@ def plan_memory(
         # shardd.engine.fast.prefill.PrefillGraphs, once a piece of prefill_rows has run: a staging copy of one sequence's
         # GDN state, the static buffers (the residual stream, its norm, the SwiGLU product, an attention core's
         # output) and the graphs' pool, the transients of one piece kept
-        static = prefill_rows * (c.hidden_size * 3 + c.intermediate_size) * dtype_bytes
+        static = prefill_rows * (c.hidden_size * 3 * dtype_bytes + feed_forward_row_bytes(c, dtype_bytes))
         items["prefill_graphs"] = (c.recurrent_state_bytes() + c.conv_state_bytes()) * len(gdn) + static + (
             activations(prefill_rows) + GRAPH_POOL_BYTES)
     if drafter_bytes:

@@ -29,6 +29,11 @@ Parts, each in its own process (so one part's memory never weighs on the next):
   blocks of 1 .. R/16 sequences and with R one-row greedy sequences (`step_rows_ms`), tokens/s if every row
   commits, and a row of a full step bit-identical to its sequence alone (`batch_step_identical`).
 
+- `moe`: one process, one GPU, the `--moe-preset` MoE shape (35B-A3B) in bf16 as one FastShard: the greedy step
+  against the floor of the bytes a decode step reads (its row's experts, the shared expert, attention/GDN, head),
+  and a 16-row checkpointed verify step against the floor of the distinct experts its rows select
+  (`moe_greedy_floor_ratio`, `moe_verify_floor_ratio`, `moe_distinct_experts`).
+
 - `guided`: one process, 8 streams under the scheduler constrained to a JSON schema against the same streams
   unconstrained: `guided_step_ms`, `plain_step_ms`, `guided_step_ratio` (the masks' cost per step).
 
@@ -1742,13 +1747,131 @@ def run_guided(args) -> dict:
             "guided_step_ratio": round(guided / plain, 3)}
 
 
+# ---- moe: the sparse step ----------------------------------------------------------------------------------
+
+
+def moe_floor_bytes(config, model, shard, context: int, rows: int, distinct: list[int], *, checkpoint: bool) -> dict:
+    """The bytes a step of `rows` rows must move on a MoE shard, by part (as step_floors counts a dense one): every
+    weight once but the embedding table and the routed experts, of which it reads the `distinct` experts its rows
+    select in each layer; the GDN states, the K/V of the context, and a checkpointed verify's rollback writes."""
+    itemsize = 2  # bf16
+    moe, h = config.moe, config.hidden_size
+    expert = 3 * moe.moe_intermediate_size * h * itemsize
+    embedding = model.embed_tokens.nbytes if model.embed_tokens is not None else 0
+    layers = model.end - model.begin
+    kv_row = 2 * config.num_key_value_heads * config.head_dim * itemsize * len(model.attention_layers)
+    return {
+        "dense_weights": model.weight_bytes() - embedding - layers * moe.num_experts * expert,
+        "routed_experts": sum(distinct) * expert,
+        "embedding_rows": rows * h * itemsize,
+        "gdn_state_read_write": 2 * len(model.gdn_layers) * (config.recurrent_state_bytes() + config.conv_state_bytes()),
+        "kv_read": kv_row * context,
+        "kv_rows_write": rows * kv_row,
+        "checkpoint_writes": shard.checkpoint_bytes_per_sequence() if checkpoint else 0,
+    }
+
+
+def run_moe(args) -> dict:
+    import torch
+
+    from coordinator.decoding import greedy_decode
+    from common.presets import preset_config
+    from protocol.layout import CHECKPOINT
+    from shardd.engine.fast.shard import FastShard
+    from shardd.engine.kernels import moe as moe_kernels
+    from shardd.engine.reference import rollback as rb
+    from shardd.engine.reference.shard import ShardModel
+    from shardd.local import LocalTarget
+    from shardd.synthetic.model import synthetic_weights
+
+    device = torch.device("cuda:0")
+    torch.cuda.set_device(device)
+    config = preset_config(args.moe_preset)
+    if config.moe is None:
+        raise SystemExit(f"--moe-preset {args.moe_preset} is not a MoE shape")
+    out: dict = {"moe_preset": args.moe_preset, "dtype": "bfloat16", "block": BLOCK,
+                 "device": torch.cuda.get_device_name(device)}
+    bandwidth = copy_bandwidth(torch, device)
+    out["copy_bandwidth_tb_s"] = round(bandwidth / 1e12, 3)
+    t0 = time.perf_counter()
+    weights = synthetic_weights(config, 0, config.num_layers, args.seed, dtype=torch.bfloat16, device=device)
+    model = ShardModel(config, weights, 0, config.num_layers, dtype=torch.bfloat16, device=device,
+                       storage=rb.RollbackStorage(CHECKPOINT, BLOCK))
+    del weights
+    context = 4096
+    shard = FastShard(model, max_sequences=2, max_context=context)
+    out["moe_build_s"] = round(time.perf_counter() - t0, 1)
+    out["moe_weight_bytes"] = model.weight_bytes()
+    print(f"built {args.moe_preset} in {out['moe_build_s']} s", flush=True)
+
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+    block = torch.randint(0, config.vocab_size, (BLOCK,), generator=generator).tolist()
+    greedy_decode(LocalTarget.from_shards([shard], context), 99, prompt[:32], 4)  # compiles, captures the graphs
+    state = shard.new_state(context)
+    shard.forward(state, 0, tokens=prompt)
+    pos = state.length
+
+    def timed(fn) -> list[float]:
+        samples = []
+        for _ in range(args.repeats):
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize(device)
+            samples.append(time.perf_counter() - start)
+            state.length = pos  # timing only: every step goes to the same position
+        return samples
+
+    greedy_ms = median_ms(timed(lambda: shard.forward(state, pos, tokens=block[:1])))
+    verify_ms = median_ms(timed(lambda: shard.forward(state, pos, tokens=block, checkpoint=True)))
+
+    # the experts each timed step's rows select, per layer: the same steps once more, eagerly, their routing recorded
+    eager = FastShard(model, max_sequences=1, max_context=context, use_graphs=False, layers=shard.layers)
+    recorded: list[torch.Tensor] = []
+    routed_experts = moe_kernels.routed_experts
+
+    def recording(x, experts, *rest):
+        recorded.append(experts.clone())
+        return routed_experts(x, experts, *rest)
+
+    distinct = {}
+    moe_kernels.routed_experts = recording
+    try:
+        for name, tokens in (("greedy", block[:1]), ("verify", block)):
+            probe = eager.new_state(context)
+            eager.forward(probe, 0, tokens=prompt)
+            recorded.clear()
+            eager.forward(probe, pos, tokens=tokens)
+            distinct[name] = [len(torch.unique(experts[:len(tokens)])) for experts in recorded]
+            eager.release_state(probe)
+    finally:
+        moe_kernels.routed_experts = routed_experts
+    floors = {name: moe_floor_bytes(config, model, shard, pos, rows, distinct[name], checkpoint=name == "verify")
+              for name, rows in (("greedy", 1), ("verify", BLOCK))}
+    floor_ms = {name: round(sum(parts.values()) / bandwidth * 1e3, 3) for name, parts in floors.items()}
+    out["moe_floor_parts_bytes"] = floors
+    out["moe_floor_step_ms"] = floor_ms
+    out["moe_greedy_step_ms"], out["moe_verify_step_ms"] = greedy_ms, verify_ms
+    out["moe_distinct_experts"] = {name: round(statistics.mean(d), 1) for name, d in distinct.items()}
+    out["moe_distinct_experts_by_layer"] = distinct
+    out["moe_greedy_floor_ratio"] = round(greedy_ms / floor_ms["greedy"], 3)
+    out["moe_verify_floor_ratio"] = round(verify_ms / floor_ms["verify"], 3)
+    out["moe_targets"] = {"ratio": 1.35, "greedy_met": out["moe_greedy_floor_ratio"] <= 1.35,
+                          "verify_met": out["moe_verify_floor_ratio"] <= 1.35}
+    print(f"moe greedy {greedy_ms} ms ({out['moe_greedy_floor_ratio']}x floor), verify {verify_ms} ms "
+          f"({out['moe_verify_floor_ratio']}x floor, {out['moe_distinct_experts']['verify']} experts a layer)",
+          flush=True)
+    return out
+
+
 # ---- the whole run ---------------------------------------------------------------------------------------
 
 PARTS = {"local": run_local, "transformers": run_transformers, "e2e": run_e2e, "relay": run_relay,
          "delay": run_relay_vs_delay, "relay-dflash": run_dflash_relay, "dflash": run_dflash,
          "dflash-batch": run_dflash_batch,
          "batch-local": run_batch_local, "batch-daemons": run_batch_daemons, "batch-step": run_batch_step,
-         "prefix": run_prefix, "guided": run_guided}
+         "prefix": run_prefix, "guided": run_guided, "moe": run_moe}
 BUNDLES = {"batch": ("batch-local", "batch-daemons")}  # --parts batch: the throughput sweep (scripts/bench_batch.py)
 
 
@@ -1758,6 +1881,7 @@ def main() -> int:
     parser.add_argument("--parts", default="local,transformers,e2e",
                         help=f"Comma-separated, of {sorted(PARTS)} (batch: {', '.join(BUNDLES['batch'])}).")
     parser.add_argument("--preset", default="qwen3.5-27b")
+    parser.add_argument("--moe-preset", default="qwen3.5-35b-a3b", help="The moe part's MoE shape.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=128, help="New tokens per decode.")
@@ -1829,7 +1953,8 @@ def main() -> int:
     for part in [name for part in args.parts.split(",") for name in BUNDLES.get(part, (part,))]:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
             path = handle.name
-        command = [sys.executable, __file__, "--part", part, "--json", path, "--preset", args.preset, "--seed", str(args.seed),
+        command = [sys.executable, __file__, "--part", part, "--json", path, "--preset", args.preset,
+                   "--moe-preset", args.moe_preset, "--seed", str(args.seed),
                    "--prompt-len", str(args.prompt_len), "--tokens", str(args.tokens), "--repeats", str(args.repeats),
                    "--long-context", str(args.long_context), "--e2e-devices", args.e2e_devices, "--e2e-dtype", args.e2e_dtype,
                    "--e2e-engine", args.e2e_engine, *(["--daemon-profile", args.daemon_profile] if args.daemon_profile else []),

@@ -145,8 +145,8 @@ class ShardConfig:
                     check_layer_range(*config.layers, model.num_layers)
             if draft is not None:
                 parse_draft(draft)
-            config.engine = resolve_engine(engine, config.device, moe=model.moe is not None)
             scheme = source.scheme()
+            config.engine = resolve_engine(engine, config.device, moe=model.moe is not None, fp8=scheme is not None)
             config.step_rows = step_rows_for(config.engine, step_rows, config.max_verify_tokens,
                                              max_sequences=config.max_sequences,
                                              fp8=scheme is not None and config.keeps_fp8)

@@ -22,6 +22,7 @@ from shardd.engine.fast.shard import FastShard  # noqa: E402
 from shardd.engine.reference import rollback as rb  # noqa: E402
 from shardd.engine.reference.shard import ShardModel  # noqa: E402
 from shardd.synthetic.model import synthetic_weights  # noqa: E402
+from tests.support.steps import reference_chunk_rule  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 if CUDA:  # float32 means float32 on both paths (as build_shard sets for a float32 shard)
@@ -335,21 +336,6 @@ def test_the_prefill_graphs_replay_the_eager_prefill_s_bits(dtype):
             assert torch.equal(cache.value[:, :pos + n], b.kv[layer].value[:, :pos + n])
         assert step.prefill_graphs.failures == {}, step.prefill_graphs.failures
         assert isinstance(step.prefill_graphs.sets[capture][2][0], torch.cuda.CUDAGraph)
-
-
-def reference_chunk_rule(q, k, v, *, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
-    """fla's `chunk_gated_delta_rule` calling convention ([1, n, heads, dim] inputs, q/k l2-normalised in the
-    kernel), computed by the reference model's token-by-token recurrence (shardd/engine/reference/delta_rule.py)."""
-    from shardd.engine.reference.delta_rule import recurrent_delta_rule
-    from shardd.engine.reference.gdn import l2_normalize
-
-    assert use_qk_l2norm_in_kernel and output_final_state
-    repeat = v.shape[2] // q.shape[2]  # each q/k head serves consecutive value heads
-    query = (l2_normalize(q[0].float()) * scale).repeat_interleave(repeat, dim=1).transpose(0, 1)
-    key = l2_normalize(k[0].float()).repeat_interleave(repeat, dim=1).transpose(0, 1)
-    state = initial_state[0].float().clone()
-    core = recurrent_delta_rule(query, key, v[0].float().transpose(0, 1), g[0].float().t(), beta[0].float().t(), state)
-    return core.transpose(0, 1)[None].to(v.dtype), state[None]
 
 
 @pytest.mark.parametrize("layers", [None, (0, 4)], ids=["whole", "first-half"])  # 0:4 ends on attention

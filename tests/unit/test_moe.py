@@ -278,22 +278,19 @@ def test_config_forms_round_trip():
             c.moe.moe_intermediate_size) == (40, 2048, 256, 8, 512)
 
 
-def test_the_fast_engine_refuses_moe_and_auto_picks_the_reference():
+def test_auto_picks_the_fast_engine_for_moe_on_cuda_but_not_for_fp8_experts():
     from shardd.engine.select import resolve_engine
 
     assert resolve_engine("auto", "cpu", moe=True) == "reference"
-    with pytest.raises(ValueError, match="the fast engine does not run MoE layers yet; use --engine reference"):
-        resolve_engine("fast", "cuda:0", moe=True)
+    with pytest.raises(ValueError, match="the fast engine runs MoE experts in bfloat16 or float32, not FP8"):
+        resolve_engine("fast", "cuda:0", moe=True, fp8=True)
     try:
         import triton  # noqa: F401
     except ImportError:
         return
-    assert resolve_engine("auto", "cuda:0", moe=True) == "reference"
-    assert resolve_engine("auto", "cuda:0", moe=False) == "fast"
-    from shardd.engine.fast.shard import FastShard
-
-    with pytest.raises(ValueError, match="does not run MoE layers"):
-        FastShard(build_shard(ModelSource(synthetic="tiny-moe"), 0, 1), max_sequences=1, max_context=16)
+    assert resolve_engine("auto", "cuda:0", moe=True) == "fast"
+    assert resolve_engine("auto", "cuda:0", moe=True, fp8=True) == "reference"
+    assert resolve_engine("auto", "cuda:0", moe=False, fp8=True) == "fast"  # dense FP8 linears are the fast step's
 
 
 def test_make_model_writes_a_small_moe_checkpoint_that_loads(tmp_path):
@@ -316,14 +313,14 @@ def test_make_model_writes_a_small_moe_checkpoint_that_loads(tmp_path):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_serve_refuses_the_fast_engine_for_moe_by_name():
+def test_serve_refuses_the_fast_engine_for_fp8_moe_by_name():
     from click.testing import CliRunner
 
     from shardd.cli import main
 
-    result = CliRunner().invoke(main, ["serve", "--synthetic", "tiny-moe", "--engine", "fast"])
+    result = CliRunner().invoke(main, ["serve", "--synthetic", "tiny-moe", "--quantize", "fp8-block", "--engine", "fast"])
     assert result.exit_code == 2, result.output
-    assert "the fast engine does not run MoE layers yet; use --engine reference" in result.output
+    assert "the fast engine runs MoE experts in bfloat16 or float32, not FP8; use --engine reference" in result.output
 
 
 def test_generate_over_three_moe_daemons_equals_greedy_in_one_process():

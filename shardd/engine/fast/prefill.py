@@ -14,6 +14,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from shardd.engine.fast.moe import MoeBuffers
+from shardd.engine.fast.step import feed_forward
 from shardd.engine.fast.weights import FusedAttention, FusedLayer
 from shardd.engine.kernels import elementwise
 from shardd.engine.kernels import gdn as gdn_kernels
@@ -104,7 +106,8 @@ class PrefillPass:
         c = model.config
         self.hidden = torch.empty((n, c.hidden_size), dtype=dtype, device=device)
         self.normed = torch.empty_like(self.hidden)
-        self.act = torch.empty((n, c.intermediate_size), dtype=dtype, device=device)
+        self.act = torch.empty((n, c.intermediate_size), dtype=dtype, device=device) if c.moe is None else None
+        self.moe = MoeBuffers(c, n, dtype, device) if c.moe is not None else None
         self.attention_out = torch.empty_like(self.hidden)  # an attention core's output, where the next stage reads it
         self.captured = {layer: torch.empty_like(self.hidden) for layer in capture}
         self.delta = None  # the last branch's output, added to the residual stream by the next norm
@@ -133,7 +136,7 @@ def prefill_stages(model: ShardModel, layers: list[FusedLayer], capture: tuple[i
 
     def mlp(layer):
         def op(run):
-            run.delta = F.linear(elementwise.silu_mul(F.linear(run.normed, layer.gate_up), run.act), layer.down)
+            run.delta = feed_forward(layer, run.normed, run.act, run.moe, None)
         return op
 
     def keep(layer):

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from protocol.layout import CHECKPOINT, REPLAY_SSM
 from protocol.timing import DAEMON as PHASES
-from common.sizes import MOE_REFUSAL
 from common.sizes import PREFILL_ROWS
 from shardd.engine.fast import prefill
 from shardd.engine.fast.graph import PrefillGraphs, StepRunner
@@ -59,8 +58,6 @@ class FastShard:
         path an input goes in pieces of P rows, each piece of exactly P rows replayed from CUDA graphs (0: one
         eager call, as before). `storage` and `layers` let a second FastShard share a model and its fused
         weights with another rollback mode (benchmarks compare modes on one copy of the weights)."""
-        if model.config.moe is not None:
-            raise ValueError(MOE_REFUSAL)
         self.model = model
         # what a daemon reads of its engine: the model's
         self.config, self.fingerprint = model.config, model.fingerprint

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from protocol.layout import REPLAY_SSM
+from shardd.engine.fast.moe import MoeBuffers, sparse_mlp
 from shardd.engine.fast.pools import StatePools
 from shardd.engine.fast.weights import FusedAttention, FusedLayer
 from shardd.engine.kernels import attention as attention_kernels
@@ -54,7 +55,8 @@ class StepBuffers:
             torch.zeros((rows, heads, splits), dtype=torch.float32, device=device),
             torch.zeros((rows, heads, splits, c.head_dim), dtype=torch.float32, device=device),
         )
-        self.act = torch.zeros((rows, c.intermediate_size), dtype=dtype, device=device)
+        self.act = torch.zeros((rows, c.intermediate_size), dtype=dtype, device=device) if c.moe is None else None
+        self.moe = MoeBuffers(c, rows, dtype, device) if c.moe is not None else None
         self.ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.logits = torch.zeros((rows, c.vocab_size), dtype=torch.float32, device=device) if model.owns_head else None
         # cos / sin of every position a row can take (padding rows run up to max_context + rows - 1)
@@ -75,6 +77,7 @@ def run_step(model: ShardModel, layers: list[FusedLayer], pools: StatePools, buf
         b.hidden.copy_(b.hidden_in)
     delta = None  # the last branch's output, added to the residual stream by the next norm
     gdn_row = {layer: row for row, layer in enumerate(pools.gdn_layers)}
+    row_segment = b.control[b.segments * seg.FIELDS:]  # -1: a padding row, which reads no expert
     replayed = _replays(model, pools, b) if pools.mode == REPLAY_SSM else None
     for layer in layers:
         elementwise.residual_rms_norm(b.hidden, delta, layer.input_layernorm, eps, b.normed)
@@ -85,7 +88,7 @@ def run_step(model: ShardModel, layers: list[FusedLayer], pools: StatePools, buf
                 replayed(gdn_row[layer.index])
             delta = _gdn(model, layer, gdn_row[layer.index], pools, b, rows)
         elementwise.residual_rms_norm(b.hidden, delta, layer.post_attention_layernorm, eps, b.normed)
-        delta = F.linear(elementwise.silu_mul(F.linear(b.normed, layer.gate_up), b.act), layer.down)
+        delta = feed_forward(layer, b.normed, b.act, b.moe, row_segment)
         if layer.index in captured:
             torch.add(b.hidden, delta, out=captured[layer.index])
     if model.owns_head:
@@ -96,6 +99,15 @@ def run_step(model: ShardModel, layers: list[FusedLayer], pools: StatePools, buf
         b.hidden.add_(delta)
     if replayed is not None:
         replayed(None)
+
+
+def feed_forward(layer: FusedLayer, x: torch.Tensor, act: torch.Tensor | None, moe: MoeBuffers | None,
+                 row_segment: torch.Tensor | None) -> torch.Tensor:
+    """The layer's SwiGLU MLP, or its sparse block (the experts of the rows whose `row_segment` is not -1; None:
+    every row's), over x's rows."""
+    if layer.moe is not None:
+        return sparse_mlp(layer.moe, x, row_segment, moe)
+    return F.linear(elementwise.silu_mul(F.linear(x, layer.gate_up), act), layer.down)
 
 
 def _replays(model, pools: StatePools, b: StepBuffers):

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shardd.engine.fast.moe import FusedMoe, fuse_moe
+from shardd.engine.reference.moe import SparseMoeBlock
 from shardd.engine.reference.shard import ShardModel
 from shardd.weights.quant import fuse_rows
 
@@ -35,8 +37,9 @@ class FusedLayer:
     input_layernorm: torch.Tensor
     post_attention_layernorm: torch.Tensor
     mixer: FusedGDN | FusedAttention
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden] (None: a sparse layer)
+    down: torch.Tensor | None
+    moe: FusedMoe | None = None  # the sparse block of a MoE layer
 
 
 def _fuse(owner, names: list[str]) -> torch.Tensor:
@@ -66,8 +69,10 @@ def fuse_layers(model: ShardModel) -> list[FusedLayer]:
             mixer = FusedAttention(
                 qkv=_fuse(attn, ["q_proj", "k_proj", "v_proj"]), q_norm=attn.q_norm, k_norm=attn.k_norm, o_proj=attn.o_proj
             )
-        gate_up = _fuse(layer.mlp, ["gate_proj", "up_proj"])
-        fused.append(
-            FusedLayer(layer.index, layer.input_layernorm, layer.post_attention_layernorm, mixer, gate_up, layer.mlp.down_proj)
-        )
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if isinstance(layer.mlp, SparseMoeBlock):
+            fused.append(FusedLayer(layer.index, *norms, mixer, None, None, fuse_moe(layer.mlp)))
+        else:
+            fused.append(FusedLayer(layer.index, *norms, mixer, _fuse(layer.mlp, ["gate_proj", "up_proj"]),
+                                    layer.mlp.down_proj))
     return fused

@@ -9,6 +9,16 @@ from common.model_config import MoeConfig
 from shardd.engine.reference.mlp import MLP
 
 
+def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's logits [n, num_experts] -> each token's top k experts [n, k] (most probable first) and their
+    weights [n, k] in the logits' dtype; probabilities in float32."""
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return experts, weights.to(logits.dtype)
+
+
 class SparseMoeBlock:
     def __init__(self, moe: MoeConfig, weights: dict[str, torch.Tensor], prefix: str):
         self.top_k = moe.num_experts_per_tok
@@ -19,12 +29,8 @@ class SparseMoeBlock:
         self.shared_expert_gate = weights[f"{prefix}.shared_expert_gate.weight"]  # [1, hidden]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's experts [n, k] and their weights [n, k] (in x's dtype); probabilities in float32."""
-        probs = F.softmax(F.linear(x, self.gate), dim=-1, dtype=torch.float32)  # [n, num_experts]
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return experts, weights.to(x.dtype)
+        """Each token's experts [n, k] and their weights [n, k] (in x's dtype)."""
+        return route(F.linear(x, self.gate), self.top_k, self.norm_topk_prob)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
