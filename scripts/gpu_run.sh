@@ -19,6 +19,7 @@
 # | seed          | wheels             | -                                                   | the seed's benchmark, within SEED_BUDGET s (seed_bench.json) |
 # | sampling      | -                  | the head shard's sampler on CUDA                    | per-row vs batched sampling (gpu_bench_sampling.json) |
 # | prefix        | wheels             | prefix entries on the fast engine, prompt logprobs  | prefix caching: second turn, shared system prompt, flood (gpu_bench_prefix.json) |
+# | moe           | wheels             | the MoE kernels and the fast MoE step (bf16, graphs) | 35B-A3B step vs its floor (gpu_bench_moe.json) |
 # | guided        | wheels             | -                                                   | constrained vs plain batched step, 8 streams (gpu_bench_guided.json) |
 # | gpu-tests     | wheels             | every test marked gpu (`pytest -m gpu tests`)       | - |
 #
@@ -51,7 +52,7 @@ runs=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do runs+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 ARGS=("$@")
-known=" check local relay relay-profile ring batch batch-step dflash dflash-batch fp8 fp8-gemm seed sampling prefix guided gpu-tests "
+known=" check local relay relay-profile ring batch batch-step dflash dflash-batch fp8 fp8-gemm seed sampling prefix guided moe gpu-tests "
 if [ ${#runs[@]} -eq 0 ]; then
     sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
     exit 2
@@ -136,6 +137,10 @@ run_prefix() {
     gpu_tests prefix 200 tests/integration/test_prefix_cache.py tests/integration/test_prompt_logprobs.py -k fast_engine
     bench prefix 420 python3 scripts/bench_gpu.py --parts prefix --json "$OUT/gpu_bench_prefix.json" "${ARGS[@]}"
 }
+run_moe() {
+    gpu_tests moe 200 tests/unit/test_moe_kernel.py tests/unit/test_fast_moe.py
+    bench moe 300 python3 scripts/bench_gpu.py --parts moe --json "$OUT/gpu_bench_moe.json" "${ARGS[@]}"
+}
 run_guided() {
     bench guided 300 python3 scripts/bench_gpu.py --parts guided --json "$OUT/gpu_bench_guided.json" "${ARGS[@]}"
 }
@@ -205,13 +210,14 @@ KEYS = ("outputs_identical", "failed_parts", "floor_ms", "greedy_ms_per_token", 
         "e2e_greedy_vs_local", "relay_timeline", "draft_propose_ms_fast", "draft_floor_ratio", "dflash_vs_oracle",
         "batch_identical", "batch_http", "relay_vs_delay", "e2e_dflash_step_ms", "dflash_batch_vs_oracle",
         "dflash_batch_identical", "prefix_turn", "prefix_shared", "prefix_flood", "prefix_outputs_identical", "guided_step_ms", "plain_step_ms",
-        "guided_step_ratio", "guided_identical")
+        "guided_step_ratio", "guided_identical", "moe_greedy_floor_ratio", "moe_verify_floor_ratio",
+        "moe_distinct_experts")
 FILES = {"check": "prefill_profile.json", "local": "gpu_bench_local.json", "relay": "gpu_bench_relay.json",
          "relay-profile": "relay_profile.json", "ring": "cuda_ipc_probe.json",
          "batch": "gpu_bench_batch.json", "batch-step": "gpu_bench_batch_step.json", "dflash": "gpu_bench_dflash.json",
          "dflash-batch": "gpu_bench_dflash_batch.json",
          "fp8": "gpu_bench_fp8.json", "fp8-gemm": "fp8_gemm.json", "seed": "seed_bench.json",
-         "sampling": "gpu_bench_sampling.json", "prefix": "gpu_bench_prefix.json", "guided": "gpu_bench_guided.json"}
+         "sampling": "gpu_bench_sampling.json", "prefix": "gpu_bench_prefix.json", "guided": "gpu_bench_guided.json", "moe": "gpu_bench_moe.json"}
 for run in runs:
     print(f"==== {run}")
     log = out / f"{run}.log"
