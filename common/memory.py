@@ -109,6 +109,7 @@ def plan_memory(
     max_sequences: int, max_context: int, max_tokens_per_request: int, checkpoint_bytes_per_sequence: int,
     step_rows: int, drafter_bytes: int = 0, cap: int | None = None, prefill_rows: int = 0,
     drafter_state: dict[str, int] | None = None, prefix_cache: int | None = 0, on_gpu: bool = False,
+    device_bytes: int | None = None,
 ) -> MemoryPlan:
     """What a daemon serving layers [begin, end) will allocate with these options. The fast engine allocates every
     sequence slot (plus one scratch slot) at start; the reference engine allocates as sequences open, so its plan is
@@ -153,10 +154,12 @@ def plan_memory(
         items["drafter"] = drafter_bytes
     items.update(drafter_state or {})
     plan = MemoryPlan(items, cap, dict(weight_bytes))
-    if prefix_cache is None:  # auto: a default size, within what the cap leaves
+    if prefix_cache is None:  # auto: a default size, within what the cap (else half what the GPU has free) leaves
         prefix_cache = PREFIX_CACHE_GPU if on_gpu else PREFIX_CACHE_CPU
         if cap is not None:
             prefix_cache = max(0, min(prefix_cache, cap - plan.total))
+        elif device_bytes is not None:
+            prefix_cache = max(0, min(prefix_cache, (device_bytes - plan.total) // 2))
     items["prefix_cache"] = prefix_cache
     return plan
 

@@ -107,7 +107,8 @@ def main():
 @click.option("--prefix-cache-gib", default="auto", show_default=True, metavar="GIB|auto",
               help="Memory for the prefix cache (README, \"Prefix caching\"): prompt states kept so that a request "
                    "sharing a prompt prefix resumes after it; 0 turns it off. auto: 4 GiB on a GPU, 1 GiB on the "
-                   "CPU, and under --max-gpu-memory at most what the rest of the plan leaves.")
+                   "CPU, under --max-gpu-memory at most what the rest of the plan leaves, else at most half of what "
+                   "the GPU holds beyond the plan.")
 @click.option("--quantize", type=click.Choice(("fp8-block", "fp8-channel")), default=None,
               help="With --synthetic: the linears as FP8 in this layout, as `shardctl make-model --quantize` writes "
                    "them (a checkpoint's config.json says its own).")

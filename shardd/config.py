@@ -48,6 +48,7 @@ class ShardConfig:
     max_tokens_per_request: int = 4096
     max_gpu_memory: int | None = None  # bytes this daemon may allocate (None: no cap)
     prefix_cache_bytes: int | None = None  # the prefix cache's budget (None: auto, decided by the memory plan)
+    device_bytes: int | None = None  # a GPU's size: without --max-gpu-memory, auto's prefix cache fits what is left
     sequence_idle_timeout: float = 300.0  # seconds without a request before a sequence is closed; 0: never
     # the network
     bind: str = "tcp://127.0.0.1:7700"
@@ -150,6 +151,8 @@ class ShardConfig:
             config.step_rows = step_rows_for(config.engine, step_rows, config.max_verify_tokens,
                                              max_sequences=config.max_sequences,
                                              fp8=scheme is not None and config.keeps_fp8)
+            if config.on_gpu:
+                config.device_bytes = device_memory(torch.device(config.device))["total_bytes"]
             if max_gpu_memory is not None:
                 # a fraction is of the GPU; of the host's memory for a CPU shard (the accounting is the same)
                 config.max_gpu_memory = parse_memory(max_gpu_memory,

@@ -120,6 +120,26 @@ def test_a_restarted_shard_s_entries_are_gone_and_the_prompt_goes_cold(pair, pip
     assert third.outcome().tokens == cold[1][0] and third.result.cached_tokens > 0
 
 
+def test_the_automatic_budget_fits_what_the_plan_leaves():
+    """--prefix-cache-gib auto: 4 GiB on a GPU, 1 GiB on the CPU, never more than a cap leaves (or, uncapped on a
+    GPU, half of what its memory holds beyond the plan); the plan counts it."""
+    from common.memory import GiB, plan_memory
+    from common.presets import preset_config
+
+    config = preset_config("tiny")
+    plan = lambda **kw: plan_memory(config, 0, 6, weight_bytes={"weights": GiB}, dtype_bytes=4, engine="reference",  # noqa: E731
+                                    max_sequences=2, max_context=64, max_tokens_per_request=64,
+                                    checkpoint_bytes_per_sequence=0, step_rows=16, prefix_cache=None, **kw)
+    assert plan(on_gpu=False).items["prefix_cache"] == GiB
+    assert plan(on_gpu=True).items["prefix_cache"] == 4 * GiB
+    rest = plan(on_gpu=False)
+    others = rest.total - rest.items["prefix_cache"]
+    assert plan(on_gpu=True, cap=others + GiB).items["prefix_cache"] == GiB
+    assert plan(on_gpu=True, cap=others).items["prefix_cache"] == 0
+    assert plan(on_gpu=True, device_bytes=others + 2 * GiB).items["prefix_cache"] == GiB
+    assert plan(on_gpu=True, device_bytes=others + 20 * GiB).items["prefix_cache"] == 4 * GiB
+
+
 @pytest.fixture(scope="module")
 def small_budget(tmp_path_factory):
     """Two replay-ssm daemons whose prefix cache holds about three entries of the tiny model at CHUNK tokens."""
