@@ -78,6 +78,18 @@ def median_ms(samples: list[float]) -> float:
 # ---- local: one process, one GPU ------------------------------------------------------------------------
 
 
+def cuda_seconds(torch, device, fn, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` calls of `fn`, the device synchronized before and after each."""
+    samples = []
+    for _ in range(repeats):
+        torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device)
+        samples.append(time.perf_counter() - began)
+    return samples
+
+
 def copy_bandwidth(torch, device) -> float:
     """Bytes per second of a large device-to-device copy, counting bytes read plus written."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
@@ -631,14 +643,7 @@ def drafter_in_process(args) -> dict:
 
         for _ in range(3):
             propose()
-        samples = []
-        for _ in range(args.repeats):
-            torch.cuda.synchronize(device)
-            began = time.perf_counter()
-            propose()
-            torch.cuda.synchronize(device)
-            samples.append(time.perf_counter() - began)
-        out[f"draft_propose_ms_{name}"] = median_ms(samples)
+        out[f"draft_propose_ms_{name}"] = median_ms(cuda_seconds(torch, device, propose, args.repeats))
         if name == "fast":
             out["profile_propose_top"] = profile_top(torch, propose, 5)
         model.release_state(state)
@@ -1813,15 +1818,10 @@ def run_moe(args) -> dict:
     pos = state.length
 
     def timed(fn) -> list[float]:
-        samples = []
-        for _ in range(args.repeats):
-            torch.cuda.synchronize(device)
-            start = time.perf_counter()
+        def step():
             fn()
-            torch.cuda.synchronize(device)
-            samples.append(time.perf_counter() - start)
             state.length = pos  # timing only: every step goes to the same position
-        return samples
+        return cuda_seconds(torch, device, step, args.repeats)
 
     greedy_ms = median_ms(timed(lambda: shard.forward(state, pos, tokens=block[:1])))
     verify_ms = median_ms(timed(lambda: shard.forward(state, pos, tokens=block, checkpoint=True)))
