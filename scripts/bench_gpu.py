@@ -258,14 +258,7 @@ def run_local(args) -> dict:
 
     # the step and the rollback alone
     def timed(fn, repeats):
-        samples = []
-        for _ in range(repeats):
-            torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            fn()
-            torch.cuda.synchronize(device)
-            samples.append(time.perf_counter() - start)
-        return samples
+        return cuda_seconds(torch, device, fn, repeats)
 
     def device_timed(fn, repeats):
         """Device time of fn's work, by events on the stream (what the next step waits for)."""
