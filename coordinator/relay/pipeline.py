@@ -352,15 +352,14 @@ class Pipeline:
                 raise ValueError("proposing in the verify reply is greedy only (no sampling)")
             head = {**(head or {}), "drafts": list(item.tokens[1:]), "propose": item.propose,
                     "carried_layers": [layer for layer in layers if layer not in head_layers]}
-        step = self._step(item.seq, item.pos, item.tokens, item.checkpoint, head, capture=layers)
-        step.save_prefix = item.save_prefix
-        return step
+        return self._step(item.seq, item.pos, item.tokens, item.checkpoint, head, capture=layers,
+                          save_prefix=item.save_prefix)
 
     def _step(self, seq: int, pos: int, tokens: list[int], checkpoint: bool, head: Optional[dict],
-              capture: Optional[list[int]] = None) -> "_Step":
+              capture: Optional[list[int]] = None, save_prefix: Optional[int] = None) -> "_Step":
         """One sequence's `_Step`; ValueError / PipelineError (nothing sent) when the shards cannot take it."""
         chunks = self._chunks(pos, list(tokens), checkpoint, head is not None and head.get("drafts") is not None)
-        return _Step(seq, pos, chunks, checkpoint, capture, head)
+        return _Step(seq, pos, chunks, checkpoint, capture, head, save_prefix)
 
     def _relay_one(self, step: "_Step") -> tuple[TokenIds, dict[int, WireTensor], dict]:
         """A batch of one through `_relay`: its outcome, or the exception that failed it raised."""

@@ -378,8 +378,7 @@ class Scheduler:
         """Open the request's sequence: from the longest prefix of its prompt the shards keep (prefix caching, where
         its target resumes: the batch's own, a drafter's beside a shard), else empty. A prefix entry a shard no
         longer holds is forgotten and the sequence opens empty: the same tokens either way."""
-        resumes = request.target is self.target or getattr(request.target, "prefix_cache", False)
-        prefixes = self.prefixes if resumes else None
+        prefixes = self.prefixes if getattr(request.target, "prefix_cache", False) else None
         if prefixes is not None:
             request.prefix_digests = prefixes.digests(request.cache_salt, request.prompt)
             # a prompt scored token by token (prompt logprobs) forwards all of it, leaving entries for others

@@ -101,10 +101,7 @@ class SequenceTable:
         """Keep `entry`'s state (settled, nothing pending) as `owner`'s prefix entry `entry_id`, after the entry it
         resumed from or saved last; False when the budget cannot hold it. The drafter's context rows of the prefix
         join it as soon as the drafter holds them (`draft_added`)."""
-        cache, state = self.prefix_cache, entry.state
-        parent = entry.prefix
-        if parent is not None and (parent.length > state.length or (owner, parent.id) not in cache.entries):
-            parent = None  # not this sequence's prefix any more: the entry stands alone
+        cache, state, parent = self.prefix_cache, entry.state, entry.prefix  # pinned: never evicted while open
         self.shard.settle(state)
         draft = entry.draft if entry.draft is not None and entry.draft.length >= state.length else None
         start = parent.length if parent is not None else 0
