@@ -279,7 +279,10 @@ class FeatureCapture:
         return self.pipeline.prefix_cache and self.drafter.shares_pipeline_daemon
 
     def open(self, seq: int, prefix: Optional[int] = None) -> int:
-        length = self.pipeline.open(seq, prefix=prefix) if prefix is not None else self.pipeline.open(seq) or 0
+        opening = {"prefix": prefix} if prefix is not None else {}
+        if self.drafter.shares_pipeline_daemon:  # the drafter proposes on a pipeline shard: its context opens there
+            opening["draft_context"] = True
+        length = self.pipeline.open(seq, **opening) or 0
         try:
             self.drafter.opened(seq, length)
         except BaseException:

@@ -237,13 +237,15 @@ class Pipeline:
                     f"{', '.join(changes)}; refusing to re-fill it"
                 )
 
-    def open(self, seq: int, prefix: Optional[int] = None) -> int:
+    def open(self, seq: int, prefix: Optional[int] = None, *, draft_context: bool = False) -> int:
         """OPEN on every shard at once, empty or (`prefix`) from that prefix entry; the length it starts at. When one
-        fails, the shards it opened on are closed again (PrefixMissing: a shard no longer holds the entry)."""
+        fails, the shards it opened on are closed again (PrefixMissing: a shard no longer holds the entry).
+        `draft_context`: a shard hosting the drafter keeps the sequence's drafter context (DFlash proposes there);
+        without it the sequence resumes from prefix entries that hold none."""
         self._settle(seq, quiet=True)
         try:
             self.check_same_shards()
-            answers = self._on_every_shard(Open(id=0, seq=seq, prefix=prefix))
+            answers = self._on_every_shard(Open(id=0, seq=seq, prefix=prefix, draft_context=draft_context))
             failures = [answer for answer in answers if isinstance(answer, Exception)]
             if failures:
                 for client, answer in zip(self.clients, answers):

@@ -68,22 +68,27 @@ class SequenceTable:
     def find(self, owner: bytes, seq: int) -> Sequence | None:
         return self.entries.get((owner, seq))
 
-    def open(self, owner: bytes, seq: int, prefix: int | None = None) -> Sequence:
-        """A fresh state for `owner`'s `seq`: of length 0, or `prefix`'s (a prefix entry of `owner`); ProtocolError
-        (changing nothing) when it is open already, the table is full, the entry is not held or the device has no
-        memory for it."""
+    def open(self, owner: bytes, seq: int, prefix: int | None = None, draft_context: bool = True) -> Sequence:
+        """A fresh state for `owner`'s `seq`: of length 0, or `prefix`'s (a prefix entry of `owner`), with a drafter
+        context where the daemon hosts the drafter, unless `draft_context` is False (the sequence never proposes
+        here); ProtocolError (changing nothing) when it is open already, the table is full, the entry is not held or
+        the device has no memory for it."""
         if (owner, seq) in self.entries:
             raise ProtocolError(ErrorCode.SEQUENCE_EXISTS, f"sequence {seq} is already open")
         if len(self.entries) >= self.max_sequences:
             raise ProtocolError(ErrorCode.CAPACITY, f"{len(self.entries)} sequences open, limit {self.max_sequences}")
+        if self.shard is None and not draft_context:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "draft_context false on a drafter-only daemon: its sequences "
+                                                       "are drafter contexts")
+        drafts = self.drafter is not None and draft_context
         cached = None
         if prefix is not None:
             if self.shard is None:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "a drafter-only daemon holds no prefix entries")
-            cached = self.prefix_cache.find(owner, prefix, draft=self.drafter is not None)
+            cached = self.prefix_cache.find(owner, prefix, draft=drafts)
         try:
             state = self.shard.new_state(self.max_context) if self.shard is not None else None
-            draft = self.drafter.model.new_state(self.max_context) if self.drafter is not None else None
+            draft = self.drafter.model.new_state(self.max_context) if drafts else None
         except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
             # torch.OutOfMemoryError on a GPU; on the CPU a failed allocation is a plain RuntimeError.
             if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)) and "memory" not in str(exc).lower():
@@ -116,7 +121,7 @@ class SequenceTable:
         cache.release(entry.prefix)
         saved.pins += 1
         entry.prefix = saved
-        if self.drafter is not None and draft is None:
+        if entry.draft is not None and draft is None:  # its context has yet to catch up
             entry.draft_waiting.append(saved)
         return True
 

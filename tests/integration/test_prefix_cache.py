@@ -229,6 +229,40 @@ def test_dflash_resumes_its_drafter_context_too(beside):
     assert head["hits"] >= 3 and head["misses"] == 0
 
 
+def test_streams_without_dflash_resume_beside_the_drafter(beside):
+    """On a pipeline whose head hosts the drafter, streams that do not draft with it open without a drafter context
+    (`draft_context: false`) and resume from entries that hold none; a DFlash stream never resumes from those (its
+    drafter would lack the prefix's rows): it prefills cold, with the same tokens."""
+    from coordinator.drafting.dflash import DFlashDrafterClient
+
+    before = beside.stats()[1]["prefix_cache"]
+    cold, _ = _run(beside, PROMPTS + [TURN], caching=False, drafter=True)
+    scheduler = Scheduler(beside, max_sequences=4, prefill_chunk=CHUNK)
+    warm, _ = _run(beside, PROMPTS + [TURN], caching=True, drafter=True, scheduler=scheduler)
+    assert [t for t, _ in warm] == [t for t, _ in cold]
+    assert all(cached >= len(SYSTEM) // CHUNK * CHUNK for _, cached in warm[1:])
+    drafter = DFlashDrafterClient(beside.clients[1], beside)
+    alone = Scheduler(beside, max_sequences=2, prefill_chunk=CHUNK, prefix_caching=False)
+    expected = alone.run_all([Request(PROMPTS[1], 12, drafter=drafter.fresh(), block_size=4)])[0].outcome().tokens
+    # the same scheduler, so the same index: its entries were saved without the drafter's context
+    (done,) = scheduler.run_all([Request(PROMPTS[1], 12, drafter=drafter.fresh(), block_size=4)])
+    assert done.outcome().tokens == expected and done.result.cached_tokens == 0
+    after = beside.stats()[1]["prefix_cache"]
+    assert after["hits"] - before["hits"] >= 4 and after["misses"] > before["misses"]
+
+
+def test_a_sequence_opened_without_a_drafter_context_cannot_propose(beside):
+    head = Client(beside.endpoints[1])
+    try:
+        assert head.call(MessageType.OPEN, seq=950, draft_context=False).result["length"] == 0
+        refused = head.request(MessageType.PROPOSE, seq=950, pos=0, last_token=3, block_size=2)
+        assert refused.error_code == "BAD_REQUEST" and "draft_context" in refused.error_message
+        assert str(950) not in head.call(MessageType.STATS).result["drafter"]["context_rows"]
+        head.call(MessageType.CLOSE, seq=950)
+    finally:
+        head.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["checkpoint", "replay-ssm"])
 def test_the_fast_engine_resumes_bit_for_bit(tmp_path, mode):

@@ -297,7 +297,8 @@ def test_the_fast_engine_scores_prompts_as_the_reference_engine(tmp_path):
         fast = scheduled([bind for bind, _ in specs.values()], prompts, 1, 3, 4)
     finally:
         stop_all(daemons.values())
-    reference_engine = scheduled(LocalTarget(ModelSource(synthetic="tiny")), prompts, 1, 3, 4)
+    # the reference engine on the same device: a synthetic model's weights are drawn by that device's generator
+    reference_engine = scheduled(LocalTarget(ModelSource(synthetic="tiny"), device=device), prompts, 1, 3, 4)
     for ours, theirs in zip(fast, reference_engine):
         assert len(ours.prompt_logprobs) == len(theirs.prompt_logprobs) > 0
         for (logprob, ranked, rank), (expected, expected_ranked, expected_rank) in zip(ours.prompt_logprobs,

@@ -247,6 +247,7 @@ class FeatureDrafter:
     drafter does, once it has checked that it holds the feature of every committed token."""
 
     name = "features"
+    shares_pipeline_daemon = False  # it drafts here, not on a daemon of the target
 
     def __init__(self, target):
         self.target = FeatureCapture(target, self)

@@ -33,7 +33,7 @@ class Propose:
         The target layers' state of the sequence (on a daemon that has both) is not touched."""
         model = self._drafter().model
         entry = self.sequences.get(peer.owner, request.seq)
-        draft = entry.draft
+        draft = context_of(entry, request.seq)
         check_finite("features", request.features)
         features = request.features.to_torch() if request.features is not None else None
         model.check_propose(draft, request.pos, features, request.last_token, request.block_size)
@@ -74,7 +74,7 @@ class Propose:
             if request.carried.shape[1] != width or request.carried.dtype != dtype_name(model.dtype):
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"tensor 'carried' must be {dtype_name(model.dtype)} "
                                                            f"[n, {width}], got {request.carried.dtype}{list(request.carried.shape)}")
-        if entry.draft.length < request.pos:
+        if context_of(entry, request.seq).length < request.pos:
             raise ProtocolError(ErrorCode.POSITION_MISMATCH,
                                 f"the drafter's context holds {entry.draft.length} rows, this verify starts at {request.pos}: "
                                 f"send rows {entry.draft.length}..{request.pos - 1} with PROPOSE first")
@@ -120,3 +120,11 @@ class Propose:
             counters.proposals_in_reply += 1
             counters.draft_tokens += request.propose
         return replies
+
+
+def context_of(entry, seq: int):
+    """The drafter context of an open sequence; BAD_REQUEST for one opened with `draft_context: false`."""
+    if entry.draft is None:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"sequence {seq} was opened with draft_context false: it has no "
+                                                   f"drafter context to propose from")
+    return entry.draft

@@ -102,7 +102,7 @@ class Session:
         }
 
     def open(self, request, peer: Peer):
-        entry = self.daemon.sequences.open(peer.owner, request.seq, request.prefix)
+        entry = self.daemon.sequences.open(peer.owner, request.seq, request.prefix, request.draft_context)
         return {"seq": request.seq, "length": entry.length}, {}
 
     def close(self, request, peer: Peer):
@@ -114,8 +114,8 @@ class Session:
         c, sequences = daemon.counters, daemon.sequences
         states = [entry.state for entry in sequences.values() if entry.state is not None]
         draft_state_bytes = (
-            daemon.drafter.model.state_bytes_per_sequence(daemon.config.max_context) * len(sequences)
-            if daemon.drafter is not None else 0
+            daemon.drafter.model.state_bytes_per_sequence(daemon.config.max_context)
+            * sum(entry.draft is not None for entry in sequences.values()) if daemon.drafter is not None else 0
         )
         result = {
             "uptime_seconds": daemon.uptime(),
@@ -161,7 +161,7 @@ class Session:
                 "rows_cropped": c.draft_rows_cropped,
                 # only the asking peer's own sequences: ids are not shared between clients
                 "context_rows": {str(seq): entry.draft.length for (owner, seq), entry in sequences.items()
-                                 if owner == peer.owner},
+                                 if owner == peer.owner and entry.draft is not None},
             }
         return result, {}
 
