@@ -243,3 +243,25 @@ def test_the_head_shard_proposes_in_the_verify_reply(tmp_path):
                 assert first.request(Capture(**verify)).result["length"] == 5  # still at 3 before it
     finally:
         stop_all(daemons.values())
+
+
+def test_a_prefix_entry_carries_a_fast_drafter_context_between_slots():
+    """The fast drafter's state views its slot's keys and values as the reference's holds them: a prefix entry's
+    drafter rows (shardd/server/prefix.py), copied out of one slot in two chained pieces and resumed into another,
+    give that slot the context's bits: the same proposal as the sequence it came from."""
+    from shardd.server.prefix import draft_rows
+
+    reference = drafter("full")
+    fast = FastDrafter(reference, max_sequences=2, max_context=CONTEXT)
+    source, resumed = fast.new_state(CONTEXT), fast.new_state(CONTEXT)
+    fast.add_context(source, features(reference, 11, 3))
+    pieces = [(0, 8, draft_rows(source, 0, 8)), (8, 11, draft_rows(source, 8, 11))]
+    fast.crop(source, 11)
+    for start, end, rows in pieces:
+        for cache, (key, value) in zip(resumed.kv, rows):
+            cache.key[:, start:end].copy_(key)
+            cache.value[:, start:end].copy_(value)
+    resumed.length = 11
+    want_ids, want_logits = fast.propose(source, 5, 8)
+    ids, logits = fast.propose(resumed, 5, 8)
+    assert torch.equal(ids, want_ids) and torch.equal(logits, want_logits)

@@ -18,7 +18,7 @@ reference drafter stays the readable model and owns validation (check_propose).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -29,15 +29,19 @@ from shardd.engine.fast.weights import _fuse
 from shardd.engine.kernels import attention as attention_kernels
 from shardd.engine.kernels import elementwise
 from shardd.engine.kernels import segments
+from shardd.engine.reference.state import KVCache
 
 
 @dataclass
 class FastDraftState:
-    """One sequence's drafter context: a slot of the drafter's caches and the number of context rows it holds."""
+    """One sequence's drafter context: a slot of the drafter's caches and the number of context rows it holds;
+    `kv` views the slot's keys and values per layer as the reference's DraftState holds them ([kv_heads,
+    positions, head_dim]), so prefix entries copy a context in and out the same way for both."""
 
     slot: int
     max_context: int
     length: int = 0
+    kv: list[KVCache] = field(default_factory=list, compare=False, repr=False)
 
 
 @dataclass
@@ -163,7 +167,9 @@ class FastDrafter:
             raise ValueError(f"this drafter's slots hold {self.max_context} rows, asked for {max_context}")
         if not self.free:
             raise MemoryError(f"all {self.scratch_slot} drafter slots are in use")
-        return FastDraftState(slot=self.free.pop(), max_context=max_context)
+        slot = self.free.pop()
+        return FastDraftState(slot=slot, max_context=max_context,
+                              kv=[KVCache(key[slot], value[slot]) for key, value in zip(self.keys, self.values)])
 
     def release_state(self, state: FastDraftState) -> None:
         self.free.append(state.slot)
