@@ -752,3 +752,23 @@ def test_a_refill_in_the_scheduler_rebuilds_the_drafter_context(daemons, greedy,
     # after each re-fill the drafter's context is built again from the whole committed history
     assert after["context_rows_added"] - before["context_rows_added"] > len(PROMPT) * (2 + refills)
     assert all(shard["open_sequences"] == 0 for shard in stats)
+
+
+def test_a_moe_target_s_drafter_loads_beside_its_last_shard_and_equals_greedy(tmp_path):
+    """A MoE target (`make-model --preset tiny-moe --with-drafter`: the drafter's config in the published
+    layout, its target layers read from a sparse model) over two daemons, the drafter loaded from its checkpoint
+    beside the last shard: DFlash through the scheduler equals the same model's greedy in every rollback mode."""
+    out = tmp_path / "tiny-moe"
+    made = CliRunner().invoke(cli, ["make-model", "--preset", "tiny-moe", "--out", str(out), "--with-drafter", "--json"])
+    assert made.exit_code == 0, made.output
+    greedy = greedy_decode(LocalTarget(ModelSource(model_dir=str(out)), storage=RollbackStorage(None, 0)), 1,
+                           PROMPT, 16).tokens
+    sets = [ShardSet(("--model", str(out)), [(0, 3), (3, 6)], "tcp", ("--max-verify-tokens", str(BLOCK)),
+                     shard_args=((), ("--draft", str(out / "draft"))))]
+    with launched_sets(sets, ready_timeout_s=120) as (shards,), \
+            Pipeline.connect([shard.endpoint for shard in shards]) as pipeline:
+        drafter = DFlashDrafterClient(pipeline.clients[1], pipeline)
+        for mode in ("checkpoint", "replay-ssm", "replay"):
+            scheduler = Scheduler(pipeline, max_sequences=2, rollback=mode)
+            (done,) = scheduler.run_all([Request(PROMPT, 16, drafter=drafter.fresh(), block_size=BLOCK)])
+            assert done.outcome().tokens == greedy and done.result.drafted > 0, mode
