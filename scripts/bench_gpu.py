@@ -32,7 +32,8 @@ Parts, each in its own process (so one part's memory never weighs on the next):
 - `moe`: one process, one GPU, the `--moe-preset` MoE shape (35B-A3B) in bf16 as one FastShard: the greedy step
   against the floor of the bytes a decode step reads (its row's experts, the shared expert, attention/GDN, head),
   and a 16-row checkpointed verify step against the floor of the distinct experts its rows select
-  (`moe_greedy_floor_ratio`, `moe_verify_floor_ratio`, `moe_distinct_experts`).
+  (`moe_greedy_floor_ratio`, `moe_verify_floor_ratio`, `moe_distinct_experts`), and each step's heaviest
+  kernels (`moe_greedy_kernels`, `moe_verify_kernels`: ms per step and launches).
 
 - `guided`: one process, 8 streams under the scheduler constrained to a JSON schema against the same streams
   unconstrained: `guided_step_ms`, `plain_step_ms`, `guided_step_ratio` (the masks' cost per step).
@@ -1818,6 +1819,14 @@ def run_moe(args) -> dict:
 
     greedy_ms = median_ms(timed(lambda: shard.forward(state, pos, tokens=block[:1])))
     verify_ms = median_ms(timed(lambda: shard.forward(state, pos, tokens=block, checkpoint=True)))
+
+    def step(tokens, checkpoint=False):
+        shard.forward(state, pos, tokens=tokens, checkpoint=checkpoint)
+        state.length = pos
+
+    # where each step's device time goes: its kernels, heaviest first (the graph's replay shows its kernels)
+    out["moe_greedy_kernels"] = profile_top(torch, lambda: step(block[:1]), args.repeats, top=16)
+    out["moe_verify_kernels"] = profile_top(torch, lambda: step(block, True), args.repeats, top=16)
 
     # the experts each timed step's rows select, per layer: the same steps once more, eagerly, their routing recorded
     eager = FastShard(model, max_sequences=1, max_context=context, use_graphs=False, layers=shard.layers)
