@@ -132,7 +132,7 @@ def _gate_up_kernel(x_ptr, act_ptr, sorted_expert_ptr, pair_ptr, run_start_ptr, 
         w = w_ptr + expert.to(tl.int64) * 2 * I * H  # gate_up [E, 2I, H]: gate rows 0 .. I-1, up rows I .. 2I-1
         # FP8: the scale rows of the gate's rows, then of the up's (ExpertScales.gate_up; SCALE_BLOCK_N 1 per channel)
         gate_scale = scale_ptr + expert.to(tl.int64) * scale_stride_e + (offs_n // SCALE_BLOCK_N) * scale_stride_n
-        up_scale = gate_scale + tl.cdiv(I, SCALE_BLOCK_N) * scale_stride_n
+        up_scale = gate_scale + (I + SCALE_BLOCK_N - 1) // SCALE_BLOCK_N * scale_stride_n
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
