@@ -10,9 +10,6 @@ DEFAULT_STEP_ROWS = 128
 # piece replayed from CUDA graphs (an eager prefill call is launch-bound); the coordinator's prompt chunk is a multiple
 # of it (HELLO prefill_rows).
 PREFILL_ROWS = 512
-# The fast engine's experts are bf16 or float32: an FP8 MoE model is served by the reference engine (`--engine auto`
-# picks it).
-MOE_FP8_REFUSAL = "the fast engine runs MoE experts in bfloat16 or float32, not FP8; use --engine reference"
 
 
 def drafter_step_rows(block_size: int, max_sequences: int, step_rows: int | None) -> int:

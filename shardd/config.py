@@ -147,7 +147,7 @@ class ShardConfig:
             if draft is not None:
                 parse_draft(draft)
             scheme = source.scheme()
-            config.engine = resolve_engine(engine, config.device, moe=model.moe is not None, fp8=scheme is not None)
+            config.engine = resolve_engine(engine, config.device)
             config.step_rows = step_rows_for(config.engine, step_rows, config.max_verify_tokens,
                                              max_sequences=config.max_sequences,
                                              fp8=scheme is not None and config.keeps_fp8)

@@ -47,7 +47,7 @@ def daemon_plans(config: ModelConfig, splits, *, scheme: Optional[Fp8Scheme], mo
     """The memory plan of each daemon `splits` launches, as `shardd serve` computes it at its start with the same
     flags (`limits`: max_sequences, max_context, max_tokens_per_request, max_verify_tokens, rollback_mode; None
     takes the daemon's default). The engine is `--engine auto`'s: the fast step on a GPU, the reference engine on the
-    CPU and for a MoE model with FP8 experts."""
+    CPU."""
     limits = {name: DAEMON_DEFAULTS[name] if limits.get(name) is None else limits[name] for name in DAEMON_DEFAULTS}
     try:
         cap = None if max_gpu_memory is None else parse_memory(max_gpu_memory, None)
@@ -58,7 +58,7 @@ def daemon_plans(config: ModelConfig, splits, *, scheme: Optional[Fp8Scheme], mo
         device = devices[index] if len(devices) > 1 else (devices[0] if devices else "cpu")
         on_gpu = device.startswith("cuda")
         weight_dtype = resolve_dtype(dtype or "auto", device, model_dir)
-        engine = "fast" if on_gpu and (config.moe is None or scheme is None) else "reference"
+        engine = "fast" if on_gpu else "reference"
         keeps_fp8 = on_gpu  # shardd.config.ShardConfig.keeps_fp8: the CPU dequantizes at load
         shapes = shard_shapes(config, begin, end)
         fp8 = fp8_tensors(shapes, scheme) if keeps_fp8 else set()

@@ -3,15 +3,14 @@
 - `reference`: the readable model code of shardd/engine/reference/ (any device; the CPU path).
 - `fast`: shardd/engine/fast/, the fixed-shape T-row step with Triton kernels and CUDA graphs (a CUDA device), which
   makes a token's result independent of how many tokens shared its step: bf16 speculative output equals greedy.
-- `auto` (the default): `fast` on a CUDA device where Triton is installed, else `reference`; `reference` for an FP8 MoE
-  model (Qwen3.5 MoE), whose FP8 experts the fast step does not run.
+- `auto` (the default): `fast` on a CUDA device where Triton is installed, else `reference`.
 """
 
 from __future__ import annotations
 
 import os
 
-from common.sizes import DEFAULT_STEP_ROWS, MOE_FP8_REFUSAL, PREFILL_ROWS, drafter_step_rows, step_rows_for  # noqa: F401 (the flags' defaults, named here too)
+from common.sizes import DEFAULT_STEP_ROWS, PREFILL_ROWS, drafter_step_rows, step_rows_for  # noqa: F401 (the flags' defaults, named here too)
 
 
 ENGINES = ("auto", "reference", "fast")
@@ -22,9 +21,9 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def resolve_engine(engine: str, device, *, moe: bool = False, fp8: bool = False) -> str:
-    """The engine `engine` stands for on `device` for a model with (`moe`) or without sparse layers, its linears FP8
-    (`fp8`) or not; ValueError saying why when the one named cannot serve it."""
+def resolve_engine(engine: str, device) -> str:
+    """The engine `engine` stands for on `device` (either serves dense and MoE models, bf16, float32 or FP8);
+    ValueError saying why when the one named cannot serve it."""
     import torch
 
     device = torch.device(device)
@@ -36,10 +35,8 @@ def resolve_engine(engine: str, device, *, moe: bool = False, fp8: bool = False)
     except ImportError:
         has_triton = False
     if engine == "auto":
-        return "fast" if device.type == "cuda" and has_triton and not (moe and fp8) else "reference"
+        return "fast" if device.type == "cuda" and has_triton else "reference"
     if engine == "fast":
-        if moe and fp8:
-            raise ValueError(MOE_FP8_REFUSAL)
         if not has_triton:
             raise ValueError("--engine fast needs triton (installed with torch on CUDA machines)")
         if device.type != "cuda" and not _interpreted():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from common.presets import preset_config
@@ -54,7 +55,7 @@ def test_dry_run_plans_the_397b_over_eight_daemons_in_fp8_and_bf16():
     assert [sum(d["weights"].values()) for d in daemons] == [sum(costs[b:e]) for b, e in (d["layers"] for d in daemons)]
     assert all(d["weights"]["experts"] > 0.9 * d["items"]["weights"] - 2 * 248320 * 4096 * 2 for d in daemons)
     assert "embedding" in daemons[0]["weights"] and "head" in daemons[-1]["weights"]
-    assert all(d["fits"] and d["engine"] == "reference" for d in daemons)  # FP8 experts: not in the fast step
+    assert all(d["fits"] and d["engine"] == "fast" for d in daemons)  # FP8 experts: the fast step's too
     bf16 = CliRunner().invoke(cli, [*base, "--dtype", "bf16", "--max-gpu-memory", "80GiB"])
     assert bf16.exit_code == 1  # about 740 GiB of bf16 weights do not fit eight 80 GiB daemons
     assert not any(d["fits"] for d in json.loads(bf16.stdout)["daemons"])
@@ -64,6 +65,13 @@ def test_dry_run_plans_the_397b_over_eight_daemons_in_fp8_and_bf16():
 
 
 def test_dry_run_35b_a3b_fp8_fits_two_24_gib_daemons():
+    """Two 24 GiB daemons hold the 35B-A3B in block FP8 on the fast engine, and each daemon's plan is the one
+    `shardd serve --engine auto` computes at its start (FP8 experts at their bytes and scales, the fast step's
+    buffers, the prefill graphs)."""
+    from shardd.config import ShardConfig
+    from shardd.engine.select import resolve_engine, step_rows_for
+    from shardd.weights.loading import ModelSource, daemon_memory_plan
+
     result = CliRunner().invoke(cli, ["launch", "--synthetic", "qwen3.5-35b-a3b", "--quantize", "fp8-block", "--split",
                                       "2", "--devices", "cuda:0,cuda:1", "--max-gpu-memory", "24GiB", "--max-sequences",
                                       "1", "--dry-run", "--json"])
@@ -71,3 +79,14 @@ def test_dry_run_35b_a3b_fp8_fits_two_24_gib_daemons():
     daemons = json.loads(result.stdout)["daemons"]
     assert [d["layers"] for d in daemons] == [[0, 20], [20, 40]]
     assert all(d["total_bytes"] <= 24 << 30 for d in daemons)
+    pytest.importorskip("triton", reason="--engine auto picks the fast engine where triton is installed")
+    source = ModelSource(synthetic="qwen3.5-35b-a3b", quantize="fp8-block")
+    for daemon in daemons:
+        engine = resolve_engine("auto", daemon["device"])
+        assert engine == daemon["engine"] == "fast"
+        shard = ShardConfig(synthetic="qwen3.5-35b-a3b", quantize="fp8-block", layers=tuple(daemon["layers"]),
+                            device=daemon["device"], dtype="bfloat16", engine=engine, max_sequences=1,
+                            step_rows=step_rows_for(engine, None, 16, max_sequences=1, fp8=True),
+                            max_gpu_memory=24 << 30)
+        plan = daemon_memory_plan(source, source.config(), shard)
+        assert (plan.items, plan.total) == (daemon["items"], daemon["total_bytes"])

@@ -278,19 +278,16 @@ def test_config_forms_round_trip():
             c.moe.moe_intermediate_size) == (40, 2048, 256, 8, 512)
 
 
-def test_auto_picks_the_fast_engine_for_moe_on_cuda_but_not_for_fp8_experts():
+def test_auto_picks_the_fast_engine_for_moe_and_fp8_moe_on_cuda():
+    """`shardd serve`'s engine for the MoE preset, unquantized and with FP8 experts: the reference engine on the CPU,
+    the fast one on a CUDA device (where triton is installed)."""
+    from shardd.config import ShardConfig
     from shardd.engine.select import resolve_engine
 
-    assert resolve_engine("auto", "cpu", moe=True) == "reference"
-    with pytest.raises(ValueError, match="the fast engine runs MoE experts in bfloat16 or float32, not FP8"):
-        resolve_engine("fast", "cuda:0", moe=True, fp8=True)
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return
-    assert resolve_engine("auto", "cuda:0", moe=True) == "fast"
-    assert resolve_engine("auto", "cuda:0", moe=True, fp8=True) == "reference"
-    assert resolve_engine("auto", "cuda:0", moe=False, fp8=True) == "fast"  # dense FP8 linears are the fast step's
+    for quantize in (None, "fp8-block", "fp8-channel"):
+        assert ShardConfig.from_flags(synthetic="tiny-moe", quantize=quantize, engine="auto").engine == "reference"
+    pytest.importorskip("triton")
+    assert resolve_engine("auto", "cuda:0") == "fast"  # what from_flags asks on a GPU, whatever the model
 
 
 def test_make_model_writes_a_small_moe_checkpoint_that_loads(tmp_path):
@@ -313,14 +310,28 @@ def test_make_model_writes_a_small_moe_checkpoint_that_loads(tmp_path):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_serve_refuses_the_fast_engine_for_fp8_moe_by_name():
-    from click.testing import CliRunner
+def test_serve_runs_fp8_moe_on_the_fast_engine():
+    """`shardd serve --synthetic tiny-moe --quantize fp8-block --engine fast` (under Triton's interpreter on the CPU):
+    its config keeps the FP8 bytes, the loaded shard's experts stay FP8 in the fast step, and its greedy tokens are
+    the reference engine's on the dequantized weights (float32)."""
+    pytest.importorskip("triton")
+    from shardd.config import ShardConfig
+    from shardd.engine.select import serve_with
 
-    from shardd.cli import main
-
-    result = CliRunner().invoke(main, ["serve", "--synthetic", "tiny-moe", "--quantize", "fp8-block", "--engine", "fast"])
-    assert result.exit_code == 2, result.output
-    assert "the fast engine runs MoE experts in bfloat16 or float32, not FP8; use --engine reference" in result.output
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    config = ShardConfig.from_flags(synthetic="tiny-moe", quantize="fp8-block", engine="fast", device=device,
+                                    max_sequences=1, max_context=64)
+    assert (config.engine, config.keeps_fp8) == ("fast", True)
+    loaded = build_shard(config.source(), *config.layers, dtype=config.dtype, device=device,
+                         storage=config.storage(), keep_fp8=config.keeps_fp8)
+    shard = serve_with(config.engine, loaded, max_sequences=1, max_context=64, step_rows=config.step_rows,
+                       prefill_rows=0)
+    assert all(layer.moe.experts_gate_up.dtype == torch.float8_e4m3fn for layer in shard.layers)
+    tokens = prompt(5, 320)
+    fast = greedy_decode(LocalTarget.from_shards([shard], 64), 1, tokens, 4).tokens
+    dequantized = LocalTarget(ModelSource(synthetic="tiny-moe", quantize="fp8-block"), [(0, 6)],
+                              RollbackStorage(None, 0))
+    assert fast == greedy_decode(dequantized, 1, tokens, 4).tokens
 
 
 def test_generate_over_three_moe_daemons_equals_greedy_in_one_process():

@@ -1,56 +1,115 @@
 """The sparse feed-forward block of a Qwen3.5 MoE layer in the fast step and prefill (the reference is
 shardd/engine/reference/moe.py): one GEMM for the router, the shared expert's gate and its gate|up; routing on the
 device (softmax, top k, normalisation, shardd/engine/kernels/moe_route.py); the routed experts and the sum with the
-gated shared expert in shardd/engine/kernels/moe.py. No host sync and fixed shapes: it runs inside the step's CUDA graph."""
+gated shared expert in shardd/engine/kernels/moe.py. No host sync and fixed shapes: it runs inside the step's CUDA graph.
+
+The routed experts are bf16 / float32, or FP8 (block-scaled or per output channel, one layout for a layer's
+experts): stacked as their bytes with their scales (shardd.engine.kernels.moe.ExpertScales), dequantized in the
+kernels' registers. An FP8 shared expert stays FP8: the router|shared projection is then a StackedLinear of the
+unquantized router and gate and the FP8 gate|up (shardd.weights.quant.fuse_rows)."""
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from common.model_config import ModelConfig
-from common.sizes import MOE_FP8_REFUSAL
 from shardd.engine.kernels import elementwise
 from shardd.engine.kernels import moe as moe_kernels
 from shardd.engine.kernels import moe_route
 from shardd.engine.reference.moe import SparseMoeBlock
+from shardd.weights.quant import Fp8Linear, fuse_rows
 
 
 @dataclass
 class FusedMoe:
     # [E + 1 + 2 * shared_width, hidden]: the router | the shared expert's sigmoid gate | its gate_proj | its up_proj
+    # (a StackedLinear of those parts when the shared expert is FP8 and they do not fuse into one matrix)
     router_and_shared: torch.Tensor
-    experts_gate_up: torch.Tensor    # [E, 2 * width, hidden]: each expert's gate | up
+    experts_gate_up: torch.Tensor    # [E, 2 * width, hidden]: each expert's gate | up (x's dtype, or FP8 bytes)
     experts_down: torch.Tensor       # [E, hidden, width]
     shared_down: torch.Tensor        # [hidden, shared_width]
     top_k: int
     norm_topk_prob: bool
+    experts_scales: moe_kernels.ExpertScales | None = None  # FP8 experts: their scales and layout
 
     @property
     def num_experts(self) -> int:
         return self.experts_gate_up.shape[0]
 
 
-def fuse_moe(block: SparseMoeBlock) -> FusedMoe:
-    """The block's weights fused and its experts stacked; the block's attributes then view them (no second copy)."""
+def fuse_moe(block: SparseMoeBlock, layer: int) -> FusedMoe:
+    """The block (of layer `layer`) with its weights fused and its experts stacked; the block's attributes then view
+    them (no second copy). ValueError naming the layer where its experts mix layouts or carry FP8 scales the kernels
+    do not read."""
+    fp8 = _fp8_experts(block, layer)
     shared = block.shared_expert
-    parts = [block.gate, block.shared_expert_gate, shared.gate_proj, shared.up_proj]
-    if any(not isinstance(p, torch.Tensor) for e in block.experts for p in (e.gate_proj, e.up_proj, e.down_proj)) or \
-            any(not isinstance(p, torch.Tensor) for p in [*parts, shared.down_proj]):
-        raise ValueError(MOE_FP8_REFUSAL)
-    router_and_shared = torch.cat(parts)
-    sizes = [p.shape[0] for p in parts]
-    block.gate, block.shared_expert_gate, shared.gate_proj, shared.up_proj = router_and_shared.split(sizes)
+    router_and_shared, views = fuse_rows([block.gate, block.shared_expert_gate, shared.gate_proj, shared.up_proj])
+    block.gate, block.shared_expert_gate, shared.gate_proj, shared.up_proj = views
     width = block.experts[0].gate_proj.shape[0]
-    gate_up = _stacked([[e.gate_proj, e.up_proj] for e in block.experts])
-    down = _stacked([[e.down_proj] for e in block.experts])
-    for index, expert in enumerate(block.experts):
-        expert.gate_proj, expert.up_proj, expert.down_proj = gate_up[index, :width], gate_up[index, width:], down[index]
+    if not fp8:
+        gate_up = _stacked([[e.gate_proj, e.up_proj] for e in block.experts])
+        down = _stacked([[e.down_proj] for e in block.experts])
+        for index, expert in enumerate(block.experts):
+            expert.gate_proj, expert.up_proj, expert.down_proj = \
+                gate_up[index, :width], gate_up[index, width:], down[index]
+        scales = None
+    else:
+        kernel = block.experts[0].gate_proj.kernel
+        gate_up = _stacked([[e.gate_proj.weight, e.up_proj.weight] for e in block.experts])
+        down = _stacked([[e.down_proj.weight] for e in block.experts])
+        scales = moe_kernels.ExpertScales(
+            torch.stack([torch.cat([_scale_rows(e.gate_proj), _scale_rows(e.up_proj)]) for e in block.experts]),
+            torch.stack([_scale_rows(e.down_proj) for e in block.experts]), block.experts[0].gate_proj.block)
+        for index, expert in enumerate(block.experts):
+            expert.gate_proj, expert.up_proj, expert.down_proj = scales.linears(gate_up, down, index, kernel)
     if gate_up.is_cuda:  # copied experts' old memory back to the device: the next layer's copy needs it
         torch.cuda.empty_cache()
-    return FusedMoe(router_and_shared, gate_up, down, shared.down_proj, block.top_k, block.norm_topk_prob)
+    return FusedMoe(router_and_shared, gate_up, down, shared.down_proj, block.top_k, block.norm_topk_prob, scales)
+
+
+def _fp8_experts(block: SparseMoeBlock, layer: int) -> bool:
+    """Whether the block's routed experts are FP8: every matrix in one layout (all in the model's dtype, or all FP8
+    with the same block, or all per output channel), each FP8 scale of that layout's shape."""
+    matrices = {f"experts.{e}.{name}": getattr(expert, name) for e, expert in enumerate(block.experts)
+                for name in ("gate_proj", "up_proj", "down_proj")}
+    layouts = Counter(_layout(m) for m in matrices.values())
+    if len(layouts) > 1:
+        mix = ", ".join(f"{count} {layout}" for layout, count in layouts.most_common())
+        raise ValueError(f"layer {layer}'s routed experts mix layouts ({mix} matrices): the fast engine stacks a "
+                         f"layer's experts in one layout")
+    if not isinstance(block.experts[0].gate_proj, Fp8Linear):
+        return False
+    for name, matrix in matrices.items():
+        n, k = matrix.shape
+        if matrix.block is None:
+            if matrix.scale.numel() != n:
+                raise ValueError(f"layer {layer} {name}: an FP8 scale of shape {list(matrix.scale.shape)} is not one "
+                                 f"per output channel ({n}); the fast engine runs FP8 experts with block scales or "
+                                 f"per-channel scales")
+            continue
+        block_n, block_k = matrix.block
+        expected = (math.ceil(n / block_n), math.ceil(k / block_k))
+        if tuple(matrix.scale.shape) != expected or block_k % 16:
+            raise ValueError(f"layer {layer} {name}: {block_n}x{block_k} block scales of shape "
+                             f"{list(matrix.scale.shape)} for a {n}x{k} matrix; the fast engine reads block scales "
+                             f"{list(expected)} with a block's K a multiple of 16")
+    return True
+
+
+def _layout(matrix) -> str:
+    if isinstance(matrix, Fp8Linear):
+        return "FP8 per-channel" if matrix.block is None else f"FP8 {matrix.block[0]}x{matrix.block[1]}-block"
+    return str(matrix.dtype).removeprefix("torch.")
+
+
+def _scale_rows(matrix: Fp8Linear) -> torch.Tensor:
+    """An FP8 matrix's scale with one row per block of rows (per-channel: [N, 1]), as ExpertScales stacks them."""
+    return matrix.scale if matrix.block is not None else matrix.scale.reshape(-1, 1)
 
 
 def _stacked(parts: list[list[torch.Tensor]]) -> torch.Tensor:
@@ -92,4 +151,5 @@ def sparse_mlp(moe: FusedMoe, x: torch.Tensor, row_segment: torch.Tensor | None,
                          buffers.routing)
     shared = F.linear(elementwise.silu_mul(proj[:, e + 1:], buffers.shared_act), moe.shared_down)
     return moe_kernels.routed_experts(x, buffers.experts_chosen, buffers.routing, moe.experts_gate_up,
-                                      moe.experts_down, proj[:, e:e + 1], shared, buffers.experts, buffers.out)
+                                      moe.experts_down, proj[:, e:e + 1], shared, buffers.experts, buffers.out,
+                                      moe.experts_scales)

@@ -71,7 +71,7 @@ def fuse_layers(model: ShardModel) -> list[FusedLayer]:
             )
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if isinstance(layer.mlp, SparseMoeBlock):
-            fused.append(FusedLayer(layer.index, *norms, mixer, None, None, fuse_moe(layer.mlp)))
+            fused.append(FusedLayer(layer.index, *norms, mixer, None, None, fuse_moe(layer.mlp, layer.index)))
         else:
             fused.append(FusedLayer(layer.index, *norms, mixer, _fuse(layer.mlp, ["gate_proj", "up_proj"]),
                                     layer.mlp.down_proj))

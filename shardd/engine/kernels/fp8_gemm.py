@@ -725,6 +725,17 @@ def ampere_default(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) < (8, 9)
 
 
+def conversion(device: torch.device, ampere: bool | None = None) -> str:
+    """How a kernel on `device` turns FP8 bytes into its activations' dtype (a key of _CONVERTS): AMPERE_CONVERT
+    or HOPPER_CONVERT (ampere=None picks by the device), "bits" under the interpreter."""
+    if ampere is None:
+        ampere = ampere_default(device)
+    convert = AMPERE_CONVERT if ampere else HOPPER_CONVERT
+    if interpreted() and convert.startswith("asm"):  # the interpreter runs no PTX: the same bits in Triton ops
+        convert = "bits"
+    return convert
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block, *, ampere: bool | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (bf16; float32 in CPU tests) @ dequantize(weight [N, K] float8_e4m3fn, scale, block).T -> [M, N]
@@ -737,11 +748,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         elif out.shape != (x.shape[0], weight.shape[0]) or out.dtype != x.dtype:
             raise ValueError(f"fp8_linear: out must be [{x.shape[0]}, {weight.shape[0]}] {x.dtype}")
         return _large_m(x, weight, scale2d, None if block is None else tuple(block), out)
-    if ampere is None:
-        ampere = ampere_default(x.device)
-    convert = AMPERE_CONVERT if ampere else HOPPER_CONVERT
-    if interpreted() and convert.startswith("asm"):  # the interpreter runs no PTX: the same bits in Triton ops
-        convert = "bits"
+    convert = conversion(x.device, ampere)
     config = tile_config(weight.shape[0], weight.shape[1], block is not None)
     # a K tile never straddles two scale blocks
     if block is not None and int(block[1]) % config.block_k and config.block_k % int(block[1]):

@@ -11,16 +11,28 @@ GEMMs, that a tile multiply gives a row the same bits at any place in the tile).
 `num_experts`, as shardd/engine/kernels/moe_route.py routes them) sort past every expert and never run: a decode
 step reads only its real rows' experts.
 
+FP8 experts (`ExpertScales`: 128x128 block scales as the `-FP8` checkpoints store them, or one scale per output
+channel) are read as their bytes and dequantized in registers, as shardd/engine/kernels/fp8_gemm.py does: a block
+scale multiplies each K tile's float32 product (the K tiles never straddle a block), a channel scale the sum, and
+the result is rounded where a bf16 expert's is. The gate's and up's scales are kept apart, so a scale block never
+spans the two even where an expert is narrower than a block.
+
 `routed_experts_reference` is the same computation as a readable loop over rows and slots; `expert_order_reference`
 the sort with torch's.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from shardd.engine.kernels.fp8_gemm import _CONVERTS, _dequantized_tile, conversion
+from shardd.weights.quant import Fp8Linear
 
 BLOCK_M = 16  # pairs of one expert a program multiplies at once (tl.dot's least rows)
 GATE_UP_BLOCK_N = 32  # an expert is narrow (I = 512): more programs stream a decode step's few experts
@@ -80,16 +92,47 @@ def _run_of(sorted_expert_ptr, pair_ptr, run_start_ptr, j, P, NUM_EXPERTS, BLOCK
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_expert_ptr, pair_ptr, run_start_ptr, P, NUM_EXPERTS, TOP_K,
-                    H: tl.constexpr, I: tl.constexpr, x_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PRECISION: tl.constexpr):
+def _tile_product(acc, x, w, scale_rows, k0, n_mask, scale_stride_k, PRECISION: tl.constexpr, FP8: tl.constexpr,
+                  BLOCKWISE: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, CONVERT: tl.constexpr):
+    # acc + x @ w for one K tile of the weight [BLOCK_K, BLOCK_N]: as loaded, or FP8 bytes dequantized in registers
+    # with the K tile's block scale on its float32 product (a channel scale multiplies the sum: _channel_scaled)
+    if FP8:
+        w = _dequantized_tile(w, CONVERT, x.dtype)
+        if BLOCKWISE:
+            s = tl.load(scale_rows + (k0 // SCALE_BLOCK_K) * scale_stride_k, mask=n_mask, other=0.0)
+            acc += tl.dot(x, w, input_precision=PRECISION) * s[None, :]
+        else:
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _channel_scaled(acc, scale_rows, n_mask, FP8: tl.constexpr, BLOCKWISE: tl.constexpr):
+    if FP8:
+        if not BLOCKWISE:
+            acc = acc * tl.load(scale_rows, mask=n_mask, other=0.0)[None, :]
+    return acc
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, act_ptr, sorted_expert_ptr, pair_ptr, run_start_ptr, P, NUM_EXPERTS, TOP_K,
+                    H: tl.constexpr, I: tl.constexpr, x_stride, w_ptr, scale_ptr, scale_stride_e, scale_stride_n,
+                    scale_stride_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PRECISION: tl.constexpr, FP8: tl.constexpr, BLOCKWISE: tl.constexpr, SCALE_BLOCK_N: tl.constexpr,
+                    SCALE_BLOCK_K: tl.constexpr, CONVERT: tl.constexpr):
     # act[pair, n] = silu(x[row] @ gate[e, n]) * (x[row] @ up[e, n]), rounded where the reference's SwiGLU rounds
     j = tl.program_id(0)
     expert, leads, pair = _run_of(sorted_expert_ptr, pair_ptr, run_start_ptr, j, P, NUM_EXPERTS, BLOCK_M)
     if leads:
         row = tl.where(pair >= 0, pair // TOP_K, 0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < I
         w = w_ptr + expert.to(tl.int64) * 2 * I * H  # gate_up [E, 2I, H]: gate rows 0 .. I-1, up rows I .. 2I-1
+        # FP8: the scale rows of the gate's rows, then of the up's (ExpertScales.gate_up; SCALE_BLOCK_N 1 per channel)
+        gate_scale = scale_ptr + expert.to(tl.int64) * scale_stride_e + (offs_n // SCALE_BLOCK_N) * scale_stride_n
+        up_scale = gate_scale + (I + SCALE_BLOCK_N - 1) // SCALE_BLOCK_N * scale_stride_n
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -99,8 +142,12 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_expert_ptr, pair_ptr, run_star
             mask_w = (offs_n[None, :] < I) & (offs_k[:, None] < H)
             gate = tl.load(w + offs_n[None, :] * H + offs_k[:, None], mask=mask_w, other=0.0)
             up = tl.load(w + (I + offs_n[None, :]) * H + offs_k[:, None], mask=mask_w, other=0.0)
-            acc_gate = tl.dot(x, gate, acc_gate, input_precision=PRECISION)
-            acc_up = tl.dot(x, up, acc_up, input_precision=PRECISION)
+            acc_gate = _tile_product(acc_gate, x, gate, gate_scale, k0, n_mask, scale_stride_k, PRECISION, FP8,
+                                     BLOCKWISE, SCALE_BLOCK_K, CONVERT)
+            acc_up = _tile_product(acc_up, x, up, up_scale, k0, n_mask, scale_stride_k, PRECISION, FP8, BLOCKWISE,
+                                   SCALE_BLOCK_K, CONVERT)
+        acc_gate = _channel_scaled(acc_gate, gate_scale, n_mask, FP8, BLOCKWISE)
+        acc_up = _channel_scaled(acc_up, up_scale, n_mask, FP8, BLOCKWISE)
         dtype = act_ptr.dtype.element_ty
         gate = acc_gate.to(dtype).to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
@@ -109,14 +156,19 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_expert_ptr, pair_ptr, run_star
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, routing_ptr, out_ptr, sorted_expert_ptr, pair_ptr, run_start_ptr, P, NUM_EXPERTS,
-                 H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _down_kernel(act_ptr, routing_ptr, out_ptr, sorted_expert_ptr, pair_ptr, run_start_ptr, P, NUM_EXPERTS,
+                 H: tl.constexpr, I: tl.constexpr, w_ptr, scale_ptr, scale_stride_e, scale_stride_n, scale_stride_k,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                 FP8: tl.constexpr, BLOCKWISE: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
+                 CONVERT: tl.constexpr):
     # out[pair, n] = (act[pair] @ down[e, n]) * routing[pair], each rounded as the reference's `expert(x) * weight`
     j = tl.program_id(0)
     expert, leads, pair = _run_of(sorted_expert_ptr, pair_ptr, run_start_ptr, j, P, NUM_EXPERTS, BLOCK_M)
     if leads:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < H
         w = w_ptr + expert.to(tl.int64) * H * I  # down [E, H, I]
+        scale_rows = scale_ptr + expert.to(tl.int64) * scale_stride_e + (offs_n // SCALE_BLOCK_N) * scale_stride_n
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -124,7 +176,9 @@ def _down_kernel(act_ptr, w_ptr, routing_ptr, out_ptr, sorted_expert_ptr, pair_p
                           mask=(pair[:, None] >= 0) & (offs_k[None, :] < I), other=0.0)
             down = tl.load(w + offs_n[None, :] * I + offs_k[:, None],
                            mask=(offs_n[None, :] < H) & (offs_k[:, None] < I), other=0.0)
-            acc = tl.dot(act, down, acc, input_precision=PRECISION)
+            acc = _tile_product(acc, act, down, scale_rows, k0, n_mask, scale_stride_k, PRECISION, FP8, BLOCKWISE,
+                                SCALE_BLOCK_K, CONVERT)
+        acc = _channel_scaled(acc, scale_rows, n_mask, FP8, BLOCKWISE)
         dtype = out_ptr.dtype.element_ty
         routing = tl.load(routing_ptr + pair, mask=pair >= 0, other=0.0).to(tl.float32)
         out = (acc.to(dtype).to(tl.float32) * routing[:, None]).to(dtype)
@@ -149,6 +203,25 @@ def _combine_kernel(pair_out_ptr, shared_gate_ptr, shared_ptr, out_ptr, H, share
     tl.store(out_ptr + row * H + cols, (acc + (gate * shared).to(dtype).to(tl.float32)).to(dtype), mask=mask)
 
 
+@dataclass(frozen=True)
+class ExpertScales:
+    """The float32 scales of a layer's stacked FP8 experts (gate_up [E, 2I, H] and down [E, H, I] float8_e4m3fn),
+    in one layout for every expert. `block` (bn, bk): gate_up [E, 2 * ceil(I / bn), ceil(H / bk)] (the gate's row
+    blocks, then the up's) and down [E, ceil(H / bn), ceil(I / bk)]; None (per output channel): gate_up [E, 2I, 1]
+    and down [E, H, 1]. An expert's slice of each is the scale its Fp8Linear holds (shardd.weights.quant)."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    block: tuple[int, int] | None
+
+    def linears(self, gate_up: torch.Tensor, down: torch.Tensor, expert: int, kernel=None) -> tuple[Fp8Linear, ...]:
+        """Expert `expert`'s gate_proj, up_proj and down_proj as Fp8Linears viewing the stacked bytes and scales."""
+        width, gate_rows = down.shape[2], self.gate_up.shape[1] // 2
+        return (Fp8Linear(gate_up[expert, :width], self.gate_up[expert, :gate_rows], self.block, kernel),
+                Fp8Linear(gate_up[expert, width:], self.gate_up[expert, gate_rows:], self.block, kernel),
+                Fp8Linear(down[expert], self.down[expert], self.block, kernel))
+
+
 class ExpertScratch:
     """What the routed experts of `rows` rows write between their kernels (static: a CUDA graph replays on it)."""
 
@@ -162,11 +235,12 @@ class ExpertScratch:
 
 def routed_experts(x: torch.Tensor, experts: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, shared_gate: torch.Tensor, shared: torch.Tensor, scratch: ExpertScratch,
-                   out: torch.Tensor) -> torch.Tensor:
+                   out: torch.Tensor, scales: ExpertScales | None = None) -> torch.Tensor:
     """out [R, H] = for each row, the sum in slot order of routing[row, s] * expert experts[row, s](x[row]), plus
     sigmoid(shared_gate[row]) * shared[row]. x [R, H]; experts [R, k] (integers; E: a padding row, which runs no
     expert and gets an unspecified output) and routing [R, k] (x's dtype); gate_up [E, 2I, H] (gate | up),
-    down [E, H, I]; shared_gate [R, 1] and shared [R, H] may be column slices."""
+    down [E, H, I], in x's dtype or float8_e4m3fn with their `scales`; shared_gate [R, 1] and shared [R, H] may be
+    column slices."""
     rows, hidden = x.shape
     num_experts, width = gate_up.shape[0], down.shape[2]
     top_k = experts.shape[1]
@@ -176,21 +250,43 @@ def routed_experts(x: torch.Tensor, experts: torch.Tensor, routing: torch.Tensor
     expert_order(experts, num_experts, scratch)
     sorted_expert, pair, run_start = scratch.sorted_expert, scratch.pair, scratch.run_start
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    gate_up_scale, down_scale, block = (None, None, None) if scales is None else \
+        (scales.gate_up, scales.down, scales.block)
     _gate_up_kernel[(pairs, triton.cdiv(width, GATE_UP_BLOCK_N))](
-        x, gate_up, scratch.act, sorted_expert, pair, run_start, pairs, num_experts, top_k, hidden, width, x.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=precision, num_warps=4)
+        x, scratch.act, sorted_expert, pair, run_start, pairs, num_experts, top_k, hidden, width, x.stride(0),
+        **_weight_operands(gate_up, gate_up_scale, block, x.device),
+        BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, PRECISION=precision, num_warps=4)
     _down_kernel[(pairs, triton.cdiv(hidden, BLOCK_N))](
-        scratch.act, down, routing.reshape(-1), scratch.pair_out, sorted_expert, pair, run_start, pairs, num_experts,
-        hidden, width, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=precision, num_warps=4)
+        scratch.act, routing.reshape(-1), scratch.pair_out, sorted_expert, pair, run_start, pairs, num_experts,
+        hidden, width, **_weight_operands(down, down_scale, block, x.device),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PRECISION=precision, num_warps=4)
     _combine_kernel[(rows, triton.cdiv(hidden, COMBINE_BLOCK))](
         scratch.pair_out, shared_gate, shared, out, hidden, shared_gate.stride(0), shared.stride(0), TOP_K=top_k,
         BLOCK=COMBINE_BLOCK)
     return out
 
 
-def routed_experts_reference(x, experts, routing, gate_up, down, shared_gate, shared) -> torch.Tensor:
+def _weight_operands(weight: torch.Tensor, scale: torch.Tensor | None, block, device) -> dict:
+    """How a kernel reads one stacked weight: the tensor in x's dtype (scale None), or its FP8 bytes (as the
+    conversion loads them) with their [E, rows, cols] scale (`block`: ExpertScales.block), in K tiles of BLOCK_K
+    or of a divisor of a narrower block's K (a tile never straddles two blocks)."""
+    if scale is None:  # no scale: any pointer, never read
+        return dict(w_ptr=weight, scale_ptr=weight, scale_stride_e=0, scale_stride_n=0, scale_stride_k=0,
+                    BLOCK_K=BLOCK_K, FP8=False, BLOCKWISE=False, SCALE_BLOCK_N=1, SCALE_BLOCK_K=1, CONVERT=0)
+    convert = conversion(device)
+    block_n, block_k = block or (1, 1)
+    return dict(w_ptr=weight if convert == "native" else weight.view(torch.uint8), scale_ptr=scale,
+                scale_stride_e=scale.stride(0), scale_stride_n=scale.stride(1), scale_stride_k=scale.stride(2),
+                BLOCK_K=BLOCK_K if block is None else math.gcd(BLOCK_K, block_k), FP8=True,
+                BLOCKWISE=block is not None, SCALE_BLOCK_N=block_n, SCALE_BLOCK_K=block_k,
+                CONVERT=_CONVERTS[convert])
+
+
+def routed_experts_reference(x, experts, routing, gate_up, down, shared_gate, shared,
+                             scales: ExpertScales | None = None) -> torch.Tensor:
     """routed_experts as a loop over rows and slots, with the reference MoE block's rounding points
-    (shardd/engine/reference/moe.py); padding rows are zero."""
+    (shardd/engine/reference/moe.py); FP8 experts dequantized to x's dtype (shardd.weights.quant.dequantize), as the
+    reference engine loads them on the CPU; padding rows are zero."""
     out = torch.zeros_like(x)
     num_experts, width = gate_up.shape[0], down.shape[2]
     for row in range(x.shape[0]):
@@ -199,7 +295,11 @@ def routed_experts_reference(x, experts, routing, gate_up, down, shared_gate, sh
         total = torch.zeros_like(x[row])
         for slot in range(experts.shape[1]):
             expert = int(experts[row, slot])
-            gate, up = F.linear(x[row], gate_up[expert, :width]), F.linear(x[row], gate_up[expert, width:])
-            total = total + F.linear(F.silu(gate) * up, down[expert]) * routing[row, slot]
+            if scales is None:
+                gate_w, up_w, down_w = gate_up[expert, :width], gate_up[expert, width:], down[expert]
+            else:
+                gate_w, up_w, down_w = (m.dequantized(x.dtype) for m in scales.linears(gate_up, down, expert))
+            gate, up = F.linear(x[row], gate_w), F.linear(x[row], up_w)
+            total = total + F.linear(F.silu(gate) * up, down_w) * routing[row, slot]
         out[row] = total + torch.sigmoid(shared_gate[row]) * shared[row]
     return out
