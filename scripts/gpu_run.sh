@@ -21,6 +21,7 @@
 # | prefix        | wheels             | prefix entries on the fast engine, prompt logprobs  | prefix caching: second turn, shared system prompt, flood (gpu_bench_prefix.json) |
 # | moe           | wheels             | MoE kernels, fast MoE step: bf16 and FP8, graphs    | 35B-A3B step vs its floor (gpu_bench_moe.json) |
 # | guided        | wheels             | -                                                   | constrained vs plain batched step, 8 streams (gpu_bench_guided.json) |
+# | tune          | wheels             | -                                                   | kernels' launch shapes: GDN recurrence, attention (launch, key chunk), MoE experts, MoE router GEMM (tune_kernels.json; `-- --parts moe,router`) |
 # | gpu-tests     | wheels             | every test marked gpu (`pytest -m gpu tests`)       | - |
 #
 # Each run also writes RUN.log (its tests' tail and the benchmark's output); a short summary of every run is printed
@@ -52,7 +53,7 @@ runs=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do runs+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 ARGS=("$@")
-known=" check local relay relay-profile ring batch batch-step dflash dflash-batch fp8 fp8-gemm seed sampling prefix guided moe gpu-tests "
+known=" check local relay relay-profile ring batch batch-step dflash dflash-batch fp8 fp8-gemm seed sampling prefix guided moe tune gpu-tests "
 if [ ${#runs[@]} -eq 0 ]; then
     sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
     exit 2
@@ -140,6 +141,9 @@ run_prefix() {
 run_moe() {
     gpu_tests moe 200 tests/unit/test_moe_kernel.py tests/unit/test_fast_moe.py
     bench moe 300 python3 scripts/bench_gpu.py --parts moe --json "$OUT/gpu_bench_moe.json" "${ARGS[@]}"
+}
+run_tune() {
+    bench tune 240 python3 scripts/tune_kernels.py --json "$OUT/tune_kernels.json" "${ARGS[@]}"
 }
 run_guided() {
     bench guided 300 python3 scripts/bench_gpu.py --parts guided --json "$OUT/gpu_bench_guided.json" "${ARGS[@]}"

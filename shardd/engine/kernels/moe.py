@@ -38,6 +38,7 @@ BLOCK_M = 16  # pairs of one expert a program multiplies at once (tl.dot's least
 GATE_UP_BLOCK_N = 32  # an expert is narrow (I = 512): more programs stream a decode step's few experts
 BLOCK_N = 64
 BLOCK_K = 64
+GATE_UP_WARPS = DOWN_WARPS = 4  # scripts/tune_kernels.py --parts moe sweeps these launch shapes
 COMBINE_BLOCK = 1024
 SORT_BLOCK = 32  # pairs a program of the sort places
 
@@ -255,11 +256,11 @@ def routed_experts(x: torch.Tensor, experts: torch.Tensor, routing: torch.Tensor
     _gate_up_kernel[(pairs, triton.cdiv(width, GATE_UP_BLOCK_N))](
         x, scratch.act, sorted_expert, pair, run_start, pairs, num_experts, top_k, hidden, width, x.stride(0),
         **_weight_operands(gate_up, gate_up_scale, block, x.device),
-        BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, PRECISION=precision, num_warps=4)
+        BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, PRECISION=precision, num_warps=GATE_UP_WARPS)
     _down_kernel[(pairs, triton.cdiv(hidden, BLOCK_N))](
         scratch.act, routing.reshape(-1), scratch.pair_out, sorted_expert, pair, run_start, pairs, num_experts,
         hidden, width, **_weight_operands(down, down_scale, block, x.device),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PRECISION=precision, num_warps=4)
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PRECISION=precision, num_warps=DOWN_WARPS)
     _combine_kernel[(rows, triton.cdiv(hidden, COMBINE_BLOCK))](
         scratch.pair_out, shared_gate, shared, out, hidden, shared_gate.stride(0), shared.stride(0), TOP_K=top_k,
         BLOCK=COMBINE_BLOCK)
