@@ -29,7 +29,8 @@ Parts, each in its own process (so one part's memory never weighs on the next):
   blocks of 1 .. R/16 sequences and with R one-row greedy sequences (`step_rows_ms`), tokens/s if every row
   commits, and a row of a full step bit-identical to its sequence alone (`batch_step_identical`).
 
-- `moe`: one process, one GPU, the `--moe-preset` MoE shape (35B-A3B) in bf16 as one FastShard: the greedy step
+- `moe`: one process, one GPU, the `--moe-preset` MoE shape (35B-A3B) in bf16 (with `--fp8`: its linears, the
+  experts among them, weight-only FP8, the floors counting FP8 bytes) as one FastShard: the greedy step
   against the floor of the bytes a decode step reads (its row's experts, the shared expert, attention/GDN, head),
   and a 16-row checkpointed verify step against the floor of the distinct experts its rows select
   (`moe_greedy_floor_ratio`, `moe_verify_floor_ratio`, `moe_distinct_experts`), and each step's heaviest
@@ -1753,9 +1754,9 @@ def moe_floor_bytes(config, model, shard, context: int, rows: int, distinct: lis
     """The bytes a step of `rows` rows must move on a MoE shard, by part (as step_floors counts a dense one): every
     weight once but the embedding table and the routed experts, of which it reads the `distinct` experts its rows
     select in each layer; the GDN states, the K/V of the context, and a checkpointed verify's rollback writes."""
-    itemsize = 2  # bf16
+    itemsize = 2  # bf16 activations and K/V
     moe, h = config.moe, config.hidden_size
-    expert = 3 * moe.moe_intermediate_size * h * itemsize
+    expert = expert_bytes(model)  # bf16, or FP8 bytes and their scales
     embedding = model.embed_tokens.nbytes if model.embed_tokens is not None else 0
     layers = model.end - model.begin
     kv_row = 2 * config.num_key_value_heads * config.head_dim * itemsize * len(model.attention_layers)
@@ -1768,6 +1769,16 @@ def moe_floor_bytes(config, model, shard, context: int, rows: int, distinct: lis
         "kv_rows_write": rows * kv_row,
         "checkpoint_writes": shard.checkpoint_bytes_per_sequence() if checkpoint else 0,
     }
+
+
+def expert_bytes(model) -> int:
+    """What one routed expert's three matrices hold (the first sparse layer's first expert): bf16 elements, or FP8
+    bytes with their scales."""
+    from shardd.engine.reference.moe import SparseMoeBlock
+
+    block = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock))
+    first = block.experts[0]
+    return sum(m.nbytes for m in (first.gate_proj, first.up_proj, first.down_proj))
 
 
 def run_moe(args) -> dict:
@@ -1790,10 +1801,19 @@ def run_moe(args) -> dict:
         raise SystemExit(f"--moe-preset {args.moe_preset} is not a MoE shape")
     out: dict = {"moe_preset": args.moe_preset, "dtype": "bfloat16", "block": BLOCK,
                  "device": torch.cuda.get_device_name(device)}
+    if args.fp8:  # the experts and every other linear FP8 (weight-only); the floors count their bytes + scales
+        out["quantize"] = args.fp8
     bandwidth = copy_bandwidth(torch, device)
     out["copy_bandwidth_tb_s"] = round(bandwidth / 1e12, 3)
     t0 = time.perf_counter()
-    weights = synthetic_weights(config, 0, config.num_layers, args.seed, dtype=torch.bfloat16, device=device)
+    if args.fp8:
+        from shardd.weights.loading import ModelSource
+        from shardd.weights.reader import shard_shapes
+
+        weights = ModelSource(synthetic=f"{args.moe_preset}:{args.seed}", quantize=args.fp8).tensors(
+            shard_shapes(config, 0, config.num_layers), dtype=torch.bfloat16, device=device, keep_fp8=True)
+    else:
+        weights = synthetic_weights(config, 0, config.num_layers, args.seed, dtype=torch.bfloat16, device=device)
     model = ShardModel(config, weights, 0, config.num_layers, dtype=torch.bfloat16, device=device,
                        storage=rb.RollbackStorage(CHECKPOINT, BLOCK))
     del weights

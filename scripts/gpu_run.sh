@@ -19,7 +19,7 @@
 # | seed          | wheels             | -                                                   | the seed's benchmark, within SEED_BUDGET s (seed_bench.json) |
 # | sampling      | -                  | the head shard's sampler on CUDA                    | per-row vs batched sampling (gpu_bench_sampling.json) |
 # | prefix        | wheels             | prefix entries on the fast engine, prompt logprobs  | prefix caching: second turn, shared system prompt, flood (gpu_bench_prefix.json) |
-# | moe           | wheels             | MoE kernels, fast MoE step: bf16 and FP8, graphs    | 35B-A3B step vs its floor (gpu_bench_moe.json) |
+# | moe           | wheels             | MoE kernels, fast MoE step: bf16 and FP8, graphs    | 35B-A3B step vs its floor, its heaviest kernels (gpu_bench_moe.json; `-- --fp8 fp8-block`: FP8 linears and experts) |
 # | guided        | wheels             | -                                                   | constrained vs plain batched step, 8 streams (gpu_bench_guided.json) |
 # | tune          | wheels             | -                                                   | kernels' launch shapes: GDN recurrence, attention (launch, key chunk), MoE experts, MoE router GEMM (tune_kernels.json; `-- --parts moe,router`) |
 # | gpu-tests     | wheels             | every test marked gpu (`pytest -m gpu tests`)       | - |
