@@ -135,9 +135,9 @@ class Open(_SequenceRequest):
     prefix: Optional[int] = _header("int", "start from this prefix entry of this client (its state and length) "
                                     "instead of empty; PREFIX_MISSING when it is not held", minimum=0,
                                     limit=ID_LIMIT, default=None)
-    draft_context: bool = _header("bool", "on a daemon hosting the drafter: keep a drafter context for the sequence "
-                                  "(false: it never proposes here; none is kept and a prefix entry without one "
-                                  "resumes it)", default=True)
+    draft_context: Optional[bool] = _header("bool", "on a daemon hosting the drafter: keep a drafter context for the "
+                                            "sequence (absent: true; false: it never proposes here, none is kept and "
+                                            "a prefix entry without one resumes it)", default=None)
 
 
 @dataclass(frozen=True)

@@ -139,6 +139,8 @@ class Pipeline:
         # Prompt prefixes resume from the shards' prefix entries only where every shard keeps them (HELLO
         # `prefix_cache`; PROTOCOL.md, "Prefix caching").
         self.prefix_cache = all(s.hello.get("prefix_cache") for s in self.shards)
+        # OPEN says whether a sequence keeps a drafter context only where a shard hosts the drafter (HELLO `drafter`)
+        self.hosts_drafter = any(s.hello.get("drafter") for s in self.shards)
         # Rows go from shard to shard (PROTOCOL.md, "Rows from shard to shard") where every shard but the head
         # sends them to the next one as this coordinator reaches it (HELLO `relay_to`, `shardd serve --relay-to`).
         self.direct_rows = len(self.shards) > 1 and all(
@@ -245,7 +247,8 @@ class Pipeline:
         self._settle(seq, quiet=True)
         try:
             self.check_same_shards()
-            answers = self._on_every_shard(Open(id=0, seq=seq, prefix=prefix, draft_context=draft_context))
+            answers = self._on_every_shard(Open(id=0, seq=seq, prefix=prefix,
+                                                draft_context=draft_context if self.hosts_drafter else None))
             failures = [answer for answer in answers if isinstance(answer, Exception)]
             if failures:
                 for client, answer in zip(self.clients, answers):

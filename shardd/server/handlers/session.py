@@ -102,7 +102,7 @@ class Session:
         }
 
     def open(self, request, peer: Peer):
-        entry = self.daemon.sequences.open(peer.owner, request.seq, request.prefix, request.draft_context)
+        entry = self.daemon.sequences.open(peer.owner, request.seq, request.prefix, request.draft_context is not False)
         return {"seq": request.seq, "length": entry.length}, {}
 
     def close(self, request, peer: Peer):
