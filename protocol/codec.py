@@ -705,8 +705,6 @@ def _check_request(record: Request, limits: Limits) -> None:
             if record.carried is not None and record.carried.shape[0] != record.n_tokens:
                 raise _bad(f"tensor 'carried' has {record.carried.shape[0]} rows for {record.n_tokens} tokens")
         if record.propose is not None:
-            if samples(record.temperature):
-                raise _bad(f"field 'propose' of CAPTURE is greedy only (temperature absent or below {SAMPLING_EPS:g})")
             if record.drafts is None or len(record.drafts) != record.n_tokens - 1:
                 raise _bad("field 'propose' of CAPTURE needs the block's drafts: field 'drafts' of n - 1 tokens")
     if isinstance(record, Rows):

@@ -210,10 +210,10 @@ class DFlashDrafterClient:
     # ---- its sequence's forwards -----------------------------------------------------------
 
     def prepare(self, forward: BatchForward) -> BatchForward:
-        """`forward` of this drafter's sequence as a capture of its target layers; a greedy checkpointed verify also
+        """`forward` of this drafter's sequence as a capture of its target layers; a checkpointed verify (greedy or sampled) also
         asks the head shard (hosting the drafter) for the next block when its context holds the rows before it."""
         propose = None
-        if (self.proposes_in_reply and forward.checkpoint and forward.sampling is None and len(forward.tokens) > 1
+        if (self.proposes_in_reply and forward.checkpoint and len(forward.tokens) > 1
                 and self.next_block is not None and self.context_length >= forward.pos):
             propose = self.next_block
         return replace(forward, capture=list(self.layer_ids), propose=propose)

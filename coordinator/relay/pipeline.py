@@ -353,8 +353,6 @@ class Pipeline:
             head_layers = [layer for layer in layers or () if self.shards[-1].begin <= layer < self.shards[-1].end]
             if not head_layers:
                 raise ValueError("proposing in the verify reply needs the head shard to capture one of the layers")
-            if item.sampling is not None and item.sampling.wire():
-                raise ValueError("proposing in the verify reply is greedy only (no sampling)")
             head = {**(head or {}), "drafts": list(item.tokens[1:]), "propose": item.propose,
                     "carried_layers": [layer for layer in layers if layer not in head_layers]}
         return self._step(item.seq, item.pos, item.tokens, item.checkpoint, head, capture=layers,

@@ -772,3 +772,23 @@ def test_a_moe_target_s_drafter_loads_beside_its_last_shard_and_equals_greedy(tm
             scheduler = Scheduler(pipeline, max_sequences=2, rollback=mode)
             (done,) = scheduler.run_all([Request(PROMPT, 16, drafter=drafter.fresh(), block_size=BLOCK)])
             assert done.outcome().tokens == greedy and done.result.drafted > 0, mode
+
+
+def test_sampled_dflash_streams_take_their_blocks_from_the_verify_reply(daemons):
+    """Seeded sampled DFlash streams with the drafter beside the head: each block after the first comes in the
+    verify's reply, and the tokens equal those of the same requests drafted by a PROPOSE every step (the drafts
+    are the same, so the sampled tokens are)."""
+    endpoints, _ = pipeline_endpoints(daemons, "beside")
+
+    def run(in_reply: bool):
+        with Pipeline.connect(endpoints) as pipeline:
+            drafter = DFlashDrafterClient(pipeline.clients[-1], pipeline)
+            drafter.proposes_in_reply = in_reply
+            drafters = [drafter.fresh() for _ in range(3)]
+            requests = [Request(PROMPT[:20 + i], 24, sampling=Sampling(0.9, top_k=5, seed=70 + i), drafter=d,
+                                block_size=BLOCK) for i, d in enumerate(drafters)]
+            done = Scheduler(pipeline, max_sequences=3).run_all(requests)
+            return [r.outcome().tokens for r in done], sum(d.proposals_in_reply for d in drafters)
+
+    (in_reply, taken), (each_step, none) = run(True), run(False)
+    assert in_reply == each_step and taken > 0 and none == 0

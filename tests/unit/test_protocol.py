@@ -335,7 +335,6 @@ def test_a_batch_items_bad_propose_is_its_error_alone():
     """Each item's propose and carried rows are checked as the one-sequence CAPTURE checks them: the item is
     refused with the same code and message, the others decode."""
     bad = [verify_item(2, 3, drafts=[1]),  # drafts of another length than n - 1
-           verify_item(3, 2, temperature=0.5),  # propose is greedy
            Capture(0, seq=4, pos=5, hidden=rows_of(4, 2, 4), layers=[3], carried_layers=[0, 1],
                    carried=rows_of(4, 2, 8))]  # carried rows without propose
     plain_propose = {"seq": 6, "pos": 0, "tokens": [1], "propose": 1}  # not a CAPTURE item: an unknown field
