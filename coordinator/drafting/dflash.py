@@ -210,8 +210,9 @@ class DFlashDrafterClient:
     # ---- its sequence's forwards -----------------------------------------------------------
 
     def prepare(self, forward: BatchForward) -> BatchForward:
-        """`forward` of this drafter's sequence as a capture of its target layers; a checkpointed verify (greedy or sampled) also
-        asks the head shard (hosting the drafter) for the next block when its context holds the rows before it."""
+        """`forward` of this drafter's sequence as a capture of its target layers; a checkpointed verify (greedy or
+        sampled) also asks the head shard (hosting the drafter) for the next block when its context holds the rows
+        before it."""
         propose = None
         if (self.proposes_in_reply and forward.checkpoint and len(forward.tokens) > 1
                 and self.next_block is not None and self.context_length >= forward.pos):
