@@ -517,8 +517,23 @@ def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] 
     processes = []
     endpoints = [f"tcp://127.0.0.1:{tcp_ports[index]}" if tcp_ports else f"ipc://{run_dir}/shard{index}-{mode}{tag}.sock"
                  for index in range(len(ranges))]
+    logs = [run_dir / f"shard{index}-{mode}{tag}.log" for index in range(len(ranges))]
+    ready = 0  # daemons known to serve
+
+    def wait_ready(upto: int) -> None:
+        nonlocal ready
+        try:
+            wait_for_hello([(endpoints[i], processes[i], endpoints[i], logs[i]) for i in range(ready, upto)])
+        except BaseException:
+            stop_processes(processes)
+            raise
+        ready = upto
+
     for index, layer_range in enumerate(ranges):
         endpoint = endpoints[index]
+        if devices[index].startswith("cuda") and devices[index] in devices[ready:index]:
+            # a GPU another daemon is still loading onto: one load at a time, so their transients never add up
+            wait_ready(index)
         relay = ["--relay-to", endpoints[index + 1]] if direct_rows and index + 1 < len(ranges) else []
         log = open(run_dir / f"shard{index}-{mode}{tag}.log", "w")
         # a range of None: a daemon that hosts only the synthetic DFlash drafter
@@ -544,8 +559,7 @@ def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] 
                        "-o", str(pyspy[index]), "--"] + command
         processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                           env={**os.environ, **(env or {})}))
-    wait_for_hello([(endpoint, process, endpoint, run_dir / f"shard{index}-{mode}{tag}.log")
-                    for index, (process, endpoint) in enumerate(zip(processes, endpoints))])
+    wait_ready(len(processes))
     return processes, endpoints
 
 
