@@ -535,7 +535,7 @@ def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] 
             # a GPU another daemon is still loading onto: one load at a time, so their transients never add up
             wait_ready(index)
         relay = ["--relay-to", endpoints[index + 1]] if direct_rows and index + 1 < len(ranges) else []
-        log = open(run_dir / f"shard{index}-{mode}{tag}.log", "w")
+        log = open(logs[index], "w")
         # a range of None: a daemon that hosts only the synthetic DFlash drafter
         # The fast step of the one-process reference (a FastShard of BLOCK rows): a token's bits are a function of
         # the step's shape (cuBLAS picks its kernel by the rows), so one process and the daemons compare bit for bit
@@ -1845,22 +1845,19 @@ def run_moe(args) -> dict:
     shard.forward(state, 0, tokens=prompt)
     pos = state.length
 
-    def timed(fn) -> list[float]:
-        def step():
-            fn()
-            state.length = pos  # timing only: every step goes to the same position
-        return cuda_seconds(torch, device, step, args.repeats)
+    def greedy():
+        shard.forward(state, pos, tokens=block[:1])
+        state.length = pos  # timing only: every step goes to the same position
 
-    greedy_ms = median_ms(timed(lambda: shard.forward(state, pos, tokens=block[:1])))
-    verify_ms = median_ms(timed(lambda: shard.forward(state, pos, tokens=block, checkpoint=True)))
-
-    def step(tokens, checkpoint=False):
-        shard.forward(state, pos, tokens=tokens, checkpoint=checkpoint)
+    def verify():
+        shard.forward(state, pos, tokens=block, checkpoint=True)
         state.length = pos
 
+    greedy_ms = median_ms(cuda_seconds(torch, device, greedy, args.repeats))
+    verify_ms = median_ms(cuda_seconds(torch, device, verify, args.repeats))
     # where each step's device time goes: its kernels, heaviest first (the graph's replay shows its kernels)
-    out["moe_greedy_kernels"] = profile_top(torch, lambda: step(block[:1]), args.repeats, top=16)
-    out["moe_verify_kernels"] = profile_top(torch, lambda: step(block, True), args.repeats, top=16)
+    out["moe_greedy_kernels"] = profile_top(torch, greedy, args.repeats, top=16)
+    out["moe_verify_kernels"] = profile_top(torch, verify, args.repeats, top=16)
 
     # the experts each timed step's rows select, per layer: the same steps once more, eagerly, their routing recorded
     eager = FastShard(model, max_sequences=1, max_context=context, use_graphs=False, layers=shard.layers)

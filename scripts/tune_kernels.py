@@ -50,31 +50,35 @@ def recurrence(rows=16, k_heads=16, v_heads=48, k=128, v=128, slots=2, layers=1)
     return results
 
 
-def attention(context, rows=16, heads=24, kv_heads=4, dim=256, rot=64):
+def attention_call(context, real_rows, rows=16, heads=24, kv_heads=4, dim=256, rot=64):
+    """One attention step of the 27B shape over `context` keys, `real_rows` of its `rows` real, as a call of no
+    arguments (its partials sized for the current attention.CHUNK; the launch shape is read at each call)."""
     dev = "cuda"
     bf = dict(dtype=torch.bfloat16, device=dev)
     qkv = torch.randn(rows, 2 * heads * dim + 2 * kv_heads * dim, **bf)
-    cache_k = torch.randn(2, kv_heads, context + 64, dim, **bf)
-    cache_v = torch.randn(2, kv_heads, context + 64, dim, **bf)
+    cache_k, cache_v = (torch.randn(2, kv_heads, context + 64, dim, **bf) for _ in range(2))
     norm = torch.zeros(dim, **bf)
-    cos = torch.ones(context + 64, rot, **bf)
-    sin = torch.zeros(context + 64, rot, **bf)
+    cos, sin = torch.ones(context + 64, rot, **bf), torch.zeros(context + 64, rot, **bf)
     query = torch.zeros(rows, heads, dim, **bf)
     splits = attention_kernels.num_splits(context + 64)
     partials = (torch.zeros(rows, heads, splits, device=dev), torch.zeros(rows, heads, splits, device=dev),
                 torch.zeros(rows, heads, splits, dim, device=dev))
     out = torch.zeros(rows, heads * dim, **bf)
-    control = torch.tensor(segments.table([segments.segment(0, rows, context - rows)], 1, 1, rows),
+    control = torch.tensor(segments.table([segments.segment(0, real_rows, context - real_rows)], 1, 1, rows),
                            dtype=torch.int32, device=dev)
+    return lambda: attention_kernels.attention_step(
+        qkv, norm, norm, cos, sin, cache_k, cache_v, query, partials, out, control, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=dim, rotary_dim=rot, eps=1e-6, rows=rows)
+
+
+def attention(context, rows=16):
+    fn = attention_call(context, rows, rows)
     results = []
     launches = attention_kernels.SHORT_LAUNCH, attention_kernels.LONG_LAUNCH
     try:
         for heads_per_program, block_n, warps in ((1, 64, 4), (1, 32, 4), (2, 64, 4), (2, 32, 4), (3, 32, 4), (3, 32, 8),
                                                   (6, 16, 8)):
             attention_kernels.SHORT_LAUNCH = attention_kernels.LONG_LAUNCH = (heads_per_program, block_n, warps)
-            fn = lambda: attention_kernels.attention_step(  # noqa: E731
-                qkv, norm, norm, cos, sin, cache_k, cache_v, query, partials, out, control, num_heads=heads,
-                num_kv_heads=kv_heads, head_dim=dim, rotary_dim=rot, eps=1e-6, rows=rows)
             results.append(timed({"kernel": "attention", "context": context, "heads_per_program": heads_per_program,
                                   "block_n": block_n, "warps": warps}, fn))
     finally:
@@ -92,30 +96,15 @@ def timed(variant: dict, fn) -> dict:
     return variant
 
 
-def attention_chunks(context, rows=16, heads=24, kv_heads=4, dim=256, rot=64):
-    dev = "cuda"
-    bf = dict(dtype=torch.bfloat16, device=dev)
-    qkv = torch.randn(rows, 2 * heads * dim + 2 * kv_heads * dim, **bf)
-    cache_k, cache_v = (torch.randn(2, kv_heads, context + 64, dim, **bf) for _ in range(2))
-    norm = torch.zeros(dim, **bf)
-    cos, sin = torch.ones(context + 64, rot, **bf), torch.zeros(context + 64, rot, **bf)
-    query = torch.zeros(rows, heads, dim, **bf)
-    out = torch.zeros(rows, heads * dim, **bf)
+def attention_chunks(context, rows=16):
     results = []
     default = attention_kernels.CHUNK
     try:
         for real_rows in (1, rows):
-            control = torch.tensor(segments.table([segments.segment(0, real_rows, context - real_rows)], 1, 1, rows),
-                                   dtype=torch.int32, device=dev)
             for chunk in (1024, 512, 256, 128):
                 attention_kernels.CHUNK = chunk
-                splits = attention_kernels.num_splits(context + 64)
-                partials = (torch.zeros(rows, heads, splits, device=dev), torch.zeros(rows, heads, splits, device=dev),
-                            torch.zeros(rows, heads, splits, dim, device=dev))
-                fn = lambda: attention_kernels.attention_step(  # noqa: E731
-                    qkv, norm, norm, cos, sin, cache_k, cache_v, query, partials, out, control, num_heads=heads,
-                    num_kv_heads=kv_heads, head_dim=dim, rotary_dim=rot, eps=1e-6, rows=rows)
-                results.append(timed({"kernel": "attention", "context": context, "rows": real_rows, "chunk": chunk}, fn))
+                results.append(timed({"kernel": "attention", "context": context, "rows": real_rows, "chunk": chunk},
+                                     attention_call(context, real_rows, rows)))
     finally:
         attention_kernels.CHUNK = default
     return results

@@ -74,10 +74,11 @@ class Propose:
             if request.carried.shape[1] != width or request.carried.dtype != dtype_name(model.dtype):
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"tensor 'carried' must be {dtype_name(model.dtype)} "
                                                            f"[n, {width}], got {request.carried.dtype}{list(request.carried.shape)}")
-        if context_of(entry, request.seq).length < request.pos:
+        held = context_of(entry, request.seq).length
+        if held < request.pos:
             raise ProtocolError(ErrorCode.POSITION_MISMATCH,
-                                f"the drafter's context holds {entry.draft.length} rows, this verify starts at {request.pos}: "
-                                f"send rows {entry.draft.length}..{request.pos - 1} with PROPOSE first")
+                                f"the drafter's context holds {held} rows, this verify starts at {request.pos}: "
+                                f"send rows {held}..{request.pos - 1} with PROPOSE first")
 
     def after_verify_batch(self, verified: list[tuple]) -> list[dict]:
         """Per (request, entry, ids, captured) of verifies that ran: the verify's committed rows (the accepted
