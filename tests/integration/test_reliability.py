@@ -84,6 +84,7 @@ def test_a_shard_back_after_seconds_is_refilled_at_once(tmp_path, expected):
     pipeline = connect(binds)
     answered = []
     commits = []
+    observers = []
 
     def note_first_answer():
         answered.append(time.monotonic() if Client(binds[1]).wait_ready(timeout=120) else None)
@@ -95,13 +96,17 @@ def test_a_shard_back_after_seconds_is_refilled_at_once(tmp_path, expected):
             daemons[1].wait(10)
             time.sleep(1.0)  # down for a while, then back (loading takes a few seconds more)
             daemons[1] = Daemon("shard1-restarted", binds[1], PAIR_ARGS[1], tmp_path)
-            threading.Thread(target=note_first_answer, daemon=True).start()
+            observers.append(threading.Thread(target=note_first_answer, daemon=True))
+            observers[-1].start()
 
     try:
         result = greedy_decode(pipeline, 4, PROMPT, NEW_TOKENS, on_commit=kill_and_restart_head_shard,
                                recovery_timeout_s=90.0)
         finished = time.monotonic()
         assert result.tokens == expected and result.recoveries == 1
+        # the observer's own poll may see the daemon after the coordinator already has: wait for its answer
+        for observer in observers:
+            observer.join(timeout=120)
         # re-filled within a few liveness periods of the restarted daemon's first answer
         assert answered and finished - answered[0] < 10, (answered, finished)
     finally:
