@@ -3,10 +3,16 @@
 scripts/gpu_run.sh's BEFORE_TREE left in OUT: one line per figure, before / after / after over before.
 
     python3 scripts/ab_compare.py "$OUT"
+    python3 scripts/ab_compare.py RUN1 RUN2 RUN3 [--json FILE]
+
+With several OUT folders (the same A/B run again), each figure's line gives every run's after/before and their
+median: a figure stands or falls by the median of the runs, not by one of them.
 """
 
+import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -55,21 +61,58 @@ def load(path: Path) -> dict:
         return {}
 
 
+def ratio(before, after) -> float | None:
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (before, after))
+    return after / before if numbers and before else None
+
+
+def compare(folders: list[Path]) -> dict:
+    """{pair file: {figure: {"before": [...], "after": [...], "ratios": [...], "median_ratio": x}}} over the runs."""
+    table: dict = {}
+    for out in folders:
+        pairs = sorted(out.glob("*_before.json"))
+        if not pairs:
+            print(f"ab_compare: no *_before.json in {out}")
+        for before_path in pairs:
+            after_path = before_path.with_name(before_path.name.replace("_before.json", ".json"))
+            before, after = load(before_path), load(after_path)
+            figures = table.setdefault(after_path.name, {})
+            for key in [k for k in {**before, **after} if PATTERN.match(k)]:
+                row = figures.setdefault(key, {"before": [], "after": [], "ratios": []})
+                b, a = before.get(key, "-"), after.get(key, "-")
+                row["before"].append(b)
+                row["after"].append(a)
+                r = ratio(b, a)
+                if r is not None:
+                    row["ratios"].append(round(r, 4))
+    for figures in table.values():
+        for row in figures.values():
+            if row["ratios"]:
+                row["median_ratio"] = round(statistics.median(row["ratios"]), 4)
+    return table
+
+
 def main() -> int:
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results/gpu")
-    pairs = sorted(out.glob("*_before.json"))
-    if not pairs:
-        print(f"ab_compare: no *_before.json in {out}")
-    for before_path in pairs:
-        after_path = before_path.with_name(before_path.name.replace("_before.json", ".json"))
-        print(f"==== A/B {after_path.name}: before (old tree) | after (this tree) | after/before")
-        before, after = load(before_path), load(after_path)
-        for key in [k for k in {**before, **after} if PATTERN.match(k)]:
-            b, a = before.get(key, "-"), after.get(key, "-")
-            ratio = ""
-            if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) and b:
-                ratio = f"{a / b:.3f}"
-            print(f"{key:<48} {str(b):>12} {str(a):>12} {ratio:>7}")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", nargs="*", default=["bench/results/gpu"], help="OUT folders of the same A/B run")
+    parser.add_argument("--json", default=None, help="also write the table here")
+    args = parser.parse_args()
+    table = compare([Path(folder) for folder in args.out])
+    several = len(args.out) > 1
+    for name, figures in table.items():
+        print(f"==== A/B {name}: before (old tree) | after (this tree) | after/before"
+              + (" per run | median" if several else ""))
+        for key, row in figures.items():
+            if several:
+                ratios = " ".join(f"{r:.3f}" for r in row["ratios"])
+                median = f"{row['median_ratio']:.3f}" if "median_ratio" in row else ""
+                print(f"{key:<48} {ratios:>24} {median:>7}")
+            else:
+                b, a = row["before"][0], row["after"][0]
+                shown = f"{row['ratios'][0]:.3f}" if row["ratios"] else ""
+                print(f"{key:<48} {str(b):>12} {str(a):>12} {shown:>7}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(table, indent=1) + "\n")
     return 0
 
 
