@@ -608,6 +608,17 @@ def run_e2e(args) -> dict:
 # ---- dflash: the real drafter's PROPOSE every step, on one GPU ------------------------------------------------
 
 
+def run_dflash_drafter(args) -> dict:
+    """--parts dflash's first part, in a process of its own, so that none of its GPU memory (the drafter's graphs
+    keep private pools) is held while the placements' daemons load on the same GPU."""
+    if not args.dflash_device.startswith("cuda"):
+        return {}
+    out = drafter_in_process(args)
+    print(f"drafter PROPOSE in process: fast {out['draft_propose_ms_fast']} ms, reference "
+          f"{out['draft_propose_ms_reference']} ms, floor {out['draft_floor_ms']} ms", flush=True)
+    return out
+
+
 def drafter_in_process(args) -> dict:
     """PROPOSE's compute alone, in this process: the drafter (`--draft`) of the preset's target, its fast path
     (CUDA graphs) and its reference (eager), one context step of MEAN_COMMIT rows plus a 16-row block, against
@@ -692,6 +703,9 @@ def serve_processes(args, specs: dict[str, list[str]], run_dir: Path, *, max_seq
     """`shardd serve` per named spec (extra arguments), every one on `--dflash-device`; waits for every HELLO."""
     processes, endpoints = [], {}
     for name, extra in specs.items():
+        if processes and args.dflash_device.startswith("cuda"):
+            # one load at a time on the shared GPU, so their transients never add up
+            wait_started(processes, endpoints, run_dir)
         endpoint = f"ipc://{run_dir}/{name}.sock"
         log = open(run_dir / f"{name}.log", "w")
         command = [sys.executable, "-m", "shardd", "serve", "--synthetic", f"{args.preset}:{args.seed}",
@@ -700,9 +714,18 @@ def serve_processes(args, specs: dict[str, list[str]], run_dir: Path, *, max_seq
                    "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK), *extra, *without_prefix_cache(extra)]
         processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
         endpoints[name] = endpoint
-    wait_for_hello([(name, process, endpoint, run_dir / f"{name}.log")
-                    for process, (name, endpoint) in zip(processes, endpoints.items())])
+    wait_started(processes, endpoints, run_dir)
     return processes, endpoints
+
+
+def wait_started(processes: list, endpoints: dict[str, str], run_dir: Path) -> None:
+    """Every started daemon's HELLO; if one fails to come up, all of them are stopped."""
+    try:
+        wait_for_hello([(name, process, endpoint, run_dir / f"{name}.log")
+                        for process, (name, endpoint) in zip(processes, endpoints.items())])
+    except BaseException:
+        stop_processes(processes)
+        raise
 
 
 class TimedTarget:
@@ -784,16 +807,10 @@ def run_dflash(args) -> dict:
     from common.presets import preset_config
 
     out: dict = {"dflash_draft": args.draft, "dflash_device": args.dflash_device, "dflash_block": BLOCK}
-    if args.dflash_device.startswith("cuda"):
-        out.update(drafter_in_process(args))
-        gc.collect()  # the drafter's graphs and buffers (a reference cycle through its steps), then the cache:
-        torch.cuda.empty_cache()  # the daemons share this GPU
-        print(f"drafter PROPOSE in process: fast {out['draft_propose_ms_fast']} ms, reference "
-              f"{out['draft_propose_ms_reference']} ms, floor {out['draft_floor_ms']} ms", flush=True)
     config = preset_config(args.preset)
     half = config.num_layers // 2
     placements = [placement for placement in args.placements.split(",") if placement]
-    if not placements:  # --placements "": the drafter in process only (fits a GPU the daemons do not)
+    if not placements:
         return out
     specs = {"first": ["--layers", f"0:{half}"], "last": ["--layers", f"{half}:{config.num_layers}"]}
     hosts = {"last-propose": "last"}  # a placement measured on another placement's daemon
@@ -1901,18 +1918,21 @@ def run_moe(args) -> dict:
 # ---- the whole run ---------------------------------------------------------------------------------------
 
 PARTS = {"local": run_local, "transformers": run_transformers, "e2e": run_e2e, "relay": run_relay,
-         "delay": run_relay_vs_delay, "relay-dflash": run_dflash_relay, "dflash": run_dflash,
+         "delay": run_relay_vs_delay, "relay-dflash": run_dflash_relay,
+         "dflash-drafter": run_dflash_drafter, "dflash-placements": run_dflash,
          "dflash-batch": run_dflash_batch,
          "batch-local": run_batch_local, "batch-daemons": run_batch_daemons, "batch-step": run_batch_step,
          "prefix": run_prefix, "guided": run_guided, "moe": run_moe}
-BUNDLES = {"batch": ("batch-local", "batch-daemons")}  # --parts batch: the throughput sweep (scripts/bench_batch.py)
+BUNDLES = {"batch": ("batch-local", "batch-daemons"),  # --parts batch: the throughput sweep (scripts/bench_batch.py)
+           "dflash": ("dflash-drafter", "dflash-placements")}  # the drafter in process, then beside the daemons
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=sorted(PARTS), help="Run one part in this process.")
     parser.add_argument("--parts", default="local,transformers,e2e",
-                        help=f"Comma-separated, of {sorted(PARTS)} (batch: {', '.join(BUNDLES['batch'])}).")
+                        help=f"Comma-separated, of {sorted(PARTS)} and the bundles "
+                             + "; ".join(f"{name}: {', '.join(parts)}" for name, parts in BUNDLES.items()) + ".")
     parser.add_argument("--preset", default="qwen3.5-27b")
     parser.add_argument("--moe-preset", default="qwen3.5-35b-a3b", help="The moe part's MoE shape.")
     parser.add_argument("--seed", type=int, default=0)
