@@ -731,6 +731,22 @@ def _check_request(record: Request, limits: Limits) -> None:
                 raise _bad(f"tensor 'features' has zero width: shape {list(features.shape)}")
             if features.shape[0] > limits.max_tokens_per_request:
                 raise _too_large(f"{features.shape[0]} feature rows, limit {limits.max_tokens_per_request}")
+        _check_propose_saves(record)
+
+
+def _check_propose_saves(record: Propose) -> None:
+    ids, lengths = record.save_prefix, record.save_lengths
+    if (ids is None) != (lengths is None):
+        raise _bad("fields 'save_prefix' and 'save_lengths' of PROPOSE go together")
+    if ids is None:
+        return
+    if not ids or len(ids) != len(lengths):
+        raise _bad(f"fields 'save_prefix' and 'save_lengths' of PROPOSE need as many items, at least one "
+                   f"(got {len(ids)} and {len(lengths)})")
+    if len(set(ids)) != len(ids):
+        raise _bad(f"field 'save_prefix' of PROPOSE repeats an entry id: {ids}")
+    if any(b <= a for a, b in zip(lengths, lengths[1:])) or lengths[-1] > record.pos:
+        raise _bad(f"field 'save_lengths' of PROPOSE must ascend and end at most at pos {record.pos}: {lengths}")
 
 
 def encode_request(record: Request, validate: bool = True) -> Frames:

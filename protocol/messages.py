@@ -270,6 +270,13 @@ class Propose(_SequenceRequest):
     last_token: int = _header("int", "last committed token", minimum=0, limit=TOKEN_LIMIT)
     block_size: int = _header("int", "draft tokens wanted", minimum=1, limit=TOKEN_LIMIT)
     features: Optional[WireTensor] = _tensor(2, "[n, F] drafter context features of positions pos-n .. pos-1")
+    save_prefix: Optional[list[int]] = _header(
+        "int_list", "on a drafter-only daemon: once the rows joined the context, keep its first save_lengths[i] rows "
+        "as this client's prefix entry save_prefix[i]; the reply says which were kept (prefix_saved)",
+        minimum=0, limit=ID_LIMIT, default=None)
+    save_lengths: Optional[list[int]] = _header(
+        "int_list", "the context rows each save_prefix entry keeps: ascending, at most pos", minimum=1,
+        limit=ID_LIMIT, default=None)
 
 
 @dataclass(frozen=True)

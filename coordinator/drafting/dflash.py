@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from coordinator.relay.client import ShardClient, ShardError
-from coordinator.relay.pipeline import SHARD_FAILURES, BatchForward, Captured, Pipeline, as_sequence_lost
+from coordinator.relay.pipeline import SHARD_FAILURES, BatchForward, Captured, Pipeline, PrefixMissing, as_sequence_lost
 from coordinator.relay.shards import PipelineError
 from coordinator.sampling import TokenIds
 from protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, WireTensor
@@ -134,6 +134,7 @@ class DFlashDrafterClient:
         # A sequence belongs to the connection that opened it: on a pipeline shard, use the pipeline's own.
         self.shares_pipeline_daemon = where in pipeline.endpoints
         self.endpoint = where  # the daemon that drafts (named when it fails)
+        self.hello = hello
         # PROPOSE goes on a connection of its own (the same owner as the pipeline's, on a pipeline shard): behind the
         # pipeline's, it would wait for the rows of other micro-batches' steps in flight there
         self.client = pipeline.clients[pipeline.endpoints.index(where)].sibling() if self.shares_pipeline_daemon \
@@ -158,6 +159,9 @@ class DFlashDrafterClient:
         self.next_block: Optional[int] = None  # drafts the next verify's reply should propose
         self.pending: Optional[dict] = None  # the proposal of the last verify's reply
         self.proposals_in_reply = 0  # blocks taken from a verify reply (no PROPOSE sent)
+        # a drafter daemon of its own: (entry id, length) of the prefix entries the pipeline saved, which the next
+        # PROPOSE that brings their rows saves there too
+        self.saves: list[tuple[int, int]] = []
 
     def fresh(self) -> "DFlashDrafterClient":
         """A drafter for another sequence: the same checked daemon and connections, a state of its own."""
@@ -193,10 +197,13 @@ class DFlashDrafterClient:
             end = min(committed, begin + self.max_rows_per_request)
             features = self.rows.take(begin, end) if end > begin else None
             last = end == committed
+            saves = [save for save in self.saves if save[1] <= end]
             try:
-                result = self.client.propose(self.seq, end, history[end], n if last else 1, features)
+                result = self.client.propose(self.seq, end, history[end], n if last else 1, features, saves)
             except SHARD_FAILURES as error:  # a restarted drafter daemon: the loop re-fills, which resets us
                 raise as_sequence_lost(error, self.seq) from error
+            finally:  # sent once: a refused save leaves that entry cold on the drafter (it refuses OPEN from it)
+                self.saves = [save for save in self.saves if save[1] > end]
             if result.get("context_length") != end:
                 raise ProtocolError(
                     ErrorCode.INTERNAL,
@@ -217,6 +224,9 @@ class DFlashDrafterClient:
         if (self.proposes_in_reply and forward.checkpoint and len(forward.tokens) > 1
                 and self.next_block is not None and self.context_length >= forward.pos):
             propose = self.next_block
+        if forward.save_prefix is not None and not self.shares_pipeline_daemon:
+            self.saves = [save for save in self.saves if save[1] <= forward.pos]
+            self.saves.append((forward.save_prefix, forward.pos + len(forward.tokens)))
         return replace(forward, capture=list(self.layer_ids), propose=propose)
 
     def collect(self, forward: BatchForward, answer) -> TokenIds:
@@ -232,20 +242,30 @@ class DFlashDrafterClient:
 
     # ---- driven by FeatureCapture ----------------------------------------------------------
 
-    def opened(self, seq: int, length: int = 0) -> None:
-        """The target opened `seq` at `length` (a prefix entry's: the daemon hosting the drafter restored its
-        context rows too)."""
+    def opened(self, seq: int, length: int = 0, prefix: Optional[int] = None) -> None:
+        """The target opened `seq` at `length`, from prefix entry `prefix` if not None: the daemon hosting the
+        drafter restored its context rows too (PrefixMissing where a drafter daemon of its own lacks the entry)."""
         if self.seq is not None and self.seq != seq:
             raise RuntimeError(f"the dflash drafter serves sequence {self.seq}; sequence {seq} needs its own client")
         if not self.shares_pipeline_daemon:
-            self.client.open(seq)
+            try:
+                opened = self.client.open(seq, prefix)
+            except ShardError as error:
+                if error.code is ErrorCode.PREFIX_MISSING:
+                    raise PrefixMissing(str(error)) from error
+                raise
+            if opened["length"] != length:  # cannot be: both kept the prefix's rows at its length
+                with contextlib.suppress(ShardError):
+                    self.client.close(seq)
+                raise PrefixMissing(f"{self.endpoint} holds prefix entry {prefix} at {opened['length']} rows, "
+                                    f"the shards at {length}")
         self.seq, self.rows, self.context_length = seq, CapturedRows(self.layer_ids), length
-        self.next_block, self.pending = None, None
+        self.next_block, self.pending, self.saves = None, None, []
 
     def closed(self, seq: int) -> None:
         self.seq = None
         self.rows = CapturedRows(self.layer_ids)
-        self.next_block, self.pending = None, None
+        self.next_block, self.pending, self.saves = None, None, []
         if not self.shares_pipeline_daemon:
             with contextlib.suppress(ShardError):  # already gone (a restarted daemon) is closed enough
                 self.client.close(seq)
@@ -276,8 +296,10 @@ class FeatureCapture:
 
     @property
     def prefix_cache(self) -> bool:
-        """Prompts resume from prefix entries where the drafter's context is in them: beside a pipeline shard."""
-        return self.pipeline.prefix_cache and self.drafter.shares_pipeline_daemon
+        """Prompts resume from prefix entries where the drafter's context is in them: the pipeline shard's that hosts
+        the drafter, or a drafter daemon of its own that keeps entries too (its HELLO `prefix_cache`)."""
+        return self.pipeline.prefix_cache and (self.drafter.shares_pipeline_daemon
+                                               or bool(self.drafter.hello.get("prefix_cache")))
 
     def open(self, seq: int, prefix: Optional[int] = None) -> int:
         opening = {"prefix": prefix} if prefix is not None else {}
@@ -285,7 +307,7 @@ class FeatureCapture:
             opening["draft_context"] = True
         length = self.pipeline.open(seq, **opening) or 0
         try:
-            self.drafter.opened(seq, length)
+            self.drafter.opened(seq, length, prefix)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.pipeline.close(seq)

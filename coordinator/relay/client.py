@@ -18,7 +18,7 @@ import secrets
 from collections import deque
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import zmq
 
@@ -388,8 +388,8 @@ class ShardClient:
             self.busy_poll_s = follow_busy_poll(result.get("busy_poll_ms"))
         return result
 
-    def open(self, seq: int) -> dict:
-        return self.request(Open(id=0, seq=seq)).result
+    def open(self, seq: int, prefix: Optional[int] = None) -> dict:
+        return self.request(Open(id=0, seq=seq, prefix=prefix)).result
 
     def forward(
         self,
@@ -402,12 +402,16 @@ class ShardClient:
         return self.request(forward_record(seq, pos, tokens, hidden, checkpoint))
 
     def propose(
-        self, seq: int, pos: int, last_token: int, block_size: int, features: Optional[WireTensor] = None
+        self, seq: int, pos: int, last_token: int, block_size: int, features: Optional[WireTensor] = None,
+        saves: Sequence[tuple[int, int]] = (),
     ) -> dict:
         """PROPOSE: the feature rows of positions pos-n .. pos-1 join the drafter's context; the result holds
-        `block_size` draft `tokens` after `last_token` (at `pos`) and the drafter's `context_length`."""
+        `block_size` draft `tokens` after `last_token` (at `pos`) and the drafter's `context_length`. `saves`:
+        (prefix entry id, length) the drafter-only daemon keeps of the context (the result's `prefix_saved`)."""
+        ids, lengths = ([entry for entry, _ in saves], [length for _, length in saves]) if saves else (None, None)
         return self.request(
-            Propose(id=0, seq=seq, pos=pos, last_token=last_token, block_size=block_size, features=features)
+            Propose(id=0, seq=seq, pos=pos, last_token=last_token, block_size=block_size, features=features,
+                    save_prefix=ids, save_lengths=lengths)
         ).result
 
     def rollback(self, seq: int, keep: int) -> dict:

@@ -37,11 +37,9 @@ log = logging.getLogger("shardd")
 
 def prefix_budget(shard, config: ShardConfig, memory: dict | None) -> int:
     """The prefix cache's bytes: the memory plan's item (`shardd serve`), else --prefix-cache-gib or its CPU
-    default (a daemon built in-process); none without layers."""
+    default (a daemon built in-process). A drafter-only daemon keeps entries of drafter context rows."""
     from common.memory import PREFIX_CACHE_CPU
 
-    if shard is None:
-        return 0
     if memory is not None and "prefix_cache" in memory.get("items", {}):
         return memory["items"]["prefix_cache"]
     return config.prefix_cache_bytes if config.prefix_cache_bytes is not None else PREFIX_CACHE_CPU

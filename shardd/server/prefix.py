@@ -32,7 +32,8 @@ class PrefixEntry:
     length: int
     parent: "PrefixEntry | None"
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # attention layer -> key, value [heads, length - start, dim]
-    gdn: tuple[torch.Tensor, torch.Tensor] | None  # conv, recurrent of every GDN layer; None once evicted
+    gdn: tuple[torch.Tensor, ...] | None  # conv, recurrent of every GDN layer (a drafter-only daemon's: ()); None
+    # once evicted
     draft: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # drafter context K/V rows [start, length)
     children: int = 0
     pins: int = 0  # open sequences that name it as their prefix
@@ -166,8 +167,12 @@ def entry_bytes(state, start: int, draft=None) -> int:
     """What `capture_entry` of `state` after `start` positions will allocate."""
     rows = state.length - start
     kv = sum(2 * cache.key[:, :rows].numel() * cache.key.element_size() for cache in state.kv.values())
-    drafted = sum(2 * cache.key[:, :rows].numel() * cache.key.element_size() for cache in draft.kv) if draft else 0
-    return kv + drafted + state.gdn.nbytes()
+    return kv + (draft_bytes(draft, rows) if draft else 0) + state.gdn.nbytes()
+
+
+def draft_bytes(draft, rows: int) -> int:
+    """What `rows` positions of a drafter context (a DraftState) take as an entry's copies."""
+    return sum(2 * cache.key[:, :rows].numel() * cache.key.element_size() for cache in draft.kv)
 
 
 def capture_entry(owner: bytes, entry_id: int, state, parent: PrefixEntry | None, draft=None) -> PrefixEntry:
@@ -189,7 +194,8 @@ def draft_rows(draft, start: int, length: int) -> list[tuple[torch.Tensor, torch
 
 
 def resume(entry: PrefixEntry, state, draft=None) -> None:
-    """Fill a fresh sequence state (and the drafter's `draft` context) with `entry`'s prefix."""
+    """Fill a fresh sequence state (None on a drafter-only daemon) and the drafter's `draft` context with
+    `entry`'s prefix."""
     for e in entry.chain():
         for layer, (key, value) in e.kv.items():
             state.kv[layer].key[:, e.start:e.length].copy_(key)
@@ -198,11 +204,12 @@ def resume(entry: PrefixEntry, state, draft=None) -> None:
             for cache, (key, value) in zip(draft.kv, e.draft):
                 cache.key[:, e.start:e.length].copy_(key)
                 cache.value[:, e.start:e.length].copy_(value)
-    conv, recurrent = entry.gdn
-    state.gdn.conv.copy_(conv)
-    state.gdn.recurrent.copy_(recurrent)
-    state.length = entry.length
-    state.pending = None
-    state.snapshot = None
+    if state is not None:
+        conv, recurrent = entry.gdn
+        state.gdn.conv.copy_(conv)
+        state.gdn.recurrent.copy_(recurrent)
+        state.length = entry.length
+        state.pending = None
+        state.snapshot = None
     if draft is not None:
         draft.length = entry.length

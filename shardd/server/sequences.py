@@ -12,7 +12,8 @@ import torch
 from protocol import ErrorCode, ProtocolError
 from shardd.draft.model import DraftState
 from shardd.engine.reference.state import SequenceState
-from shardd.server.prefix import PrefixCache, PrefixEntry, capture_entry, draft_rows, entry_bytes, resume
+from shardd.server.prefix import (PrefixCache, PrefixEntry, capture_entry, draft_bytes, draft_rows, entry_bytes,
+                                  resume)
 from shardd.server.stats import Counters
 
 log = logging.getLogger("shardd")
@@ -83,8 +84,6 @@ class SequenceTable:
         drafts = self.drafter is not None and draft_context
         cached = None
         if prefix is not None:
-            if self.shard is None:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, "a drafter-only daemon holds no prefix entries")
             cached = self.prefix_cache.find(owner, prefix, draft=drafts)
         try:
             state = self.shard.new_state(self.max_context) if self.shard is not None else None
@@ -124,6 +123,31 @@ class SequenceTable:
         if entry.draft is not None and draft is None:  # its context has yet to catch up
             entry.draft_waiting.append(saved)
         return True
+
+    def save_draft_prefixes(self, owner: bytes, entry: Sequence, saves: list[tuple[int, int]]) -> list[bool]:
+        """On a drafter-only daemon: keep the first `length` rows of `entry`'s drafter context as `owner`'s prefix
+        entry `entry_id`, for each (entry_id, length) in ascending length, each after the last one kept; whether
+        each was kept (the budget may decline one)."""
+        cache, kept = self.prefix_cache, []
+        for entry_id, length in saves:
+            parent = entry.prefix  # pinned: never evicted while open
+            start = parent.length if parent is not None else 0
+            if not cache.make_room(owner, entry_id, draft_bytes(entry.draft, length - start), parent):
+                kept.append(False)
+                continue
+            try:
+                saved = PrefixEntry(owner, entry_id, length, parent, kv={}, gdn=(),
+                                    draft=draft_rows(entry.draft, start, length))
+            except (torch.OutOfMemoryError, MemoryError):
+                cache.declined += 1
+                kept.append(False)
+                continue
+            cache.insert(saved)
+            cache.release(entry.prefix)
+            saved.pins += 1
+            entry.prefix = saved
+            kept.append(True)
+        return kept
 
     def draft_added(self, entry: Sequence) -> None:
         """The drafter's context of `entry` grew: its saved entries whose prefix it now covers take their rows."""

@@ -350,5 +350,5 @@ def daemon_memory_plan(source: ModelSource, config: ModelConfig, shard):
         drafter_bytes=drafter_bytes, drafter_state=drafter_state, cap=shard.max_gpu_memory,
         # the GPU prefill's graphs (--prefill-rows) exist on a GPU only
         prefill_rows=shard.prefill_rows if layers is not None and shard.on_gpu else 0,
-        prefix_cache=shard.prefix_cache_bytes if layers is not None else 0, on_gpu=shard.on_gpu,
+        prefix_cache=shard.prefix_cache_bytes, on_gpu=shard.on_gpu,
         device_bytes=shard.device_bytes)

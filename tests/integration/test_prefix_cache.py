@@ -263,6 +263,96 @@ def test_a_sequence_opened_without_a_drafter_context_cannot_propose(beside):
         head.close()
 
 
+@pytest.fixture(scope="module")
+def own(tmp_path_factory):
+    """Two daemons of layers and a drafter-only daemon (its entries hold the drafter's context alone), and a second
+    drafter-only daemon whose budget holds no entry."""
+    from tests.support.daemons import free_tcp_endpoint, start_daemons
+
+    binds = {name: free_tcp_endpoint() for name in ("first", "head", "drafter", "tiny")}
+    specs = {"first": (binds["first"], ["--layers", "0:3"]), "head": (binds["head"], ["--layers", "3:6"]),
+             "drafter": (binds["drafter"], ["--layers", "none", "--draft", "synthetic"]),
+             "tiny": (binds["tiny"], ["--layers", "none", "--draft", "synthetic", "--prefix-cache-gib", "0.000001"])}
+    daemons = start_daemons(specs, tmp_path_factory.mktemp("prefix-own"))
+    pipeline = Pipeline.connect([binds["first"], binds["head"]])
+    try:
+        yield pipeline, binds
+    finally:
+        pipeline.disconnect()
+        stop_all(daemons.values())
+
+
+def _dflash_runs(pipeline, drafter, caching):
+    scheduler = Scheduler(pipeline, max_sequences=2, prefill_chunk=CHUNK, prefix_caching=caching)
+    done = [scheduler.run_all([Request(p, 12, drafter=drafter.fresh(), block_size=4)])[0] for p in PROMPTS + [TURN]]
+    return [(r.outcome().tokens, r.result.drafted, r.result.accepted, r.result.cached_tokens) for r in done]
+
+
+def test_a_drafter_daemon_of_its_own_resumes_its_context_too(own):
+    """The entries the shards save are saved on the drafter-only daemon by the PROPOSE that brings their rows; a
+    DFlash stream resumes from both, with the cold run's tokens and acceptance."""
+    from coordinator.drafting.dflash import DFlashDrafterClient
+    from coordinator.relay.client import ShardClient
+
+    pipeline, binds = own
+    drafter = DFlashDrafterClient(ShardClient(binds["drafter"]), pipeline)
+    assert not drafter.shares_pipeline_daemon and drafter.target.prefix_cache
+    cold, warm = _dflash_runs(pipeline, drafter, False), _dflash_runs(pipeline, drafter, True)
+    assert [c[:3] for c in warm] == [c[:3] for c in cold]
+    assert all(c[3] == 0 for c in cold) and all(w[3] >= len(SYSTEM) // CHUNK * CHUNK for w in warm[1:])
+    assert warm[-1][3] >= len(PROMPTS[0]) // CHUNK * CHUNK  # the second turn resumes past the first one's prompt
+    stats = drafter.client.stats()["prefix_cache"]
+    assert stats["saves"] > 0 and stats["hits"] >= 4 and stats["misses"] == 0
+
+
+def test_a_drafter_daemon_without_the_entry_sends_the_prompt_cold(own):
+    """The shards hold the entries, the drafter-only daemon could keep none (its budget): OPEN from them is refused
+    there, the shards close the sequence again, and the prompt prefills cold with the same tokens."""
+    from coordinator.drafting.dflash import DFlashDrafterClient
+    from coordinator.relay.client import ShardClient
+
+    pipeline, binds = own
+    drafter = DFlashDrafterClient(ShardClient(binds["tiny"]), pipeline)
+    assert drafter.target.prefix_cache
+    cold, warm = _dflash_runs(pipeline, drafter, False), _dflash_runs(pipeline, drafter, True)
+    assert [c[:3] for c in warm] == [c[:3] for c in cold] and all(w[3] == 0 for w in warm)
+    stats = drafter.client.stats()["prefix_cache"]
+    assert stats["entries"] == 0 and stats["declined"] > 0 and stats["misses"] > 0
+    assert all(s["open_sequences"] == 0 for s in pipeline.stats())
+
+
+def test_the_wire_refuses_saves_that_cannot_be_kept(own, beside):
+    """PROPOSE's saves: both fields or neither, lengths ascending within pos, new ids, only on a drafter-only
+    daemon; each refusal changes nothing."""
+    _, binds = own
+    drafter = Client(binds["drafter"])
+    try:
+        drafter.call(MessageType.OPEN, seq=962)
+        held = drafter.call(MessageType.STATS).result["prefix_cache"]["entries"]
+        for fields, words in (({"save_prefix": [5]}, "save_lengths"),
+                              ({"save_prefix": [5, 6], "save_lengths": [2, 1]}, "ascend"),
+                              ({"save_prefix": [5], "save_lengths": [3]}, "pos"),
+                              ({"save_prefix": [5, 5], "save_lengths": [1, 2]}, "repeats")):
+            refused = drafter.request(MessageType.PROPOSE, validate=False, seq=962, pos=2, last_token=3, block_size=2,
+                                      **fields)
+            assert refused.error_code == "BAD_REQUEST" and words in refused.error_message, refused
+        assert drafter.request(MessageType.OPEN, seq=963, prefix=123456).error_code == "PREFIX_MISSING"
+        stats = drafter.call(MessageType.STATS).result
+        assert stats["prefix_cache"]["entries"] == held and stats["drafter"]["context_rows"]["962"] == 0
+        drafter.call(MessageType.CLOSE, seq=962)
+    finally:
+        drafter.close()
+    head = Client(beside.endpoints[1])  # layers and the drafter: its entries come with FORWARD's save_prefix
+    try:
+        head.call(MessageType.OPEN, seq=964)
+        refused = head.request(MessageType.PROPOSE, seq=964, pos=1, last_token=3, block_size=2, save_prefix=[7],
+                               save_lengths=[1], validate=False)
+        assert refused.error_code == "BAD_REQUEST" and "drafter-only" in refused.error_message
+        head.call(MessageType.CLOSE, seq=964)
+    finally:
+        head.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["checkpoint", "replay-ssm"])
 def test_the_fast_engine_resumes_bit_for_bit(tmp_path, mode):

@@ -36,6 +36,7 @@ class Propose:
         draft = context_of(entry, request.seq)
         check_finite("features", request.features)
         features = request.features.to_torch() if request.features is not None else None
+        saves = self._check_saves(request, entry, peer)
         model.check_propose(draft, request.pos, features, request.last_token, request.block_size)
         n = features.shape[0] if features is not None else 0
         start = request.pos - n
@@ -49,10 +50,30 @@ class Propose:
             model.add_context(draft, features)
             counters.draft_context_rows += n
             self.sequences.draft_added(entry)
+        kept = self.sequences.save_draft_prefixes(peer.owner, entry, saves) if saves else None
         ids, _ = model.propose(draft, request.last_token, request.block_size + 1)
         counters.proposals += 1
         counters.draft_tokens += request.block_size
-        return {"seq": request.seq, "tokens": ids.tolist(), "context_length": draft.length}, {}
+        result = {"seq": request.seq, "tokens": ids.tolist(), "context_length": draft.length}
+        if kept is not None:
+            result["prefix_saved"] = kept
+        return result, {}
+
+    def _check_saves(self, request, entry, peer: Peer) -> list[tuple[int, int]]:
+        """PROPOSE's (entry id, length) saves, checked before anything changes: a drafter-only daemon's, of new ids,
+        past the entry the sequence was opened from or saved last (the codec checked the lengths ascend to pos)."""
+        if request.save_prefix is None:
+            return []
+        if self.sequences.shard is not None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "save_prefix of PROPOSE is for a drafter-only daemon; a daemon "
+                                                       "with layers saves entries with FORWARD's save_prefix")
+        for entry_id in request.save_prefix:
+            self.sequences.prefix_cache.check_new(peer.owner, entry_id)
+        held = entry.prefix.length if entry.prefix is not None else 0
+        if request.save_lengths[0] <= held:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"save_lengths start at {request.save_lengths[0]}, within the "
+                                                       f"{held} rows of the entry this sequence resumed from or saved last")
+        return list(zip(request.save_prefix, request.save_lengths))
 
     def check(self, request, shard, entry) -> None:
         """A CAPTURE with `propose`, before it changes anything: the drafter, the head and every feature it needs."""

@@ -98,7 +98,7 @@ class Session:
             "ring_wait": daemon.relay.ring_wait(),
             # prefix entries this daemon can keep (PROTOCOL.md, "Prefix caching"); null: none (no layers, or off)
             "prefix_cache": {"budget_bytes": daemon.prefix_cache.budget_bytes}
-            if shard is not None and daemon.prefix_cache.budget_bytes else None,
+            if daemon.prefix_cache.budget_bytes else None,
         }
 
     def open(self, request, peer: Peer):
