@@ -134,7 +134,8 @@ class DFlashDrafterClient:
         # A sequence belongs to the connection that opened it: on a pipeline shard, use the pipeline's own.
         self.shares_pipeline_daemon = where in pipeline.endpoints
         self.endpoint = where  # the daemon that drafts (named when it fails)
-        self.hello = hello
+        # a drafter daemon of its own that keeps prefix entries of its context (saved by PROPOSE)
+        self.keeps_prefixes = not self.shares_pipeline_daemon and bool(hello.get("prefix_cache"))
         # PROPOSE goes on a connection of its own (the same owner as the pipeline's, on a pipeline shard): behind the
         # pipeline's, it would wait for the rows of other micro-batches' steps in flight there
         self.client = pipeline.clients[pipeline.endpoints.index(where)].sibling() if self.shares_pipeline_daemon \
@@ -224,7 +225,7 @@ class DFlashDrafterClient:
         if (self.proposes_in_reply and forward.checkpoint and len(forward.tokens) > 1
                 and self.next_block is not None and self.context_length >= forward.pos):
             propose = self.next_block
-        if forward.save_prefix is not None and not self.shares_pipeline_daemon:
+        if forward.save_prefix is not None and self.keeps_prefixes:
             self.saves = [save for save in self.saves if save[1] <= forward.pos]
             self.saves.append((forward.save_prefix, forward.pos + len(forward.tokens)))
         return replace(forward, capture=list(self.layer_ids), propose=propose)
@@ -298,8 +299,7 @@ class FeatureCapture:
     def prefix_cache(self) -> bool:
         """Prompts resume from prefix entries where the drafter's context is in them: the pipeline shard's that hosts
         the drafter, or a drafter daemon of its own that keeps entries too (its HELLO `prefix_cache`)."""
-        return self.pipeline.prefix_cache and (self.drafter.shares_pipeline_daemon
-                                               or bool(self.drafter.hello.get("prefix_cache")))
+        return self.pipeline.prefix_cache and (self.drafter.shares_pipeline_daemon or self.drafter.keeps_prefixes)
 
     def open(self, seq: int, prefix: Optional[int] = None) -> int:
         opening = {"prefix": prefix} if prefix is not None else {}
@@ -307,7 +307,10 @@ class FeatureCapture:
             opening["draft_context"] = True
         length = self.pipeline.open(seq, **opening) or 0
         try:
-            self.drafter.opened(seq, length, prefix)
+            if prefix is not None and not self.drafter.shares_pipeline_daemon:  # its own daemon resumes it too
+                self.drafter.opened(seq, length, prefix)
+            else:
+                self.drafter.opened(seq, length)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.pipeline.close(seq)
