@@ -253,13 +253,13 @@ class DFlashDrafterClient:
                 opened = self.client.open(seq, prefix)
             except ShardError as error:
                 if error.code is ErrorCode.PREFIX_MISSING:
-                    raise PrefixMissing(str(error)) from error
+                    raise PrefixMissing(str(error), held=True) from error
                 raise
             if opened["length"] != length:  # cannot be: both kept the prefix's rows at its length
                 with contextlib.suppress(ShardError):
                     self.client.close(seq)
                 raise PrefixMissing(f"{self.endpoint} holds prefix entry {prefix} at {opened['length']} rows, "
-                                    f"the shards at {length}")
+                                    f"the shards at {length}", held=True)
         self.seq, self.rows, self.context_length = seq, CapturedRows(self.layer_ids), length
         self.next_block, self.pending, self.saves = None, None, []
 

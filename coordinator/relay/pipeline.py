@@ -86,7 +86,12 @@ class _Step:
 
 class PrefixMissing(PipelineError):
     """OPEN from a prefix entry that a shard no longer holds (evicted, restarted): nothing stays open; open the
-    sequence cold."""
+    sequence cold. `held`: the pipeline's shards hold it and only a drafter daemon of its own lacks it (its
+    entries come with the PROPOSE after a prompt's last chunk), so it still serves streams that do not draft there."""
+
+    def __init__(self, message: str, held: bool = False) -> None:
+        super().__init__(message)
+        self.held = held
 
 
 class CheckpointUnavailable(PipelineError):

@@ -377,7 +377,8 @@ class Scheduler:
     def _open(self, request: Request) -> None:
         """Open the request's sequence: from the longest prefix of its prompt the shards keep (prefix caching, where
         its target resumes: the batch's own, a drafter's beside a shard), else empty. A prefix entry a shard no
-        longer holds is forgotten and the sequence opens empty: the same tokens either way."""
+        longer holds is forgotten (one a drafter daemon of its own lacks is not: the shards still serve it) and the
+        sequence opens empty: the same tokens either way."""
         prefixes = self.prefixes if getattr(request.target, "prefix_cache", False) else None
         if prefixes is not None:
             request.prefix_digests = prefixes.digests(request.cache_salt, request.prompt)
@@ -387,8 +388,9 @@ class Scheduler:
             if hit is not None:
                 try:
                     request.target.open(request.seq, prefix=hit.entry)
-                except PrefixMissing:
-                    prefixes.forget(hit.entry)
+                except PrefixMissing as missing:
+                    if not missing.held:  # held: the shards keep it for streams that do not draft elsewhere
+                        prefixes.forget(hit.entry)
                 else:
                     request.prefilled = request.result.cached_tokens = hit.length
                     prefixes.hits += 1

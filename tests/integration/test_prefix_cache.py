@@ -282,8 +282,8 @@ def own(tmp_path_factory):
         stop_all(daemons.values())
 
 
-def _dflash_runs(pipeline, drafter, caching):
-    scheduler = Scheduler(pipeline, max_sequences=2, prefill_chunk=CHUNK, prefix_caching=caching)
+def _dflash_runs(pipeline, drafter, caching, scheduler=None):
+    scheduler = scheduler or Scheduler(pipeline, max_sequences=2, prefill_chunk=CHUNK, prefix_caching=caching)
     done = [scheduler.run_all([Request(p, 12, drafter=drafter.fresh(), block_size=4)])[0] for p in PROMPTS + [TURN]]
     return [(r.outcome().tokens, r.result.drafted, r.result.accepted, r.result.cached_tokens) for r in done]
 
@@ -307,15 +307,19 @@ def test_a_drafter_daemon_of_its_own_resumes_its_context_too(own):
 
 def test_a_drafter_daemon_without_the_entry_sends_the_prompt_cold(own):
     """The shards hold the entries, the drafter-only daemon could keep none (its budget): OPEN from them is refused
-    there, the shards close the sequence again, and the prompt prefills cold with the same tokens."""
+    there, the shards close the sequence again, and the prompt prefills cold with the same tokens. The entries stay
+    in the index: a stream without the drafter still resumes from them."""
     from coordinator.drafting.dflash import DFlashDrafterClient
     from coordinator.relay.client import ShardClient
 
     pipeline, binds = own
     drafter = DFlashDrafterClient(ShardClient(binds["tiny"]), pipeline)
     assert drafter.target.prefix_cache
-    cold, warm = _dflash_runs(pipeline, drafter, False), _dflash_runs(pipeline, drafter, True)
+    scheduler = Scheduler(pipeline, max_sequences=2, prefill_chunk=CHUNK)
+    cold, warm = _dflash_runs(pipeline, drafter, False), _dflash_runs(pipeline, drafter, True, scheduler)
     assert [c[:3] for c in warm] == [c[:3] for c in cold] and all(w[3] == 0 for w in warm)
+    (plain,) = scheduler.run_all([Request(PROMPTS[1], 12)])
+    assert plain.result.cached_tokens >= len(SYSTEM) // CHUNK * CHUNK
     stats = drafter.client.stats()["prefix_cache"]
     assert stats["entries"] == 0 and stats["declined"] > 0 and stats["misses"] > 0
     assert all(s["open_sequences"] == 0 for s in pipeline.stats())
