@@ -626,9 +626,9 @@ def drafter_in_process(args) -> dict:
     import torch
 
     from shardd.draft.model import DFlashDrafter
-    from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights
+    from common.draft_config import parse_draft, synthetic_draft_config
+    from shardd.draft.synthetic import synthetic_draft_weights
     from shardd.engine.fast.draft import FastDrafter
-    from shardd.weights.loading import parse_draft
     from common.presets import preset_config
     from shardd.synthetic.model import synthetic_tensor
 

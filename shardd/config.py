@@ -128,7 +128,7 @@ class ShardConfig:
         from protocol.layout import check_layer_range, parse_layer_range
         from shardd.engine.select import resolve_engine, step_rows_for
         from shardd.obs.health import device_memory
-        from shardd.weights.loading import parse_draft
+        from common.draft_config import parse_draft
         from common.memory import parse_memory
 
         try:

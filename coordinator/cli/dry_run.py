@@ -9,12 +9,14 @@ from typing import Optional
 
 import click
 
+from common.draft_config import load_draft_config, parse_draft, synthetic_draft_config
 from common.dtypes import resolve_dtype
-from common.memory import MemoryPlan, fmt_gib, parse_memory, plan_memory, rollback_bytes_per_sequence
+from common.memory import (MemoryPlan, drafter_state_bytes, drafter_weight_bytes, fmt_gib, parse_memory, plan_memory,
+                           rollback_bytes_per_sequence)
 from common.model_config import ModelConfig
 from common.quantization import Fp8Scheme
-from common.shapes import fp8_tensors, shard_shapes, weight_bytes_by_part
-from common.sizes import PREFILL_ROWS, step_rows_for
+from common.shapes import WEIGHT_PARTS, fp8_tensors, shard_shapes, weight_bytes_by_part
+from common.sizes import PREFILL_ROWS, drafter_step_rows, step_rows_for
 from coordinator.cli.output import format_table
 from protocol.layout import CHECKPOINT
 
@@ -23,19 +25,27 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DAEMON_DEFAULTS = {"max_sequences": 8, "max_context": 4096, "max_tokens_per_request": 4096, "max_verify_tokens": 16,
                    "rollback_mode": CHECKPOINT}
 # what a daemon holds per sequence, beside its weights
-STATE_ITEMS = ("kv_cache", "gdn_states", "checkpoint_buffers")
+STATE_ITEMS = ("kv_cache", "gdn_states", "checkpoint_buffers", "drafter_context")
 
 
 @dataclass
 class DaemonPlan:
-    layers: tuple[int, int]
+    layers: tuple[int, int] | None  # None: a drafter-only daemon
     device: str
     dtype: str
     engine: str
     plan: MemoryPlan
+    drafter: bool = False  # it hosts the drafter (--draft)
+
+    @property
+    def name(self) -> str:
+        if self.layers is None:
+            return "drafter"
+        return f"{self.layers[0]}:{self.layers[1]}" + (" + drafter" if self.drafter else "")
 
     def describe(self) -> dict:
-        return {"layers": list(self.layers), "device": self.device, "dtype": self.dtype, "engine": self.engine,
+        return {"layers": None if self.layers is None else list(self.layers), "drafter": self.drafter,
+                "device": self.device, "dtype": self.dtype, "engine": self.engine,
                 "weights": {name: n for name, n in self.plan.weight_parts.items() if n},
                 "items": dict(self.plan.items), "total_bytes": self.plan.total, "cap_bytes": self.plan.cap,
                 "fits": self.plan.fits()}
@@ -43,22 +53,26 @@ class DaemonPlan:
 
 def daemon_plans(config: ModelConfig, splits, *, scheme: Optional[Fp8Scheme], model_dir: Optional[str],
                  devices: tuple[str, ...], dtype: Optional[str], max_gpu_memory: Optional[str],
-                 **limits) -> list[DaemonPlan]:
+                 draft: Optional[str] = None, draft_placement: str = "last", **limits) -> list[DaemonPlan]:
     """The memory plan of each daemon `splits` launches, as `shardd serve` computes it at its start with the same
     flags (`limits`: max_sequences, max_context, max_tokens_per_request, max_verify_tokens, rollback_mode; None
-    takes the daemon's default). The engine is `--engine auto`'s: the fast step on a GPU, the reference engine on the
-    CPU."""
+    takes the daemon's default), with the drafter (`draft`) beside the first or the last shard or on a daemon of its
+    own (`draft_placement`, on the last shard's device) as `launch` places it. The engine is `--engine auto`'s: the
+    fast step on a GPU, the reference engine on the CPU."""
     limits = {name: DAEMON_DEFAULTS[name] if limits.get(name) is None else limits[name] for name in DAEMON_DEFAULTS}
     try:
         cap = None if max_gpu_memory is None else parse_memory(max_gpu_memory, None)
     except ValueError as error:
         raise click.BadParameter(f"{error} (a dry run knows no device: give a size)", param_hint="--max-gpu-memory")
     plans = []
+    hosts = {"first": 0, "last": len(splits) - 1}.get(draft_placement) if draft is not None else None
     for index, (begin, end) in enumerate(splits):
         device = devices[index] if len(devices) > 1 else (devices[0] if devices else "cpu")
         on_gpu = device.startswith("cuda")
         weight_dtype = resolve_dtype(dtype or "auto", device, model_dir)
         engine = "fast" if on_gpu else "reference"
+        drafter_bytes, drafter_state = _drafter(config, draft, (begin, end), DTYPE_BYTES[weight_dtype], engine,
+                                                limits) if index == hosts else (0, None)
         keeps_fp8 = on_gpu  # shardd.config.ShardConfig.keeps_fp8: the CPU dequantizes at load
         shapes = shard_shapes(config, begin, end)
         fp8 = fp8_tensors(shapes, scheme) if keeps_fp8 else set()
@@ -73,9 +87,41 @@ def daemon_plans(config: ModelConfig, splits, *, scheme: Optional[Fp8Scheme], mo
             max_tokens_per_request=limits["max_tokens_per_request"],
             checkpoint_bytes_per_sequence=rollback_bytes_per_sequence(config, gdn, mode if verify else None, verify),
             step_rows=step_rows or (verify or 16), cap=cap, prefill_rows=PREFILL_ROWS if on_gpu else 0,
+            drafter_bytes=drafter_bytes, drafter_state=drafter_state,
             prefix_cache=None, on_gpu=on_gpu)  # the daemons' --prefix-cache-gib auto
-        plans.append(DaemonPlan((begin, end), device, weight_dtype, engine, plan))
+        plans.append(DaemonPlan((begin, end), device, weight_dtype, engine, plan, drafter=index == hosts))
+    if draft is not None and hosts is None:  # a daemon of its own: `shardd serve --layers none --draft`
+        device = devices[-1] if devices else "cpu"
+        on_gpu = device.startswith("cuda")
+        weight_dtype = resolve_dtype(dtype or "auto", device, model_dir)
+        engine = "fast" if on_gpu else "reference"
+        drafter_bytes, drafter_state = _drafter(config, draft, None, DTYPE_BYTES[weight_dtype], engine, limits)
+        plan = plan_memory(
+            config, 0, 0, weight_bytes={}, dtype_bytes=DTYPE_BYTES[weight_dtype], engine="reference",
+            max_sequences=0, max_context=limits["max_context"], max_tokens_per_request=limits["max_tokens_per_request"],
+            checkpoint_bytes_per_sequence=0, step_rows=limits["max_verify_tokens"] or 16, cap=cap,
+            drafter_bytes=drafter_bytes, drafter_state=drafter_state, prefix_cache=None, on_gpu=on_gpu)
+        plans.append(DaemonPlan(None, device, weight_dtype, engine, plan, drafter=True))
     return plans
+
+
+def _drafter(config: ModelConfig, draft: str, layers: tuple[int, int] | None, dtype_bytes: int, engine: str,
+             limits: dict) -> tuple[int, dict[str, int]]:
+    """A hosted drafter's weights (with the target embedding and head it borrows where `layers` lack them) and its
+    per-sequence state, as `shardd serve --draft` plans them (shardd.weights.loading.daemon_memory_plan)."""
+    try:
+        draft_dir, draft_layers = parse_draft(draft)
+        draft_config = load_draft_config(draft_dir) if draft_dir is not None else \
+            synthetic_draft_config(config, num_layers=draft_layers)
+    except (ValueError, OSError) as error:
+        raise click.BadParameter(str(error), param_hint="--draft") from None
+    weights = drafter_weight_bytes(draft_config, config, dtype_bytes,
+                                   shares_embedding=layers is not None and layers[0] == 0,
+                                   shares_head=layers is not None and layers[1] == config.num_layers)
+    rows = drafter_step_rows(draft_config.block_size, limits["max_sequences"], None)
+    state = drafter_state_bytes(draft_config, config.vocab_size, dtype_bytes, engine=engine,
+                                max_sequences=limits["max_sequences"], max_context=limits["max_context"], step_rows=rows)
+    return weights, state
 
 
 def _gib(nbytes: int) -> str:
@@ -83,16 +129,17 @@ def _gib(nbytes: int) -> str:
 
 
 def plans_table(plans: list[DaemonPlan]) -> str:
-    """One row a daemon, GiB: its weights by part, what its sequences hold, the rest, the total against its cap."""
+    """One row a daemon, GiB: its weights by part (WEIGHTS adds a hosted drafter's, with the target embedding and
+    head it borrows), what its sequences hold, the rest, the total against its cap."""
     rows = []
     for daemon in plans:
-        parts, items = daemon.plan.weight_parts, daemon.plan.items
+        parts, items = {name: 0 for name in WEIGHT_PARTS} | daemon.plan.weight_parts, daemon.plan.items
         state = sum(items.get(name, 0) for name in STATE_ITEMS)
-        other = daemon.plan.total - items["weights"] - state
-        begin, end = daemon.layers
+        weights = items["weights"] + items.get("drafter", 0)
+        other = daemon.plan.total - weights - state
         rows.append([
-            f"{begin}:{end}", daemon.device, daemon.dtype, parts["experts"], parts["shared_expert"] + parts["mlp"],
-            parts["attention"] + parts["gdn"], parts["embedding"] + parts["head"], items["weights"], state, other,
+            daemon.name, daemon.device, daemon.dtype, parts["experts"], parts["shared_expert"] + parts["mlp"],
+            parts["attention"] + parts["gdn"], parts["embedding"] + parts["head"], weights, state, other,
             daemon.plan.total,
             "-" if daemon.plan.cap is None else f"{_gib(daemon.plan.cap)} {'ok' if daemon.plan.fits() else 'OVER'}"])
     return format_table(
@@ -104,8 +151,7 @@ def plans_table(plans: list[DaemonPlan]) -> str:
 def plans_summary(plans: list[DaemonPlan]) -> str:
     """The line under the table: the largest daemon, and the daemons over their cap."""
     largest = max(plans, key=lambda daemon: daemon.plan.total)
-    over = [f"{b}:{e}" for (b, e) in (daemon.layers for daemon in plans if not daemon.plan.fits())]
-    weights = sum(daemon.plan.items["weights"] for daemon in plans)
-    line = (f"weights {fmt_gib(weights)} in all; the largest daemon ({largest.layers[0]}:{largest.layers[1]}) "
-            f"needs {fmt_gib(largest.plan.total)}")
+    over = [daemon.name for daemon in plans if not daemon.plan.fits()]
+    weights = sum(daemon.plan.items["weights"] + daemon.plan.items.get("drafter", 0) for daemon in plans)
+    line = f"weights {fmt_gib(weights)} in all; the largest daemon ({largest.name}) needs {fmt_gib(largest.plan.total)}"
     return line + (f"; over --max-gpu-memory: {', '.join(over)}" if over else "")

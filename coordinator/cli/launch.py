@@ -56,7 +56,7 @@ def launch(model_dir, synthetic, quantize, split, layer_spec, devices, transport
                      allow_endpoints=False, quantize=quantize, max_context=daemon_values["max_context"],
                      allow_long_context=daemon_values["allow_long_context"])
     if dry_run:
-        print_dry_run(plan, synthetic, quantize, as_json, daemon_values)
+        print_dry_run(plan, synthetic, quantize, as_json, daemon_values, draft, draft_placement)
         return
     sets, draft_at = plan.sets_with_drafter(draft, draft_placement)
 
@@ -102,14 +102,16 @@ def launch(model_dir, synthetic, quantize, split, layer_spec, devices, transport
         signal.signal(signal.SIGTERM, previous)
 
 
-def print_dry_run(plan, synthetic, quantize, as_json, daemon_values) -> None:
-    """Each daemon's memory plan, as `launch` would start them; exit 1 when one does not fit its cap."""
+def print_dry_run(plan, synthetic, quantize, as_json, daemon_values, draft=None, draft_placement="last") -> None:
+    """Each daemon's memory plan, as `launch` would start them (the drafter where `draft_placement` puts it); exit 1
+    when one does not fit its cap."""
     config = model_config(plan.model_dir, synthetic)
     scheme = quantization_scheme(plan.model_dir, quantize)
     limits = {name: daemon_values[name] for name in
               ("max_sequences", "max_context", "max_tokens_per_request", "max_verify_tokens", "rollback_mode")}
     plans = daemon_plans(config, plan.splits, scheme=scheme, model_dir=plan.model_dir, devices=plan.devices,
-                         dtype=daemon_values["dtype"], max_gpu_memory=daemon_values["max_gpu_memory"], **limits)
+                         dtype=daemon_values["dtype"], max_gpu_memory=daemon_values["max_gpu_memory"], draft=draft,
+                         draft_placement=draft_placement, **limits)
     model = plan.model_dir or synthetic
     quantization = scheme.layout if scheme is not None else None
     if as_json:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from common.model_config import dtype_name
-from shardd.draft.config import DraftConfig
+from common.draft_config import DraftConfig
 from shardd.engine.reference.errors import BadInput, CapacityExceeded, PositionMismatch
 from shardd.engine.reference.mlp import MLP
 from shardd.engine.reference.norm import plain_rms_norm

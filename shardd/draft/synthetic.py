@@ -9,48 +9,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from common.model_config import ModelConfig
-from shardd.draft.config import FULL_ATTENTION, SLIDING_ATTENTION, DraftConfig, build_target_layer_ids
+from common.draft_config import DraftConfig
 from shardd.synthetic.model import _generator
 from shardd.weights.reader import draft_shapes
 
 _NORMS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "hidden_norm", "norm")
-
-
-def synthetic_draft_config(
-    target: ModelConfig,
-    num_layers: int = 1,
-    block_size: int = 16,
-    target_layer_ids: list[int] | None = None,
-    *,
-    sliding_window: int | None = None,
-    sliding_layers: tuple[int, ...] = (),
-) -> DraftConfig:
-    """A drafter for `target`: its hidden size, heads and vocabulary; the mask token is the last vocabulary id.
-
-    Without `target_layer_ids` the reference's default layer choice is used; `sliding_layers` get the window.
-    """
-    if sliding_layers and sliding_window is None:
-        raise ValueError("sliding_layers need a sliding_window")
-    ids = target_layer_ids if target_layer_ids is not None else build_target_layer_ids(target.num_layers, num_layers)
-    return DraftConfig(
-        hidden_size=target.hidden_size,
-        intermediate_size=target.intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=target.num_attention_heads,
-        num_key_value_heads=target.num_key_value_heads,
-        head_dim=target.head_dim,
-        vocab_size=target.vocab_size,
-        target_layer_ids=tuple(ids),
-        mask_token_id=target.vocab_size - 1,
-        block_size=block_size,
-        num_target_layers=target.num_layers,
-        layer_types=tuple(SLIDING_ATTENTION if i in sliding_layers else FULL_ATTENTION for i in range(num_layers)),
-        sliding_window=sliding_window,
-        rope_theta=target.rope_theta,
-        rms_norm_eps=target.rms_norm_eps,
-        max_position_embeddings=target.max_position_embeddings,
-    )
 
 
 def synthetic_draft_tensor(config: DraftConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:

@@ -12,8 +12,8 @@ from tqdm import tqdm
 
 from common.presets import preset_config
 from common.synthetic_tokenizer import write_tokenizer
-from shardd.draft.synthetic import synthetic_draft_config, write_draft_checkpoint
-from shardd.weights.loading import DEFAULT_SYNTHETIC_DRAFT_LAYERS
+from common.draft_config import DEFAULT_SYNTHETIC_DRAFT_LAYERS, synthetic_draft_config
+from shardd.draft.synthetic import write_draft_checkpoint
 from shardd.synthetic.model import write_checkpoint
 
 

@@ -15,9 +15,9 @@ from common.shapes import checkpoint_module, fp8_tensors, weight_bytes_by_part
 from common.model_config import ModelConfig, check_quantization, dtype_name, load_config, read_config_json
 from common.presets import parse_synthetic, preset_config
 from shardd.weights import quant
-from shardd.draft.config import DraftConfig, load_draft_config
+from common.draft_config import DraftConfig, load_draft_config, parse_draft, synthetic_draft_config
 from shardd.draft.model import DFlashDrafter
-from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights
+from shardd.draft.synthetic import synthetic_draft_weights
 from shardd.engine.reference.rollback import RollbackStorage
 from shardd.engine.reference.shard import ShardModel
 from shardd.synthetic.model import synthetic_tensor, synthetic_tensors
@@ -206,24 +206,6 @@ def build_shard(
 
 
 # ---- a hosted DFlash drafter -----------------------------------------------------------------------
-
-SYNTHETIC_DRAFT = "synthetic"
-DEFAULT_SYNTHETIC_DRAFT_LAYERS = 2
-
-
-def parse_draft(spec: str) -> tuple[str | None, int | None]:
-    """'DIR' -> (DIR, None); 'synthetic' or 'synthetic:N' -> (None, N draft layers)."""
-    name, _, layers = spec.partition(":")
-    if name != SYNTHETIC_DRAFT:
-        return spec, None
-    try:
-        count = int(layers) if layers else DEFAULT_SYNTHETIC_DRAFT_LAYERS
-    except ValueError:
-        raise ValueError(f"--draft synthetic:N takes a number of draft layers, got {layers!r}") from None
-    if count < 1:
-        raise ValueError(f"--draft synthetic:N needs at least one draft layer, got {count}")
-    return None, count
-
 
 def draft_feature_size(target: ModelConfig, draft: str) -> int:
     """The width of the features the drafter named by `draft` reads, from its config alone (before any weight

@@ -35,7 +35,8 @@ from coordinator.scheduler.requests import Request
 from coordinator.scheduler.scheduler import Scheduler, decode_all
 from protocol import ErrorCode, WireTensor
 from shardd.draft.model import DFlashDrafter
-from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights
+from common.draft_config import synthetic_draft_config
+from shardd.draft.synthetic import synthetic_draft_weights
 from shardd.weights.loading import ModelSource, build_drafter, build_shard
 from shardd.local import LocalTarget
 from shardd.engine.reference.rollback import RollbackStorage

@@ -10,9 +10,10 @@ from safetensors.torch import save_file
 
 from common.model_config import ConfigError
 from common.presets import preset_config
-from shardd.draft.config import build_target_layer_ids, draft_config_from_dict, load_draft_config
+from common.draft_config import build_target_layer_ids, draft_config_from_dict, load_draft_config
 from shardd.draft.model import DFlashDrafter
-from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights, write_draft_checkpoint
+from common.draft_config import synthetic_draft_config
+from shardd.draft.synthetic import synthetic_draft_weights, write_draft_checkpoint
 from shardd.engine.reference.errors import BadInput, CapacityExceeded, PositionMismatch
 from shardd.synthetic.model import synthetic_weights
 from shardd.weights.reader import WeightError, draft_name, draft_shapes, load_tensors

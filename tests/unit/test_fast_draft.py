@@ -14,7 +14,8 @@ triton = pytest.importorskip("triton", reason="the fast path's kernels need trit
 
 from common.presets import preset_config  # noqa: E402
 from shardd.draft.model import DFlashDrafter  # noqa: E402
-from shardd.draft.synthetic import synthetic_draft_config, synthetic_draft_weights  # noqa: E402
+from common.draft_config import synthetic_draft_config  # noqa: E402
+from shardd.draft.synthetic import synthetic_draft_weights  # noqa: E402
 from shardd.engine.fast.draft import FastDrafter  # noqa: E402
 from shardd.synthetic.model import synthetic_weights  # noqa: E402
 

@@ -90,3 +90,36 @@ def test_dry_run_35b_a3b_fp8_fits_two_24_gib_daemons():
                             max_gpu_memory=24 << 30)
         plan = daemon_memory_plan(source, source.config(), shard)
         assert (plan.items, plan.total) == (daemon["items"], daemon["total_bytes"])
+
+
+@pytest.mark.parametrize("placement", ["first", "last", "own"])
+def test_dry_run_plans_the_drafter_where_launch_places_it(placement):
+    """`--draft` in a dry run: the daemon hosting the drafter (or a drafter-only daemon of its own) plans the drafter's
+    weights, with the target embedding and head it borrows, and its contexts, as `shardd serve --draft` does."""
+    from shardd.config import ShardConfig
+    from shardd.engine.select import step_rows_for
+    from shardd.weights.loading import ModelSource, daemon_memory_plan
+
+    args = ["launch", "--synthetic", "qwen3.5-27b", "--split", "2", "--devices", "cuda:0,cuda:1", "--max-sequences",
+            "2", "--max-context", "4096", "--max-gpu-memory", "40GiB", "--draft", "synthetic:5", "--draft-placement",
+            placement, "--dry-run", "--json"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    daemons = json.loads(result.stdout)["daemons"]
+    hosting = [d for d in daemons if d["drafter"]]
+    assert len(hosting) == 1 and len(daemons) == (3 if placement == "own" else 2)
+    host = hosting[0]
+    assert host["layers"] == {"first": [0, 32], "last": [32, 64], "own": None}[placement]
+    assert host["items"]["drafter"] > 0 and host["items"]["drafter_context"] > 0
+    assert not any("drafter" in d["items"] for d in daemons if not d["drafter"])
+    table = CliRunner().invoke(cli, args[:-1])
+    assert table.exit_code == 0 and ("drafter" in table.stdout)
+    pytest.importorskip("triton", reason="--engine auto picks the fast engine where triton is installed")
+    source = ModelSource(synthetic="qwen3.5-27b")
+    layers = None if host["layers"] is None else tuple(host["layers"])
+    shard = ShardConfig(synthetic="qwen3.5-27b", layers=layers, device=host["device"], dtype="bfloat16",
+                        engine=host["engine"], max_sequences=2, max_context=4096, draft="synthetic:5",
+                        max_gpu_memory=40 << 30,
+                        step_rows=step_rows_for("fast", None, 16, max_sequences=2, fp8=False) if layers else None)
+    plan = daemon_memory_plan(source, source.config(), shard)
+    assert (plan.items, plan.total) == (host["items"], host["total_bytes"])

@@ -328,8 +328,9 @@ def test_hello_reports_the_memory_plan_and_the_quantization(tmp_path):
 
 
 def test_a_quantized_drafter_checkpoint_is_refused_by_name(tmp_path):
-    from shardd.draft.config import load_draft_config
-    from shardd.draft.synthetic import synthetic_draft_config, write_draft_checkpoint
+    from common.draft_config import load_draft_config
+    from common.draft_config import synthetic_draft_config
+    from shardd.draft.synthetic import write_draft_checkpoint
 
     draft = write_draft_checkpoint(tmp_path / "draft", synthetic_draft_config(preset_config("tiny"), num_layers=1), 0)
     raw = json.loads((draft / "config.json").read_text())

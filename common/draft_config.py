@@ -401,3 +401,59 @@ def load_draft_config(draft_dir: str | Path) -> DraftConfig:
         raise ConfigError(f"{draft_dir}: a quantized drafter (quant_method {method!r}) is not supported; only the "
                           f"target's layers load FP8: use the drafter's unquantized checkpoint")
     return draft_config_from_dict(raw)
+
+
+# ---- the drafter a daemon hosts (--draft DIR|synthetic[:LAYERS]) ------------------------------------
+
+SYNTHETIC_DRAFT = "synthetic"
+DEFAULT_SYNTHETIC_DRAFT_LAYERS = 2
+
+
+def parse_draft(spec: str) -> tuple[str | None, int | None]:
+    """'DIR' -> (DIR, None); 'synthetic' or 'synthetic:N' -> (None, N draft layers)."""
+    name, _, layers = spec.partition(":")
+    if name != SYNTHETIC_DRAFT:
+        return spec, None
+    try:
+        count = int(layers) if layers else DEFAULT_SYNTHETIC_DRAFT_LAYERS
+    except ValueError:
+        raise ValueError(f"--draft synthetic:N takes a number of draft layers, got {layers!r}") from None
+    if count < 1:
+        raise ValueError(f"--draft synthetic:N needs at least one draft layer, got {count}")
+    return None, count
+
+
+def synthetic_draft_config(
+    target: ModelConfig,
+    num_layers: int = 1,
+    block_size: int = 16,
+    target_layer_ids: list[int] | None = None,
+    *,
+    sliding_window: int | None = None,
+    sliding_layers: tuple[int, ...] = (),
+) -> DraftConfig:
+    """A drafter for `target`: its hidden size, heads and vocabulary; the mask token is the last vocabulary id.
+
+    Without `target_layer_ids` the reference's default layer choice is used; `sliding_layers` get the window.
+    """
+    if sliding_layers and sliding_window is None:
+        raise ValueError("sliding_layers need a sliding_window")
+    ids = target_layer_ids if target_layer_ids is not None else build_target_layer_ids(target.num_layers, num_layers)
+    return DraftConfig(
+        hidden_size=target.hidden_size,
+        intermediate_size=target.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=target.num_attention_heads,
+        num_key_value_heads=target.num_key_value_heads,
+        head_dim=target.head_dim,
+        vocab_size=target.vocab_size,
+        target_layer_ids=tuple(ids),
+        mask_token_id=target.vocab_size - 1,
+        block_size=block_size,
+        num_target_layers=target.num_layers,
+        layer_types=tuple(SLIDING_ATTENTION if i in sliding_layers else FULL_ATTENTION for i in range(num_layers)),
+        sliding_window=sliding_window,
+        rope_theta=target.rope_theta,
+        rms_norm_eps=target.rms_norm_eps,
+        max_position_embeddings=target.max_position_embeddings,
+    )
