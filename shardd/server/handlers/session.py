@@ -96,7 +96,8 @@ class Session:
             # rows on the device (PROTOCOL.md): a ring slot's rows asked for / granted, how a wait for them ends
             "device_rows": RING_ROWS,
             "ring_wait": daemon.relay.ring_wait(),
-            # prefix entries this daemon can keep (PROTOCOL.md, "Prefix caching"); null: none (no layers, or off)
+            # prefix entries this daemon can keep (PROTOCOL.md, "Prefix caching"; a drafter-only daemon's hold its
+            # context rows); null: none (--prefix-cache-gib 0)
             "prefix_cache": {"budget_bytes": daemon.prefix_cache.budget_bytes}
             if daemon.prefix_cache.budget_bytes else None,
         }
