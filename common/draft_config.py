@@ -423,6 +423,13 @@ def parse_draft(spec: str) -> tuple[str | None, int | None]:
     return None, count
 
 
+def draft_config_of(spec: str, target: ModelConfig) -> DraftConfig:
+    """The config of the drafter `spec` (--draft) names: its checkpoint's config.json, or the synthetic drafter's
+    shape for `target`."""
+    draft_dir, layers = parse_draft(spec)
+    return load_draft_config(draft_dir) if draft_dir is not None else synthetic_draft_config(target, num_layers=layers)
+
+
 def synthetic_draft_config(
     target: ModelConfig,
     num_layers: int = 1,

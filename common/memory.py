@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from common.model_config import ModelConfig
 from common.shapes import draft_shapes
+from common.sizes import drafter_step_rows
 from protocol.layout import CHECKPOINT
 
 
@@ -177,6 +178,19 @@ def rollback_bytes_per_sequence(config: ModelConfig, gdn_layers: int, mode: str 
     heads = c.linear_num_value_heads
     per_token = c.linear_conv_dim + heads * (c.linear_key_head_dim + c.linear_value_head_dim + 2)
     return gdn_layers * (recurrent + conv + 4 * max_tokens * per_token)
+
+
+def hosted_drafter(draft_config, target: ModelConfig, dtype_bytes: int, *, layers: tuple[int, int] | None,
+                   engine: str, max_sequences: int, max_context: int, step_rows: int | None) -> tuple[int, dict[str, int]]:
+    """(weights, state items) of a drafter hosted beside `layers` (None: a drafter-only daemon), as `shardd serve
+    --draft` plans them: its weights with the target embedding and head it borrows where the layers lack them, and
+    its contexts and step buffers for `max_sequences`."""
+    weights = drafter_weight_bytes(draft_config, target, dtype_bytes,
+                                   shares_embedding=layers is not None and layers[0] == 0,
+                                   shares_head=layers is not None and layers[1] == target.num_layers)
+    rows = drafter_step_rows(draft_config.block_size, max_sequences, step_rows)
+    return weights, drafter_state_bytes(draft_config, target.vocab_size, dtype_bytes, engine=engine,
+                                        max_sequences=max_sequences, max_context=max_context, step_rows=rows)
 
 
 def drafter_weight_bytes(draft_config, target: ModelConfig, dtype_bytes: int, *, shares_embedding: bool,

@@ -9,14 +9,13 @@ from typing import Optional
 
 import click
 
-from common.draft_config import load_draft_config, parse_draft, synthetic_draft_config
+from common.draft_config import draft_config_of
 from common.dtypes import resolve_dtype
-from common.memory import (MemoryPlan, drafter_state_bytes, drafter_weight_bytes, fmt_gib, parse_memory, plan_memory,
-                           rollback_bytes_per_sequence)
+from common.memory import MemoryPlan, fmt_gib, hosted_drafter, parse_memory, plan_memory, rollback_bytes_per_sequence
 from common.model_config import ModelConfig
 from common.quantization import Fp8Scheme
 from common.shapes import WEIGHT_PARTS, fp8_tensors, shard_shapes, weight_bytes_by_part
-from common.sizes import PREFILL_ROWS, drafter_step_rows, step_rows_for
+from common.sizes import PREFILL_ROWS, step_rows_for
 from coordinator.cli.output import format_table
 from protocol.layout import CHECKPOINT
 
@@ -65,14 +64,22 @@ def daemon_plans(config: ModelConfig, splits, *, scheme: Optional[Fp8Scheme], mo
     except ValueError as error:
         raise click.BadParameter(f"{error} (a dry run knows no device: give a size)", param_hint="--max-gpu-memory")
     plans = []
+    draft_config = _draft_config(draft, config) if draft is not None else None
     hosts = {"first": 0, "last": len(splits) - 1}.get(draft_placement) if draft is not None else None
+
+    def on_device(device: str) -> tuple[bool, str, str]:
+        """(on a GPU, the weights' dtype, `--engine auto`'s engine) of a daemon on `device`."""
+        on_gpu = device.startswith("cuda")
+        return on_gpu, resolve_dtype(dtype or "auto", device, model_dir), "fast" if on_gpu else "reference"
+
+    def drafter(layers: tuple[int, int] | None, weight_dtype: str, engine: str) -> tuple[int, dict[str, int]]:
+        return hosted_drafter(draft_config, config, DTYPE_BYTES[weight_dtype], layers=layers, engine=engine,
+                              max_sequences=limits["max_sequences"], max_context=limits["max_context"], step_rows=None)
+
     for index, (begin, end) in enumerate(splits):
         device = devices[index] if len(devices) > 1 else (devices[0] if devices else "cpu")
-        on_gpu = device.startswith("cuda")
-        weight_dtype = resolve_dtype(dtype or "auto", device, model_dir)
-        engine = "fast" if on_gpu else "reference"
-        drafter_bytes, drafter_state = _drafter(config, draft, (begin, end), DTYPE_BYTES[weight_dtype], engine,
-                                                limits) if index == hosts else (0, None)
+        on_gpu, weight_dtype, engine = on_device(device)
+        drafter_bytes, drafter_state = drafter((begin, end), weight_dtype, engine) if index == hosts else (0, None)
         keeps_fp8 = on_gpu  # shardd.config.ShardConfig.keeps_fp8: the CPU dequantizes at load
         shapes = shard_shapes(config, begin, end)
         fp8 = fp8_tensors(shapes, scheme) if keeps_fp8 else set()
@@ -92,10 +99,8 @@ def daemon_plans(config: ModelConfig, splits, *, scheme: Optional[Fp8Scheme], mo
         plans.append(DaemonPlan((begin, end), device, weight_dtype, engine, plan, drafter=index == hosts))
     if draft is not None and hosts is None:  # a daemon of its own: `shardd serve --layers none --draft`
         device = devices[-1] if devices else "cpu"
-        on_gpu = device.startswith("cuda")
-        weight_dtype = resolve_dtype(dtype or "auto", device, model_dir)
-        engine = "fast" if on_gpu else "reference"
-        drafter_bytes, drafter_state = _drafter(config, draft, None, DTYPE_BYTES[weight_dtype], engine, limits)
+        on_gpu, weight_dtype, engine = on_device(device)
+        drafter_bytes, drafter_state = drafter(None, weight_dtype, engine)
         plan = plan_memory(
             config, 0, 0, weight_bytes={}, dtype_bytes=DTYPE_BYTES[weight_dtype], engine="reference",
             max_sequences=0, max_context=limits["max_context"], max_tokens_per_request=limits["max_tokens_per_request"],
@@ -105,23 +110,11 @@ def daemon_plans(config: ModelConfig, splits, *, scheme: Optional[Fp8Scheme], mo
     return plans
 
 
-def _drafter(config: ModelConfig, draft: str, layers: tuple[int, int] | None, dtype_bytes: int, engine: str,
-             limits: dict) -> tuple[int, dict[str, int]]:
-    """A hosted drafter's weights (with the target embedding and head it borrows where `layers` lack them) and its
-    per-sequence state, as `shardd serve --draft` plans them (shardd.weights.loading.daemon_memory_plan)."""
+def _draft_config(draft: str, config: ModelConfig):
     try:
-        draft_dir, draft_layers = parse_draft(draft)
-        draft_config = load_draft_config(draft_dir) if draft_dir is not None else \
-            synthetic_draft_config(config, num_layers=draft_layers)
+        return draft_config_of(draft, config)
     except (ValueError, OSError) as error:
         raise click.BadParameter(str(error), param_hint="--draft") from None
-    weights = drafter_weight_bytes(draft_config, config, dtype_bytes,
-                                   shares_embedding=layers is not None and layers[0] == 0,
-                                   shares_head=layers is not None and layers[1] == config.num_layers)
-    rows = drafter_step_rows(draft_config.block_size, limits["max_sequences"], None)
-    state = drafter_state_bytes(draft_config, config.vocab_size, dtype_bytes, engine=engine,
-                                max_sequences=limits["max_sequences"], max_context=limits["max_context"], step_rows=rows)
-    return weights, state
 
 
 def _gib(nbytes: int) -> str:

@@ -15,7 +15,7 @@ from common.shapes import checkpoint_module, fp8_tensors, weight_bytes_by_part
 from common.model_config import ModelConfig, check_quantization, dtype_name, load_config, read_config_json
 from common.presets import parse_synthetic, preset_config
 from shardd.weights import quant
-from common.draft_config import DraftConfig, load_draft_config, parse_draft, synthetic_draft_config
+from common.draft_config import DraftConfig, draft_config_of, load_draft_config, parse_draft, synthetic_draft_config
 from shardd.draft.model import DFlashDrafter
 from shardd.draft.synthetic import synthetic_draft_weights
 from shardd.engine.reference.rollback import RollbackStorage
@@ -210,10 +210,7 @@ def build_shard(
 def draft_feature_size(target: ModelConfig, draft: str) -> int:
     """The width of the features the drafter named by `draft` reads, from its config alone (before any weight
     loads: the daemon sizes its frame limit with it when it binds)."""
-    draft_dir, layers = parse_draft(draft)
-    if draft_dir is not None:
-        return load_draft_config(draft_dir).feature_size
-    return synthetic_draft_config(target, num_layers=layers).feature_size
+    return draft_config_of(draft, target).feature_size
 
 
 @dataclass
@@ -299,24 +296,16 @@ def build_drafter(
 def daemon_memory_plan(source: ModelSource, config: ModelConfig, shard):
     """The memory a daemon of `shard` (a ShardConfig: its layers, None for only a drafter, its drafter, engine and
     limits) will allocate (common.memory), from the configs alone: nothing is loaded."""
-    from common.sizes import drafter_step_rows
-    from common.memory import drafter_state_bytes, drafter_weight_bytes, plan_memory, rollback_bytes_per_sequence
+    from common.memory import hosted_drafter, plan_memory, rollback_bytes_per_sequence
 
     layers, draft, storage, engine = shard.layers, shard.draft, shard.storage(), shard.engine
     torch_dtype = DTYPES[shard.dtype]
     begin, end = layers if layers is not None else (0, 0)
     drafter_bytes, drafter_state = 0, None
     if draft is not None:
-        draft_dir, draft_layers = parse_draft(draft)
-        draft_config = load_draft_config(draft_dir) if draft_dir is not None else \
-            synthetic_draft_config(config, num_layers=draft_layers)
-        drafter_bytes = drafter_weight_bytes(
-            draft_config, config, torch_dtype.itemsize, shares_embedding=layers is not None and begin == 0,
-            shares_head=layers is not None and end == config.num_layers)
-        rows = drafter_step_rows(draft_config.block_size, shard.max_sequences, shard.step_rows)
-        drafter_state = drafter_state_bytes(draft_config, config.vocab_size, torch_dtype.itemsize, engine=engine,
-                                            max_sequences=shard.max_sequences, max_context=shard.max_context,
-                                            step_rows=rows)
+        drafter_bytes, drafter_state = hosted_drafter(
+            draft_config_of(draft, config), config, torch_dtype.itemsize, layers=layers, engine=engine,
+            max_sequences=shard.max_sequences, max_context=shard.max_context, step_rows=shard.step_rows)
     gdn = [i for i in range(begin, end) if config.is_gdn(i)]
     weights = source.weight_bytes(shard_shapes(config, begin, end), dtype=torch_dtype, keep_fp8=shard.keeps_fp8,
                                   begin=begin) if layers is not None else {}
