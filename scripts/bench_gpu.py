@@ -482,23 +482,28 @@ def stop_processes(processes: list, profiled: bool = False) -> None:
             process.wait(timeout=10)
 
 
-def wait_for_hello(daemons: list[tuple[str, subprocess.Popen, str, Path]], timeout_s: float = 600) -> None:
+def wait_for_hello(daemons: list[tuple[str, subprocess.Popen, str, Path]], timeout_s: float = 600,
+                   stop: list | None = None) -> None:
     """Waits until every daemon, (name, process, endpoint, log), answers HELLO; raises with the tail of its log when
-    one exits first or `timeout_s` (for all of them) passes."""
+    one exits first or `timeout_s` (for all of them) passes, after stopping the processes `stop` names."""
     from coordinator.relay.client import ShardClient, ShardTimeout
 
     deadline = time.monotonic() + timeout_s
-    for name, process, endpoint, log in daemons:
-        client = ShardClient(endpoint, timeout_s=1.0)
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not come up: " + log.read_text()[-2000:])
-            try:
-                client.hello(timeout_s=0.5)
-                break
-            except ShardTimeout:
-                continue
-        client.close()
+    try:
+        for name, process, endpoint, log in daemons:
+            client = ShardClient(endpoint, timeout_s=1.0)
+            while True:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} did not come up: " + log.read_text()[-2000:])
+                try:
+                    client.hello(timeout_s=0.5)
+                    break
+                except ShardTimeout:
+                    continue
+            client.close()
+    except BaseException:
+        stop_processes(stop or [])
+        raise
 
 
 def without_prefix_cache(extra) -> list[str]:
@@ -522,11 +527,7 @@ def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] 
 
     def wait_ready(upto: int) -> None:
         nonlocal ready
-        try:
-            wait_for_hello([(endpoints[i], processes[i], endpoints[i], logs[i]) for i in range(ready, upto)])
-        except BaseException:
-            stop_processes(processes)
-            raise
+        wait_for_hello([(endpoints[i], processes[i], endpoints[i], logs[i]) for i in range(ready, upto)], stop=processes)
         ready = upto
 
     for index, layer_range in enumerate(ranges):
@@ -702,10 +703,8 @@ def serve_processes(args, specs: dict[str, list[str]], run_dir: Path, *, max_seq
                     rollback: str = "checkpoint") -> tuple[list, dict[str, str]]:
     """`shardd serve` per named spec (extra arguments), every one on `--dflash-device`; waits for every HELLO."""
     processes, endpoints = [], {}
+    loading = []  # (name, process, endpoint, log) of the daemons not yet known to serve
     for name, extra in specs.items():
-        if processes and args.dflash_device.startswith("cuda"):
-            # one load at a time on the shared GPU, so their transients never add up
-            wait_started(processes, endpoints, run_dir)
         endpoint = f"ipc://{run_dir}/{name}.sock"
         log = open(run_dir / f"{name}.log", "w")
         command = [sys.executable, "-m", "shardd", "serve", "--synthetic", f"{args.preset}:{args.seed}",
@@ -714,18 +713,12 @@ def serve_processes(args, specs: dict[str, list[str]], run_dir: Path, *, max_seq
                    "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK), *extra, *without_prefix_cache(extra)]
         processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
         endpoints[name] = endpoint
-    wait_started(processes, endpoints, run_dir)
+        loading.append((name, processes[-1], endpoint, run_dir / f"{name}.log"))
+        if args.dflash_device.startswith("cuda"):  # one load at a time on the shared GPU: their transients never add up
+            wait_for_hello(loading, stop=processes)
+            loading = []
+    wait_for_hello(loading, stop=processes)
     return processes, endpoints
-
-
-def wait_started(processes: list, endpoints: dict[str, str], run_dir: Path) -> None:
-    """Every started daemon's HELLO; if one fails to come up, all of them are stopped."""
-    try:
-        wait_for_hello([(name, process, endpoint, run_dir / f"{name}.log")
-                        for process, (name, endpoint) in zip(processes, endpoints.items())])
-    except BaseException:
-        stop_processes(processes)
-        raise
 
 
 class TimedTarget:

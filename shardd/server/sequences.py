@@ -105,21 +105,14 @@ class SequenceTable:
         """Keep `entry`'s state (settled, nothing pending) as `owner`'s prefix entry `entry_id`, after the entry it
         resumed from or saved last; False when the budget cannot hold it. The drafter's context rows of the prefix
         join it as soon as the drafter holds them (`draft_added`)."""
-        cache, state, parent = self.prefix_cache, entry.state, entry.prefix  # pinned: never evicted while open
+        state = entry.state
         self.shard.settle(state)
         draft = entry.draft if entry.draft is not None and entry.draft.length >= state.length else None
-        start = parent.length if parent is not None else 0
-        if not cache.make_room(owner, entry_id, entry_bytes(state, start, draft), parent):
+        start = entry.prefix.length if entry.prefix is not None else 0
+        saved = self._save(owner, entry, entry_id, entry_bytes(state, start, draft),
+                           lambda parent: capture_entry(owner, entry_id, state, parent, draft))
+        if saved is None:
             return False
-        try:
-            saved = capture_entry(owner, entry_id, state, parent, draft)
-        except (torch.OutOfMemoryError, MemoryError):  # the step stands; only the entry is not kept
-            cache.declined += 1
-            return False
-        cache.insert(saved)
-        cache.release(entry.prefix)
-        saved.pins += 1
-        entry.prefix = saved
         if entry.draft is not None and draft is None:  # its context has yet to catch up
             entry.draft_waiting.append(saved)
         return True
@@ -128,26 +121,32 @@ class SequenceTable:
         """On a drafter-only daemon: keep the first `length` rows of `entry`'s drafter context as `owner`'s prefix
         entry `entry_id`, for each (entry_id, length) in ascending length, each after the last one kept; whether
         each was kept (the budget may decline one)."""
-        cache, kept = self.prefix_cache, []
+        kept = []
         for entry_id, length in saves:
-            parent = entry.prefix  # pinned: never evicted while open
-            start = parent.length if parent is not None else 0
-            if not cache.make_room(owner, entry_id, draft_bytes(entry.draft, length - start), parent):
-                kept.append(False)
-                continue
-            try:
-                saved = PrefixEntry(owner, entry_id, length, parent, kv={}, gdn=(),
-                                    draft=draft_rows(entry.draft, start, length))
-            except (torch.OutOfMemoryError, MemoryError):
-                cache.declined += 1
-                kept.append(False)
-                continue
-            cache.insert(saved)
-            cache.release(entry.prefix)
-            saved.pins += 1
-            entry.prefix = saved
-            kept.append(True)
+            start = entry.prefix.length if entry.prefix is not None else 0
+            saved = self._save(owner, entry, entry_id, draft_bytes(entry.draft, length - start),
+                               lambda parent: PrefixEntry(owner, entry_id, length, parent, kv={}, gdn=(),
+                                                          draft=draft_rows(entry.draft, start, length)))
+            kept.append(saved is not None)
         return kept
+
+    def _save(self, owner: bytes, entry: Sequence, entry_id: int, need: int, capture) -> PrefixEntry | None:
+        """`capture(parent)` kept as `owner`'s entry `entry_id` after the entry `entry` resumed from or saved last
+        (pinned: never evicted while open), once the budget made room for its `need` bytes; it is then `entry`'s
+        newest, pinned in its parent's place. None when the budget or the device declines it."""
+        cache, parent = self.prefix_cache, entry.prefix
+        if not cache.make_room(owner, entry_id, need, parent):
+            return None
+        try:
+            saved = capture(parent)
+        except (torch.OutOfMemoryError, MemoryError):  # the step stands; only the entry is not kept
+            cache.declined += 1
+            return None
+        cache.insert(saved)
+        cache.release(parent)
+        saved.pins += 1
+        entry.prefix = saved
+        return saved
 
     def draft_added(self, entry: Sequence) -> None:
         """The drafter's context of `entry` grew: its saved entries whose prefix it now covers take their rows."""
