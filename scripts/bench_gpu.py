@@ -291,6 +291,7 @@ def run_local(args) -> dict:
         step_ms[mode], rollback_ms[mode], rollback_wall_ms[mode] = median_ms(forwards), median_ms(rollbacks), median_ms(walls)
         if mode == REPLAY_SSM:  # its rollback queues no work: the kept tokens re-run inside the next step
             clean = []  # steps after a rollback that kept the whole block (nothing to re-run)
+            shard.forward(state, pos, tokens=block, checkpoint=True)  # the pending step the first rollback keeps
             for _ in range(args.repeats):
                 shard.rollback(state, BLOCK)
                 state.length = pos
@@ -693,6 +694,8 @@ def drafter_in_process(args) -> dict:
             torch.cuda.synchronize(device)
             samples.append(time.perf_counter() - began)
         out["draft_batch_ms"][str(count)] = median_ms(samples)
+        if count in (1, 8):
+            out.setdefault("profile_batch_top", {})[str(count)] = profile_top(torch, propose_all, 5)
         for state in states:
             batched.release_state(state)
     out["draft_batch_8_vs_1"] = round(out["draft_batch_ms"]["8"] / out["draft_batch_ms"]["1"], 3)
@@ -985,10 +988,15 @@ def run_dflash_batch(args) -> dict:
             def run(kind, count, greedy, args=args):
                 drafters.clear()
                 stats: dict = {}
+                before = phase_readings(pipeline)
                 tokens, tok_s, commit = run_streams(pipeline, prompts[:count], args, references=greedy, stats=stats,
                                                     wrap=proposing if kind == "dflash" else None)
+                after = phase_readings(pipeline)
                 entry = {"tok_s": tok_s, "decode_tok_s": stats["decode_tok_s"], "step_ms": stats["step_ms"],
-                         "mean_commit": commit, "steps": stats["steps"], "digest": digest(tokens)}
+                         "mean_commit": commit, "steps": stats["steps"], "digest": digest(tokens),
+                         # where a scheduler step's time goes: per shard, the daemon's phases and the coordinator's
+                         # phases of its requests, ms per step (steps: the first shard's requests)
+                         "phases_per_step": shard_phases(before, after)}
                 if kind == "dflash":  # blocks the head shard proposed in a verify's reply (no PROPOSE sent)
                     entry["proposals_in_reply"] = sum(d.dflash.proposals_in_reply for d in drafters)
                 print(f"dflash-batch {kind} x{count}: {tok_s} tok/s (decode {entry['decode_tok_s']}), step "
@@ -1089,6 +1097,17 @@ def phase_readings(pipeline, extra=()) -> tuple[list[dict], list[dict]]:
     """The daemons' STATS phases and the coordinator's client phases, one reading per shard (and `extra` client)."""
     clients = [*pipeline.clients, *extra]
     return [client.stats()["phases"] for client in clients], [client.phases.totals() for client in clients]
+
+
+def shard_phases(before, after) -> list[dict]:
+    """Per shard, {"daemon": ..., "client": ...} per_step_phases between two phase_readings, a step being one
+    FORWARD or CAPTURE the first shard handled."""
+    from protocol.timing import per_request_ms
+
+    first = per_request_ms(before[0][0], after[0][0])
+    steps = max(1, sum(row["requests"] for mtype, row in first.items() if mtype in ("FORWARD", "CAPTURE")))
+    return [{"daemon": per_step_phases(d0, d1, steps), "client": per_step_phases(c0, c1, steps)}
+            for d0, d1, c0, c1 in zip(before[0], after[0], before[1], after[1])]
 
 
 def per_step_phases(before: dict, after: dict, steps: int) -> dict:

@@ -34,8 +34,9 @@
 # both (`python3 scripts/ab_compare.py $OUT` lists every figure of each pair with its ratio). Each call has 10 minutes: the timeouts below fit one run each; TESTS_TIMEOUT / BENCH_TIMEOUT override them.
 # `SKIP_TESTS=1 scripts/gpu_run.sh dflash dflash-batch` fits one call (330 + 240 s); with the dflash tests, two calls.
 #
-# The one-process 27B runs (local; batch, whose one-process part plans ~97 GB) need an H200 (`needs_h200: true`): on an 80 GB H100 the
-# one-process shard's state pools do not fit beside its 54 GB of weights (out of memory in FastShard's pools).
+# batch's one-process part (it plans ~97 GB) needs an H200 (`needs_h200: true`): on an 80 GB H100 its state pools do not
+# fit beside the 54 GB of weights. local fits an H100; an older tree's local (BEFORE_TREE) needs
+# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True there for its 32k-context shard.
 # Wheels: the device machine has no package index, so what it lacks travels in .whl/ (not in git; carry it:
 # `run(carry=[".whl"], command="bash scripts/gpu_run.sh relay fp8")`). Fill it where pip works (Python 3.12 there):
 #   P="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \

@@ -4,8 +4,8 @@
     python scripts/measured_table.py --write    # replace the table between the README's markers
     python scripts/measured_table.py --check    # exit 1 when the README's table is not what the JSON says
 
-`SOURCES` names the JSON each row reads (a run's file as gpu_run.sh wrote it, copied in with the commit it measured
-in its name); a new run replaces a figure by replacing its file name here. tests/unit/test_readme.py checks the
+`SOURCES` names the JSON each row reads, under bench/results/CARD/ (a run's file as gpu_run.sh wrote it, copied in
+with the commit it measured in its name; a row from a card other than the H200 names it); a new run replaces a figure by replacing its file name here. tests/unit/test_readme.py checks the
 README against this script.
 """
 
@@ -17,23 +17,29 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "h200"
+RESULTS = ROOT / "bench" / "results"
 README = ROOT / "README.md"
 BEGIN, END = "<!-- measured:begin (scripts/measured_table.py --write) -->", "<!-- measured:end -->"
 
 SOURCES = {
-    "relay": "gpu_bench_relay_d3a9e78.json",  # `scripts/gpu_run.sh relay`: one process and two daemons
-    "batch": "gpu_bench_batch_http_0a47303.json",  # `scripts/gpu_run.sh batch`
-    "dflash": "gpu_bench_dflash.json",  # `scripts/gpu_run.sh dflash`
-    "dflash_batch": None,  # `scripts/gpu_run.sh dflash-batch` (None: not measured yet)
-    "fp8": "gpu_bench_fp8_narrow_split_4a15d40.json",  # `scripts/gpu_run.sh fp8`
-    "seed": "seed_bench_f1b92bb.json",  # `scripts/gpu_run.sh seed`
+    "relay": "h200/gpu_bench_relay_d3a9e78.json",  # `scripts/gpu_run.sh relay`: one process and two daemons
+    "batch": "h200/gpu_bench_batch_http_0a47303.json",  # `scripts/gpu_run.sh batch`
+    "dflash": "h200/gpu_bench_dflash.json",  # `scripts/gpu_run.sh dflash`
+    "dflash_batch": "h100/gpu_bench_dflash_batch_7f8b956.json",  # `scripts/gpu_run.sh dflash-batch`
+    "fp8": "h200/gpu_bench_fp8_narrow_split_4a15d40.json",  # `scripts/gpu_run.sh fp8`
+    "seed": "h200/seed_bench_f1b92bb.json",  # `scripts/gpu_run.sh seed`
 }
 
 
 def load(name: str) -> dict | None:
     file = SOURCES[name]
     return json.loads((RESULTS / file).read_text()) if file else None
+
+
+def card(name: str) -> str:
+    """ ", on an H100" for a source measured on a card other than the H200 (the table's default)."""
+    folder = SOURCES[name].split("/", 1)[0]
+    return "" if folder == "h200" else f", on an {folder.upper()}"
 
 
 def pct(x: float) -> str:
@@ -85,12 +91,12 @@ def rows() -> list[tuple[str, str, str]]:
     if dflash_batch is not None:
         ratio = dflash_batch["dflash_batch_vs_oracle"]
         counts = sorted(ratio, key=int)
-        out.append((f"DFlash step / tok/s against the oracle's, {' / '.join(counts)} streams",
+        out.append((f"DFlash step / tok/s against the oracle's, {' / '.join(counts)} streams{card('dflash_batch')}",
                     " / ".join(f"{ratio[n]['step']:.2f}x" for n in counts) + "; "
                     + " / ".join(pct(ratio[n]["tok_s"]) for n in counts), "`scripts/gpu_run.sh dflash-batch`"))
         http = dflash_batch.get("dflash_batch_http", {}).get("dflash_vs_none")
         if http:
-            out.append(("`serve --drafter dflash` over `none`, 1 / 8 HTTP streams (drafter accepts nothing)",
+            out.append((f"`serve --drafter dflash` over `none`, 1 / 8 HTTP streams (drafter accepts nothing){card('dflash_batch')}",
                         " / ".join(pct(http[n]) for n in sorted(http, key=int)), "`scripts/gpu_run.sh dflash-batch`"))
     out += [
         ("FP8 greedy / verify step, one process",
