@@ -705,7 +705,11 @@ def _check_request(record: Request, limits: Limits) -> None:
             if record.carried is not None and record.carried.shape[0] != record.n_tokens:
                 raise _bad(f"tensor 'carried' has {record.carried.shape[0]} rows for {record.n_tokens} tokens")
         if record.propose is not None:
-            if record.drafts is None or len(record.drafts) != record.n_tokens - 1:
+            if record.drafts is None:  # a prompt chunk: all its rows join the drafter's context
+                if record.checkpoint:
+                    raise _bad("field 'propose' of a checkpointed CAPTURE needs the block's drafts: field 'drafts' "
+                               "of n - 1 tokens (without drafts, a prompt chunk, it is not checkpointed)")
+            elif len(record.drafts) != record.n_tokens - 1:
                 raise _bad("field 'propose' of CAPTURE needs the block's drafts: field 'drafts' of n - 1 tokens")
     if isinstance(record, Rows):
         if record.refused + (record.hidden is not None) + (record.slot is not None) != 1:

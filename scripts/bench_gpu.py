@@ -703,8 +703,9 @@ def drafter_in_process(args) -> dict:
 
 
 def serve_processes(args, specs: dict[str, list[str]], run_dir: Path, *, max_sequences: int = 2,
-                    rollback: str = "checkpoint") -> tuple[list, dict[str, str]]:
-    """`shardd serve` per named spec (extra arguments), every one on `--dflash-device`; waits for every HELLO."""
+                    rollback: str = "checkpoint", pyspy: Path | None = None) -> tuple[list, dict[str, str]]:
+    """`shardd serve` per named spec (extra arguments), every one on `--dflash-device`; waits for every HELLO.
+    `pyspy`: each daemon under py-spy, its stacks in NAME.txt there (stop them with `profiled=True`)."""
     processes, endpoints = [], {}
     loading = []  # (name, process, endpoint, log) of the daemons not yet known to serve
     for name, extra in specs.items():
@@ -714,6 +715,9 @@ def serve_processes(args, specs: dict[str, list[str]], run_dir: Path, *, max_seq
                    "--device", args.dflash_device, "--dtype", args.dflash_dtype, "--engine", args.dflash_engine, "--bind", endpoint,
                    "--rollback-mode", rollback, "--max-verify-tokens", str(BLOCK), "--max-sequences", str(max_sequences),
                    "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK), *extra, *without_prefix_cache(extra)]
+        if pyspy is not None:  # py-spy as the daemon's parent, as run_relay's --pyspy starts it
+            command = ["py-spy", "record", "--nonblocking", "--threads", "-r", str(PYSPY_RATE), "-f", "raw",
+                       "-o", str(pyspy / f"{name}.txt"), "--"] + command
         processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
         endpoints[name] = endpoint
         loading.append((name, processes[-1], endpoint, run_dir / f"{name}.log"))
@@ -969,7 +973,11 @@ def run_dflash_batch(args) -> dict:
              "last": ["--layers", f"{layers // 2}:{layers}", "--draft", args.draft]}
     run_dir = Path(tempfile.mkdtemp(prefix="bench-dflash-batch-"))
     widest = max(*streams, *HTTP_STREAMS)
-    processes, endpoints = serve_processes(args, specs, run_dir, max_sequences=widest + 1, rollback="replay-ssm")
+    spied = Path(args.pyspy).resolve() if args.pyspy else None
+    if spied is not None:
+        spied.mkdir(parents=True, exist_ok=True)
+    processes, endpoints = serve_processes(args, specs, run_dir, max_sequences=widest + 1, rollback="replay-ssm",
+                                           pyspy=spied)
     shards = [endpoints["first"], endpoints["last"]]
     prompts = stream_prompts(args, widest)
     out: dict = {"dflash_batch_streams": streams, "dflash_batch_draft": args.draft,
@@ -1028,7 +1036,9 @@ def run_dflash_batch(args) -> dict:
                                               for (key, a), b in zip(entries[0].items(), entries[2].values())}
         out["dflash_batch_http"] = dflash_http(args, shards, endpoints["last"], prompts, run_dir, checks)
     finally:
-        stop_processes(processes)
+        stop_processes(processes, profiled=spied is not None)
+    if spied is not None:  # each daemon's busiest frames over the whole part (py-spy wrote them as it exited)
+        out["dflash_batch_pyspy"] = {path.stem: pyspy_top(path, **PYSPY_STEADY) for path in sorted(spied.glob("*.txt"))}
     out["dflash_batch_runs"] = runs
     out["dflash_batch_vs_oracle"] = {
         count: {figure: round(runs["dflash"][count][key] / runs["oracle"][count][key], 3)
@@ -1969,7 +1979,8 @@ def main() -> int:
     parser.add_argument("--arms-only", action="store_true", help="relay: only the arms (--relay-arms) and the "
                         "profiled runs, without the shipped runs (relay_ms_per_step then comes from each arm).")
     parser.add_argument("--pyspy", default=None, help="relay: also a run of the shipped arm with each daemon under "
-                        "py-spy (stacks in this directory; `relay_pyspy`: their busiest frames).")
+                        "py-spy (stacks in this directory; `relay_pyspy`: their busiest frames); dflash-batch: every "
+                        "daemon under py-spy (`dflash_batch_pyspy`).")
     parser.add_argument("--timeline", action="store_true", help="relay: also a run of the shipped arm with the "
                         "daemons' GPU timelines on (SHARDD_TIMELINE): `relay_timeline`, where a step's time goes.")
     parser.add_argument("--fp8", choices=("fp8-block", "fp8-channel"), default=None,

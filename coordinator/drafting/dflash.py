@@ -218,13 +218,18 @@ class DFlashDrafterClient:
     # ---- its sequence's forwards -----------------------------------------------------------
 
     def prepare(self, forward: BatchForward) -> BatchForward:
-        """`forward` of this drafter's sequence as a capture of its target layers; a checkpointed verify (greedy or
-        sampled) also asks the head shard (hosting the drafter) for the next block when its context holds the rows
-        before it."""
+        """`forward` of this drafter's sequence as a capture of its target layers. Where the head shard hosts the
+        drafter and its context holds the rows before the forward, it also asks for the next block in the reply: a
+        checkpointed verify (greedy or sampled; its committed rows join the context), and a prompt chunk of one
+        request (all its rows join, so the prompt's features never come back here to be sent in PROPOSE; the
+        chunk that ends the prompt brings the first block)."""
         propose = None
-        if (self.proposes_in_reply and forward.checkpoint and len(forward.tokens) > 1
-                and self.next_block is not None and self.context_length >= forward.pos):
-            propose = self.next_block
+        if self.proposes_in_reply and self.context_length >= forward.pos:
+            if forward.checkpoint and len(forward.tokens) > 1 and self.next_block is not None:
+                propose = self.next_block
+            elif (not forward.checkpoint and self.context_length == forward.pos
+                  and len(forward.tokens) <= self.pipeline.max_tokens_per_request):
+                propose = self.next_block or self.max_draft_tokens
         if forward.save_prefix is not None and self.keeps_prefixes:
             self.saves = [save for save in self.saves if save[1] <= forward.pos]
             self.saves.append((forward.save_prefix, forward.pos + len(forward.tokens)))

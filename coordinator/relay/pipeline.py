@@ -342,9 +342,9 @@ class Pipeline:
 
     def _batch_step(self, item: BatchForward) -> "_Step":
         """`item`'s `_Step`; ValueError / PipelineError (nothing sent) when the shards cannot take it. With `propose`,
-        a greedy verify [t0, drafts...] whose head shard hosts the drafter proposes the next block in its reply
-        (PROTOCOL.md, "Proposing in the verify reply"); the layers earlier shards capture ride along to it as
-        `carried`."""
+        a verify [t0, drafts...] or a prompt chunk (not checkpointed, one request) whose head shard hosts the drafter
+        proposes the next block in its reply (PROTOCOL.md, "Proposing in the verify reply"); the layers earlier
+        shards capture ride along to it as `carried`."""
         head, layers = head_fields(item.sampling, item.drafts, item.token_mask), None
         if item.next_tokens:
             if not len(item.next_tokens) <= len(item.tokens):
@@ -358,7 +358,11 @@ class Pipeline:
             head_layers = [layer for layer in layers or () if self.shards[-1].begin <= layer < self.shards[-1].end]
             if not head_layers:
                 raise ValueError("proposing in the verify reply needs the head shard to capture one of the layers")
-            head = {**(head or {}), "drafts": list(item.tokens[1:]), "propose": item.propose,
+            if not item.checkpoint and len(item.tokens) > self.max_tokens_per_request:
+                raise ValueError("a prompt chunk proposing in its reply must fit one request")
+            # a verify's drafts are its tokens after the first; a prompt chunk (not checkpointed) has none
+            drafts = {"drafts": list(item.tokens[1:])} if item.checkpoint else {}
+            head = {**(head or {}), **drafts, "propose": item.propose,
                     "carried_layers": [layer for layer in layers if layer not in head_layers]}
         return self._step(item.seq, item.pos, item.tokens, item.checkpoint, head, capture=layers,
                           save_prefix=item.save_prefix)

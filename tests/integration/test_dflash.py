@@ -673,9 +673,14 @@ def test_a_batch_item_with_a_bad_propose_is_refused_alone_and_changes_nothing(da
         blocks = {}
         for seq, drafter in drafters.items():
             drafter.target.open(seq)
+            if seq == 73:  # 73's drafter context stays empty: its prompt goes without `propose`
+                prompt = replace(drafter.prepare(BatchForward(seq, 0, PROMPT)), propose=None)
+                (answer,) = pipeline.forward_batch([prompt])
+                assert isinstance(answer, Captured) and answer.proposal is None
+                drafter.collect(prompt, answer)  # its rows wait here for the PROPOSE that brings them
+                continue
             last = drafter.target.forward(seq, 0, PROMPT)[-1]
-            if seq != 73:  # 73's drafter context stays empty
-                blocks[seq] = [last] + drafter.propose(PROMPT + [last], BLOCK - 1)
+            blocks[seq] = [last] + drafter.propose(PROMPT + [last], BLOCK - 1)
         blocks[73] = blocks[70]
 
         def verify(seq, **fields):
@@ -793,3 +798,29 @@ def test_sampled_dflash_streams_take_their_blocks_from_the_verify_reply(daemons)
 
     (in_reply, taken), (each_step, none) = run(True), run(False)
     assert in_reply == each_step and taken > 0 and none == 0
+
+
+def test_a_prompt_of_one_request_brings_the_first_block_in_its_reply(daemons, greedy):
+    """With the drafter beside the head, a prompt chunk that fits one request joins the drafter's context in its own
+    CAPTURE (its features never come back to be sent in PROPOSE): DFlash streams send no PROPOSE at all, equal
+    greedy, and draft what the same streams fed by PROPOSE draft."""
+    endpoints, _ = pipeline_endpoints(daemons, "beside")
+
+    def run(in_reply: bool, chunk: int):
+        with Pipeline.connect(endpoints) as pipeline:
+            drafter = DFlashDrafterClient(pipeline.clients[-1], pipeline)
+            drafter.proposes_in_reply = in_reply
+            before = pipeline.clients[-1].stats()["requests"].get("PROPOSE", 0)
+            requests = [Request(PROMPT[:40 + i], NEW_TOKENS, drafter=drafter.fresh(), block_size=BLOCK)
+                        for i in range(2)]
+            done = Scheduler(pipeline, max_sequences=2, prefill_chunk=chunk).run_all(requests)
+            proposes = pipeline.clients[-1].stats()["requests"].get("PROPOSE", 0) - before
+            return [request.outcome() for request in done], proposes
+
+    fed, proposes = run(False, 64)
+    assert proposes > 0
+    for chunk in (64, 16):  # the prompt in one chunk, and in several (each joins, the last one proposes)
+        joined, none = run(True, chunk)
+        assert none == 0, chunk
+        assert [r.tokens for r in joined] == [r.tokens for r in fed]
+        assert [(r.drafted, r.accepted) for r in joined] == [(r.drafted, r.accepted) for r in fed], chunk

@@ -195,8 +195,8 @@ def test_daemons_serve_the_fast_drafter(tmp_path):
 
 def test_the_head_shard_proposes_in_the_verify_reply(tmp_path):
     """With the drafter beside the last shard's layers, each verify's CAPTURE reply carries the next block (the
-    first shard's captured layers ride along as `carried`): one PROPOSE round trip for the whole decode, the same
-    proposals as a drafter in its own daemon, the greedy output. A `propose` the shard cannot honour is refused
+    first shard's captured layers ride along as `carried`), and so does the prompt's: no PROPOSE round trip for the
+    whole decode, the same proposals as a drafter in its own daemon, the greedy output. A `propose` the shard cannot honour is refused
     before anything changes."""
     from coordinator.relay.client import ShardClient, ShardError
     from coordinator.decoding import greedy_decode, speculative_decode
@@ -226,13 +226,13 @@ def test_the_head_shard_proposes_in_the_verify_reply(tmp_path):
                     assert result.tokens == greedy
                     proposals[placement] = [(at, tokens) for at, n, tokens in asked if n == 7]
                     if placement == "last":
-                        assert dflash.proposes_in_reply  # every block but the first came in a verify reply
-                        assert dflash.proposals_in_reply == sum(1 for _, n, _ in asked if n > 0) - 1
+                        assert dflash.proposes_in_reply  # every block came in a reply: the prompt's, then the verifies'
+                        assert dflash.proposals_in_reply == sum(1 for _, n, _ in asked if n > 0)
                         in_reply = client.stats()["drafter"]
                     else:
                         assert not dflash.proposes_in_reply
             assert proposals["last"] == proposals["own"] and proposals["own"]
-            assert in_reply["proposals"] - in_reply["proposals_in_reply"] == 1  # the first block, after the prompt
+            assert in_reply["proposals"] == in_reply["proposals_in_reply"]  # no PROPOSE
 
             with ShardClient(endpoints["first"]) as first:
                 first.open(7)

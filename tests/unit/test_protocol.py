@@ -6,6 +6,7 @@ with msgpack directly, so the decoder is tested against bytes the codec did not 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -350,6 +351,18 @@ def test_a_batch_items_bad_propose_is_its_error_alone():
     header = {"v": 1, "type": "FORWARD", "id": 3, "items": [{"seq": 1, "pos": 0, "tokens": [1]}, plain_propose]}
     refused = decode_request(message(header)).items[1]
     assert refused.code is ErrorCode.BAD_REQUEST and "unknown field(s) ['propose'] in a FORWARD item" in refused.message
+
+
+def test_a_prompt_chunk_proposes_without_drafts_and_only_uncheckpointed():
+    """`propose` without `drafts` is a prompt chunk's (every row joins the drafter's context): it round-trips when
+    not checkpointed; a checkpointed CAPTURE without drafts is refused by name."""
+    chunk = Capture(0, seq=3, pos=0, hidden=rows_of(3, 6, 4), layers=[3], propose=2, carried_layers=[0, 1],
+                    carried=rows_of(-3, 6, 8))
+    assert decode_request(encode_request(chunk)) == chunk
+    checkpointed = dataclasses.replace(chunk, checkpoint=True, parents=pure_chain(6))
+    with pytest.raises(ProtocolError) as refused:
+        encode_request(checkpointed)
+    assert refused.value.code is ErrorCode.BAD_REQUEST and "prompt chunk" in refused.value.message
 
 
 def test_carried_rows_that_do_not_add_up_refuse_the_batch_whole():

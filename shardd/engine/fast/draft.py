@@ -200,22 +200,26 @@ class FastDrafter:
         pending = [(state, features, 0) for state, features in items if features.shape[0]]
         while pending:
             if self.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()  # the last copy out of the pinned buffer is done
-            table, later, used = [], [], 0
+                torch.cuda.current_stream().synchronize()  # the last copies out of the pinned buffers are done
+            table, later, used, host = [], [], 0, []
             for state, features, done in pending:
                 if used == self.batch_rows or len(table) == self.max_segments or any(
                         s[segments.SLOT] == state.slot for s in table):
                     later.append((state, features, done))
                     continue
                 n = min(features.shape[0] - done, self.batch_rows - used)
-                # staged in pinned memory, then one copy per step
-                self._features[used:used + n].copy_(features[done:done + n])
+                if features.device == self.features.device:  # already here (a verify's own captures): copied in
+                    self.features[used:used + n].copy_(features[done:done + n])
+                else:  # host rows, staged in pinned memory, then one copy per step
+                    self._features[used:used + n].copy_(features[done:done + n])
+                    host.append((used, used + n))
                 table.append(segments.segment(state.slot, n, state.length, first=used))
                 state.length += n
                 used += n
                 if done + n < features.shape[0]:
                     later.append((state, features, done + n))
-            self.features[:used].copy_(self._features[:used], non_blocking=True)
+            for begin, end in host:
+                self.features[begin:end].copy_(self._features[begin:end], non_blocking=True)
             self.features[used:].zero_()
             self._context_control.copy_(self._table(table))
             self.context_control.copy_(self._context_control, non_blocking=True)

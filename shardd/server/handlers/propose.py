@@ -102,35 +102,44 @@ class Propose:
                                 f"send rows {held}..{request.pos - 1} with PROPOSE first")
 
     def after_verify_batch(self, verified: list[tuple]) -> list[dict]:
-        """Per (request, entry, ids, captured) of verifies that ran: the verify's committed rows (the accepted
-        drafts' prefix plus its first row) join the drafter's context, then the next block is drafted after the
-        bonus token: what PROPOSE would answer after this step. All the sequences' context rows go in shared
-        context steps, all their blocks in shared block steps (the fast drafter's; the reference's one by one)."""
+        """Per (request, entry, ids, captured) of CAPTUREs with `propose` that ran: their committed rows join the
+        drafter's context (a verify's accepted drafts' prefix plus its first row; a prompt chunk's every row), then
+        the next block is drafted after the last committed row's token (the verify's bonus token, the chunk's
+        next): what PROPOSE would answer after this step. All the sequences' context rows go in shared context
+        steps, all their blocks in shared block steps (the fast drafter's; the reference's one by one)."""
         model, config, counters = self.drafter.model, self.drafter.config, self.counters
         width = self.hidden_size
         contexts, blocks, replies = [], [], []
         for request, entry, ids, captured in verified:
             drafts = request.drafts
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == ids[accepted]:
-                accepted += 1
-            keep = accepted + 1  # rows pos .. pos+accepted: the block's first token and the accepted drafts
+            reply = {}
+            if drafts is None:  # a prompt chunk: every row is committed
+                keep = len(ids)
+            else:
+                accepted = 0
+                while accepted < len(drafts) and drafts[accepted] == ids[accepted]:
+                    accepted += 1
+                keep = accepted + 1  # rows pos .. pos+accepted: the block's first token and the accepted drafts
+                reply["accepted"] = accepted
             carried = request.carried.to_torch() if request.carried is not None else None
             columns = []
             for layer in config.target_layer_ids:
                 if layer in captured:
-                    columns.append(captured[layer][:keep])
+                    rows = captured[layer][:keep]
                 else:
                     j = request.carried_layers.index(layer)
-                    columns.append(carried[:keep, j * width:(j + 1) * width])
+                    rows = carried[:keep, j * width:(j + 1) * width]
+                columns.append(rows)
+            if len({rows.device for rows in columns}) > 1:  # a prefill's captures (on the GPU) beside carried rows
+                columns = [rows.to(model.device) for rows in columns]
             draft = entry.draft
             if draft.length > request.pos:
                 counters.draft_crops += 1
                 counters.draft_rows_cropped += draft.length - request.pos
                 model.crop(draft, request.pos)
             contexts.append((draft, torch.cat(columns, dim=1)))
-            blocks.append((draft, ids[accepted], request.propose + 1))
-            replies.append({"accepted": accepted, "pos": request.pos + keep, "last_token": ids[accepted]})
+            blocks.append((draft, ids[keep - 1], request.propose + 1))
+            replies.append({**reply, "pos": request.pos + keep, "last_token": ids[keep - 1]})
             counters.draft_context_rows += keep
         model.add_context_batch(contexts)
         for _, entry, _, _ in verified:
