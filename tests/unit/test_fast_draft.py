@@ -193,11 +193,14 @@ def test_daemons_serve_the_fast_drafter(tmp_path):
         stop_all(daemons.values())
 
 
-def test_the_head_shard_proposes_in_the_verify_reply(tmp_path):
+@pytest.mark.parametrize("engine", ["reference", pytest.param("fast", marks=pytest.mark.gpu)])
+def test_the_head_shard_proposes_in_the_verify_reply(tmp_path, engine):
     """With the drafter beside the last shard's layers, each verify's CAPTURE reply carries the next block (the
     first shard's captured layers ride along as `carried`), and so does the prompt's: no PROPOSE round trip for the
-    whole decode, the same proposals as a drafter in its own daemon, the greedy output. A `propose` the shard cannot honour is refused
-    before anything changes."""
+    whole decode, the same proposals as a drafter in its own daemon, the greedy output. A `propose` the shard
+    cannot honour is refused before anything changes. On the GPU, the fast bf16 engine: the prompt's captures
+    (from the prefill, on the device) and the carried rows (host) join the head's drafter context as the features
+    PROPOSE brings join the drafter daemon's."""
     from coordinator.relay.client import ShardClient, ShardError
     from coordinator.decoding import greedy_decode, speculative_decode
     from coordinator.drafting.dflash import DFlashDrafterClient
@@ -205,7 +208,8 @@ def test_the_head_shard_proposes_in_the_verify_reply(tmp_path):
     from protocol import Capture, ErrorCode
     from tests.support.daemons import free_tcp_endpoint, start_daemons, stop_all
 
-    common = ["--max-verify-tokens", "8", "--max-context", "96", "--max-sequences", "2", "--engine", "reference"]
+    common = ["--max-verify-tokens", "8", "--max-context", "96", "--max-sequences", "2", "--engine", engine,
+              *(["--device", "cuda:0", "--dtype", "bfloat16"] if engine == "fast" else [])]
     specs = {"first": (free_tcp_endpoint(), ["--layers", "0:3", *common]),  # synthetic: target layers 1 and 3
              "last": (free_tcp_endpoint(), ["--layers", "3:6", "--draft", "synthetic:2", *common]),
              "own": (free_tcp_endpoint(), ["--layers", "none", "--draft", "synthetic:2", *common])}
