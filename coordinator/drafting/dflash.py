@@ -221,8 +221,8 @@ class DFlashDrafterClient:
         """`forward` of this drafter's sequence as a capture of its target layers. Where the head shard hosts the
         drafter and its context holds the rows before the forward, it also asks for the next block in the reply: a
         checkpointed verify (greedy or sampled; its committed rows join the context), and a prompt chunk of one
-        request (all its rows join, so the prompt's features never come back here to be sent in PROPOSE; the
-        chunk that ends the prompt brings the first block)."""
+        request (all its rows join there, so the prompt's features are not sent back in PROPOSE; the chunk that
+        ends the prompt brings the first block)."""
         propose = None
         if self.proposes_in_reply and self.context_length >= forward.pos:
             if forward.checkpoint and len(forward.tokens) > 1 and self.next_block is not None:
