@@ -553,12 +553,8 @@ def start_daemons(args, ranges, mode: str, run_dir: Path, *, devices: list[str] 
                    *without_prefix_cache(extra)]
         if devices[index] == "cpu":  # a CPU check: one torch thread per daemon, as the tests start them
             command += ["--threads", "1"]
-        if pyspy is not None:  # py-spy as the daemon's parent (attaching to a sibling needs ptrace rights it may lack)
-            # --nonblocking: sampling pauses nothing (--native pauses the daemon per sample: PYSPY_NATIVE=1; on the
-            # GPU host it slowed a daemon's start past a 330 s limit)
-            mode_flag = "--native" if os.environ.get("PYSPY_NATIVE") == "1" else "--nonblocking"
-            command = ["py-spy", "record", mode_flag, "--threads", "-r", str(PYSPY_RATE), "-f", "raw",
-                       "-o", str(pyspy[index]), "--"] + command
+        if pyspy is not None:
+            command = under_pyspy(command, pyspy[index])
         processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                           env={**os.environ, **(env or {})}))
     wait_ready(len(processes))
@@ -702,6 +698,15 @@ def drafter_in_process(args) -> dict:
     return out
 
 
+def under_pyspy(command: list[str], stacks: Path) -> list[str]:
+    """`command` with py-spy as its parent (attaching to a sibling needs ptrace rights it may lack), its stacks into
+    `stacks`. --nonblocking: sampling pauses nothing (--native pauses the daemon per sample: PYSPY_NATIVE=1; on the
+    GPU host it slowed a daemon's start past a 330 s limit)."""
+    mode_flag = "--native" if os.environ.get("PYSPY_NATIVE") == "1" else "--nonblocking"
+    return ["py-spy", "record", mode_flag, "--threads", "-r", str(PYSPY_RATE), "-f", "raw", "-o", str(stacks), "--",
+            *command]
+
+
 def serve_processes(args, specs: dict[str, list[str]], run_dir: Path, *, max_sequences: int = 2,
                     rollback: str = "checkpoint", pyspy: Path | None = None) -> tuple[list, dict[str, str]]:
     """`shardd serve` per named spec (extra arguments), every one on `--dflash-device`; waits for every HELLO.
@@ -715,9 +720,8 @@ def serve_processes(args, specs: dict[str, list[str]], run_dir: Path, *, max_seq
                    "--device", args.dflash_device, "--dtype", args.dflash_dtype, "--engine", args.dflash_engine, "--bind", endpoint,
                    "--rollback-mode", rollback, "--max-verify-tokens", str(BLOCK), "--max-sequences", str(max_sequences),
                    "--max-context", str(args.prompt_len + args.tokens + 4 * BLOCK), *extra, *without_prefix_cache(extra)]
-        if pyspy is not None:  # py-spy as the daemon's parent, as run_relay's --pyspy starts it
-            command = ["py-spy", "record", "--nonblocking", "--threads", "-r", str(PYSPY_RATE), "-f", "raw",
-                       "-o", str(pyspy / f"{name}.txt"), "--"] + command
+        if pyspy is not None:
+            command = under_pyspy(command, pyspy / f"{name}.txt")
         processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
         endpoints[name] = endpoint
         loading.append((name, processes[-1], endpoint, run_dir / f"{name}.log"))

@@ -1,11 +1,12 @@
-"""The README's "Measured" table, written from the benchmark JSON under bench/results/h200/ (no figure typed by hand).
+"""The README's "Measured" table, written from the benchmark JSON under bench/results/ (no figure typed by hand).
 
     python scripts/measured_table.py            # print the table
     python scripts/measured_table.py --write    # replace the table between the README's markers
     python scripts/measured_table.py --check    # exit 1 when the README's table is not what the JSON says
 
 `SOURCES` names the JSON each row reads, under bench/results/CARD/ (a run's file as gpu_run.sh wrote it, copied in
-with the commit it measured in its name; a row from a card other than the H200 names it); a new run replaces a figure by replacing its file name here. tests/unit/test_readme.py checks the
+with the commit it measured in its name; a row from a card other than the H200 names it); a new run replaces a
+figure by replacing its file name here. tests/unit/test_readme.py checks the
 README against this script.
 """
 
@@ -91,12 +92,13 @@ def rows() -> list[tuple[str, str, str]]:
     if dflash_batch is not None:
         ratio = dflash_batch["dflash_batch_vs_oracle"]
         counts = sorted(ratio, key=int)
-        out.append((f"DFlash step / tok/s against the oracle's, {' / '.join(counts)} streams{card('dflash_batch')}",
+        out.append((f"DFlash step / tok/s against the oracle's, {' / '.join(counts)} streams" + card("dflash_batch"),
                     " / ".join(f"{ratio[n]['step']:.2f}x" for n in counts) + "; "
                     + " / ".join(pct(ratio[n]["tok_s"]) for n in counts), "`scripts/gpu_run.sh dflash-batch`"))
         http = dflash_batch.get("dflash_batch_http", {}).get("dflash_vs_none")
         if http:
-            out.append((f"`serve --drafter dflash` over `none`, 1 / 8 HTTP streams (drafter accepts nothing){card('dflash_batch')}",
+            out.append(("`serve --drafter dflash` over `none`, 1 / 8 HTTP streams (drafter accepts nothing)"
+                        + card("dflash_batch"),
                         " / ".join(pct(http[n]) for n in sorted(http, key=int)), "`scripts/gpu_run.sh dflash-batch`"))
     out += [
         ("FP8 greedy / verify step, one process",
