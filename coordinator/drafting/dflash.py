@@ -5,7 +5,8 @@ the head shard, into its context by the verify itself, which proposes the next b
 `DFlashDrafterClient` implements `Drafter`. Every forward of its sequence is a capture of the
 drafter's target layers (prefill chunks, verify steps, replay and re-fill forwards alike): the
 shards that own one of those layers answer CAPTURE, the others FORWARD, and the rows wait in
-`CapturedRows` by position. `prepare` turns a forward into that capture (`BatchForward.capture`,
+`CapturedRows` by position (except those a proposal in the reply took into the drafter context
+on the head shard: they stay there). `prepare` turns a forward into that capture (`BatchForward.capture`,
 and `propose` where the head can propose in its reply); `collect` takes the rows and the
 proposal out of its answer (`Captured`). The scheduler puts the prepared forward in the step's
 one batch (`coordinator.scheduler`); `target` does the same for one sequence (the reference loop
@@ -236,12 +237,14 @@ class DFlashDrafterClient:
         return replace(forward, capture=list(self.layer_ids), propose=propose)
 
     def collect(self, forward: BatchForward, answer) -> TokenIds:
-        """The ids of a prepared forward's answer (a `Captured`); its rows wait by position, its proposal for
-        `propose`."""
+        """The ids of a prepared forward's answer (a `Captured`); its proposal for `propose`, else (or where the
+        proposal failed) its rows, waiting by position for the PROPOSE that brings them. A proposal's rows joined
+        the drafter context on the head shard: they do not come back."""
         if not isinstance(answer, Captured):
             raise PipelineError(f"the target answered {type(answer).__name__} for a capture of layers "
                                 f"{self.layer_ids}: the dflash drafter needs the shards' captured layers")
-        self.captured(forward.pos, answer.outputs)
+        if answer.proposal is None or "error" in answer.proposal:
+            self.captured(forward.pos, answer.outputs)
         if answer.proposal is not None:
             self.proposed(answer.proposal)
         return answer.ids

@@ -620,6 +620,19 @@ class Pipeline:
                 return owned[i][k] or list(steps[i].head["carried_layers"]), True
             return owned[i][k], None
 
+        def answered_layers(i: int, k: int, result: dict) -> Sequence[int]:
+            # the layer.<id> frames shard k answers for step i: none where they went on with the rows (`carry`) or
+            # joined the drafter's context (a proposal in the head's reply); all the drafter's where that failed
+            if carrying[i] and first_carrier[i] <= k < last:
+                return ()
+            if k == last and steps[i].head is not None and "propose" in steps[i].head:
+                proposal = result.get("proposal")
+                if isinstance(proposal, dict) and "error" not in proposal:
+                    return ()
+                if isinstance(proposal, dict) and carrying[i]:
+                    return sorted([*(owned[i][k] or ()), *steps[i].head["carried_layers"]])
+            return owned[i][k] or ()
+
         def request(k: int, c: int, members: list[int], inputs) -> Request:
             shard, records = self.shards[k], []
             for i in members:
@@ -698,7 +711,7 @@ class Pipeline:
                             raise answer
                         rows = self._check_reply(answer, shard, step.seq, starts[i][c] + n, n,
                                                  rows_sent=direct and k < last)
-                        outputs = self._check_captured(answer, shard, owned[i][k] or (), n)
+                        outputs = self._check_captured(answer, shard, answered_layers(i, k, answer.result), n)
                     except SHARD_FAILURES as error:
                         failures.append(error)
                         results[i] = refused_rollback.get(i) or self._failure(step, k, error, tick=tick,
@@ -725,7 +738,7 @@ class Pipeline:
             if not live:
                 break
         for i in live:
-            results[i] = (ids[i], {layer: join_rows(pieces) for layer, pieces in parts[i].items()}, heads[i])
+            results[i] = (ids[i], {layer: join_rows(pieces) for layer, pieces in parts[i].items() if pieces}, heads[i])
         return results
 
     def _answers(self, k: int, sent: Request, n: int) -> list:

@@ -824,3 +824,62 @@ def test_a_prompt_of_one_request_brings_the_first_block_in_its_reply(daemons, gr
         assert none == 0, chunk
         assert [r.tokens for r in joined] == [r.tokens for r in fed]
         assert [(r.drafted, r.accepted) for r in joined] == [(r.drafted, r.accepted) for r in fed], chunk
+
+
+# Injected into a daemon's interpreter at startup (a `sitecustomize` on its PYTHONPATH): every third batch of
+# proposals the hosted drafter drafts raises, as a drafter that fails mid-step would.
+FAILING_DRAFTER = '''
+from shardd.draft import model
+
+_propose_batch, _calls = model.DFlashDrafter.propose_batch, [0]
+
+
+def propose_batch(self, items):
+    _calls[0] += 1
+    if _calls[0] % 3 == 0:
+        raise RuntimeError("injected drafter fault")
+    return _propose_batch(self, items)
+
+
+model.DFlashDrafter.propose_batch = propose_batch
+'''
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["shard-to-shard", "through-coordinator"])
+def test_features_stay_on_the_shards_unless_the_proposal_fails(tmp_path, monkeypatch, greedy, direct):
+    """With the drafter beside the head (layer 1 on the first shard, layer 3 on the head), a verify whose reply
+    brings its proposal answers no `layer.<id>` frames: its rows joined the drafter context on the head, and the
+    first shard's went on with the rows (shard to shard) or to the client for the head's `carried`. A head whose
+    drafter fails every third batch answers `proposal.error` with every drafter layer's frames, the client brings
+    those rows in PROPOSE, and the streams still equal greedy."""
+    fault = tmp_path / "fault"
+    fault.mkdir()
+    (fault / "sitecustomize.py").write_text(FAILING_DRAFTER)
+    shards = ShardSet(TINY, [(0, 3), (3, 6)], "ipc", ("--rollback-mode", "checkpoint", "--max-verify-tokens",
+                                                      str(BLOCK)), direct_rows=direct)
+    monkeypatch.setenv("PYTHONPATH", str(fault), prepend=":")  # the daemons' interpreters only: undone below
+    with launched_sets([replace(shards, shard_args=((), ("--draft", "synthetic")))], ready_timeout_s=120) as started:
+        monkeypatch.undo()
+        endpoints = [shard.endpoint for shard in started[0]]
+        with Pipeline.connect(endpoints) as pipeline:
+            dflash = DFlashDrafterClient(pipeline.clients[-1], pipeline)
+            assert dflash.proposes_in_reply
+            replies, forward_batch = [], pipeline.forward_batch
+
+            def recording(items):
+                answers = forward_batch(items)
+                replies.extend(answer for item, answer in zip(items, answers) if item.propose is not None)
+                return answers
+
+            pipeline.forward_batch = recording
+            requests = [Request(PROMPT, NEW_TOKENS, drafter=dflash.fresh(), block_size=BLOCK) for _ in range(3)]
+            done = Scheduler(pipeline, max_sequences=3, prefill_chunk=64).run_all(requests)
+            assert [request.outcome().tokens for request in done] == [greedy] * 3
+            drafter = pipeline.clients[-1].stats()["drafter"]
+            proposes = pipeline.clients[-1].stats()["requests"].get("PROPOSE", 0)
+    drafted = [answer for answer in replies if "error" not in answer.proposal]
+    failed = [answer for answer in replies if "error" in answer.proposal]
+    assert drafted and failed and drafter["proposal_failures"] >= 1 and proposes >= 1
+    assert all(answer.outputs == {} for answer in drafted) if direct else \
+        all(sorted(answer.outputs) == [1] for answer in drafted)  # the first shard's, for the head's `carried`
+    assert all(sorted(answer.outputs) == LAYER_IDS for answer in failed)

@@ -69,6 +69,8 @@ class Forward:
         if request.send_rows is not None:  # the rows go on to the next shard first: they are what it waits for
             self.relay.send(request, tensors.pop("hidden"), wait, carried_on(request, tensors))
             result["rows_sent"] = True
+            if request.carry:  # the captured layers went on with them, towards the drafter
+                drop_captured(result, tensors)
         return result, {name: WireTensor.from_torch(t) for name, t in zip(tensors, on_host(list(tensors.values())))}
 
     def _with_rows(self, request, shard, peer: Peer):
@@ -270,9 +272,14 @@ class Forward:
             for index, item, entry, _ in verified:
                 self.proposer.drafter.model.crop(entry.draft, min(entry.draft.length, item.pos))
                 answers[index][0]["proposal"] = {"error": {"code": ErrorCode.INTERNAL.value, "message": message}}
+                carried = self.proposer.carried_frames(item)  # with its own: the rows the client's PROPOSE brings
+                answers[index][1].update(carried)
+                answers[index][0]["captured_layers"] = sorted({*answers[index][0]["captured_layers"],
+                                                               *(int(name.split(".", 1)[1]) for name in carried)})
             return
         for (index, _, _, _), proposal in zip(verified, proposals):
             answers[index][0]["proposal"] = proposal
+            drop_captured(*answers[index])  # the rows are in the drafter's context: the client needs them no more
 
     def _batch_with_rows(self, request):
         """A batched FORWARD with `rows_ticket`, each item as if its rows had come in tensor `hidden`; an item the
@@ -314,6 +321,9 @@ class Forward:
         item's reply then carries `rows_sent` and no rows); none ran: a refused ROWS."""
         ran = [(item, answer[0], answer[1].pop("hidden"), carried_on(item, answer[1]))
                for item, answer in zip(request.items, answers) if not isinstance(answer, Exception)]
+        for item, answer in zip(request.items, answers):
+            if not isinstance(answer, Exception) and item.carry:  # its captured layers go on with the rows
+                drop_captured(*answer)
         if not ran:
             self.relay.refuse_downstream(request)
             return
@@ -407,6 +417,15 @@ def with_carried(request, rows) -> dict:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"the ROWS of ticket {rows.ticket} carry feature rows; only a "
                                                    "CAPTURE takes them")
     return {"carried": rows.carried}
+
+
+def drop_captured(result: dict, tensors: dict) -> None:
+    """A reply's `layer.<id>` frames left out (its `captured_layers` names the frames it answers: none): they went on
+    with the rows (`carry`) or joined the drafter's context (a proposal in the reply), so the client has no use for
+    them (PROTOCOL.md, "Proposing in the verify reply")."""
+    for name in [name for name in tensors if name.startswith("layer.")]:
+        del tensors[name]
+    result["captured_layers"] = []
 
 
 def carried_on(request, tensors: dict) -> WireTensor | None:

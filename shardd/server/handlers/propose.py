@@ -101,6 +101,15 @@ class Propose:
                                 f"the drafter's context holds {held} rows, this verify starts at {request.pos}: "
                                 f"send rows {held}..{request.pos - 1} with PROPOSE first")
 
+    def carried_frames(self, request) -> dict:
+        """The `layer.<id>` frames of a CAPTURE's carried layers (its tensor `carried`, column block by block): with
+        its own captures, what a reply whose proposal failed answers, so the client can bring the rows in PROPOSE."""
+        if request.carried is None:
+            return {}
+        carried, width = request.carried.to_torch(), self.hidden_size
+        return {f"layer.{layer}": carried[:, j * width:(j + 1) * width].contiguous()
+                for j, layer in enumerate(request.carried_layers)}
+
     def after_verify_batch(self, verified: list[tuple]) -> list[dict]:
         """Per (request, entry, ids, captured) of CAPTUREs with `propose` that ran: their committed rows join the
         drafter's context (a verify's accepted drafts' prefix plus its first row; a prompt chunk's every row), then
