@@ -140,6 +140,9 @@ class FastDrafter:
         self._control = torch.zeros(control_size, dtype=torch.int32, pin_memory=pin)
         self._context_control = torch.zeros(control_size, dtype=torch.int32, pin_memory=pin)
         self._ids = torch.zeros(rows, dtype=torch.long, pin_memory=pin)
+        # the copies out of the context step's pinned buffers, queued (refilled only once they are done); the block
+        # step's are always done when its next use comes: every block step ends with a wait for its ids
+        self._staged = torch.cuda.Event() if pin else None
         if use_graphs:  # capture now, on the scratch slot, so no request pays for it and no sequence is touched
             empty = self._table([segments.segment(self.scratch_slot, 1, 0)])
             self.context_control.copy_(empty)
@@ -199,8 +202,8 @@ class FastDrafter:
         once per step."""
         pending = [(state, features, 0) for state, features in items if features.shape[0]]
         while pending:
-            if self.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()  # the last copies out of the pinned buffers are done
+            if self._staged is not None:
+                self._staged.synchronize()  # the last copies out of the pinned buffers are done
             table, later, used, host = [], [], 0, []
             for state, features, done in pending:
                 if used == self.batch_rows or len(table) == self.max_segments or any(
@@ -223,6 +226,8 @@ class FastDrafter:
             self.features[used:].zero_()
             self._context_control.copy_(self._table(table))
             self.context_control.copy_(self._context_control, non_blocking=True)
+            if self._staged is not None:
+                self._staged.record()
             self.context_step()
             pending = later
 
@@ -248,8 +253,8 @@ class FastDrafter:
             for index in views:  # this step overwrites the logits an earlier step's proposals view
                 ids, logits = results[index]
                 results[index] = ids, logits.clone()
-            if self.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()  # the pinned buffers are refilled below
+            # (the pinned buffers are free: the last block step's copies were waited for with its ids; a context
+            # step still running on the device goes on while these are filled)
             self._tokens[:len(tokens)].copy_(torch.tensor(tokens, dtype=torch.long))
             self._tokens[len(tokens):].fill_(self.config.mask_token_id)
             self._control.copy_(self._table(table))
