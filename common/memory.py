@@ -205,7 +205,7 @@ def drafter_weight_bytes(draft_config, target: ModelConfig, dtype_bytes: int, *,
 def drafter_state_bytes(draft_config, vocab_size: int, dtype_bytes: int, *, engine: str, max_sequences: int,
                         max_context: int, step_rows: int) -> dict[str, int]:
     """A hosted drafter's context K/V for every sequence and, on the fast engine, its steps' buffers
-    (shardd/engine/fast/draft.py: R rows of features, residual stream, attention and MLP scratch, float32 logits)."""
+    (shardd/engine/fast/draft.py: R rows of features, residual stream, attention and MLP scratch, the logits)."""
     c = draft_config
     block = c.block_size if engine == "fast" else 0  # the fast caches hold a block past the context
     slots = max_sequences + (1 if engine == "fast" else 0)
@@ -213,7 +213,7 @@ def drafter_state_bytes(draft_config, vocab_size: int, dtype_bytes: int, *, engi
     if engine == "fast":
         splits = -(-(max_context + block) // 1024)  # shardd.engine.kernels.attention.CHUNK
         per_row = (c.feature_size * 2 * dtype_bytes + c.hidden_size * 4 * dtype_bytes + c.intermediate_size * dtype_bytes
-                   + c.num_attention_heads * c.head_dim * 3 * dtype_bytes + vocab_size * 4
+                   + c.num_attention_heads * c.head_dim * 3 * dtype_bytes + vocab_size * dtype_bytes
                    + c.num_attention_heads * splits * (c.head_dim + 2) * 4)
         items["drafter_step"] = step_rows * per_row + (max_context + block) * c.head_dim * 2 * dtype_bytes
     return items

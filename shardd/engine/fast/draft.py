@@ -124,7 +124,7 @@ class FastDrafter:
         self.partials = (zeros(rows, heads, splits, dtype=torch.float32), zeros(rows, heads, splits, dtype=torch.float32),
                          zeros(rows, heads, splits, d, dtype=torch.float32))
         self.act = zeros(rows, c.intermediate_size)
-        self.logits = zeros(rows, reference.vocab_size, dtype=torch.float32)
+        self.logits: torch.Tensor | None = None  # the head's output [R, vocab] in the drafter's dtype (the block step's)
         self.ids = zeros(rows, dtype=torch.long)
         positions = torch.arange(cache_len, device=device)
         self.cos, self.sin = (t.contiguous() for t in reference.rope.cos_sin(positions, dtype))
@@ -234,7 +234,8 @@ class FastDrafter:
     @torch.inference_mode()
     def propose_batch(self, items: list[tuple[FastDraftState, int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """As DFlashDrafter.propose for each (state, last_token, block_size): (ids [block_size-1], logits
-        [block_size-1, vocab] float32) per item. The blocks share block steps of R rows, up to S per step, a
+        [block_size-1, vocab]) per item, the logits in the drafter's dtype (the reference's float32 logits are these
+        values cast: the drafts are their argmax either way). The blocks share block steps of R rows, up to S per step, a
         sequence at most once per step; the last step's logits view a buffer the next proposal reuses. The
         states are not changed."""
         results: list = [None] * len(items)
@@ -304,8 +305,9 @@ class FastDrafter:
             self._add_norm(delta, layer.post_attention_layernorm)
             delta = F.linear(elementwise.silu_mul(F.linear(self.normed, layer.gate_up), self.act), layer.down)
         self._add_norm(delta, ref.norm)
-        # every row's logits (a block's first row holds its last committed token: its logits go unread)
-        self.logits.copy_(F.linear(self.normed, ref.lm_head))
+        # every row's logits (a block's first row holds its last committed token: its logits go unread); the argmax
+        # of the head's own output is the reference's argmax of it cast to float32 (the cast is exact)
+        self.logits = F.linear(self.normed, ref.lm_head)  # captured: the graph's output, rewritten by each replay
         torch.argmax(self.logits, dim=-1, out=self.ids)
 
     def _add_norm(self, delta, weight) -> None:
