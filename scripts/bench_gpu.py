@@ -708,13 +708,23 @@ def under_pyspy(command: list[str], stacks: Path) -> list[str]:
 
 
 def serve_processes(args, specs: dict[str, list[str]], run_dir: Path, *, max_sequences: int = 2,
-                    rollback: str = "checkpoint", pyspy: Path | None = None) -> tuple[list, dict[str, str]]:
+                    rollback: str = "checkpoint", pyspy: Path | None = None,
+                    chained: bool = False) -> tuple[list, dict[str, str]]:
     """`shardd serve` per named spec (extra arguments), every one on `--dflash-device`; waits for every HELLO.
-    `pyspy`: each daemon under py-spy, its stacks in NAME.txt there (stop them with `profiled=True`)."""
+    `pyspy`: each daemon under py-spy, its stacks in NAME.txt there (stop them with `profiled=True`). `chained`: the
+    specs in order are one pipeline whose shards send their rows on to the next (`--relay-to` under one relay key,
+    as `shardctl launch` starts them: PROTOCOL.md, "Rows from shard to shard")."""
+    from coordinator.launch import write_relay_key
+
     processes, endpoints = [], {}
     loading = []  # (name, process, endpoint, log) of the daemons not yet known to serve
-    for name, extra in specs.items():
+    names = list(specs)
+    relay_key = ["--relay-key", str(write_relay_key(run_dir / "relay.key"))] if chained else []
+    for index, (name, extra) in enumerate(specs.items()):
         endpoint = f"ipc://{run_dir}/{name}.sock"
+        if chained:
+            following = [] if index == len(names) - 1 else ["--relay-to", f"ipc://{run_dir}/{names[index + 1]}.sock"]
+            extra = [*extra, *relay_key, *following]
         log = open(run_dir / f"{name}.log", "w")
         command = [sys.executable, "-m", "shardd", "serve", "--synthetic", f"{args.preset}:{args.seed}",
                    "--device", args.dflash_device, "--dtype", args.dflash_dtype, "--engine", args.dflash_engine, "--bind", endpoint,
@@ -960,7 +970,8 @@ AVERAGED = ("tok_s", "decode_tok_s", "step_ms", "mean_commit")  # the oracle's f
 
 def run_dflash_batch(args) -> dict:
     """Two target daemons (layers 0:L/2, L/2:L) with the drafter beside the last shard (the shipped placement:
-    it proposes the next block in the verify's reply), replay-ssm storage for every stream, all on
+    it proposes the next block in the verify's reply), chained as `shardctl launch` chains them (the rows, and the
+    first shard's captured layers with them, go from shard to shard), replay-ssm storage for every stream, all on
     `--dflash-device`. Per --streams count, that many streams together through the scheduler: the oracle, then
     DFlash (the real drafter proposing every step, the oracle's commit schedule deciding what is accepted:
     `ProposingOracle`), then the oracle again (A/B/A). Then `shardctl serve --drafter dflash` (the real drafter's
@@ -981,7 +992,7 @@ def run_dflash_batch(args) -> dict:
     if spied is not None:
         spied.mkdir(parents=True, exist_ok=True)
     processes, endpoints = serve_processes(args, specs, run_dir, max_sequences=widest + 1, rollback="replay-ssm",
-                                           pyspy=spied)
+                                           pyspy=spied, chained=True)
     shards = [endpoints["first"], endpoints["last"]]
     prompts = stream_prompts(args, widest)
     out: dict = {"dflash_batch_streams": streams, "dflash_batch_draft": args.draft,

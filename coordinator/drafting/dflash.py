@@ -16,9 +16,8 @@ exactly the rows committed since its last call; rows of rejected tokens are neve
 next forward at their position drops them.
 
 Feature rows travel as one `features` tensor [n, k * H], the k layers side by side in
-`target_layer_ids` order (PROTOCOL.md), built here by copying rows of the k captured frames
-into one buffer (pure Python, no torch). That copy is n * k * H * itemsize bytes per step:
-a few hundred KiB for a 27B verify step.
+`target_layer_ids` order (PROTOCOL.md), built here by one numpy copy of the k captured frames'
+rows (no torch): n * k * H * itemsize bytes per PROPOSE.
 """
 
 from __future__ import annotations
@@ -29,10 +28,12 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from coordinator.relay.client import ShardClient, ShardError
-from coordinator.relay.pipeline import SHARD_FAILURES, BatchForward, Captured, Pipeline, PrefixMissing, as_sequence_lost
+from coordinator.relay.pipeline import (SHARD_FAILURES, BatchForward, Captured, Pipeline, PrefixMissing,
+                                        as_sequence_lost, side_by_side)
 from coordinator.relay.shards import PipelineError
 from coordinator.sampling import TokenIds
 from protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, WireTensor
+from protocol.tensors import concat_rows
 
 
 @dataclass
@@ -67,27 +68,19 @@ class CapturedRows:
         """Features [end - begin, k * H] of positions begin .. end-1; rows before `end` are then dropped."""
         if not self.segments:
             raise ValueError(f"features of positions {begin}..{end - 1} were never captured")
-        first = self.segments[0].parts[0]
-        dtype, row = first.dtype, first.shape[1] * first.itemsize
-        k = len(self.layer_ids)
-        out = bytearray((end - begin) * k * row)
-        at = begin
+        pieces, at = [], begin
         for segment in self.segments:
             lo, hi = max(segment.lo, at), min(segment.hi, end)
             if lo >= hi:
                 continue
             if lo != at:
                 break
-            for position in range(lo, hi):
-                source = (position - segment.base) * row
-                target = (position - begin) * k * row
-                for j, part in enumerate(segment.parts):
-                    out[target + j * row:target + (j + 1) * row] = part.data[source:source + row]
+            pieces.append(side_by_side(segment.parts, slice(lo - segment.base, hi - segment.base)))
             at = hi
         if at != end:
             raise ValueError(f"features of positions {at}..{end - 1} were never captured")
         self.drop_before(end)
-        return WireTensor(dtype, (end - begin, k * first.shape[1]), out)
+        return concat_rows(pieces)
 
     def drop_before(self, end: int) -> None:
         """Rows of positions before `end` are in the drafter's context: no longer wanted."""

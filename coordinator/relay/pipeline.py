@@ -17,6 +17,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
+import numpy
+
 from coordinator.relay.client import CurveKeys, ShardClient, ShardError, ShardTimeout, forward_record
 from coordinator.relay.liveness import LIVENESS_TIMEOUT_S
 from coordinator.relay.shards import PipelineError, ShardInfo, identity_changes, order_shards
@@ -931,18 +933,14 @@ def head_fields(sampling, drafts, token_mask: Optional[WireTensor] = None) -> Op
     return fields
 
 
-def side_by_side(parts: Sequence[WireTensor]) -> WireTensor:
-    """Tensors [n, H_i] of the same rows as one [n, sum H_i], row by row (pure Python, as CapturedRows does)."""
+def side_by_side(parts: Sequence[WireTensor], rows: slice = slice(None)) -> WireTensor:
+    """Tensors [n, H_i] of one dtype and the same rows as one [n, sum H_i], each row's parts end to end (their
+    `rows` only: a slice of the n); one numpy copy of the bytes, whatever the dtype."""
     n = parts[0].shape[0]
-    widths = [part.shape[1] * part.itemsize for part in parts]
-    row = sum(widths)
-    out = bytearray(n * row)
-    for r in range(n):
-        at = r * row
-        for part, width in zip(parts, widths):
-            out[at:at + width] = memoryview(part.data).cast("B")[r * width:(r + 1) * width]
-            at += width
-    return WireTensor(parts[0].dtype, (n, sum(part.shape[1] for part in parts)), out)
+    blocks = [numpy.frombuffer(part.data, dtype=numpy.uint8).reshape(n, part.shape[1] * part.itemsize)[rows]
+              for part in parts]
+    joined = numpy.concatenate(blocks, axis=1)
+    return WireTensor(parts[0].dtype, (joined.shape[0], sum(part.shape[1] for part in parts)), joined.reshape(-1))
 
 
 def join_rows(chunks: Sequence[WireTensor]) -> WireTensor:
