@@ -26,7 +26,7 @@ SOURCES = {
     "relay": "h200/gpu_bench_relay_d3a9e78.json",  # `scripts/gpu_run.sh relay`: one process and two daemons
     "batch": "h200/gpu_bench_batch_http_0a47303.json",  # `scripts/gpu_run.sh batch`
     "dflash": "h200/gpu_bench_dflash.json",  # `scripts/gpu_run.sh dflash`
-    "dflash_batch": "h100/gpu_bench_dflash_batch_7f8b956.json",  # `scripts/gpu_run.sh dflash-batch`
+    "dflash_batch": "h100/gpu_bench_dflash_batch_e879cf2.json",  # `scripts/gpu_run.sh dflash-batch`
     "fp8": "h200/gpu_bench_fp8_narrow_split_4a15d40.json",  # `scripts/gpu_run.sh fp8`
     "seed": "h200/seed_bench_f1b92bb.json",  # `scripts/gpu_run.sh seed`
 }
