@@ -131,6 +131,8 @@ class Propose:
                 keep = accepted + 1  # rows pos .. pos+accepted: the block's first token and the accepted drafts
                 reply["accepted"] = accepted
             carried = request.carried.to_torch() if request.carried is not None else None
+            if carried is not None and any(captured[layer].device != carried.device for layer in captured):
+                carried = carried.to(model.device)  # a prefill's captures are on the GPU: the carried rows join them there
             columns = []
             for layer in config.target_layer_ids:
                 if layer in captured:
