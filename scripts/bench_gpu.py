@@ -1049,6 +1049,10 @@ def run_dflash_batch(args) -> dict:
                 runs["dflash"][str(count)] = entries[1]
                 runs["oracle"][str(count)] = {key: (round((a + b) / 2, 3) if key in AVERAGED and None not in (a, b) else a)
                                               for (key, a), b in zip(entries[0].items(), entries[2].values())}
+            # per shard, whether its prefill's graphs replay each set of captured layers (a set that stays eager
+            # costs a prompt its launches)
+            out["dflash_batch_prefill_graphs"] = [shard.get("engine", {}).get("prefill_graphs")
+                                                  for shard in pipeline.stats()]
         out["dflash_batch_http"] = dflash_http(args, shards, endpoints["last"], prompts, run_dir, checks)
     finally:
         stop_processes(processes, profiled=spied is not None)

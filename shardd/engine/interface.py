@@ -105,3 +105,10 @@ class ShardEngine(Protocol):
         """Make the state's tensors hold what the last rollback left, for a reader outside the engine's own
         step (an engine may defer a rollback's work to the sequence's next step)."""
         ...
+
+    # ---- observability ---------------------------------------------------------------------------
+
+    def describe(self) -> dict:
+        """What STATS reports of the engine itself (`engine` there): e.g. the fast engine's prefill graphs, per
+        set of captured layers whether they replay or run eagerly and why."""
+        ...

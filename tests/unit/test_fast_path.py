@@ -335,6 +335,7 @@ def test_the_prefill_graphs_replay_the_eager_prefill_s_bits(dtype):
             assert torch.equal(cache.key[:, :pos + n], b.kv[layer].key[:, :pos + n])
             assert torch.equal(cache.value[:, :pos + n], b.kv[layer].value[:, :pos + n])
         assert step.prefill_graphs.failures == {}, step.prefill_graphs.failures
+        assert step.describe()["prefill_graphs"]["eager"] == []
         assert isinstance(step.prefill_graphs.sets[capture][2][0], torch.cuda.CUDAGraph)
 
 
@@ -418,6 +419,7 @@ def test_the_prefill_in_pieces_replays_its_stages_with_the_eager_path_s_bits(lay
             assert torch.equal(cache.key[:, :n], states[1].kv[layer].key[:, :n])
         assert states[0].length == n
         assert step.prefill_graphs.failures == {} and step.prefill_graphs.sets[capture] is not None
+        assert step.describe() == {"prefill_graphs": {"rows": 8, "replayed": [[1]], "eager": []}}
         for state, owner in zip(states, (step, eager, reference)):
             owner.release_state(state)
 

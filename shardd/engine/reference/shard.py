@@ -250,3 +250,7 @@ class ShardModel:
 
     def settle(self, state: SequenceState) -> None:
         """Nothing to do: a reference rollback leaves the state in place."""
+
+    def describe(self) -> dict:
+        """Nothing beyond the daemon's counters: the reference has no graphs."""
+        return {}

@@ -146,6 +146,7 @@ class Session:
             "batches": {"requests": c.batches, "items": c.batch_items, "rows": c.batch_rows},
             "rows": daemon.relay.describe(),
             "prefix_cache": daemon.prefix_cache.describe(),
+            "engine": daemon.shard.describe() if daemon.shard is not None else {},
             # where requests' time went, per type and phase (protocol/timing.py): seconds since the start
             "phases": PHASES.totals(),
         }
