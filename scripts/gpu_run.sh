@@ -36,7 +36,8 @@
 #
 # batch's one-process part (it plans ~97 GB) needs an H200 (`needs_h200: true`): on an 80 GB H100 its state pools do not
 # fit beside the 54 GB of weights. local fits an H100; an older tree's local (BEFORE_TREE) needs
-# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True there for its 32k-context shard.
+# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True there for its 32k-context shard, and so does dflash-batch (two 27B
+# daemons, the drafter and 33 sequences' state).
 # Wheels: the device machine has no package index, so what it lacks travels in .whl/ (not in git; carry it:
 # `run(carry=[".whl"], command="bash scripts/gpu_run.sh relay fp8")`). Fill it where pip works (Python 3.12 there):
 #   P="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
