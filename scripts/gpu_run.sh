@@ -36,8 +36,7 @@
 #
 # batch's one-process part (it plans ~97 GB) needs an H200 (`needs_h200: true`): on an 80 GB H100 its state pools do not
 # fit beside the 54 GB of weights. local fits an H100; an older tree's local (BEFORE_TREE) needs
-# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True there for its 32k-context shard, and so does dflash-batch (two 27B
-# daemons, the drafter and 33 sequences' state).
+# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True there for its 32k-context shard (dflash-batch sets it itself).
 # Wheels: the device machine has no package index, so what it lacks travels in .whl/ (not in git; carry it:
 # `run(carry=[".whl"], command="bash scripts/gpu_run.sh relay fp8")`). Fill it where pip works (Python 3.12 there):
 #   P="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
@@ -174,6 +173,9 @@ run_dflash() {
         -k "fast_drafter or verify_reply or step_and_rollback or bf16 or graph_replay"
 }
 run_dflash-batch() {
+    # two 27B daemons, the drafter and 33 sequences' state on one card: unsegmented, an 80 GB card runs out loading
+    # the drafter with GiBs cached in pieces
+    export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
     bench dflash-batch 240 python3 scripts/bench_gpu.py --parts dflash-batch --json "$OUT/gpu_bench_dflash_batch.json" "${ARGS[@]}"
 }
 run_fp8() {
