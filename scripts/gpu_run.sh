@@ -175,8 +175,7 @@ run_dflash() {
 run_dflash-batch() {
     # two 27B daemons, the drafter and 33 sequences' state on one card: unsegmented, an 80 GB card runs out loading
     # the drafter with GiBs cached in pieces
-    export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-    bench dflash-batch 240 python3 scripts/bench_gpu.py --parts dflash-batch --json "$OUT/gpu_bench_dflash_batch.json" "${ARGS[@]}"
+    PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} bench dflash-batch 240 python3 scripts/bench_gpu.py --parts dflash-batch --json "$OUT/gpu_bench_dflash_batch.json" "${ARGS[@]}"
 }
 run_fp8() {
     gpu_tests fp8 180 -x tests/unit/test_quant.py tests/unit/test_narrow_gemm.py tests/unit/test_fp8_gemm.py
