@@ -122,6 +122,13 @@ class PrefillGraphs:
         self.memory_pool = None
         self.failures: dict[tuple[int, ...], str] = {}
 
+    def describe(self) -> dict:
+        """The piece's rows, the capture sets whose graphs replay, and those that run eagerly with the reason."""
+        return {"rows": self.rows,
+                "replayed": [list(capture) for capture, entry in self.sets.items() if entry is not None],
+                "eager": [{"captured_layers": list(capture), "reason": reason}
+                          for capture, reason in self.failures.items()]}
+
     def run(self, state: SequenceState, pos: int, x: torch.Tensor, capture_layers, eager) -> ShardOutput:
         """x [rows, hidden] at pos; `eager()` runs the same call through `prefill` (on the first call of a
         capture set, and for a set that stays eager)."""

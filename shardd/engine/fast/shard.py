@@ -158,14 +158,7 @@ class FastShard:
         """`prefill_graphs` (with a graphed prefill): its piece's rows, the captured-layer sets whose graphs replay,
         and those that run eagerly with the reason (a capture that failed, or graphs that differed from the eager
         path on their first call)."""
-        graphs = self.prefill_graphs
-        if graphs is None:
-            return {}
-        return {"prefill_graphs": {
-            "rows": graphs.rows,
-            "replayed": [list(capture) for capture, entry in graphs.sets.items() if entry is not None],
-            "eager": [{"captured_layers": list(capture), "reason": reason} for capture, reason in graphs.failures.items()],
-        }}
+        return {} if self.prefill_graphs is None else {"prefill_graphs": self.prefill_graphs.describe()}
 
     def snapshot(self, state: SequenceState) -> None:
         self.settle(state)

@@ -322,8 +322,8 @@ class Forward:
         answered = [(item, answer) for item, answer in zip(request.items, answers) if not isinstance(answer, Exception)]
         carried = carried_on_each([(item, answer[1]) for item, answer in answered])
         ran = [(item, answer[0], answer[1].pop("hidden"), rows) for (item, answer), rows in zip(answered, carried)]
-        for item, answer in zip(request.items, answers):
-            if not isinstance(answer, Exception) and item.carry:  # its captured layers go on with the rows
+        for item, answer in answered:
+            if item.carry:  # its captured layers go on with the rows
                 drop_captured(*answer)
         if not ran:
             self.relay.refuse_downstream(request)

@@ -106,9 +106,13 @@ class Propose:
         its own captures, what a reply whose proposal failed answers, so the client can bring the rows in PROPOSE."""
         if request.carried is None:
             return {}
-        carried, width = request.carried.to_torch(), self.hidden_size
-        return {f"layer.{layer}": carried[:, j * width:(j + 1) * width].contiguous()
-                for j, layer in enumerate(request.carried_layers)}
+        return {f"layer.{layer}": rows.contiguous()
+                for layer, rows in self._carried_by_layer(request, request.carried.to_torch()).items()}
+
+    def _carried_by_layer(self, request, carried) -> dict:
+        """`carried` [n, k * H] (a CAPTURE's tensor, on the host or moved) as its k layers' column blocks."""
+        width = self.hidden_size
+        return {layer: carried[:, j * width:(j + 1) * width] for j, layer in enumerate(request.carried_layers)}
 
     def after_verify_batch(self, verified: list[tuple]) -> list[dict]:
         """Per (request, entry, ids, captured) of CAPTUREs with `propose` that ran: their committed rows join the
@@ -117,7 +121,6 @@ class Propose:
         next): what PROPOSE would answer after this step. All the sequences' context rows go in shared context
         steps, all their blocks in shared block steps (the fast drafter's; the reference's one by one)."""
         model, config, counters = self.drafter.model, self.drafter.config, self.counters
-        width = self.hidden_size
         contexts, blocks, replies = [], [], []
         for request, entry, ids, captured in verified:
             drafts = request.drafts
@@ -130,19 +133,12 @@ class Propose:
                     accepted += 1
                 keep = accepted + 1  # rows pos .. pos+accepted: the block's first token and the accepted drafts
                 reply["accepted"] = accepted
-            carried = request.carried.to_torch() if request.carried is not None else None
-            if carried is not None and any(captured[layer].device != carried.device for layer in captured):
-                carried = carried.to(model.device)  # a prefill's captures are on the GPU: the carried rows join them there
-            columns = []
-            for layer in config.target_layer_ids:
-                if layer in captured:
-                    rows = captured[layer][:keep]
-                else:
-                    j = request.carried_layers.index(layer)
-                    rows = carried[:keep, j * width:(j + 1) * width]
-                columns.append(rows)
-            if len({rows.device for rows in columns}) > 1:  # a prefill's captures (on the GPU) beside carried rows
-                columns = [rows.to(model.device) for rows in columns]
+            layers = dict(captured)  # (check made sure the head captures one of the drafter's layers)
+            if request.carried is not None:
+                carried = request.carried.to_torch()[:keep]
+                device = next(iter(captured.values())).device  # a prefill's captures are on the GPU
+                layers.update(self._carried_by_layer(request, carried.to(device)))  # (one copy, where it moves)
+            columns = [layers[layer][:keep] for layer in config.target_layer_ids]
             draft = entry.draft
             if draft.length > request.pos:
                 counters.draft_crops += 1
