@@ -125,6 +125,10 @@ class Client:
             reply = self.receive(0.1)
             if reply is not None:
                 assert reply.ok and reply.id == request_id, reply
+                if process is not None and reply.result.get("pid") != process.pid:
+                    # a free_tcp_endpoint port taken since by another test's daemon: that one answered
+                    raise RuntimeError(f"process {reply.result.get('pid')} answered HELLO at {self.endpoint}, not the "
+                                       f"daemon started there ({process.pid}): its port was taken:\n{read_log(log)}")
                 return reply.result
         raise TimeoutError(f"daemon at {self.endpoint} did not answer HELLO within {timeout}s:\n{read_log(log)}")
 
