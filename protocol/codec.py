@@ -481,7 +481,7 @@ def _passed_rows(items: list, rows: list[int], carried: Optional[WireTensor], ho
     each item that `carries` (its `rows`, or its `slot_rows` in a device slot), in item order."""
     if carried is None:
         return [0] * len(items)
-    taken = [0 if item.get("carries") is not True else n if hosted else
+    taken = [0 if item.get("carries") is not True or "slot_carried" in item else n if hosted else
              _check_int(item.get("slot_rows"), f"field 'slot_rows' of items[{index}]", 1, ID_LIMIT)
              for index, (item, n) in enumerate(zip(items, rows))]
     if sum(taken) != carried.shape[0]:
@@ -724,8 +724,11 @@ def _check_request(record: Request, limits: Limits) -> None:
         if record.carried is not None and (record.refused or record.carried.shape[0] != n):
             raise _bad(f"tensor 'carried' of ROWS goes with the rows, one per row ({n}), got "
                        f"{list(record.carried.shape)}")
-        if bool(record.carries) != (record.carried is not None):
-            raise _bad("field 'carries' and tensor 'carried' of ROWS go together")
+        if record.slot_carried is not None and (record.slot is None or not record.carries or
+                                                 record.carried is not None):
+            raise _bad("field 'slot_carried' of ROWS goes with 'slot' and 'carries', without tensor 'carried'")
+        if bool(record.carries) != (record.carried is not None or record.slot_carried is not None):
+            raise _bad("field 'carries' of ROWS goes with tensor 'carried' or field 'slot_carried'")
     if isinstance(record, Propose):
         if record.block_size > limits.max_tokens_per_request:
             raise _too_large(f"block_size {record.block_size}, limit {limits.max_tokens_per_request}")

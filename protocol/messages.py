@@ -300,8 +300,12 @@ class Rows(_SequenceRequest):
                                       limit=ID_LIMIT, default=None)
     carried: Optional[WireTensor] = _tensor(2, "[n, k * H] the drafter's feature rows the FORWARD passed on (its "
                                                "carry), for the next shard's carried_layers")
-    carries: Optional[bool] = _header("bool", "with tensor carried: these rows come with carried rows (a batch's "
-                                      "items: which of them take rows of tensor carried)", default=None)
+    carries: Optional[bool] = _header("bool", "with tensor carried or slot_carried: these rows come with carried rows "
+                                      "(a batch's items: which of them take rows of tensor carried)", default=None)
+    slot_carried: Optional[int] = _header("int", "with slot and carries: the carried rows are in the slot too, k "
+                                          "rows of H per row of this sequence, after every item's hidden rows, "
+                                          "in item order (no tensor carried)", minimum=1, limit=ID_LIMIT,
+                                          default=None)
 
 
 @dataclass(frozen=True)

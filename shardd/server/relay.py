@@ -97,39 +97,50 @@ class Relay:
             if self.shard.owns_head:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "field 'send_rows': the head shard's output is ids, not rows")
 
-    def send(self, request, hidden, wait, carried: WireTensor | None = None) -> None:
-        """A one-sequence FORWARD's output rows to the next shard under its `send_rows` ticket: through the next
-        shard's device ring where it can, else through the host (`wait`: the device wait its own input rows came
-        behind, whose outcome goes on with them); `carried` (its `carry`) goes with them through the host."""
-        seq, pos, ticket = request.seq, request.pos, request.send_rows
-        carries = True if carried is not None else None
-        if not self._on_device([hidden], lambda slot, gen: Rows(id=0, seq=seq, pos=pos, ticket=ticket, slot=slot,
-                                                                 slot_rows=hidden.shape[0], slot_gen=gen,
-                                                                 carried=carried, carries=carries), wait):
-            hidden = on_host([hidden])[0]
-            if wait is not None:  # the rows leave through the host: theirs must be real
-                check_landed([wait])
-            self.link.send(Rows(id=0, seq=seq, pos=pos, ticket=ticket, hidden=WireTensor.from_torch(hidden),
-                                carried=carried, carries=carries))
-        self.counters.rows_sent += 1
+    def send(self, request, hidden, wait, carried=None) -> None:
+        """A one-sequence FORWARD's output rows to the next shard under its `send_rows` ticket, with `carried` (its
+        `carry`'s feature rows [n, k * H], or None) as `send_batch` sends a batch's; RowsLost when they would leave
+        through the host without their own rows (`wait`: the device wait its input rows came behind)."""
+        lost = self._send([(request, hidden, carried)], request.send_rows, wait, one=True)
+        if lost is not None:
+            raise lost
 
     def send_batch(self, request, ran: list, wait) -> RowsLost | None:
-        """A batched FORWARD's rows (`ran`: (item, hidden, carried) of each item that ran; carried: its `carry`, or
-        None) to the next shard as one ROWS; the RowsLost to fail them with when they would leave through the host
-        without their own rows."""
-        ticket = request.send_rows
-        in_slot = lambda slot, gen: RowsBatch(id=0, items=tuple(  # noqa: E731 (the rows of the slot, item by item)
-            Rows(id=0, seq=item.seq, pos=item.pos, ticket=ticket, slot=slot, slot_rows=hidden.shape[0], slot_gen=gen,
-                 carried=carried, carries=carried is not None or None)
-            for item, hidden, carried in ran))
-        if not self._on_device([hidden for _, hidden, _ in ran], in_slot, wait):
-            hosted = on_host([hidden for _, hidden, _ in ran])
+        """A batched FORWARD's rows (`ran`: (item, hidden, carried) of each item that ran; carried: its `carry`'s
+        feature rows [n, k * H], or None) to the next shard as one ROWS; the RowsLost to fail them with when they
+        would leave through the host without their own rows."""
+        return self._send(ran, request.send_rows, wait, one=False)
+
+    def _send(self, ran: list, ticket: int, wait, one: bool) -> RowsLost | None:
+        """The rows and carried rows of `ran` as one ROWS (`one`: a one-sequence ROWS): both through the next
+        shard's device ring where they fit one slot together, the carried rows after every item's rows; else the
+        rows there and the carried ones through the host; else all of it through the host."""
+        width = ran[0][1].shape[1]
+        carried = [c for _, _, c in ran]
+        wrap = (lambda items: items[0]) if one else (lambda items: RowsBatch(id=0, items=tuple(items)))
+
+        def in_slot(hosted):  # hosted: each item's carried rows on the host (None: they are in the slot)
+            return lambda slot, gen: wrap([
+                Rows(id=0, seq=item.seq, pos=item.pos, ticket=ticket, slot=slot, slot_rows=hidden.shape[0],
+                     slot_gen=gen, carries=c is not None or None,
+                     slot_carried=c.shape[1] // width if c is not None and hosted is None else None,
+                     carried=None if hosted is None else hosted[i])
+                for i, (item, hidden, c) in enumerate(ran)])
+
+        hiddens = [hidden for _, hidden, _ in ran]
+        together = [c.contiguous().view(-1, width) for c in carried if c is not None]
+        sent = bool(together) and self._on_device(hiddens + together, in_slot(None), wait)
+        if not sent:
+            on_cpu = iter(on_host([c for c in carried if c is not None]))
+            hosted = [None if c is None else WireTensor.from_torch(next(on_cpu)) for c in carried]
+            sent = self._on_device(hiddens, in_slot(hosted), wait)
+        if not sent:
             if wait is not None and not wait.landed():  # the rows leave through the host: theirs must be real
                 return RowsLost(wait.why())
-            self.link.send(RowsBatch(id=0, items=tuple(
+            self.link.send(wrap([
                 Rows(id=0, seq=item.seq, pos=item.pos, ticket=ticket, hidden=WireTensor.from_torch(hidden),
-                     carried=carried, carries=carried is not None or None)
-                for (item, _, carried), hidden in zip(ran, hosted))))
+                     carried=c, carries=c is not None or None)
+                for (item, _, _), hidden, c in zip(ran, on_host(hiddens), hosted)]))
         self.counters.rows_sent += 1
         return None
 
@@ -243,7 +254,7 @@ class Relay:
         copied out of the slot behind the device wait (or, where the driver has no front-end wait, once a host
         poll saw them land); ProtocolError when they cannot be had."""
         slots = {part.slot for part in parts}
-        total = sum(part.slot_rows or 0 for part in parts)
+        total = sum((part.slot_rows or 0) * (1 + (part.slot_carried or 0)) for part in parts)
         problem = None
         if len(slots) != 1 or any(part.slot is None for part in parts):
             problem = "the items of a batched ROWS name one slot, all of them"
@@ -270,11 +281,18 @@ class Relay:
         if problem is not None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"ROWS of ticket {parts[0].ticket}: {problem}")
         self.counters.rows_on_device += 1
+        self.counters.carried_on_device += any(part.slot_carried is not None for part in parts)
         done, start = [], 0
+        after = sum(part.slot_rows for part in parts)  # the carried rows follow every item's rows
         for part in parts:
-            done.append(dataclasses.replace(part, hidden=DeviceRows(rows[start:start + part.slot_rows], wait),
-                                            slot=None, slot_rows=None, slot_gen=None))
-            start += part.slot_rows
+            n, k = part.slot_rows, part.slot_carried
+            carried = part.carried
+            if k is not None:  # k rows of H per row, as the sender viewed its [n, k * H]
+                carried = DeviceRows(rows[after:after + n * k].view(n, k * rows.shape[1]), wait)
+                after += n * k
+            done.append(dataclasses.replace(part, hidden=DeviceRows(rows[start:start + n], wait), carried=carried,
+                                            slot=None, slot_rows=None, slot_gen=None, slot_carried=None))
+            start += n
         return dataclasses.replace(request, items=tuple(done)) if isinstance(request, RowsBatch) else done[0]
 
     def ring_for_writer(self, request, peer: Peer):
@@ -317,7 +335,7 @@ class Relay:
         return {"sent": c.rows_sent, "received": c.rows_received, "waits": c.rows_waits,
                 "missing": c.rows_missing, "waiting": len(self.inbox.waiting), "parked": len(self.inbox.rows),
                 "forbidden": c.rows_forbidden,
-                "on_device": c.rows_on_device,
+                "on_device": c.rows_on_device, "carried_on_device": c.carried_on_device,
                 "sent_on_device": link.on_device if link is not None else 0,
                 "ring_bytes": self.ring.nbytes if self.ring is not None else 0,
                 "ring_wait": self.ring_wait() if self.ring is not None else None,

@@ -42,4 +42,5 @@ class Counters:
     rows_waits: int = 0  # FORWARDs that waited for their rows (`rows_ticket` before its ROWS)
     rows_missing: int = 0  # FORWARDs refused ROWS_MISSING: refused upstream, cancelled, or no rows in time
     rows_on_device: int = 0  # ROWS taken through this shard's device ring (RING)
+    carried_on_device: int = 0  # of those, the ROWS whose carried feature rows came in the slot too
     rows_forbidden: int = 0  # ROWS, RING or relay keys refused FORBIDDEN: not from the previous shard (--relay-key)

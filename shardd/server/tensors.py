@@ -11,13 +11,19 @@ from protocol import ErrorCode, ProtocolError
 
 
 class DeviceRows:
-    """Rows already on this shard's device where a FORWARD's tensor hidden stands: copied out of its ring (behind
-    `wait`, a shardd.server.ring.DeviceWait, with the device wait; None: after the host saw them land)."""
+    """Rows already on this shard's device where a FORWARD's tensor hidden (or a CAPTURE's carried) stands: copied
+    out of its ring (behind `wait`, a shardd.server.ring.DeviceWait, with the device wait; None: after the host saw
+    them land)."""
 
     def __init__(self, tensor, wait=None):
         self.tensor = tensor
         self.shape = tuple(tensor.shape)
         self.wait = wait
+
+    @property
+    def dtype(self) -> str:
+        """Its dtype's wire name, as a WireTensor's."""
+        return str(self.tensor.dtype).removeprefix("torch.")
 
     def to_torch(self, device=None):
         return self.tensor if device is None else self.tensor.to(device)

@@ -883,3 +883,31 @@ def test_features_stay_on_the_shards_unless_the_proposal_fails(tmp_path, monkeyp
     assert all(answer.outputs == {} for answer in drafted) if direct else \
         all(sorted(answer.outputs) == [1] for answer in drafted)  # the first shard's, for the head's `carried`
     assert all(sorted(answer.outputs) == LAYER_IDS for answer in failed)
+
+
+@pytest.mark.gpu
+def test_features_ride_the_device_ring_with_the_rows():
+    """Two fast bf16 daemons on the GPU, the drafter beside the head: the first shard's captured layer goes on with
+    its rows through the head's device ring (ROWS `slot_carried`, STATS `rows.carried_on_device`), and three DFlash
+    streams give greedy's tokens, and those of the same daemons whose head lends no ring (its rows and carried rows
+    through the host)."""
+    fast = ("--engine", "fast", "--device", "cuda:0", "--dtype", "bfloat16", "--rollback-mode", "checkpoint",
+            "--max-verify-tokens", str(BLOCK))
+    sets = {name: ShardSet(TINY, [(0, 3), (3, 6)], "ipc", fast, shard_args=(
+        (), ("--draft", "synthetic", *(["--max-gpu-memory", "0.25"] if name == "host" else []))))
+        for name in ("ring", "host")}
+    prompts = [PROMPT[:40 + k] for k in range(3)]
+    tokens, stats = {}, {}
+    with launched_sets(list(sets.values()), ready_timeout_s=180) as started:
+        for name, shards in zip(sets, started):
+            with Pipeline.connect([shard.endpoint for shard in shards]) as pipeline:
+                greedy = [greedy_decode(pipeline, 1 + k, prompt, NEW_TOKENS).tokens for k, prompt in enumerate(prompts)]
+                dflash = DFlashDrafterClient(pipeline.clients[-1], pipeline)
+                requests = [Request(prompt, NEW_TOKENS, drafter=dflash.fresh(), block_size=BLOCK) for prompt in prompts]
+                done = Scheduler(pipeline, max_sequences=3, prefill_chunk=64).run_all(requests)
+                tokens[name] = [request.outcome().tokens for request in done]
+                assert tokens[name] == greedy, name
+                stats[name] = pipeline.clients[-1].stats()["rows"]
+    assert tokens["ring"] == tokens["host"]
+    assert stats["ring"]["carried_on_device"] > 0 and stats["ring"]["on_device"] == stats["ring"]["received"]
+    assert stats["host"]["carried_on_device"] == 0 and stats["host"]["on_device"] == 0

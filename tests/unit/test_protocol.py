@@ -115,6 +115,8 @@ ROUND_TRIP_RECORDS = [
     Rows(21, seq=9, pos=4, ticket=8, refused=True),
     Rows(22, seq=9, pos=4, ticket=8, slot=1, slot_rows=16),
     Rows(24, seq=9, pos=4, ticket=8, slot=0, slot_rows=16, slot_gen=3),
+    Rows(26, seq=9, pos=4, ticket=8, slot=0, slot_rows=16, slot_gen=3, carries=True, slot_carried=2),
+    Rows(27, seq=9, pos=4, ticket=8, slot=0, slot_rows=2, slot_gen=3, carries=True, carried=wire(torch.ones(2, 6))),
     Ring(23, rows=4096, pid=4321),
     Ring(25, rows=64, pid=7, gpu="GPU-2f1c0d3e-77aa-4b61-9a0e-1d2c3b4a5f60"),
 ]
@@ -127,7 +129,7 @@ def test_every_request_round_trips(record):
     assert decoded == record
     assert type(decoded) is type(record)
     assert decoded.type is record.type
-    n_tensors = sum(isinstance(getattr(record, n, None), WireTensor) for n in ("hidden", "features"))
+    n_tensors = sum(isinstance(getattr(record, n, None), WireTensor) for n in ("hidden", "features", "carried"))
     assert len(frames) == 1 + n_tensors
 
 
@@ -498,13 +500,20 @@ def test_encode_refuses_bad_geometry_unless_asked_not_to_validate():
     Rows(1, seq=0, pos=0, ticket=5, slot=16, slot_rows=4),
     Rows(1, seq=0, pos=0, ticket=5, slot_gen=2, hidden=wire(torch.zeros(4, 3))),
     Rows(1, seq=0, pos=0, ticket=5, slot=0, slot_rows=4, slot_gen=0),
+    Rows(1, seq=0, pos=0, ticket=5, slot=0, slot_rows=4, slot_carried=2),
+    Rows(1, seq=0, pos=0, ticket=5, hidden=wire(torch.zeros(4, 3)), carries=True, slot_carried=2),
+    Rows(1, seq=0, pos=0, ticket=5, slot=0, slot_rows=4, carries=True, slot_carried=2,
+         carried=wire(torch.zeros(4, 6))),
+    Rows(1, seq=0, pos=0, ticket=5, slot=0, slot_rows=4, carries=True),
+    Rows(1, seq=0, pos=0, ticket=5, slot=0, slot_rows=4, carries=True, slot_carried=0),
     Ring(1, rows=0),
     Ring(1, rows=4, gpu="G" * 129),
 ], ids=["seq-negative", "id-too-big", "token-bool", "no-tokens", "parents-without-checkpoint", "hidden-int",
         "hidden-1d", "layers-repeated", "block-size-zero", "tokens-and-ticket", "ticket-without-rows",
         "rows-without-ticket", "ticket-zero-rows", "rows-empty", "rows-refused-with-rows",
         "slot-without-rows", "slot-rows-without-slot", "slot-and-hidden", "slot-out-of-range", "slot-gen-without-slot",
-        "slot-gen-zero", "ring-zero-rows", "ring-gpu-too-long"])
+        "slot-gen-zero", "slot-carried-without-carries", "slot-carried-without-slot", "slot-carried-and-carried",
+        "carries-nothing", "slot-carried-zero", "ring-zero-rows", "ring-gpu-too-long"])
 def test_encode_refuses_what_the_receiver_refuses(record):
     """The client-side check of encode_request gives the receiver's verdict without decoding the frames."""
     with pytest.raises(ProtocolError) as info:

@@ -320,9 +320,11 @@ class FastShard:
             self._ids[:used].copy_(b.ids[:used], non_blocking=True)
         elif not on_device:
             self._hidden[:used].copy_(b.hidden[:used], non_blocking=True)
-        # the captured layers' rows to the host, one copy per layer for the whole step, behind the same wait
-        host_captured = {layer: to_host(rows[:used]) for layer, rows in captured.items()}
-        if b.ids.is_cuda and (not on_device or host_captured):
+        # the captured layers' rows stay where the step ran, as a prefill's do: the drafter beside the head reads
+        # them there and a carrying shard passes them on through the next shard's ring; one copy per layer for the
+        # whole step (the next step reuses the buffers); whoever wants them on the host waits for them there
+        kept = {layer: rows[:used].clone() for layer, rows in captured.items()}
+        if b.ids.is_cuda and not on_device:
             torch.cuda.current_stream().synchronize()
         PHASES.lap("wait")
         # one copy of the step's outputs; each item views its own rows
@@ -339,7 +341,7 @@ class FastShard:
                     views.append(out)
             else:
                 out.hidden = hidden[rows]
-            out.captured = {layer: host_captured[layer][rows] for layer in sorted(set(item.capture_layers))}
+            out.captured = {layer: kept[layer][rows] for layer in sorted(set(item.capture_layers))}
             results[index] = out
             first += n
         PHASES.lap("copy")
@@ -400,12 +402,3 @@ class RowSpans:
             self.dest[first:first + n].copy_(root.view(-1)[offset:offset + n * width].view(n, width))
             self.run = None
 
-
-def to_host(rows: torch.Tensor) -> torch.Tensor:
-    """A copy of `rows` in host memory: pinned and not waited for on a GPU (the caller's wait covers it), a plain
-    copy on the CPU (the step's buffers are reused by the next step)."""
-    if not rows.is_cuda:
-        return rows.clone()
-    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-    host.copy_(rows, non_blocking=True)
-    return host

@@ -320,7 +320,7 @@ class Forward:
         """A batched FORWARD's `send_rows`: the rows of its items that ran go to the next shard as one ROWS (each
         item's reply then carries `rows_sent` and no rows); none ran: a refused ROWS."""
         answered = [(item, answer) for item, answer in zip(request.items, answers) if not isinstance(answer, Exception)]
-        carried = carried_on_each([(item, answer[1]) for item, answer in answered])
+        carried = [carried_on(item, answer[1]) for item, answer in answered]
         ran = [(item, answer[0], answer[1].pop("hidden"), rows) for (item, answer), rows in zip(answered, carried)]
         for item, answer in answered:
             if item.carry:  # its captured layers go on with the rows
@@ -429,24 +429,15 @@ def drop_captured(result: dict, tensors: dict) -> None:
     result["captured_layers"] = []
 
 
-def carried_on(request, tensors: dict) -> WireTensor | None:
+def carried_on(request, tensors: dict):
     """What a forward with `carry` sends the next shard with its rows: the carried rows it took in, then its captured
-    layers' outputs, ascending (`tensors`: its reply's, torch, `layer.<id>` among them); None without `carry`."""
-    return carried_on_each([(request, tensors)])[0]
-
-
-def carried_on_each(answered: list[tuple]) -> list[WireTensor | None]:
-    """carried_on of each (request, tensors), every GPU part brought to the host behind one wait (a prompt's
-    captures come from the prefill on the device: three 5 MB layers of a 512-token prompt of the 27B shape)."""
-    parts = []
-    for request, tensors in answered:
-        if not request.carry:
-            parts.append(None)
-            continue
-        mine = [request.carried.to_torch()] if getattr(request, "carried", None) is not None else []
-        mine += [tensors[name] for name in sorted((n for n in tensors if n.startswith("layer.")),
-                                                  key=lambda n: int(n.split(".", 1)[1]))]
-        parts.append(mine)
-    host = iter(on_host([part for mine in parts if mine for part in mine]))
-    return [None if mine is None else WireTensor.from_torch(torch.cat([next(host) for _ in mine], dim=1).contiguous())
-            for mine in parts]
+    layers' outputs, ascending, side by side [n, k * H] (`tensors`: its reply's, torch, `layer.<id>` among them);
+    None without `carry`. On the device where any part of it is: the relay puts them in the next shard's ring beside
+    the rows, or brings them to the host."""
+    if not request.carry:
+        return None
+    mine = [request.carried.to_torch()] if getattr(request, "carried", None) is not None else []
+    mine += [tensors[name] for name in sorted((n for n in tensors if n.startswith("layer.")),
+                                              key=lambda n: int(n.split(".", 1)[1]))]
+    device = next((part.device for part in mine if part.device.type != "cpu"), None)
+    return torch.cat([part if device is None else part.to(device) for part in mine], dim=1)
