@@ -13,7 +13,7 @@
 # | batch         | wheels, HTTP stack | -                                                   | many streams, one process / two daemons / HTTP (gpu_bench_batch.json) |
 # | batch-step    | wheels             | tests/unit/test_batch_step.py, fast-path step tests | ms per batched step by R rows (gpu_bench_batch_step.json) |
 # | dflash        | wheels             | the drafter's graphs, the kernels it shares         | PROPOSE, drafter placements vs oracle (gpu_bench_dflash.json) |
-# | dflash-batch  | wheels, HTTP stack | -                                                   | DFlash vs oracle at 1/8/32 streams, serve --drafter dflash vs none at 1/8 HTTP streams (gpu_bench_dflash_batch.json) |
+# | dflash-batch  | wheels, HTTP stack | rows and features through the device ring           | DFlash vs oracle at 1/8/32 streams, serve --drafter dflash vs none at 1/8 HTTP streams (gpu_bench_dflash_batch.json) |
 # | fp8           | wheels             | FP8 loading, fast step, narrow GEMM, FP8 kernel     | one process with FP8 weights (gpu_bench_fp8.json) |
 # | fp8-gemm      | -                  | tests/unit/test_fp8_gemm.py                         | each 27B FP8 matrix vs its floor, tile sweep (fp8_gemm.json); NCU=1: Nsight Compute (fp8_gemm_ncu.txt) |
 # | seed          | wheels             | -                                                   | the seed's benchmark, within SEED_BUDGET s (seed_bench.json) |
@@ -173,6 +173,7 @@ run_dflash() {
         -k "fast_drafter or verify_reply or step_and_rollback or bf16 or graph_replay"
 }
 run_dflash-batch() {
+    gpu_tests dflash-batch 200 tests/integration/test_dflash.py tests/integration/test_relay.py -k "ride or device_ring"
     # two 27B daemons, the drafter and 33 sequences' state on one card: unsegmented, an 80 GB card runs out loading
     # the drafter with GiBs cached in pieces
     PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} bench dflash-batch 240 python3 scripts/bench_gpu.py --parts dflash-batch --json "$OUT/gpu_bench_dflash_batch.json" "${ARGS[@]}"
