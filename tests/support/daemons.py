@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,11 +28,29 @@ READY_TIMEOUT = 120.0
 REPLY_TIMEOUT = 30.0
 
 
+# Ports handed out in this test run, across its xdist workers: one marker file per port, created exclusively, so two
+# workers never get the same port (a port the kernel freed after one probe may be its next probe's answer, and
+# a daemon of one test then answered another test's HELLO).
+_PORTS = Path(tempfile.gettempdir()) / f"shardd-test-ports-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}"
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago and that no other test of this run was given."""
+    _PORTS.mkdir(exist_ok=True)
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        try:
+            (_PORTS / str(port)).touch(exist_ok=False)
+        except FileExistsError:
+            continue
+        return port
+
+
 def free_tcp_endpoint() -> str:
-    """A loopback endpoint on a port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    """A loopback endpoint on a free_port."""
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def _die_with_parent() -> None:

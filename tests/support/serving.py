@@ -8,7 +8,6 @@ managers, so a fixture reads `with Server(...) as s: yield s`.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,13 +16,7 @@ from pathlib import Path
 import httpx
 
 from coordinator.launch import child_env
-from tests.support.daemons import _die_with_parent
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from tests.support.daemons import _die_with_parent, free_port
 
 
 class ShardctlServe:
