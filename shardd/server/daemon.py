@@ -79,8 +79,11 @@ class ShardDaemon:
                                        max_context=config.max_context, idle_timeout=config.sequence_idle_timeout,
                                        counters=self.counters, prefix_cache=self.prefix_cache)
         self.owners = Owners()  # connection -> the client whose secret it presented in HELLO (Curve off)
+        # the drafter's target layers of earlier shards: a verify's rows bring theirs along (`carry`)
+        carried_layers = (sum(layer < shard.begin for layer in drafter.config.target_layer_ids)
+                          if shard is not None and drafter is not None else 0)
         self.relay = Relay(config, shard, self.counters, self.refusals, self.resume,
-                           max_tokens_per_request=config.max_tokens_per_request)
+                           max_tokens_per_request=config.max_tokens_per_request, carried_layers=carried_layers)
         self.started = time.time()
         self.metrics = None  # shardd.obs.metrics.DaemonMetrics, with --metrics-port
         self.stopping = False

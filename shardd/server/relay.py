@@ -43,11 +43,14 @@ class Relay:
     """This daemon's side of the rows between shards; `shard` is its engine (None on a drafter-only daemon)."""
 
     def __init__(self, config, shard, counters: Counters, refusals: Refusals, resume: Callable[[Waiting], list], *,
-                 max_tokens_per_request: int):
+                 max_tokens_per_request: int, carried_layers: int = 0):
+        """`carried_layers`: the hosted drafter's target layers that earlier shards own; each ring slot holds that
+        many more rows of H per row, so a step's carried feature rows come through the ring beside its rows."""
         self.config = config  # ShardConfig: relay_to, relay_to_file, relay_key, curve_secret_key, rows_wait_s, ...
         self.shard = shard
         self.counters = counters
         self.max_tokens_per_request = max_tokens_per_request
+        self.carried_layers = carried_layers
         self.endpoint: str | None = config.relay_to  # the next shard, once known (--relay-to or its file)
         self.link: RowsLink | None = None  # made on first use (`target`)
         self.ring: DeviceRing | None = None  # the ring the previous shard's ROWS name slots of (RING), once asked
@@ -304,8 +307,8 @@ class Relay:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "RING: this daemon runs under --max-gpu-memory, whose plan sets "
                                                        "no memory aside for a ring: rows come through the host")
         # a slot holds what was asked, at most RING_ROWS and a request's rows (the writer sends larger steps through
-        # the host)
-        rows = min(request.rows, RING_ROWS, self.max_tokens_per_request)
+        # the host), and with a hosted drafter those rows' carried feature rows
+        rows = min(request.rows, RING_ROWS, self.max_tokens_per_request) * (1 + self.carried_layers)
         if self.ring is None or self.ring.rows != rows:
             if self.ring is not None:
                 self.ring.close()
