@@ -25,9 +25,9 @@ BEGIN, END = "<!-- measured:begin (scripts/measured_table.py --write) -->", "<!-
 SOURCES = {
     "relay": "h200/gpu_bench_relay_d3a9e78.json",  # `scripts/gpu_run.sh relay`: one process and two daemons
     "batch": "h200/gpu_bench_batch_http_0a47303.json",  # `scripts/gpu_run.sh batch`
-    "dflash": "h200/gpu_bench_dflash.json",  # `scripts/gpu_run.sh dflash`
-    "dflash_batch": "h100/gpu_bench_dflash_batch_e879cf2.json",  # `scripts/gpu_run.sh dflash-batch`
-    "fp8": "h200/gpu_bench_fp8_narrow_split_4a15d40.json",  # `scripts/gpu_run.sh fp8`
+    "dflash": "h100/gpu_bench_dflash_drafter_aae6311.json",  # `scripts/gpu_run.sh dflash -- --parts dflash-drafter`
+    "dflash_batch": "h100/gpu_bench_dflash_batch_aae6311.json",  # `scripts/gpu_run.sh dflash-batch`
+    "fp8": "h100/gpu_bench_fp8_aae6311.json",  # `scripts/gpu_run.sh fp8`
     "seed": "h200/seed_bench_f1b92bb.json",  # `scripts/gpu_run.sh seed`
 }
 
@@ -80,13 +80,13 @@ def rows() -> list[tuple[str, str, str]]:
          "`scripts/gpu_run.sh batch`"),
         ("`shardctl serve` over HTTP at 8 streams against no HTTP", f"{batch['batch_http']['http_vs_direct']:.3f}",
          "`scripts/gpu_run.sh batch`"),
-        ("DFlash `PROPOSE`, 5-layer drafter",
+        ("DFlash `PROPOSE`, 5-layer drafter" + card("dflash"),
          f"{dflash['draft_propose_ms_fast']:.2f} ms ({dflash['draft_floor_ratio']:.2f}x its floor)",
          "`scripts/gpu_run.sh dflash`"),
     ]
     if "draft_batch_ms" in dflash:
         b = dflash["draft_batch_ms"]
-        out.append(("DFlash drafter step for 1 / 8 / 32 sequences (batched)",
+        out.append(("DFlash drafter step for 1 / 8 / 32 sequences (batched)" + card("dflash"),
                     f"{b['1']:.2f} / {b['8']:.2f} / {b['32']:.2f} ms (8 = {dflash['draft_batch_8_vs_1']:.2f}x one)",
                     "`scripts/gpu_run.sh dflash`"))
     if dflash_batch is not None:
@@ -101,7 +101,7 @@ def rows() -> list[tuple[str, str, str]]:
                         + card("dflash_batch"),
                         " / ".join(pct(http[n]) for n in sorted(http, key=int)), "`scripts/gpu_run.sh dflash-batch`"))
     out += [
-        ("FP8 greedy / verify step, one process",
+        ("FP8 greedy / verify step, one process" + card("fp8"),
          f"{fp8['greedy_ms_per_token']:.2f} / {fp8['step_ms']['checkpoint']:.2f} ms "
          f"({fp8['floor_ratio_greedy']:.2f}x / {fp8['floor_ratio_step']['checkpoint']:.2f}x the {fp8['floor_ms']:.2f} ms floor)",
          "`scripts/gpu_run.sh fp8`"),
