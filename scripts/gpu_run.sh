@@ -32,7 +32,10 @@
 # host): BEFORE_TREE=DIR (an older tree inside the working tree, untracked, e.g. `git archive COMMIT | tar -x -C old`)
 # runs each benchmark of the named runs from that tree first, its JSON as NAME_before.json, and the summary prints
 # both (`python3 scripts/ab_compare.py $OUT` lists every figure of each pair with its ratio). Each call has 10 minutes: the timeouts below fit one run each; TESTS_TIMEOUT / BENCH_TIMEOUT override them.
-# `SKIP_TESTS=1 scripts/gpu_run.sh dflash dflash-batch` fits one call (330 + 240 s); with the dflash tests, two calls.
+# AB_SIDE=before / AB_SIDE=after runs one side of such a pair, for a benchmark whose two sides do not fit one call
+# (seed: 450 s a side; two calls back to back on the warm machine, each with BEFORE_TREE, the same OUT left to the
+# caller to join). `SKIP_TESTS=1 scripts/gpu_run.sh dflash dflash-batch` fits one call (330 + 240 s); with the dflash
+# tests, two calls.
 #
 # batch's one-process part (it plans ~97 GB) needs an H200 (`needs_h200: true`): on an 80 GB H100 its state pools do not
 # fit beside the 54 GB of weights. local fits an H100; an older tree's local (BEFORE_TREE) needs
@@ -102,6 +105,7 @@ gpu_tests() {
 bench() {
     local run=$1 seconds=${BENCH_TIMEOUT:-$2}; shift 2
     [ -z "${BEFORE_TREE:-}" ] || bench_before "$run" "$seconds" "$@"
+    [ "${AB_SIDE:-}" != before ] || return 0
     echo "== $run: $*" | tee -a "$OUT/$run.log"
     timeout "$seconds" "$@" >> "$OUT/$run.log" 2>&1
     local status=$?
@@ -109,6 +113,7 @@ bench() {
 }
 bench_before() {
     local run=$1 seconds=$2 out_abs tree arg; shift 2
+    [ "${AB_SIDE:-}" != after ] || return 0
     out_abs=$(cd "$OUT" && pwd); tree=$(cd "$BEFORE_TREE" && pwd)
     local args=()
     for arg in "$@"; do
