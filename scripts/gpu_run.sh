@@ -34,8 +34,8 @@
 # both (`python3 scripts/ab_compare.py $OUT` lists every figure of each pair with its ratio). Each call has 10 minutes: the timeouts below fit one run each; TESTS_TIMEOUT / BENCH_TIMEOUT override them.
 # AB_SIDE=before / AB_SIDE=after runs one side of such a pair, for a benchmark whose two sides do not fit one call
 # (seed: 450 s a side; two calls back to back on the warm machine, each with BEFORE_TREE, the same OUT left to the
-# caller to join). `SKIP_TESTS=1 scripts/gpu_run.sh dflash dflash-batch` fits one call (330 + 240 s); with the dflash
-# tests, two calls.
+# caller to join). dflash-batch's tests and its benchmark at 1, 8 and 32 streams with HTTP fit one call (140 + ~300
+# s on an H100); `-- --streams 1,8` takes ~150 s. dflash and dflash-batch take two calls.
 #
 # batch's one-process part (it plans ~97 GB) needs an H200 (`needs_h200: true`): on an 80 GB H100 its state pools do not
 # fit beside the 54 GB of weights. local fits an H100; an older tree's local (BEFORE_TREE) needs
@@ -181,7 +181,7 @@ run_dflash-batch() {
     gpu_tests dflash-batch 200 tests/integration/test_dflash.py tests/integration/test_relay.py -k "ride or device_ring"
     # two 27B daemons, the drafter and 33 sequences' state on one card: unsegmented, an 80 GB card runs out loading
     # the drafter with GiBs cached in pieces
-    PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} bench dflash-batch 240 python3 scripts/bench_gpu.py --parts dflash-batch --json "$OUT/gpu_bench_dflash_batch.json" "${ARGS[@]}"
+    PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} bench dflash-batch 380 python3 scripts/bench_gpu.py --parts dflash-batch --json "$OUT/gpu_bench_dflash_batch.json" "${ARGS[@]}"
 }
 run_fp8() {
     gpu_tests fp8 180 -x tests/unit/test_quant.py tests/unit/test_narrow_gemm.py tests/unit/test_fp8_gemm.py
