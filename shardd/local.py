@@ -56,6 +56,12 @@ class LocalTarget:
         self._deferred: dict[int, Exception] = {}  # seq -> why its last rollback_batch item failed (raised next)
 
     @property
+    def verify_row_bytes(self) -> int:
+        """What one verify row writes of the shards' rollback storage (`--block-size auto` weighs it)."""
+        return sum(shard.checkpoint_bytes_per_sequence() // shard.storage.max_verify_tokens
+                   for shard in self.shards if shard.storage.enabled and shard.storage.max_verify_tokens)
+
+    @property
     def step_rows(self) -> int | None:
         rows = [shard.step_rows for shard in self.shards if shard.step_rows]
         return min(rows) if rows else None

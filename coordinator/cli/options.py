@@ -95,8 +95,8 @@ class BlockSize(click.ParamType):
 block_size_option = click.option(
     "--block-size", type=BlockSize(), default=16, show_default=True,
     help="Tokens per verify step, or auto: per sequence and step, the block (2 to 16) with the most tokens "
-         "expected per byte read, from the sequence's acceptance rate and, on a MoE target, the distinct experts "
-         "a block's rows select (a dense target: always 16). The output is the same whatever the block.")
+         "expected per byte moved, from the sequence's acceptance rate, the rollback record each row writes and, on "
+         "a MoE target, the distinct experts a block's rows select. Greedy output is the same whatever the block.")
 
 
 def block_size_limit(block_size) -> int:

@@ -1,12 +1,15 @@
-"""`--block-size auto`: the rows of a sequence's next verify block, chosen by what the block costs to read against
+"""`--block-size auto`: the rows of a sequence's next verify block, chosen by what the block costs to move against
 the tokens it is expected to commit.
 
 A verify block of B rows (t0 and B-1 drafts) reads every dense weight once whatever B; on a MoE target each of its
 MoE layers also reads the distinct routed experts its rows select: with E experts, k routed per token and routing
-taken as uniform, E * (1 - (1 - k/E)^B) of them. Drafts are accepted one after another until the first rejection,
-each with the sequence's running acceptance rate p, so the block commits 1 + p + ... + p^(B-1) tokens on average.
-The chosen B maximises tokens per byte read. On a dense target the bytes do not depend on B, so it is always the
-largest block. Verification is exact whatever B is, so the output is the same as with any fixed block size.
+taken as uniform, E * (1 - (1 - k/E)^B) of them. Each row also writes its rollback record (a checkpoint of every
+GDN layer's state, or the recurrence's log: the shards' `checkpoint_bytes_per_sequence` over `max_verify_tokens`).
+Drafts are accepted one after another until the first rejection, each with the sequence's running acceptance rate
+p, so the block commits 1 + p + ... + p^(B-1) tokens on average. The chosen B maximises tokens per byte moved: on a
+dense target the largest block while the drafts are accepted, down to one draft when a drafter accepts almost
+nothing (its rows' records are then all cost). Verification is exact whatever B is, so the output is the same as
+with any fixed block size.
 """
 
 from __future__ import annotations
@@ -26,14 +29,16 @@ AUTO_SMALLEST_BLOCK = 2
 
 @dataclass(frozen=True)
 class VerifyCost:
-    """The bytes a verify step reads: `dense_bytes` whatever its rows, plus, in each of `moe_layers` layers, each
-    distinct routed expert its rows select (`expert_bytes`: one expert's three matrices)."""
+    """The bytes a verify step moves: `dense_bytes` whatever its rows, plus, in each of `moe_layers` layers, each
+    distinct routed expert its rows select (`expert_bytes`: one expert's three matrices), plus `row_bytes` per row
+    (its rollback record)."""
 
     dense_bytes: int
     moe_layers: int = 0
     num_experts: int = 0
     experts_per_token: int = 0
     expert_bytes: int = 0
+    row_bytes: int = 0
 
     def distinct_experts(self, rows: int) -> float:
         """Expected distinct experts `rows` tokens select in one layer, each choosing k of E uniformly."""
@@ -41,36 +46,37 @@ class VerifyCost:
             return 0.0
         return self.num_experts * (1 - (1 - self.experts_per_token / self.num_experts) ** rows)
 
-    def bytes_read(self, rows: int) -> float:
-        return self.dense_bytes + self.moe_layers * self.distinct_experts(rows) * self.expert_bytes
+    def bytes_moved(self, rows: int) -> float:
+        return (self.dense_bytes + self.moe_layers * self.distinct_experts(rows) * self.expert_bytes
+                + rows * self.row_bytes)
 
     @classmethod
     def of_weights(cls, parts: dict[str, int], moe_layers: int = 0, num_experts: int = 0,
-                   experts_per_token: int = 0) -> "VerifyCost":
+                   experts_per_token: int = 0, row_bytes: int = 0) -> "VerifyCost":
         """From the weights by common.shapes.WEIGHT_PARTS of the layers a step runs (a step reads the embedding's
-        rows only, so it is left out) and their MoE layers' routing (none: dense)."""
+        rows only, so it is left out), their MoE layers' routing (none: dense) and what each row writes."""
         dense = sum(n for name, n in parts.items() if name not in ("experts", "embedding"))
         if not moe_layers:
-            return cls(dense + parts.get("experts", 0))
+            return cls(dense + parts.get("experts", 0), row_bytes=row_bytes)
         return cls(dense, moe_layers, num_experts, experts_per_token,
-                   parts.get("experts", 0) // (moe_layers * num_experts))
+                   parts.get("experts", 0) // (moe_layers * num_experts), row_bytes)
 
     @classmethod
-    def of_config(cls, config: ModelConfig, dtype_bytes: int) -> "VerifyCost":
-        """A target's whole model in one dtype (an in-process target)."""
+    def of_config(cls, config: ModelConfig, dtype_bytes: int, row_bytes: int = 0) -> "VerifyCost":
+        """A target's whole model in one dtype (an in-process target), each row writing `row_bytes`."""
         parts = weight_bytes_by_part(config, shard_shapes(config, 0, config.num_layers), begin=0,
                                      dtype_bytes=dtype_bytes)
         moe = config.moe
         if moe is None:
-            return cls.of_weights(parts)
-        return cls.of_weights(parts, config.num_layers, moe.num_experts, moe.num_experts_per_tok)
+            return cls.of_weights(parts, row_bytes=row_bytes)
+        return cls.of_weights(parts, config.num_layers, moe.num_experts, moe.num_experts_per_tok, row_bytes)
 
     @classmethod
     def of_hellos(cls, hellos: Iterable[dict]) -> Optional["VerifyCost"]:
         """From the shards' HELLOs (their memory plans' weights by part, the model's MoE block); None when a shard
         does not report its weights."""
         parts: dict[str, int] = {}
-        moe, layers = None, 0
+        moe, layers, row_bytes = None, 0, 0
         for hello in hellos:
             weights = (hello.get("memory") or {}).get("weight_parts")
             if hello.get("layers") is None:
@@ -81,9 +87,18 @@ class VerifyCost:
                 parts[name] = parts.get(name, 0) + n
             moe = hello["model"].get("moe")
             layers += hello["layers"][1] - hello["layers"][0]
+            row_bytes += rollback_row_bytes(hello.get("rollback") or {})
         if moe is None:
-            return cls.of_weights(parts)
-        return cls.of_weights(parts, layers, moe["num_experts"], moe["num_experts_per_tok"])
+            return cls.of_weights(parts, row_bytes=row_bytes)
+        return cls.of_weights(parts, layers, moe["num_experts"], moe["num_experts_per_tok"], row_bytes)
+
+
+def rollback_row_bytes(rollback: dict) -> int:
+    """What one verify row writes of a shard's rollback storage (HELLO `rollback`): its records for the largest
+    block over the block's rows; 0 without storage."""
+    if not rollback.get("mode") or not rollback.get("max_verify_tokens"):
+        return 0
+    return int(rollback.get("checkpoint_bytes_per_sequence") or 0) // int(rollback["max_verify_tokens"])
 
 
 def expected_commit(acceptance: float, rows: int) -> float:
@@ -99,11 +114,11 @@ def acceptance_estimate(accepted: int, rejected: int) -> float:
 
 
 def choose_block_size(cost: VerifyCost, acceptance: float, largest: int) -> int:
-    """The block of AUTO_SMALLEST_BLOCK .. `largest` rows with the most expected tokens per byte read; of equal
-    ones, the largest (so a dense target always gets `largest`)."""
+    """The block of AUTO_SMALLEST_BLOCK .. `largest` rows with the most expected tokens per byte moved; of equal
+    ones, the largest (so a target whose rows write nothing gets `largest` unless it is a MoE)."""
     best, best_rate = largest, -1.0
     for rows in range(min(AUTO_SMALLEST_BLOCK, largest), largest + 1):
-        rate = expected_commit(acceptance, rows) / cost.bytes_read(rows)
+        rate = expected_commit(acceptance, rows) / cost.bytes_moved(rows)
         if rate >= best_rate:
             best, best_rate = rows, rate
     return best
@@ -120,5 +135,6 @@ def verify_cost_of(target) -> VerifyCost:
             raise ValueError("--block-size auto needs shards that report their weights in HELLO (memory.weight_parts)")
         return cost
     if getattr(target, "config", None) is not None:
-        return VerifyCost.of_config(target.config, getattr(target, "dtype_bytes", 4))
+        return VerifyCost.of_config(target.config, getattr(target, "dtype_bytes", 4),
+                                    getattr(target, "verify_row_bytes", 0))
     raise ValueError("--block-size auto needs a target that says what its steps read")

@@ -177,7 +177,7 @@ class Request:
 
     def next_block_size(self) -> int:
         """The rows of this request's next verify block: `block_size`, or with a `verify_cost` the one with the most
-        expected tokens per byte read at this sequence's acceptance rate so far."""
+        expected tokens per byte moved at this sequence's acceptance rate so far."""
         if self.verify_cost is None:
             return self.block_size
         acceptance = acceptance_estimate(self.result.accepted, self.result.rejected)

@@ -31,15 +31,37 @@ def test_expected_commit_and_distinct_experts():
     cost = VerifyCost(dense_bytes=100, moe_layers=2, num_experts=8, experts_per_token=2, expert_bytes=10)
     assert cost.distinct_experts(1) == pytest.approx(2)  # one token reads its k experts
     assert cost.distinct_experts(1000) == pytest.approx(8)  # a long block reads them all
-    assert cost.bytes_read(1) == pytest.approx(100 + 2 * 2 * 10)
+    assert cost.bytes_moved(1) == pytest.approx(100 + 2 * 2 * 10)
     assert acceptance_estimate(0, 0) == 0.5 and acceptance_estimate(8, 0) == 0.9
 
 
-def test_a_dense_target_always_gets_the_largest_block():
+def test_a_dense_target_whose_rows_write_nothing_always_gets_the_largest_block():
     cost = VerifyCost.of_config(preset_config("qwen3.5-27b"), 2)
-    assert cost.moe_layers == 0
+    assert cost.moe_layers == 0 and cost.row_bytes == 0
     assert [choose_block_size(cost, p, 16) for p in (0.01, 0.5, 0.99)] == [16, 16, 16]
     assert choose_block_size(cost, 0.5, 7) == 7
+
+
+def test_a_dense_target_shrinks_the_block_when_the_drafts_are_rejected():
+    """The 27B shape with checkpoint storage: each row writes a float32 checkpoint of its 48 GDN layers' state
+    (~150 MB, against ~51 GB of bf16 weights a step reads): a drafter that accepts almost nothing gets one draft a
+    block, one accepted about as often as not a few, one that is almost always right the largest block."""
+    config = preset_config("qwen3.5-27b")
+    state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    gdn_layers = sum(kind == "linear_attention" for kind in config.layer_types)
+    cost = VerifyCost.of_config(config, 2, row_bytes=gdn_layers * state)
+    chosen = [choose_block_size(cost, p, 16) for p in (0.01, 0.5, 0.9, 0.99)]
+    assert chosen[0] == 2 and chosen == sorted(chosen) and chosen[-1] == 16 and 2 < chosen[1] < 16
+
+
+def test_hellos_give_each_row_its_rollback_record():
+    hello = lambda layers, mode, per_sequence: {  # noqa: E731
+        "layers": layers, "model": {"moe": None}, "memory": {"weight_parts": {"mlp": 1000, "embedding": 50}},
+        "rollback": {"mode": mode, "max_verify_tokens": 16, "checkpoint_bytes_per_sequence": per_sequence}}
+    cost = VerifyCost.of_hellos([hello([0, 3], "checkpoint", 1600), hello([3, 6], "replay-ssm", 320),
+                                 {"layers": None, "model": {"moe": None}}])
+    assert (cost.dense_bytes, cost.row_bytes) == (2000, 100 + 20)
+    assert VerifyCost.of_hellos([hello([0, 6], None, 0)]).row_bytes == 0
 
 
 def test_a_moe_target_shrinks_the_block_as_acceptance_falls():
