@@ -30,8 +30,8 @@ FIGURES = [
     r"dflash_real_tok_s", r"e2e_dflash_step_ms\.[a-z-]+",
     # DFlash streams in the scheduler and through shardctl serve (part dflash-batch)
     r"dflash_batch_runs\.(oracle|dflash)\.\d+\.(tok_s|decode_tok_s|step_ms|mean_commit)",
-    r"dflash_batch_vs_oracle\.\d+\.(step|tok_s|decode_tok_s)", r"dflash_batch_http\.(none|dflash)\.\d+\.tok_s",
-    r"dflash_batch_http\.dflash_vs_none\.\d+",
+    r"dflash_batch_vs_oracle\.\d+\.(step|tok_s|decode_tok_s)", r"dflash_batch_http\.(none|dflash|dflash-auto)\.\d+\.tok_s",
+    r"dflash_batch_http\.dflash(_auto)?_vs_none\.\d+",
     # many streams (parts batch-local, batch-daemons)
     r"batch_tok_s_(local|daemons)\.(greedy|oracle)\.\d+", r"batch_decode_tok_s_(local|daemons)\.(greedy|oracle)\.\d+",
     r"batch_tok_s_local_prefill_chunk16\.\d+", r"batch_checkpoint_oracle_x8_tok_s",

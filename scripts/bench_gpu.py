@@ -23,8 +23,9 @@ Parts, each in its own process (so one part's memory never weighs on the next):
   `batch_identical`.
 - `dflash-batch`: two daemons with the drafter beside the last shard, --streams concurrent streams through the
   scheduler with the oracle and with DFlash (the real drafter proposing every step, the oracle's schedule
-  committing), side by side (`dflash_batch_vs_oracle`); then `shardctl serve --drafter dflash` against
-  `--drafter none` at 1 and 8 HTTP streams (`dflash_batch_http`), and `dflash_batch_identical`.
+  committing), side by side (`dflash_batch_vs_oracle`); then `shardctl serve --drafter dflash`, fixed blocks and
+  `--block-size auto`, against `--drafter none` at 1 and 8 HTTP streams (`dflash_batch_http`), and
+  `dflash_batch_identical`.
 - `batch-step`: one process, the batched step by R = 16 .. 256 rows: ms per step filled with 16-row
   blocks of 1 .. R/16 sequences and with R one-row greedy sequences (`step_rows_ms`), tokens/s if every row
   commits, and a row of a full step bit-identical to its sequence alone (`batch_step_identical`).
@@ -1070,14 +1071,15 @@ def run_dflash_batch(args) -> dict:
 
 
 def dflash_http(args, shards: list[str], draft_shard: str, prompts, run_dir: Path, checks: dict) -> dict:
-    """`shardctl serve --drafter dflash` (the drafter beside the last shard, its own proposals) and `--drafter
-    none` over the same daemons, HTTP_STREAMS concurrent greedy completions each: tok/s by drafter and streams,
-    `dflash_vs_none`; into `checks`, DFlash's texts equal to greedy's and stream 0's to itself alone."""
+    """`shardctl serve --drafter dflash` (the drafter beside the last shard, its own proposals), the same with
+    `--block-size auto` (`dflash-auto`), and `--drafter none` over the same daemons, HTTP_STREAMS concurrent greedy
+    completions each: tok/s by drafter and streams, `dflash_vs_none` and `dflash_auto_vs_none`; into `checks`,
+    DFlash's texts equal to greedy's and stream 0's to itself alone."""
     from bench_batch import http_streams
 
-    serve_args = {"none": ["--drafter", "none"],
-                  "dflash": ["--drafter", "dflash", "--draft-shard", draft_shard, "--rollback", "replay-ssm"]}
-    out: dict = {"none": {}, "dflash": {}}
+    dflash = ["--drafter", "dflash", "--draft-shard", draft_shard, "--rollback", "replay-ssm"]
+    serve_args = {"none": ["--drafter", "none"], "dflash": dflash, "dflash-auto": [*dflash, "--block-size", "auto"]}
+    out: dict = {name: {} for name in serve_args}
     try:
         for count in HTTP_STREAMS:
             for drafter, extra in serve_args.items():
@@ -1088,12 +1090,16 @@ def dflash_http(args, shards: list[str], draft_shard: str, prompts, run_dir: Pat
         print(f"dflash-batch HTTP failed: {out['error']}", flush=True)
         return out
     for count in HTTP_STREAMS:
-        none, dflash = out["none"][str(count)], out["dflash"][str(count)]
-        checks[f"http_dflash_x{count}_equals_greedy"] = dflash["stream_digests"] == none["stream_digests"]
-        checks[f"http_dflash_x{count}_stream0_equals_alone"] = (dflash["stream_digests"][0]
-                                                                == out["dflash"][str(HTTP_STREAMS[0])]["stream_digests"][0])
-    out["dflash_vs_none"] = {str(count): round(out["dflash"][str(count)]["tok_s"] / out["none"][str(count)]["tok_s"], 3)
-                             for count in HTTP_STREAMS}
+        none = out["none"][str(count)]
+        for name in ("dflash", "dflash-auto"):
+            runs = out[name]
+            checks[f"http_{name}_x{count}_equals_greedy"] = runs[str(count)]["stream_digests"] == none["stream_digests"]
+            checks[f"http_{name}_x{count}_stream0_equals_alone"] = (runs[str(count)]["stream_digests"][0]
+                                                                    == runs[str(HTTP_STREAMS[0])]["stream_digests"][0])
+    for name in ("dflash", "dflash-auto"):
+        out[f"{name.replace('-', '_')}_vs_none"] = {
+            str(count): round(out[name][str(count)]["tok_s"] / out["none"][str(count)]["tok_s"], 3)
+            for count in HTTP_STREAMS}
     return out
 
 
@@ -1110,8 +1116,10 @@ def dflash_batch_table(merged: dict) -> str:
                          f"{ratio.get('tok_s', '') if kind == 'dflash' else '':>15}")
     http = merged.get("dflash_batch_http", {})
     for count, ratio in http.get("dflash_vs_none", {}).items():
+        auto = http.get("dflash_auto_vs_none", {}).get(count)
         lines.append(f"HTTP x{count}: dflash {http['dflash'][count]['tok_s']} tok/s, none {http['none'][count]['tok_s']} "
-                     f"tok/s ({ratio})")
+                     f"tok/s ({ratio})" + (f"; --block-size auto {http['dflash-auto'][count]['tok_s']} tok/s ({auto})"
+                                           if auto is not None else ""))
     if "error" in http:
         lines.append(f"HTTP failed: {http['error']}")
     lines.append(f"dflash_batch_identical: {merged.get('dflash_batch_identical')}"
