@@ -320,10 +320,11 @@ class FastShard:
             self._ids[:used].copy_(b.ids[:used], non_blocking=True)
         elif not on_device:
             self._hidden[:used].copy_(b.hidden[:used], non_blocking=True)
-        # the captured layers' rows stay where the step ran, as a prefill's do: the drafter beside the head reads
-        # them there and a carrying shard passes them on through the next shard's ring; one copy per layer for the
-        # whole step (the next step reuses the buffers); whoever wants them on the host waits for them there
-        kept = {layer: rows[:used].clone() for layer, rows in captured.items()}
+        # the captured layers' rows, one copy per layer for the whole step (the next step reuses the buffers): on
+        # the device where the step's rows stay there (they go on beside them through the next shard's ring) and on
+        # the head (a drafter beside it reads them there), as a prefill's; else to the host behind the step's wait
+        keep = (lambda rows: rows.clone()) if on_device or self.model.owns_head else to_host
+        kept = {layer: keep(rows[:used]) for layer, rows in captured.items()}
         if b.ids.is_cuda and not on_device:
             torch.cuda.current_stream().synchronize()
         PHASES.lap("wait")
@@ -402,3 +403,12 @@ class RowSpans:
             self.dest[first:first + n].copy_(root.view(-1)[offset:offset + n * width].view(n, width))
             self.run = None
 
+
+def to_host(rows: torch.Tensor) -> torch.Tensor:
+    """A copy of `rows` in host memory: pinned and not waited for on a GPU (the caller's wait covers it), a plain
+    copy on the CPU."""
+    if not rows.is_cuda:
+        return rows.clone()
+    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+    host.copy_(rows, non_blocking=True)
+    return host
