@@ -133,15 +133,13 @@ class Relay:
         hiddens = [hidden for _, hidden, _ in ran]
         together = [c.contiguous().view(-1, width) for c in carried if c is not None]
         ring = self.link.ring  # (opened by the first rows that try it)
-        if together and ring is not None and ring.fits(hiddens + together):
-            sent = self._on_device(hiddens + together, in_slot(None), wait)
-            tried = True  # a slot not let go of in time is not waited for twice
-        else:
-            sent, tried = False, False
+        fits = bool(together) and ring is not None and ring.fits(hiddens + together)
+        sent = fits and self._on_device(hiddens + together, in_slot(None), wait)
         if not sent:
             on_cpu = iter(on_host([c for c in carried if c is not None]))
             hosted = [None if c is None else WireTensor.from_torch(next(on_cpu)) for c in carried]
-            sent = not tried and self._on_device(hiddens, in_slot(hosted), wait)
+            # (a slot not let go of in time is not waited for twice)
+            sent = not fits and self._on_device(hiddens, in_slot(hosted), wait)
         if not sent:
             if wait is not None and not wait.landed():  # the rows leave through the host: theirs must be real
                 return RowsLost(wait.why())

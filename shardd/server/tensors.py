@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from common.model_config import dtype_name
 from protocol import ErrorCode, ProtocolError
 
 
@@ -23,7 +24,7 @@ class DeviceRows:
     @property
     def dtype(self) -> str:
         """Its dtype's wire name, as a WireTensor's."""
-        return str(self.tensor.dtype).removeprefix("torch.")
+        return dtype_name(self.tensor.dtype)
 
     def to_torch(self, device=None):
         return self.tensor if device is None else self.tensor.to(device)

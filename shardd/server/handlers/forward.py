@@ -320,8 +320,7 @@ class Forward:
         """A batched FORWARD's `send_rows`: the rows of its items that ran go to the next shard as one ROWS (each
         item's reply then carries `rows_sent` and no rows); none ran: a refused ROWS."""
         answered = [(item, answer) for item, answer in zip(request.items, answers) if not isinstance(answer, Exception)]
-        carried = [carried_on(item, answer[1]) for item, answer in answered]
-        ran = [(item, answer[0], answer[1].pop("hidden"), rows) for (item, answer), rows in zip(answered, carried)]
+        ran = [(item, answer[0], answer[1].pop("hidden"), carried_on(item, answer[1])) for item, answer in answered]
         for item, answer in answered:
             if item.carry:  # its captured layers go on with the rows
                 drop_captured(*answer)
