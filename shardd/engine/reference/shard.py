@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 from common.model_config import ModelConfig
 from protocol.layout import check_layer_range, owns_embedding, owns_head
-from common.model_config import ModelConfig
 from shardd.engine.reference import rollback as rb
 from shardd.engine.reference.attention import GatedAttention
 from shardd.engine.reference.errors import BadInput, CapacityExceeded, ModelError, PositionMismatch, RollbackUnavailable

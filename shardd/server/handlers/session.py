@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 from common import __version__
 from common.model_config import dtype_name
