@@ -26,7 +26,7 @@ SOURCES = {
     "relay": "h200/gpu_bench_relay_d3a9e78.json",  # `scripts/gpu_run.sh relay`: one process and two daemons
     "batch": "h200/gpu_bench_batch_http_0a47303.json",  # `scripts/gpu_run.sh batch`
     "dflash": "h100/gpu_bench_dflash_drafter_aae6311.json",  # `scripts/gpu_run.sh dflash -- --parts dflash-drafter`
-    "dflash_batch": "h100/gpu_bench_dflash_batch_aae6311.json",  # `scripts/gpu_run.sh dflash-batch`
+    "dflash_batch": "h100/gpu_bench_dflash_batch_424abde.json",  # `scripts/gpu_run.sh dflash-batch`
     "fp8": "h100/gpu_bench_fp8_aae6311.json",  # `scripts/gpu_run.sh fp8`
     "seed": "h200/seed_bench_f1b92bb.json",  # `scripts/gpu_run.sh seed`
 }
