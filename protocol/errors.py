@@ -1,8 +1,9 @@
-"""Error codes carried in `ok: false` replies, and the exception that carries them locally."""
+"""Error codes carried in `ok: false` replies, the exception that carries them locally, and its messages."""
 
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 
 class ErrorCode(str, enum.Enum):
@@ -52,3 +53,27 @@ class ItemRefused(ProtocolError):
     def __init__(self, code: ErrorCode | str, message: str, seq: int) -> None:
         super().__init__(code, message)
         self.seq = seq
+
+
+def _bad(message: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_REQUEST, message)
+
+
+def _too_large(message: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.TOO_LARGE, message)
+
+
+MAX_ERROR_MESSAGE = 400  # characters of an error message: a hostile value is quoted by its prefix only
+
+
+def clip_message(message: str) -> str:
+    """`message` cut to MAX_ERROR_MESSAGE characters, saying how much was left out."""
+    message = str(message)
+    if len(message) <= MAX_ERROR_MESSAGE:
+        return message
+    return f"{message[:MAX_ERROR_MESSAGE]}... ({len(message) - MAX_ERROR_MESSAGE} more characters)"
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"

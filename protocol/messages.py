@@ -1,7 +1,7 @@
 """Message types and one typed record per request type; the records are the request schema.
 
 Each header field of a record carries its wire kind, bounds and doc as field metadata (`_header`), each tensor
-frame its rank and dtypes (`_tensor`); `REQUEST_FIELDS` and `REQUEST_TENSORS`, which `codec.decode_request`
+frame its rank and dtypes (`_tensor`); `REQUEST_FIELDS` and `REQUEST_TENSORS`, which `decode.decode_request`
 validates against and `PROTOCOL.md` documents, are derived from them. Record field names equal header field names
 (tensor records: frame names).
 """

@@ -155,7 +155,8 @@ def test_every_request_gets_one_reply_and_errors_change_nothing(shard, batch):
 def _fast_and_reference(mtype, header) -> tuple:
     """What `_field_values` (the fast check) and `_ordered_field_values` (the reference) make of `header`: the
     values with their types, or the refusal."""
-    from protocol.codec import _REQUEST_SCHEMA, ProtocolError, _field_values, _ordered_field_values
+    from protocol import ProtocolError
+    from protocol.fields import _REQUEST_SCHEMA, _field_values, _ordered_field_values
 
     def outcome(check, fields):
         try:
@@ -212,7 +213,7 @@ def _headers(draw):
 @settings(max_examples=1500, deadline=None, derandomize=True)
 @given(_headers())
 def test_the_fast_field_check_decides_as_the_field_by_field_one(drawn):
-    """protocol/codec.py's `_field_values` checks the common case by header key; whatever it accepts, refuses or
+    """protocol/fields.py's `_field_values` checks the common case by header key; whatever it accepts, refuses or
     returns must be what `_ordered_field_values` (the readable reference, the one the errors come from) does."""
     fast, reference = _fast_and_reference(*drawn)
     assert fast == reference

@@ -371,8 +371,8 @@ PLAIN_HEAD = HeadRequest()
 
 
 def check_token_mask(mask: WireTensor, shard) -> None:
-    """A token mask goes to the head shard, one int32 word per 32 tokens of the model's vocabulary (codec.py checked
-    its rank, dtype and rows); BAD_REQUEST otherwise."""
+    """A token mask goes to the head shard, one int32 word per 32 tokens of the model's vocabulary (the codec
+    checked its rank, dtype and rows); BAD_REQUEST otherwise."""
     if not shard.owns_head:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "tensor 'token_mask' asks a shard without the head")
     words = -(-shard.config.vocab_size // 32)
