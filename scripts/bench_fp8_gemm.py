@@ -35,7 +35,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from bench_gpu import copy_bandwidth  # noqa: E402
+from bench_measure import copy_bandwidth  # noqa: E402
 from shardd.engine.kernels import fp8_gemm as fp8  # noqa: E402
 
 # (name, N, K, matrices of this shape in the 64 layers: 48 GDN + 16 attention)
