@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -27,9 +26,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+
+from bench_daemons import (child_pids, e2e_devices, free_port, halves_and_prompt, pyspy_top, start_daemons,
+                           stop_processes)
+from bench_relay import phase_readings, relay_breakdown
 
 CONCURRENCY = (1, 4, 8, 16, 32)
 BLOCK = 16
@@ -219,7 +221,6 @@ def run_batch_local(args) -> dict:
 
 
 def run_batch_daemons(args) -> dict:
-    from bench_gpu import e2e_devices, halves_and_prompt, start_daemons, stop_processes
     from coordinator.relay.pipeline import Pipeline
 
     ranges, _ = halves_and_prompt(args)
@@ -227,8 +228,8 @@ def run_batch_daemons(args) -> dict:
     prompts = stream_prompts(args, max(CONCURRENCY))
     out: dict = {"batch_daemon_devices": devices}
     run_dir = Path(tempfile.mkdtemp(prefix="bench-batch-"))
-    # the one process's R, always named: bench_gpu.start_daemons otherwise gives the daemons BLOCK rows (the relay
-    # benchmark's one-process reference), and a token's bits follow the step's rows (cuBLAS picks its kernel by
+    # the one process's R, always named: bench_daemons.start_daemons otherwise gives the daemons BLOCK rows (the
+    # relay benchmark's one-process reference), and a token's bits follow the step's rows (cuBLAS picks its kernel by
     # them), so daemons_equal_one_process compared two different steps
     from shardd.engine.fast.shard import FastShard
 
@@ -279,8 +280,7 @@ def run_batch_daemons(args) -> dict:
 
 def _phases_of(pipeline, prompts, args) -> dict:
     """The prompts together once to warm this shape (graphs, prompt positions), then again between two phase
-    readings: bench_gpu's relay_breakdown of that run (a step = one FORWARD to the first shard), with its wall ms."""
-    from bench_gpu import phase_readings, relay_breakdown
+    readings: bench_relay.relay_breakdown of that run (a step = one FORWARD to the first shard), with its wall ms."""
 
     class Steps:  # what relay_breakdown reads of a decode result
         def __init__(self, steps, seconds):
@@ -344,8 +344,6 @@ def http_streams(args, endpoints, prompts, run_dir: Path, pyspy: Path | None = N
     record` (its collapsed stacks, every thread, written there) and the result carries `profile_top` (the engine
     thread's busiest frames)."""
     import httpx
-
-    from bench_gpu import free_port
 
     port = free_port()
     log = open(run_dir / "serve.log", "w")
@@ -429,50 +427,6 @@ def stop_serve(process: subprocess.Popen, profiled: bool) -> None:
                 os.kill(child, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-
-
-def child_pids(pid: int) -> list[int]:
-    """The processes `pid` started (py-spy's child: the program it profiles)."""
-    return [int(child) for task in Path(f"/proc/{pid}/task").glob("*")
-            for child in (task / "children").read_text().split()]
-
-
-def pyspy_top(path: Path, top: int = 40, within: str | None = None, without: tuple[str, ...] = ()) -> dict:
-    """py-spy's collapsed stacks (`-f raw --threads`: "thread (0x..) [name];frame;frame count" per line) -> per
-    thread with samples, its share of them, the `top` frames by the share of that thread's samples they are on
-    (inclusive) and the innermost frames by theirs, the busiest four threads first. Only the stacks with a frame
-    starting `within` (where given) and none containing a string of `without` count: a steady state's samples."""
-    threads: dict[str, Counter] = {}  # inclusive
-    leaves: dict[str, Counter] = {}  # the innermost frame (where the samples land)
-    totals: Counter = Counter()
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as error:
-        return {"error": str(error)}
-    for line in lines:
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        frames = stack.split(";")
-        if (within is not None and not any(frame.startswith(within) for frame in frames)) or \
-                any(part in stack for part in without):
-            continue
-        thread, n = frames[0], int(count)
-        totals[thread] += n
-        leaf = re.sub(r":\d+\)$", ")", frames[-1])
-        leaves.setdefault(thread, Counter())[leaf] += n
-        seen = set()
-        for frame in frames[1:]:
-            name = re.sub(r":\d+\)$", ")", frame)  # one entry per function, whatever the line
-            if name not in seen:
-                seen.add(name)
-                threads.setdefault(thread, Counter())[name] += n
-    everything = sum(totals.values()) or 1
-    return {thread: {"share_of_samples": round(n / everything, 3),
-                     "top": [[name, round(c / n, 3)] for name, c in threads.get(thread, Counter()).most_common(top)],
-                     "innermost": [[name, round(c / n, 3)]
-                                   for name, c in leaves.get(thread, Counter()).most_common(20)]}
-            for thread, n in totals.most_common(4)}
 
 
 def digest(streams: list[list[int]]) -> str:

@@ -12,7 +12,7 @@ each shape by its count in the 64 layers (the bf16 head, 248320 x 5120, timed wi
 Then a sweep at 16 rows, within --budget-s: per shape a coordinate descent from the TILE_TABLE config over
 block_n 16/32/64/128, block_k 128/256/512, split_k 1/2/4/8, warps 2/4/8, stages 3/4/6, the conversion
 (asm, native, asm_v1) and the orientation, plus a few joint moves; the best few are timed at 64 rows too.
-It prints the fastest per shape as the line to put in fp8_gemm.TILE_TABLE, and a before/after table last.
+It prints the fastest per shape as the line to put in fp8_tiles.TILE_TABLE, and a before/after table last.
 
     python3 scripts/bench_fp8_gemm.py --json bench/results/h200/fp8_gemm.json
 """
@@ -35,7 +35,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from bench_gpu import copy_bandwidth  # noqa: E402
+from bench_measure import copy_bandwidth  # noqa: E402
 from shardd.engine.kernels import fp8_gemm as fp8  # noqa: E402
 
 # (name, N, K, matrices of this shape in the 64 layers: 48 GDN + 16 attention)
@@ -260,7 +260,7 @@ def table(out) -> str:
         lines.append(f"{'64 layers ms':12} {'':>12} {step['floor']:>7.2f} " + " ".join(_cell(step.get(key), step["floor"]) for key in keys)
                      + f"   (+ bf16 head {step['head_bf16']:.2f} ms)")
     if out.get("sweep"):
-        lines.append("-- sweep at 16 rows: best per shape -> fp8_gemm.TILE_TABLE (and its convert); 64-row us of the top 3")
+        lines.append("-- sweep at 16 rows: best per shape -> fp8_tiles.TILE_TABLE (and its convert); 64-row us of the top 3")
         total = {"floor": 0.0, "before": 0.0, "now": 0.0, "best": 0.0}
         for s in out["sweep"]:
             best = s["best"]

@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_daemons import e2e_devices, halves_and_prompt, start_daemons, stop_processes
+
 TURN_ONE_NEW = 32
 TURN_TWO_EXTRA = 64
 QUESTION = 64
@@ -114,7 +116,6 @@ def shared_system(pipeline, args, vocab: int, checks: dict) -> dict:
 
 
 def flood(args, ranges, run_dir: Path, vocab: int, checks: dict) -> dict:
-    from bench_gpu import e2e_devices, start_daemons, stop_processes
     from coordinator.relay.pipeline import Pipeline
 
     extra = ["--prefix-cache-gib", str(args.prefix_flood_gib)]
@@ -147,7 +148,6 @@ def flood(args, ranges, run_dir: Path, vocab: int, checks: dict) -> dict:
 
 
 def run_prefix(args) -> dict:
-    from bench_gpu import e2e_devices, halves_and_prompt, start_daemons, stop_processes
     from common.presets import preset_config
     from coordinator.relay.pipeline import Pipeline
 

@@ -251,19 +251,19 @@ for run in runs:
         from bench_batch import batch_table
         print(batch_table(result))
     if run == "dflash":
-        from bench_gpu import dflash_table
+        from bench_dflash import dflash_table
         print(dflash_table(result))
     if run == "dflash-batch":
-        from bench_gpu import dflash_batch_table
+        from bench_dflash import dflash_batch_table
         print(dflash_batch_table(result))
     if run == "batch-step":
-        from bench_gpu import batch_step_table
+        from bench_batch_step import batch_step_table
         print(batch_step_table(result))
     for key in KEYS:
         if key in result:
             print(f"{key}: {json.dumps(result[key])[:300]}")
     if run in ("relay", "relay-profile") and result.get("relay_by_phase"):
-        from bench_gpu import phase_table
+        from bench_relay import phase_table
         print("relay by phase (ms per step)\n" + phase_table(result["relay_by_phase"]))
     before = out / FILES[run].replace(".json", "_before.json")
     if before.exists():  # BEFORE_TREE: the same keys of the older tree's run

@@ -34,7 +34,7 @@ def main() -> int:
 
     import torch
 
-    from bench_gpu import profile_top
+    from bench_measure import profile_top
     from bench_seed import write_json
     from protocol.layout import CHECKPOINT
     from shardd.engine.fast import prefill

@@ -25,12 +25,15 @@ need FP8 activations):
 
 Above LARGE_M rows (a prefill) the matrix is dequantized to bf16 a chunk of output rows at a time and
 multiplied by torch.matmul; row independence is not promised there.
+
+Beside it: the launch shapes (fp8_tiles.py), the packed weight layout (fp8_packing.py) and dequantization
+(fp8_dequantize.py); their names are importable from here too.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import triton
@@ -38,6 +41,14 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from shardd.engine.kernels import interpreted
+from shardd.engine.kernels.fp8_dequantize import _fp8_bits_to_float, dequantized
+from shardd.engine.kernels.fp8_packing import Geometry, PackedWeight, geometry
+from shardd.engine.kernels.fp8_tiles import TILE_TABLE, TILES_ENV, TileConfig, _rule, load_tiles
+
+# the rest of those modules' public names, importable from here too (tests, scripts, shardd.engine.select)
+from shardd.engine.kernels.fp8_dequantize import dequantize_fp8  # noqa: F401
+from shardd.engine.kernels.fp8_packing import pack_weight, unpack_weight  # noqa: F401
+from shardd.engine.kernels.fp8_tiles import tiles_identity  # noqa: F401
 
 BLOCK_M = 16          # rows per tile, whatever M: a row's MMA never sees a different tile shape
 LARGE_M = 128         # more rows than this take the dequantize-then-matmul path
@@ -51,81 +62,6 @@ HOPPER_CONVERT = "asm"
 _CONVERTS = {"native": 0, "asm": 1, "bits": 2, "asm_v1": 3}
 SMEM_BUDGET = 200 * 1024  # shared memory a program's pipeline may take: stages are cut to fit (never the tile)
 
-
-@dataclass(frozen=True)
-class TileConfig:
-    """Launch shape of one matrix; chosen from (N, K) and the scale layout only."""
-
-    block_n: int = 64
-    block_k: int = 128
-    split_k: int = 1
-    warps: int = 4
-    stages: int = 4
-    swap: bool = False  # acc[BLOCK_N, BLOCK_M] = w @ x.T (the weight tile as the MMA's M side)
-    # Programmatic dependent launch (sm_90+; ignored below): the programs are scheduled while the previous kernel
-    # drains and wait for it (griddepcontrol.wait) before their first memory access, hiding the launch gap. The
-    # arithmetic is the same; the sweep measures whether it pays (it also needs the launch kept in the CUDA graph).
-    pdl: bool = False
-    # With pdl: the first `prefetch` K tiles of each program's weights are prefetched into L2 before the wait (the
-    # weights do not depend on the kernel before; only x does), so the early programs read them during its tail.
-    prefetch: int = 0
-
-
-# Fixed per 27B shape (N, K, blockwise): the configs scripts/bench_fp8_gemm.py's sweep finds fastest at 16 rows
-# (with HOPPER_CONVERT "asm"); out_proj takes the sweep's second, split 4, about as fast at 16 rows and faster at
-# 64. A shape not listed takes `_rule`. The shapes: GDN in_proj qkv|z|b|a 16480x5120 and
-# its FP8 part when the checkpoint keeps in_proj_a (qkv|z|b, 16432) or in_proj_b and in_proj_a (qkv|z, 16384) in
-# bf16 (shardd.weights.quant.fuse_rows runs those as a second GEMM), out_proj and o_proj 5120x6144, attention q|k|v
-# 14336x5120, MLP gate|up 34816x5120, down 5120x17408.
-_GDN_IN_PROJ = TileConfig(block_n=32, block_k=256, split_k=1, warps=2, stages=3)
-TILE_TABLE: dict[tuple[int, int, bool], TileConfig] = {
-    (16480, 5120, True): _GDN_IN_PROJ,
-    (16432, 5120, True): _GDN_IN_PROJ,
-    (16384, 5120, True): _GDN_IN_PROJ,
-    (5120, 6144, True): TileConfig(block_n=32, block_k=128, split_k=4, warps=2, stages=3, swap=True),
-    (14336, 5120, True): TileConfig(block_n=64, block_k=128, split_k=2, warps=4, stages=3),
-    (34816, 5120, True): TileConfig(block_n=32, block_k=128, split_k=2, warps=2, stages=4, swap=True),
-    (5120, 17408, True): TileConfig(block_n=32, block_k=256, split_k=4, warps=4, stages=3),
-}
-
-
-def _rule(n: int, k: int, blockwise: bool) -> TileConfig:
-    """Enough programs to fill a GPU (132 SMs on an H100 or H200) ~3 deep: 32-wide N tiles, and a split of K when N
-    alone is short (each split keeps at least 8 K tiles)."""
-    block_k = 128 if blockwise else 256
-    block_n = 32
-    n_tiles = triton.cdiv(n, block_n)
-    k_tiles = triton.cdiv(k, block_k)
-    split_k = 1
-    while n_tiles * split_k < 400 and k_tiles // (split_k * 2) >= 8:
-        split_k *= 2
-    return TileConfig(block_n=block_n, block_k=block_k, split_k=split_k)
-
-
-TILES_ENV = "SHARDD_FP8_TILES"  # a JSON file of tuned configs that replace TILE_TABLE's (one GPU's own sweep)
-
-
-def load_tiles(path: str) -> dict[tuple[int, int, bool], TileConfig]:
-    """A tiles file: {"16480x5120": {"block_n": 32, ...}, ...} (blockwise scales), the form scripts/bench_fp8_gemm.py
-    --write-tiles writes from its sweep. Unknown fields or bad values are refused by name."""
-    import json
-
-    with open(path) as f:
-        data = json.load(f)
-    fields = set(TileConfig.__dataclass_fields__)
-    table = {}
-    for key, entry in data.items():
-        try:
-            n, k = (int(v) for v in key.split("x"))
-        except ValueError:
-            raise ValueError(f"{path}: key {key!r} is not NxK") from None
-        unknown = set(entry) - fields
-        if unknown:
-            raise ValueError(f"{path}: {key}: unknown TileConfig fields {sorted(unknown)}")
-        table[(n, k, True)] = TileConfig(**entry)
-    return table
-
-
 _TUNED: dict | None = None
 
 
@@ -138,31 +74,6 @@ def tile_config(n: int, k: int, blockwise: bool) -> TileConfig:
         path = os.environ.get(TILES_ENV)
         _TUNED = load_tiles(path) if path else {}
     return _TUNED.get((n, k, blockwise)) or TILE_TABLE.get((n, k, blockwise)) or _rule(n, k, blockwise)
-
-
-def tiles_identity() -> str:
-    """Which tile table the launches read: "built-in", or the sha256 (first 16 hex) of $SHARDD_FP8_TILES's file. A
-    tile changes how a dot product is split, so a token's bits (HELLO's `numerics`)."""
-    import hashlib
-    import os
-
-    path = os.environ.get(TILES_ENV)
-    if not path:
-        return "built-in"
-    with open(path, "rb") as tiles:
-        return hashlib.sha256(tiles.read()).hexdigest()[:16]
-
-
-@triton.jit
-def _fp8_bits_to_float(u):
-    """uint8 e4m3fn bytes -> float32 values, exactly, in integer ops only (no FP8 type needed).
-    (The NaN byte 0x7f reads as 480: checkpoints hold no NaN.)"""
-    b = u.to(tl.int32)
-    magnitude_bits = b & 0x7F
-    normal = (magnitude_bits << 20).to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120: exponent bias 127 - 7
-    subnormal = (b & 0x7).to(tl.float32) * 0.001953125  # 2^-9
-    magnitude = tl.where(magnitude_bits < 8, subnormal, normal)
-    return tl.where((b & 0x80) != 0, -magnitude, magnitude)
 
 
 @triton.jit
@@ -502,63 +413,6 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block) ->
     return scale, block_n, block_k, True
 
 
-def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
-    """The plain PyTorch reference: float32 [N, K] = weight * its scale (per block, or per output channel)."""
-    n, k = weight.shape
-    if block is None:
-        return weight.float() * scale.float().reshape(n, 1)
-    block_n, block_k = block
-    expanded = scale.float().repeat_interleave(block_n, dim=0)[:n].repeat_interleave(block_k, dim=1)[:, :k]
-    return weight.float() * expanded
-
-
-@triton.jit
-def _dequantize_kernel(w_ptr, scale_ptr, out_ptr, N, K, scale_stride_n, scale_stride_k, scale_block_n,
-                       BLOCKWISE: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, ROUND_BF16: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out [N, K] (x's dtype) = float32(weight byte) * float32 scale, rounded once to out's dtype: the
-    operations of `dequantize_fp8(...).to(dtype)` (an exact FP8 -> float32, one float32 product, one rounding),
-    in one pass that reads each FP8 byte once and writes the result once."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-    u = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask, other=0)
-    if BLOCKWISE:
-        s = tl.load(scale_ptr + (offs_n[:, None] // scale_block_n) * scale_stride_n
-                    + (offs_k[None, :] // SCALE_BLOCK_K) * scale_stride_k, mask=mask, other=0.0)
-    else:
-        s = tl.load(scale_ptr + offs_n[:, None] * scale_stride_n, mask=offs_n[:, None] < N, other=0.0)
-    w = _fp8_bits_to_float(u) * s.to(tl.float32)
-    if ROUND_BF16:  # to nearest, ties to even, in integer ops: then the conversion is exact on a GPU and in the
-        bits = w.to(tl.int32, bitcast=True)  # interpreter alike (which truncates); no NaN or inf comes here
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        w = bits.to(tl.float32, bitcast=True)
-    tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def dequantized(weight: torch.Tensor, scale2d: torch.Tensor, block, dtype: torch.dtype) -> torch.Tensor:
-    """`dequantize_fp8(weight, scale, block).to(dtype)`, bit for bit, by `_dequantize_kernel` (the weight's
-    device, or the interpreter): 3 bytes of memory traffic a weight, where the PyTorch expression moves float32
-    copies of the weight, of its expanded scale and of their product (an FP8 prefill's time went there)."""
-    if weight.device.type != "cuda" and not interpreted():  # a CPU caller (no kernel here): the same values
-        return dequantize_fp8(weight, scale2d, block).to(dtype)
-    weight = weight.contiguous()
-    n, k = weight.shape
-    out = torch.empty(n, k, dtype=dtype, device=weight.device)
-    if n == 0 or k == 0:
-        return out
-    blockwise = block is not None
-    scale_block_n, scale_block_k = (int(block[0]), int(block[1])) if blockwise else (1, 1)
-    block_n, block_k = 32, 128
-    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
-        weight.view(torch.uint8), scale2d, out, n, k, scale2d.stride(0), scale2d.stride(1) if scale2d.dim() > 1 else 0,
-        scale_block_n, BLOCKWISE=blockwise, SCALE_BLOCK_K=scale_block_k, ROUND_BF16=dtype == torch.bfloat16,
-        BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4,
-    )
-    return out
-
-
 def _large_m(x, weight, scale2d, block, out):
     """Prefill: dequantize a chunk of output rows to x's dtype (`dequantized`) and let torch.matmul multiply it."""
     n, k = weight.shape
@@ -573,75 +427,6 @@ def _large_m(x, weight, scale2d, block, out):
         w = dequantized(weight[start:stop], part_scale, block, x.dtype)
         out[:, start:stop] = x @ w.t()
     return out
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """How one launch cuts K: loads of `block_k` (a K tile never straddles two scale blocks), `unroll` of them an
-    iteration, `tiles_per_split` iterations per split of K (the last split's tiles past K read zeros)."""
-
-    block_k: int
-    unroll: int
-    k_tiles: int
-    tiles_per_split: int
-    split_k: int
-
-    @property
-    def padded_k_tiles(self) -> int:  # what the splits walk over: the packed layout's K tiles
-        return self.tiles_per_split * self.unroll * self.split_k
-
-
-def geometry(config: TileConfig, k: int, scale_block_k: int | None) -> Geometry:
-    """scale_block_k: the block scale's K extent (None for a per-channel scale)."""
-    block_k, unroll = config.block_k, 1
-    if scale_block_k is not None:
-        if scale_block_k % block_k and block_k % scale_block_k:
-            raise ValueError(f"fp8_linear: tile block_k {block_k} must divide the scale block {scale_block_k} or be a multiple of it")
-        if block_k > scale_block_k:  # a K tile per scale block, several loaded per iteration
-            block_k, unroll = scale_block_k, block_k // scale_block_k
-    k_tiles = triton.cdiv(k, block_k)
-    tiles_per_split = triton.cdiv(triton.cdiv(k_tiles, unroll), config.split_k)
-    return Geometry(block_k, unroll, k_tiles, tiles_per_split, config.split_k)
-
-
-@dataclass(frozen=True)
-class PackedWeight:
-    """An FP8 weight [N, K] laid out for one TileConfig: contiguous [block_n, block_k] byte tiles, each N tile's
-    K tiles in order ([n_tiles, padded_k_tiles, block_n, block_k] uint8), zero-padded at the edges, so that a
-    program reads one contiguous run of memory and its loads need no mask. Same values, same arithmetic as the
-    row-major weight (a zero byte is +0.0, and the padding meets zeroed x columns or is never stored)."""
-
-    data: torch.Tensor
-    shape: tuple[int, int]
-    config: TileConfig
-    scale_block_k: int | None
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.nbytes
-
-
-def pack_weight(weight: torch.Tensor, config: TileConfig, block) -> PackedWeight:
-    """The row-major float8_e4m3fn weight [N, K] as a PackedWeight for `config` (block: the scale's block, None
-    for per-channel)."""
-    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
-        raise ValueError(f"pack_weight: a 2-D float8_e4m3fn weight, got {weight.dtype} {tuple(weight.shape)}")
-    n, k = weight.shape
-    scale_block_k = None if block is None else int(block[1])
-    geo = geometry(config, k, scale_block_k)
-    n_tiles = triton.cdiv(n, config.block_n)
-    padded = torch.zeros(n_tiles * config.block_n, geo.padded_k_tiles * geo.block_k, dtype=torch.uint8, device=weight.device)
-    padded[:n, :k] = weight.view(torch.uint8)
-    data = padded.view(n_tiles, config.block_n, geo.padded_k_tiles, geo.block_k).permute(0, 2, 1, 3).contiguous()
-    return PackedWeight(data, (n, k), config, scale_block_k)
-
-
-def unpack_weight(packed: PackedWeight) -> torch.Tensor:
-    """The row-major float8_e4m3fn weight [N, K] back (tests, the large-M path)."""
-    n, k = packed.shape
-    n_tiles, k_tiles, block_n, block_k = packed.data.shape
-    rows = packed.data.permute(0, 2, 1, 3).reshape(n_tiles * block_n, k_tiles * block_k)
-    return rows[:n, :k].contiguous().view(torch.float8_e4m3fn)
 
 
 def fp8_gemm(x, weight, scale, block, config: TileConfig, *, convert: str, out=None) -> torch.Tensor:
