@@ -19,6 +19,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
+from coordinator.relay.pipeline import PrefixMissing
+from coordinator.scheduler.requests import Request
+
 # Digests remembered at most; the least recently used go first (each a few dozen bytes here: the shards' budget, not
 # this, bounds what is cached).
 MAX_ENTRIES = 1 << 16
@@ -90,3 +93,29 @@ class PrefixIndex:
     def describe(self) -> dict:
         return {"chunk": self.chunk, "entries": len(self._entries), "hits": self.hits, "misses": self.misses,
                 "cached_tokens": self.cached_tokens, "saves": self.saves, "lost": self.lost}
+
+
+def open_sequence(request: Request, prefixes: Optional[PrefixIndex]) -> None:
+    """Open the request's sequence: from the longest prefix of its prompt the shards keep (prefix caching, where
+    its target resumes: the batch's own, a drafter's beside a shard), else empty. A prefix entry a shard no
+    longer holds is forgotten (one a drafter daemon of its own lacks is not: the shards still serve it) and the
+    sequence opens empty: the same tokens either way."""
+    prefixes = prefixes if getattr(request.target, "prefix_cache", False) else None
+    if prefixes is not None:
+        request.prefix_digests = prefixes.digests(request.cache_salt, request.prompt)
+        # a prompt scored token by token (prompt logprobs) forwards all of it, leaving entries for others
+        hit = prefixes.lookup(request.prefix_digests, len(request.prompt)) if request.prompt_logprobs is None \
+            else None
+        if hit is not None:
+            try:
+                request.target.open(request.seq, prefix=hit.entry)
+            except PrefixMissing as missing:
+                if not missing.held:  # held: the shards keep it for streams that do not draft elsewhere
+                    prefixes.forget(hit.entry)
+            else:
+                request.prefilled = request.result.cached_tokens = hit.length
+                prefixes.hits += 1
+                prefixes.cached_tokens += hit.length
+                return
+        prefixes.misses += 1
+    request.target.open(request.seq)

@@ -29,7 +29,7 @@ who shares their step, so a stream's tokens are the same whatever its group.
 
 The commit rule and its bookkeeping (`coordinator.scheduler.commit`) and the recovery are the same functions the
 reference loop in `coordinator.decoding` calls.
-The `replay` baseline runs batched too (`ReplayBatches`: snapshots, then the step; restores, then the kept
+The `replay` baseline runs batched too (`batches.ReplayBatches`: snapshots, then the step; restores, then the kept
 tokens again as one more batch). A drafter that reads the target's features (DFlash) is a batch stream like the
 others: its drafter `prepare`s each of its forwards as a capture item of the step's batch (the head shard
 proposing the next block in its reply where it hosts the drafter) and `collect`s the rows and the proposal from
@@ -41,7 +41,6 @@ other streams wait for it, and their tokens stay the same.
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import secrets
 import threading
@@ -51,41 +50,22 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from coordinator.relay.pipeline import BatchForward, PrefixMissing
+from coordinator.relay.pipeline import BatchForward
 from coordinator.relay.target import ReplayTarget, RollbackFailed, SequenceLost
+from coordinator.scheduler.batches import Answered, LoopBatches, ReplayBatches
 from coordinator.scheduler.commit import (
     commit_block, committed_ids, count_rollback, finished, keep_logprobs, last_row, record_commit,
 )
-from coordinator.scheduler.prefix import PrefixIndex
+from coordinator.scheduler.fallback import DRAFTER_RETRY_S, log  # noqa: F401 - still importable from here
+from coordinator.scheduler.fallback import DrafterFallback
+from coordinator.scheduler.prefix import PrefixIndex, open_sequence
 from coordinator.scheduler.recovery import RECOVERY_TIMEOUT_S, recover
 from coordinator.scheduler.requests import (
     DECODE, DONE, LENGTH, PREFILL, STOP, DecodeResult, Request, StopDecoding, check_prompt_fits, context_limit,
     step_keywords, with_drafts,
 )
+from coordinator.scheduler.sizing import DEFAULT_BATCH_ROWS, PREFIX_CHUNK, default_prefill_chunk, shard_capacity
 from protocol.layout import CHECKPOINT, REPLAY, ROLLBACK_MODES
-
-# Rows per step at least, as vLLM's `max_num_batched_tokens` (8,192 for its OpenAI server): prompts that arrive
-# together are prefilled in one step, and a prompt takes at most half a step (`default_prefill_chunk`), which bounds
-# how long the running streams wait for a token behind it.
-DEFAULT_BATCH_ROWS = 8192
-# The prompt chunk where the shards keep prefix entries (coordinator.scheduler.prefix): a prompt resumes from the
-# last whole chunk it shares with an earlier one, so a smaller chunk hits more prompts, at more steps per prompt.
-PREFIX_CHUNK = 256
-# A drafter daemon that timed out is not asked again for this long (its streams, and those admitted meanwhile,
-# decode plainly); after it, new proposals try it again.
-DRAFTER_RETRY_S = 60.0
-
-log = logging.getLogger("shardctl")
-
-
-def default_prefill_chunk(batch_rows: int, prefill_rows: Optional[int]) -> int:
-    """Half a step (a chunk fits beside half a step of streams); with shards that run their prefill in graphed
-    pieces of `prefill_rows` (HELLO), the largest multiple of a piece within that, at least one piece: a chunk
-    that is not whole pieces runs its remainder eagerly."""
-    chunk = max(1, batch_rows // 2)
-    if prefill_rows and prefill_rows <= batch_rows:
-        chunk = max(prefill_rows, chunk // prefill_rows * prefill_rows)
-    return chunk
 
 
 @dataclass
@@ -115,97 +95,6 @@ class _Group:
     items: list[_Item]
     forwards: list[BatchForward]
     answer: object  # `result()` -> per item its ids or its exception
-
-
-class _Answered:
-    """The answer of a step that ran as it started (a target without `start_forward_batch`)."""
-
-    def __init__(self, outputs: list) -> None:
-        self.outputs = outputs
-
-    def result(self) -> list:
-        return self.outputs
-
-
-class LoopBatches:
-    """`forward_batch` / `rollback_batch` as a loop over a target that has only the single-sequence calls (the
-    `replay` baseline's `ReplayTarget`, a test's target): per item its ids or its exception."""
-
-    def __init__(self, target) -> None:
-        self.target = target
-
-    def forward_batch(self, items: Sequence[BatchForward]) -> list:
-        results = []
-        for item in items:
-            extra = {key: value for key, value in (("sampling", item.sampling), ("drafts", item.drafts),
-                                                   ("token_mask", item.token_mask)) if value is not None}
-            try:
-                results.append(self.target.forward(item.seq, item.pos, item.tokens, checkpoint=item.checkpoint,
-                                                   **extra))
-            except Exception as error:  # noqa: BLE001 - handed back per item, as Pipeline.forward_batch does
-                results.append(error)
-        return results
-
-    def rollback_batch(self, items: Sequence[tuple[int, int]]) -> dict[int, Exception]:
-        failures = {}
-        for seq, keep in items:
-            try:
-                self.target.rollback(seq, keep)
-            except (RollbackFailed, SequenceLost) as error:
-                failures[seq] = error
-        return failures
-
-
-class ReplayBatches:
-    """The `replay` baseline (`ReplayTarget`) a batch at a time: a checkpointed item snapshots its sequence and
-    runs as a plain forward in the batch; the step's rollbacks restore their snapshots and forward the kept
-    tokens again, together as one more batch."""
-
-    def __init__(self, replay: ReplayTarget, batches) -> None:
-        self.replay = replay
-        self.batches = batches  # the wrapped target's batch calls
-
-    def forward_batch(self, items: Sequence[BatchForward]) -> list:
-        results: list = [None] * len(items)
-        plain = []
-        for index, item in enumerate(items):
-            self.replay.pending.pop(item.seq, None)
-            if item.checkpoint:
-                try:
-                    self.replay.target.snapshot(item.seq)
-                except Exception as error:  # noqa: BLE001 - this item's failure, as forward would raise it
-                    results[index] = error
-                    continue
-            plain.append(index)
-        # a plain forward leaves the shards no pending step to propose after: the next block comes by PROPOSE
-        outputs = self.batches.forward_batch([replace(items[index], checkpoint=False, propose=None) for index in plain])
-        for index, output in zip(plain, outputs):
-            results[index] = output
-            if items[index].checkpoint and not isinstance(output, BaseException):
-                self.replay.pending[items[index].seq] = (items[index].pos, list(items[index].tokens))
-        return results
-
-    def rollback_batch(self, items: Sequence[tuple[int, int]]) -> dict[int, Exception]:
-        failures: dict[int, Exception] = {}
-        again = []
-        for seq, keep in items:
-            if seq not in self.replay.pending:
-                failures[seq] = RollbackFailed(f"sequence {seq} has no checkpointed step to roll back")
-                continue
-            pos, tokens = self.replay.pending.pop(seq)
-            try:
-                self.replay.target.restore(seq)
-            except (RollbackFailed, SequenceLost) as error:
-                failures[seq] = error
-                continue
-            if keep:
-                again.append(BatchForward(seq, pos, tokens[:keep]))
-        for item, output in zip(again, self.batches.forward_batch(again) if again else []):
-            if isinstance(output, (RollbackFailed, SequenceLost)):
-                failures[item.seq] = output
-            elif isinstance(output, BaseException):
-                failures[item.seq] = RollbackFailed(f"replaying the kept tokens of sequence {item.seq}: {output}")
-        return failures
 
 
 class Scheduler:
@@ -261,8 +150,7 @@ class Scheduler:
         self._incoming: deque[Request] = deque()  # appended by any thread (deque appends are atomic)
         self._wake = threading.Event()
         self._prompt_waited = False  # a prompt chunk found no room last step: prompts go first this one
-        self._drafters_down: dict[str, float] = {}  # a drafter daemon that timed out -> when to try it again
-        self._drafters_reported: set = set()  # drafters whose failure was logged (one line each)
+        self.drafters = DrafterFallback(self.target)  # a failed drafter's streams decode plainly
 
     # ---- from any thread ------------------------------------------------------------------
 
@@ -365,7 +253,7 @@ class Scheduler:
             request.seq = secrets.randbelow(1 << 62)
             request.target = self._target_for(request)
             try:
-                self._open(request)
+                open_sequence(request, self.prefixes)
             except Exception as error:  # noqa: BLE001 - this request fails; the others run
                 request.seq = None
                 self._fail(request, error)
@@ -373,31 +261,6 @@ class Scheduler:
             request.state = PREFILL
             request._started = time.perf_counter()
             self.running.append(request)
-
-    def _open(self, request: Request) -> None:
-        """Open the request's sequence: from the longest prefix of its prompt the shards keep (prefix caching, where
-        its target resumes: the batch's own, a drafter's beside a shard), else empty. A prefix entry a shard no
-        longer holds is forgotten (one a drafter daemon of its own lacks is not: the shards still serve it) and the
-        sequence opens empty: the same tokens either way."""
-        prefixes = self.prefixes if getattr(request.target, "prefix_cache", False) else None
-        if prefixes is not None:
-            request.prefix_digests = prefixes.digests(request.cache_salt, request.prompt)
-            # a prompt scored token by token (prompt logprobs) forwards all of it, leaving entries for others
-            hit = prefixes.lookup(request.prefix_digests, len(request.prompt)) if request.prompt_logprobs is None \
-                else None
-            if hit is not None:
-                try:
-                    request.target.open(request.seq, prefix=hit.entry)
-                except PrefixMissing as missing:
-                    if not missing.held:  # held: the shards keep it for streams that do not draft elsewhere
-                        prefixes.forget(hit.entry)
-                else:
-                    request.prefilled = request.result.cached_tokens = hit.length
-                    prefixes.hits += 1
-                    prefixes.cached_tokens += hit.length
-                    return
-            prefixes.misses += 1
-        request.target.open(request.seq)
 
     def _target_for(self, request: Request):
         """What opens, closes and re-fills the request's sequence: the batch's target, or a feature drafter's own,
@@ -468,7 +331,7 @@ class Scheduler:
                                                        token_mask=guide.plan()[1] if guide is not None else None),
                          room=room)
         started = time.perf_counter()
-        drafts = self._propose(request, history, rows - 1)
+        drafts = self.drafters.propose(request, history, rows - 1)
         request.result.draft_seconds += time.perf_counter() - started
         if drafts is None:  # its drafter failed: a plain decode step, the same tokens
             return self._item(request, 1)
@@ -484,40 +347,6 @@ class Scheduler:
                                sampling=extra.get("sampling"), drafts=extra.get("drafts"), token_mask=token_mask)
         return _Item(request, DECODE, forward, drafts=drafts, room=room)
 
-    def _propose(self, request: Request, history: list[int], n: int) -> Optional[list[int]]:
-        """The drafter's guesses; None when it failed (or failed for another stream and is not tried again yet),
-        after which the request decodes plainly: a drafter never changes the output (greedy: the same tokens;
-        sampled: the same distribution)."""
-        drafter, endpoint = request.drafter, request.drafter_endpoint
-        down = self._drafters_down.get(endpoint) if endpoint else None
-        if down is not None and time.monotonic() < down:
-            self._decode_plainly(request, close_drafter=False)
-            return None
-        try:
-            return drafter.propose(history, n)
-        except Exception as error:  # noqa: BLE001 - its stream decodes plainly, with the same output
-            unreachable = isinstance(error, SequenceLost) and isinstance(error.__cause__, TimeoutError)
-            if endpoint and unreachable:  # hung or gone: its other streams stop asking it too
-                self._drafters_down[endpoint] = time.monotonic() + DRAFTER_RETRY_S
-            if endpoint not in self._drafters_reported or not endpoint:
-                self._drafters_reported.add(endpoint)
-                where = f" at {endpoint}" if endpoint else ""
-                log.warning("the %s drafter%s failed (%s: %s); its streams decode without drafts, output unchanged",
-                            drafter.name, where, type(error).__name__, error)
-            self._decode_plainly(request, close_drafter=not unreachable)
-            return None
-
-    def _decode_plainly(self, request: Request, *, close_drafter: bool) -> None:
-        """The request goes on without its drafter: its sequence on the batch's target as it stands (a sequence
-        the drafter's daemon failed with it is re-filled like any lost one); a drafter that answers gets its own
-        sequence closed (one that hangs is not asked again)."""
-        drafter, feature_target = request.drafter, request.feature_target
-        request.drafter, request.feature_target, request.target = None, None, self.target
-        request.result.drafter_failed = True
-        if feature_target is not None and close_drafter and request.seq is not None:
-            with contextlib.suppress(Exception):
-                drafter.closed(request.seq)
-
     # ---- running a step -------------------------------------------------------------------
 
     def _start(self, items: list[_Item]) -> _Group:
@@ -527,9 +356,9 @@ class Scheduler:
         # one group: the step runs whole (forward_batch); several: each begun and read later
         start = getattr(self.batches, "start_forward_batch", None) if self.pipeline_groups > 1 else None
         try:
-            answer = start(forwards) if start is not None else _Answered(self.batches.forward_batch(forwards))
+            answer = start(forwards) if start is not None else Answered(self.batches.forward_batch(forwards))
         except Exception as error:  # noqa: BLE001 - the whole batch failed: each of its requests with it
-            answer = _Answered([error] * len(items))
+            answer = Answered([error] * len(items))
         self._busy.update(item.request for item in items)
         return _Group(items, forwards, answer)
 
@@ -696,13 +525,6 @@ class Scheduler:
         if request.on_finish is not None:
             with contextlib.suppress(Exception):  # the requester went away (its event loop closed)
                 request.on_finish(request)
-
-
-def shard_capacity(target) -> Optional[int]:
-    """The most sequences every shard of a `Pipeline` holds at once (HELLO limits), or None when unknown."""
-    shards = getattr(target, "shards", None) or []
-    limits = [shard.hello["limits"]["max_sequences"] for shard in shards if hasattr(shard, "hello")]
-    return min(limits) if limits else None
 
 
 def decode_all(target, requests: Sequence[Request], **options) -> list[DecodeResult]:

@@ -11,30 +11,24 @@ import logging
 import time
 from typing import AsyncIterator, Optional, Union
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common import __version__
-from coordinator.guided import GrammarError
-from coordinator.relay.pipeline import SHARD_FAILURES
-from coordinator.relay.shards import PipelineError
-from coordinator.relay.target import RollbackFailed, SequenceLost
 from coordinator.serve.auth import authorized, needs_key
-from coordinator.serve.chat import ChatTemplateError
+from coordinator.serve.chat import chat_prompt
+from coordinator.serve.choices import chat_choices, complete_all, grammar_of, params_of, usage_of
 from coordinator.serve.engine import Engine, GenerateParams, RequestError
-from coordinator.serve.logprobs import CompletionShape, chat_logprobs, joined, vllm_prompt_logprobs
-from coordinator.serve.frontdoor import OffLoopRoute, RefusalLog, RequestGuard
-from coordinator.serve.limits import (
-    MAX_CHOICE_TOKENS,
-    MAX_CHOICES,
-    MAX_STOP_CHARS,
-    MAX_STOP_STRINGS,
-    FrontDoorLimits,
-    default_max_body_bytes,
+from coordinator.serve.errors import ERROR_KINDS  # noqa: F401 - still importable from here
+from coordinator.serve.errors import (
+    SHARD_DOWN, check_common, error_response, not_found_model, refuse, validation_message,
 )
+from coordinator.serve.frontdoor import OffLoopRoute, RefusalLog, RequestGuard
+from coordinator.serve.limits import MAX_CHOICE_TOKENS, MAX_CHOICES, FrontDoorLimits, default_max_body_bytes
+from coordinator.serve.logprobs import CompletionShape, chat_logprobs, joined, vllm_prompt_logprobs
 from coordinator.serve.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -49,17 +43,13 @@ from coordinator.serve.protocol import (
     DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorInfo,
-    ErrorResponse,
     ModelCard,
     ModelList,
     ResponseMessage,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
-    UsageInfo,
     random_id,
-    response_format_grammar,
 )
 from coordinator.serve.responses import (
     ResponseEvents,
@@ -69,118 +59,14 @@ from coordinator.serve.responses import (
     output_items,
 )
 from coordinator.serve.responses import usage as response_usage
-from coordinator.serve.tools import END as TOOL_CALL_END
-from coordinator.serve.tools import START as TOOL_CALL_START
-from coordinator.serve.tools import (
-    ToolCallStream, ToolError, check_tool_choice, parse_tool_calls, template_messages, tool_call_grammar,
-)
+from coordinator.serve.streaming import error_events, merged, sse
+from coordinator.serve.tools import ToolCallStream, parse_tool_calls
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default
 HEALTH_FRESH_S = 1.0  # /health checks the shards again once its last check is this old
 HEALTH_STALE_S = 5.0  # and waits for that check only when the last one is older than this
 
 log = logging.getLogger("shardctl.serve")
-
-
-ERROR_KINDS = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-               413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
-
-
-# failures of the shards (down, restarting, replaced), answered 503 without a traceback: not this server's defect
-SHARD_DOWN = (*SHARD_FAILURES, ConnectionError, PipelineError, SequenceLost, RollbackFailed)
-
-
-def error_response(status: int, message: str, kind: Optional[str] = None, param: Optional[str] = None,
-                   headers: Optional[dict] = None) -> JSONResponse:
-    """OpenAI's error object: {"error": {message, type, param, code}}."""
-    body = ErrorResponse(error=ErrorInfo(message=message, type=kind or ERROR_KINDS.get(status, "HTTPError"),
-                                         param=param, code=status))
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
-
-
-def usage_of(results, per_prompt: Optional[int] = None) -> UsageInfo:
-    """The results of one request's choices, `per_prompt` of each prompt (default: all of one prompt): each
-    prompt (and its cached prefix) counted once, every choice's tokens."""
-    results = results if isinstance(results, list) else [results]
-    per_prompt = per_prompt or len(results) or 1
-    prompt = cached = 0
-    for start in range(0, len(results), per_prompt):
-        done = [r for r in results[start:start + per_prompt] if r is not None]
-        prompt += done[0].prompt_tokens if done else 0
-        cached += done[0].cached_tokens if done else 0
-    completion = sum(len(result.tokens) for result in results if result is not None)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details={"cached_tokens": cached})
-
-
-def sse(payload) -> str:
-    data = payload if isinstance(payload, str) else payload.model_dump_json(exclude_none=False)
-    return f"data: {data}\n\n"
-
-
-def _field(location) -> str:
-    parts = [str(part) for part in location if part != "body"]
-    return ".".join(parts) or "body"
-
-
-def validation_message(error: RequestValidationError) -> tuple[str, Optional[str]]:
-    """A 400's message and the field it names: a body that is not JSON, an unknown field by name
-    (extra="forbid"), else each problem as `field: what is wrong`."""
-    problems = error.errors()
-    for problem in problems:
-        if problem.get("type") == "json_invalid":
-            reason = (problem.get("ctx") or {}).get("error", problem.get("msg"))
-            return f"the request body is not valid JSON: {reason}", None
-    unknown = sorted({str(e["loc"][-1]) for e in problems if e.get("type") == "extra_forbidden"})
-    if unknown:
-        return f"unsupported field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}", unknown[0]
-    if not problems:
-        return "the request is not valid", None
-    listed = "; ".join(f"{_field(e['loc'])}: {e['msg']}" for e in problems[:8])
-    more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
-    return f"the request is not valid: {listed}{more}", _field(problems[0]["loc"])
-
-
-async def merged(streams: list) -> AsyncIterator[tuple[int, object]]:
-    """(choice index, item) from several async iterators as items arrive; the first failure is raised."""
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(index: int, stream) -> None:
-        try:
-            async for item in stream:
-                await queue.put((index, item))
-            await queue.put((index, done))
-        except Exception as error:  # noqa: BLE001 - raised in the consumer
-            await queue.put((index, error))
-        finally:
-            await stream.aclose()
-
-    tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def complete_all(engine: Engine, choices: list[GenerateParams]) -> list:
-    """Every choice's (text, result, logprobs); the first failure cancels the others and is raised as itself."""
-    try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(engine.complete(params)) for params in choices]
-    except BaseExceptionGroup as failures:
-        raise failures.exceptions[0] from None
-    return [task.result() for task in tasks]
 
 
 def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[FrontDoorLimits] = None) -> FastAPI:
@@ -253,81 +139,11 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
             raise not_found_model(model_id)
         return ModelCard(id=engine.model_name, max_model_len=engine.max_context)
 
-    def not_found_model(name: str) -> HTTPException:
-        missing = HTTPException(404, f"The model `{name}` does not exist.")
-        missing.param = "model"
-        return missing
-
-    def refuse(message: str, param: str):
-        error = RequestError(message)
-        error.param = param
-        raise error
-
-    def grammar_of(response_format):
-        try:
-            return response_format_grammar(response_format)
-        except GrammarError as error:
-            refuse(str(error), error.param)
-
-    def check_common(body) -> Optional[JSONResponse]:
-        if body.model is not None and body.model != engine.model_name:
-            raise not_found_model(body.model)
-        name = getattr(body, "unsupported", lambda: None)()
-        if name is not None:
-            refuse(f"'{name}' is not supported by this server (value {getattr(body, name)!r})", name)
-        return None
-
-    def max_tokens_of(requested: Optional[int], prompt_len: int, default: int) -> int:
-        """vLLM's answer to a budget beyond the context: 400; no budget: the default, cut to the room left."""
-        room = engine.max_context - prompt_len
-        if requested is None:
-            return min(default, room)
-        if requested > room:
-            refuse(f"'max_tokens' or 'max_completion_tokens' is too large: {requested}. This model's maximum context "
-                   f"length is {engine.max_context} tokens and your request has {prompt_len} input tokens "
-                   f"({requested} > {engine.max_context} - {prompt_len}).", "max_tokens")
-        return requested
-
-    def params_of(body, prompt_ids: list[int], max_tokens: Optional[int], default_max: int,
-                  logprobs: Optional[int], prompt_logprobs: Optional[int] = None, grammar=None) -> list[GenerateParams]:
-        """One GenerateParams per choice; choice i samples with seed + i. What a request may cost is checked here,
-        before anything is admitted: its choices, their tokens, its stop strings, its grammar (compiled).
-        `prompt_logprobs`: the prompt is scored, with so many top logprobs per position."""
-        engine.check_prompt(prompt_ids)
-        if grammar is not None:
-            engine.compile(grammar)
-        stop = body.stop_strings()
-        if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
-            refuse(f"'stop' holds at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each "
-                   f"(got {len(stop)}, the longest {max(map(len, stop))})", "stop")
-        if body.n > MAX_CHOICES:
-            refuse(f"'n' is at most {MAX_CHOICES} on this server (got {body.n})", "n")
-        sampling = engine.sampling(body.temperature, body.top_p, body.top_k, body.seed,
-                                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                                   repetition_penalty=body.repetition_penalty, logprobs=logprobs)
-        budget = max_tokens_of(max_tokens, len(prompt_ids), default_max)
-        if body.n * budget > MAX_CHOICE_TOKENS:
-            refuse(f"'n' x 'max_tokens' is at most {MAX_CHOICE_TOKENS} tokens on this server (got {body.n} x "
-                   f"{budget})", "n")
-        first = GenerateParams(
-            prompt_ids=prompt_ids,
-            max_tokens=budget,
-            sampling=sampling,
-            stop=stop,
-            ignore_eos=body.ignore_eos,
-            skip_special_tokens=body.skip_special_tokens,
-            cache_salt=body.cache_salt or "",
-            prompt_logprobs=prompt_logprobs,
-            grammar=grammar,
-        )
-        return [dataclasses.replace(first, sampling=dataclasses.replace(sampling, seed=(sampling.seed + i) % (1 << 63)))
-                for i in range(body.n)]
-
     # ---- completions ---------------------------------------------------------------------
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
-        refused = check_common(body)
+        refused = check_common(engine, body)
         if refused is not None:
             return refused
         prompts = body.prompt
@@ -344,7 +160,8 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
         grammar = grammar_of(body.response_format)
         choices = await asyncio.to_thread(lambda: [  # a grammar compiles on a worker thread
             choice for prompt_ids in ids for choice in params_of(
-                body, prompt_ids, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs, prompt_top, grammar)])
+                engine, body, prompt_ids, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs, prompt_top,
+                grammar)])
         budget = sum(choice.max_tokens for choice in choices)
         if len(prompts) > 1 and budget > MAX_CHOICE_TOKENS:
             refuse(f"'prompt' x 'n' x 'max_tokens' is at most {MAX_CHOICE_TOKENS} tokens on this server (got "
@@ -410,52 +227,15 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
 
     # ---- chat ----------------------------------------------------------------------------
 
-    def chat_prompt(messages, tools, add_generation_prompt: bool, kwargs) -> list[int]:
-        if engine.chat_template is None:
-            raise RequestError("the model ships no chat template (chat_template.jinja or tokenizer_config.json's "
-                               "chat_template); use /v1/completions")
-        extra = dict(kwargs or {})
-        if tools:
-            extra["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
-        try:
-            text = engine.chat_template.render(template_messages(messages), add_generation_prompt, **extra)
-        except (ChatTemplateError, ValueError) as error:
-            raise RequestError(str(error)) from None
-        return engine.tokenizer.encode(text)
-
-    async def chat_choices(body: ChatCompletionRequest) -> tuple[list[GenerateParams], Optional[int], bool]:
-        """A chat request's choices, its top logprobs (None: none asked) and whether tool calls are parsed."""
-        if body.top_logprobs is not None and not body.logprobs:
-            refuse("when using 'top_logprobs', 'logprobs' must be set to true", "top_logprobs")
-        try:
-            parse_tools = check_tool_choice(body.tools, body.tool_choice)
-            calls = tool_call_grammar(body.tools, body.tool_choice, parallel=body.parallel_tool_calls is not False)
-        except ToolError as error:
-            refuse(str(error), "tool_choice")
-        grammar = grammar_of(body.response_format)
-        if grammar is not None and calls is not None:
-            refuse("'response_format' and a tool_choice that requires a call constrain the output twice; send one",
-                   "response_format")
-        ids = await asyncio.to_thread(  # on a worker thread: a template and a tokenizer take time
-            chat_prompt, body.messages, body.tools, body.add_generation_prompt, body.chat_template_kwargs)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        choices = await asyncio.to_thread(  # a grammar compiles on a worker thread
-            lambda: params_of(body, ids, max_tokens, engine.max_context - len(ids), top, grammar=grammar or calls))
-        if parse_tools:  # a tokenizer that marks the call markers special must not strip them from the text parsed
-            markers = engine.tokenizer.special_ids(TOOL_CALL_START, TOOL_CALL_END)
-            choices = [dataclasses.replace(choice, shown_special=markers) for choice in choices]
-        return choices, top, parse_tools
-
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
-        refused = check_common(body)
+        refused = check_common(engine, body)
         if refused is not None:
             return refused
         if body.prompt_logprobs is not None and body.stream:
             refuse("'prompt_logprobs' is answered on a whole chat completion, not a stream (stream: false)",
                    "prompt_logprobs")
-        choices, top, parse_tools = await chat_choices(body)
+        choices, top, parse_tools = await chat_choices(engine, body)
         if body.prompt_logprobs is not None:  # the response carries the prompt's scores once: the first choice's
             choices[0] = dataclasses.replace(choices[0], prompt_logprobs=body.prompt_logprobs)
         route = "/v1/chat/completions"
@@ -535,10 +315,6 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
                                           usage=usage_of(results)))
         yield sse("[DONE]")
 
-    def error_events(error: Exception) -> str:
-        body = ErrorResponse(error=ErrorInfo(message=str(error), type="InternalServerError", code=500))
-        return sse(body.model_dump_json()) + sse("[DONE]")
-
     async def guarded(deltas, route: str, on_error=error_events):
         """The engine's deltas; a failure mid-stream becomes the stream's error events (`on_error`'s text: the
         status line is already sent)."""
@@ -557,7 +333,7 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest):
-        refused = check_common(body)
+        refused = check_common(engine, body)
         if refused is not None:
             return refused
         try:
@@ -567,7 +343,7 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
             chat = body.chat_request()
         except ResponsesError as error:
             refuse(str(error), error.param)
-        (choice,), _, parse_tools = await chat_choices(chat)
+        (choice,), _, parse_tools = await chat_choices(engine, chat)
         shape = ResponseShape(body, engine.model_name)
         route = "/v1/responses"
         if body.stream:
@@ -603,11 +379,11 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
 
     @app.post("/tokenize")
     async def tokenize(body: Union[TokenizeCompletionRequest, TokenizeChatRequest]):
-        refused = check_common(body)
+        refused = check_common(engine, body)
         if refused is not None:
             return refused
         if isinstance(body, TokenizeChatRequest):  # on a worker thread, as for a completion: never on the loop
-            ids = await asyncio.to_thread(chat_prompt, body.messages, body.tools, body.add_generation_prompt,
+            ids = await asyncio.to_thread(chat_prompt, engine, body.messages, body.tools, body.add_generation_prompt,
                                           body.chat_template_kwargs)
         else:
             ids = await asyncio.to_thread(engine.tokenizer.encode, body.prompt)
@@ -615,7 +391,7 @@ def build_app(engine: Engine, api_key: Optional[str] = None, limits: Optional[Fr
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        refused = check_common(body)
+        refused = check_common(engine, body)
         if refused is not None:
             return refused
         bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]

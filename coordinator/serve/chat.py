@@ -1,7 +1,8 @@
 """The model's chat template, rendered the way `transformers` renders it (`apply_chat_template`): a sandboxed
 jinja2 environment with `raise_exception`, `strftime_now` and a `tojson` that keeps non-ASCII text, the
 template from `chat_template.jinja` or `tokenizer_config.json`'s `chat_template`, and the special tokens that
-file names. jinja2 directly, as vLLM's and llama.cpp's servers do, keeps the coordinator free of torch."""
+file names. jinja2 directly, as vLLM's and llama.cpp's servers do, keeps the coordinator free of torch.
+`chat_prompt` turns a chat request's messages and tools into prompt ids (a template that refuses them: a 400)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import json
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
+
+from coordinator.serve.engine import Engine, RequestError
+from coordinator.serve.tools import template_messages
 
 
 class ChatTemplateError(ValueError):
@@ -84,3 +88,18 @@ def load_chat_template(model_dir: Optional[str | Path]) -> Optional[ChatTemplate
     if isinstance(template, str):
         return ChatTemplate(template, special, f"{config_file} (chat_template)")
     return None
+
+
+def chat_prompt(engine: Engine, messages, tools, add_generation_prompt: bool, kwargs) -> list[int]:
+    """A chat request's prompt ids: its messages and tools rendered by the model's template, then tokenized."""
+    if engine.chat_template is None:
+        raise RequestError("the model ships no chat template (chat_template.jinja or tokenizer_config.json's "
+                           "chat_template); use /v1/completions")
+    extra = dict(kwargs or {})
+    if tools:
+        extra["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
+    try:
+        text = engine.chat_template.render(template_messages(messages), add_generation_prompt, **extra)
+    except (ChatTemplateError, ValueError) as error:
+        raise RequestError(str(error)) from None
+    return engine.tokenizer.encode(text)
