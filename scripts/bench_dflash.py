@@ -419,8 +419,10 @@ def run_dflash_batch(args) -> dict:
                                               for (key, a), b in zip(entries[0].items(), entries[2].values())}
             # per shard, whether its prefill's graphs replay each set of captured layers (a set that stays eager
             # costs a prompt its launches)
-            out["dflash_batch_prefill_graphs"] = [shard.get("engine", {}).get("prefill_graphs")
-                                                  for shard in pipeline.stats()]
+            shard_stats = pipeline.stats()
+            out["dflash_batch_prefill_graphs"] = [shard.get("engine", {}).get("prefill_graphs") for shard in shard_stats]
+            # per shard, how rows (and the carried feature rows) travelled: STATS `rows` (on_device, carried_on_device)
+            out["dflash_batch_rows"] = [shard.get("rows") for shard in shard_stats]
         out["dflash_batch_http"] = dflash_http(args, shards, endpoints["last"], prompts, run_dir, checks)
     finally:
         stop_processes(processes, profiled=spied is not None)
