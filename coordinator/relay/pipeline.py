@@ -3,7 +3,8 @@ state relayed as-is to the next (or sent there by the shard itself, where the da
 with --relay-to: PROTOCOL.md, "Rows from shard to shard"), argmax ids back from the head shard.
 
 Construction says HELLO to every shard and refuses a set that cannot form the model
-(`coordinator.relay.shards`). Every error names the shard.
+(`coordinator.relay.shards`). Every error names the shard. The `Pipeline` keeps the sequences'
+operations; each step's way through the shards is `coordinator.relay.step_relay`.
 
 Threads: a `Pipeline` (its `ShardClient` sockets) belongs to one thread. To decode
 several sequences at once through the same daemons, each thread builds its own
@@ -13,102 +14,32 @@ sequences apart and serve requests in arrival order.
 
 from __future__ import annotations
 
-import secrets
-from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-import numpy
-
-from coordinator.relay.client import CurveKeys, ShardClient, ShardError, ShardTimeout, forward_record
+from coordinator.relay.client import CurveKeys, ShardClient, ShardError, ShardTimeout
+from coordinator.relay.failures import (
+    SHARD_FAILURES,
+    CheckpointUnavailable,
+    PrefixMissing,
+    SequenceInconsistent,
+    ShardReplaced,
+    as_sequence_lost,
+)
 from coordinator.relay.liveness import LIVENESS_TIMEOUT_S
+from coordinator.relay.rollbacks import PendingRollbacks, SharedReply
+from coordinator.relay.rows import join_rows, side_by_side
 from coordinator.relay.shards import PipelineError, ShardInfo, identity_changes, order_shards
+from coordinator.relay.step_relay import BatchInFlight, Relaying, StepRelay
+from coordinator.relay.steps import BatchForward, Captured, Step, head_fields
 from coordinator.relay.target import RollbackFailed, SequenceLost
 from coordinator.sampling import TokenIds
-from protocol import (
-    Batch,
-    Close,
-    ErrorCode,
-    ForwardBatch,
-    Open,
-    ProtocolError,
-    Reply,
-    Request,
-    Rollback,
-    RollbackBatch,
-    WireTensor,
-)
+from protocol import Close, ErrorCode, Open, ProtocolError, Request, Rollback, RollbackBatch, WireTensor
 from protocol.layout import REPLAY, SHARD_ROLLBACK_MODES
-from protocol.tensors import concat_rows
 
-SHARD_FAILURES = (ShardError, ShardTimeout, ProtocolError)
-
-
-@dataclass
-class BatchForward:
-    """One sequence's part of `Pipeline.forward_batch`: the arguments of `Pipeline.forward` for it (and, for a
-    feature drafter, of `Pipeline.capture`)."""
-
-    seq: int
-    pos: int
-    tokens: list[int]
-    checkpoint: bool = False
-    sampling: object = None  # a coordinator.sampling.Sampling, or None for greedy
-    drafts: Optional[list[int]] = None
-    capture: Optional[list[int]] = None  # layers whose outputs come back: the item's answer is a `Captured`
-    propose: Optional[int] = None  # a greedy verify [t0, drafts...]: the head, hosting the drafter, proposes so many
-    save_prefix: Optional[int] = None  # a prompt chunk: every shard keeps its state after it as this prefix entry
-    # prompt logprobs: the head scores the first len(next_tokens) rows against these, with this many top logprobs
-    prompt_logprobs: Optional[int] = None
-    next_tokens: Optional[list[int]] = None
-    token_mask: Optional[WireTensor] = None  # int32 [len(drafts) + 1, ceil(V / 32)]: the tokens each answered row may take
-
-
-@dataclass
-class Captured:
-    """`forward_batch`'s answer for an item that captured: the head's ids, each captured layer's outputs
-    (`WireTensor` [n, hidden_size]), and the head's `proposal` when the item asked to `propose`."""
-
-    ids: TokenIds
-    outputs: dict[int, WireTensor]
-    proposal: Optional[dict] = None
-
-
-@dataclass
-class _Step:
-    """One sequence's part of a relay (`Pipeline._relay`): its request at every shard."""
-
-    seq: int
-    pos: int
-    chunks: list[list[int]]  # the tokens of each request: one, or several for a long input relayed alone
-    checkpoint: bool = False
-    capture: Optional[list[int]] = None  # layers whose outputs come back (CAPTURE on the shards owning one)
-    head: Optional[dict] = None  # the head shard's extra fields (sampling, drafts, propose, carried_layers)
-    save_prefix: Optional[int] = None  # every shard keeps its state after the last chunk as this prefix entry
-
-
-class PrefixMissing(PipelineError):
-    """OPEN from a prefix entry that a shard no longer holds (evicted, restarted): nothing stays open; open the
-    sequence cold. `held`: the pipeline's shards hold it and only a drafter daemon of its own lacks it (its
-    entries come with the PROPOSE after a prompt's last chunk), so it still serves streams that do not draft there."""
-
-    def __init__(self, message: str, held: bool = False) -> None:
-        super().__init__(message)
-        self.held = held
-
-
-class CheckpointUnavailable(PipelineError):
-    """A checkpointed step the shard set cannot hold (no rollback storage, or too many tokens).
-    Raised before any shard sees the request, so no state changed."""
-
-
-class ShardReplaced(PipelineError):
-    """The daemon now answering at a shard's endpoint is not the shard the pipeline was built on
-    (other weights, layer range, dtype or protocol): re-filling it would compute something else."""
-
-
-class SequenceInconsistent(PipelineError, SequenceLost):
-    """A forward failed part-way down the pipeline and could not be undone: the shards now
-    disagree on the sequence's length. Close it and re-fill it from the committed history."""
+__all__ = [
+    "SHARD_FAILURES", "BatchForward", "BatchInFlight", "Captured", "CheckpointUnavailable", "Pipeline", "PrefixMissing",
+    "SequenceInconsistent", "ShardReplaced", "as_sequence_lost", "head_fields", "join_rows", "side_by_side",
+]
 
 
 class Pipeline:
@@ -152,8 +83,8 @@ class Pipeline:
         # sends them to the next one as this coordinator reaches it (HELLO `relay_to`, `shardd serve --relay-to`).
         self.direct_rows = len(self.shards) > 1 and all(
             shard.hello.get("relay_to") == following.endpoint for shard, following in zip(self.shards, self.clients[1:]))
-        # ROLLBACKs sent and not yet read, per sequence: (keep, [(client, request)], send failures)
-        self._rollbacks: dict[int, tuple[int, list[tuple[ShardClient, Request]], list[Exception]]] = {}
+        self._rollbacks = PendingRollbacks()  # ROLLBACKs sent and not yet read, per sequence
+        self._step_relay = StepRelay(self.shards, self.clients, self.hidden_size, self._rollbacks)
 
     @classmethod
     def connect(cls, endpoints: Iterable[str], timeout_s: float = 120.0, curve: Optional[CurveKeys] = None,
@@ -251,7 +182,7 @@ class Pipeline:
         fails, the shards it opened on are closed again (PrefixMissing: a shard no longer holds the entry).
         `draft_context`: a shard hosting the drafter keeps the sequence's drafter context (DFlash proposes there);
         without it the sequence resumes from prefix entries that hold none."""
-        self._settle(seq, quiet=True)
+        self._rollbacks.settle(seq, quiet=True)
         try:
             self.check_same_shards()
             answers = self._on_every_shard(Open(id=0, seq=seq, prefix=prefix,
@@ -276,7 +207,7 @@ class Pipeline:
     def close(self, seq: int) -> None:
         """Close on every shard (at once), whatever state each is in; a shard that does not know the
         sequence is fine. Other failures are raised after every shard was tried."""
-        self._settle(seq, quiet=True)  # a last ROLLBACK's failure does not matter to a closed sequence
+        self._rollbacks.settle(seq, quiet=True)  # a last ROLLBACK's failure does not matter to a closed sequence
         failures, unexpected = [], []
         for answer in self._on_every_shard(Close(id=0, seq=seq)):
             if isinstance(answer, ShardError):
@@ -342,8 +273,8 @@ class Pipeline:
         ids, outputs, _ = self._relay_one(self._batch_step(item))
         return ids, outputs
 
-    def _batch_step(self, item: BatchForward) -> "_Step":
-        """`item`'s `_Step`; ValueError / PipelineError (nothing sent) when the shards cannot take it. With `propose`,
+    def _batch_step(self, item: BatchForward) -> Step:
+        """`item`'s `Step`; ValueError / PipelineError (nothing sent) when the shards cannot take it. With `propose`,
         a verify [t0, drafts...] or a prompt chunk (not checkpointed, one request) whose head shard hosts the drafter
         proposes the next block in its reply (PROTOCOL.md, "Proposing in the verify reply"); the layers earlier
         shards capture ride along to it as `carried`."""
@@ -370,14 +301,14 @@ class Pipeline:
                           save_prefix=item.save_prefix)
 
     def _step(self, seq: int, pos: int, tokens: list[int], checkpoint: bool, head: Optional[dict],
-              capture: Optional[list[int]] = None, save_prefix: Optional[int] = None) -> "_Step":
-        """One sequence's `_Step`; ValueError / PipelineError (nothing sent) when the shards cannot take it."""
+              capture: Optional[list[int]] = None, save_prefix: Optional[int] = None) -> Step:
+        """One sequence's `Step`; ValueError / PipelineError (nothing sent) when the shards cannot take it."""
         chunks = self._chunks(pos, list(tokens), checkpoint, head is not None and head.get("drafts") is not None)
-        return _Step(seq, pos, chunks, checkpoint, capture, head, save_prefix)
+        return Step(seq, pos, chunks, checkpoint, capture, head, save_prefix)
 
-    def _relay_one(self, step: "_Step") -> tuple[TokenIds, dict[int, WireTensor], dict]:
-        """A batch of one through `_relay`: its outcome, or the exception that failed it raised."""
-        outcome = _Relaying(self._relay([step])).outcomes()[0]
+    def _relay_one(self, step: Step) -> tuple[TokenIds, dict[int, WireTensor], dict]:
+        """A batch of one through `StepRelay.run`: its outcome, or the exception that failed it raised."""
+        outcome = Relaying(self._step_relay.run([step], self.direct_rows)).outcomes()[0]
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
@@ -417,7 +348,7 @@ class Pipeline:
         "Micro-batches"). A batch whose rows come back through the coordinator runs by `result()` alone."""
         items = list(items)
         results: list = [None] * len(items)
-        steps: dict[int, _Step] = {}
+        steps: dict[int, Step] = {}
         seen = set()
         for index, item in enumerate(items):
             try:
@@ -440,40 +371,7 @@ class Pipeline:
         if group:
             groups.append(group)
         groups += [[index] for index in alone]
-        return BatchInFlight(self, results, steps, groups)
-
-    def _relay_into(self, results: list, steps: dict, indices: list[int], outcomes: list) -> None:
-        """The outcomes of the steps `indices` relayed together (`_relay`) into `results`: its ids, or, where it
-        captured, a `Captured`; or the exception that failed it."""
-        for index, outcome in zip(indices, outcomes):
-            if isinstance(outcome, Exception) or steps[index].capture is None:
-                results[index] = outcome if isinstance(outcome, Exception) else outcome[0]
-                continue
-            ids, outputs, head = outcome
-            results[index] = Captured(ids, outputs, (head or {}).get("proposal"))
-
-    def _failure(self, step: "_Step", failed: int, error: Exception, *, tick: int,
-                 shard_to_shard: bool = False) -> Exception:
-        """What `forward` raises for one step that failed at shard `failed` at `tick` of its relay: where shards
-        took (some of) its tokens (a later tick; or, the rows going on from shard to shard, any failure but a
-        refusal, which the shards after `failed` may have stepped past) they are put back where they can be
-        (`_undo`), else SequenceInconsistent; a lost sequence is SequenceLost."""
-        if tick > 0 or (shard_to_shard and not _refused(error)):
-            try:
-                self._undo(step.seq, step.pos, failed, step.checkpoint and len(step.chunks) == 1, error)
-            except SequenceInconsistent as inconsistent:
-                return inconsistent
-        return as_sequence_lost(error, step.seq)
-
-    def _settle_items(self, items: list, indices: list[int]) -> dict[int, Exception]:
-        """`_settle` for each item of a batch just sent: item index -> why its pending ROLLBACK failed."""
-        refused: dict[int, Exception] = {}
-        for index in indices:
-            try:
-                self._settle(items[index].seq)
-            except (RollbackFailed, SequenceLost) as error:
-                refused[index] = error
-        return refused
+        return BatchInFlight(self._step_relay, self.direct_rows, results, steps, groups)
 
     def rollback_batch(self, items: Sequence[tuple[int, int]]) -> None:
         """`rollback(seq, keep)` for each (seq, keep), one batched ROLLBACK per shard, sent and not waited for;
@@ -487,7 +385,7 @@ class Pipeline:
         live = []
         for seq, keep in items:
             try:
-                self._settle(seq)
+                self._rollbacks.settle(seq)
             except (RollbackFailed, SequenceLost) as error:  # raised by the next call about seq, as rollback would
                 self._rollbacks[seq] = (keep, [], [error])
                 continue
@@ -499,7 +397,7 @@ class Pipeline:
         batch = RollbackBatch(id=0, items=tuple(Rollback(id=0, seq=seq, keep=keep) for seq, keep in live))
         for client in self.clients:
             try:
-                answer = _Answer(client, client.send(batch, validate=False))  # each item checked by the daemon
+                answer = SharedReply(client, client.send(batch, validate=False))  # each item checked by the daemon
             except SHARD_FAILURES as error:
                 for failed in failures:
                     failed.append(error)
@@ -515,45 +413,17 @@ class Pipeline:
         same connection (the daemon serves them in order; PROTOCOL.md, "Ordering"). A refused ROLLBACK is then
         raised as RollbackFailed by that next call; the FORWARD behind it was refused by its pos, or the
         sequence is re-filled anyway."""
-        self._settle(seq)
+        self._rollbacks.settle(seq)
         sent, failures = [], []
         for client in self.clients:
             try:
-                sent.append((_Answer(client, client.send(Rollback(id=0, seq=seq, keep=keep))), None))
+                sent.append((SharedReply(client, client.send(Rollback(id=0, seq=seq, keep=keep))), None))
             except SHARD_FAILURES as error:
                 failures.append(error)
         self._rollbacks[seq] = (keep, sent, failures)
 
-    def _settle(self, seq: int, in_flight: Sequence[tuple[ShardClient, Request]] = (), quiet: bool = False) -> None:
-        """Read the replies of `seq`'s ROLLBACKs still unread; RollbackFailed (unless `quiet`) when one failed
-        or the shards disagree on the length, after the replies of the requests `in_flight` were read too."""
-        pending = self._rollbacks.pop(seq, None)
-        if pending is None:
-            return
-        keep, sent, failures = pending
-        failures, lengths = list(failures), set()
-        for answer, position in sent:
-            try:
-                lengths.add(answer.result(position)["length"])
-            except SHARD_FAILURES as error:
-                failures.append(error)
-        if quiet or (not failures and len(lengths) <= 1):
-            return
-        for client, record in in_flight:  # what went out behind the ROLLBACKs: its fate no longer matters
-            try:
-                client.receive(record)
-            except SHARD_FAILURES:
-                pass
-        for error in failures:  # a shard that lost the sequence (restarted, gone): as a FORWARD would report it
-            lost = as_sequence_lost(error, seq)
-            if isinstance(lost, SequenceLost):
-                raise lost
-        if failures:
-            raise RollbackFailed(f"rollback of sequence {seq} to keep={keep} failed: " + "; ".join(map(str, failures)))
-        raise RollbackFailed(f"after rollback the shards disagree on the length of sequence {seq}: {sorted(lengths)}")
-
     def snapshot(self, seq: int) -> None:
-        self._settle(seq)
+        self._rollbacks.settle(seq)
         try:
             for client in self.clients:
                 client.snapshot(seq)
@@ -561,7 +431,7 @@ class Pipeline:
             raise as_sequence_lost(error, seq) from error
 
     def restore(self, seq: int) -> None:
-        self._settle(seq)
+        self._rollbacks.settle(seq)
         try:
             lengths = {client.endpoint: client.restore(seq)["length"] for client in self.clients}
         except SHARD_FAILURES as error:
@@ -574,389 +444,6 @@ class Pipeline:
     def stats(self) -> list[dict]:
         """Each shard's STATS result, in layer order."""
         return [client.stats() for client in self.clients]
-
-    # ---- the relay -----------------------------------------------------------------------
-
-    def _relay(self, steps: list["_Step"]):
-        """A generator (driven by `_Relaying`) that pauses once, where the rows go from shard to shard, after every
-        shard's request was sent: each step through every shard; per step its (ids, captured layer outputs, the head shard's result) or
-        the exception that failed it, one step's failure changing nothing for the others. A shard gets one
-        request a tick: the step's own FORWARD (CAPTURE) for one step, one FORWARD batch of their records for
-        several, so a single sequence is a batch of one on the same wire as ever.
-
-        The rows go from shard to shard where the daemons are chained (`direct_rows`; PROTOCOL.md, "Rows from
-        shard to shard"): every shard's request goes out at once, each next shard waiting for its rows under a
-        fresh ticket, and the replies are read in shard order (only the head's carries more than a length). A
-        step a shard refuses (it changed nothing there) is refused by the shards after it too and undone before
-        it; after any other failure the shards after it may have run: it is inconsistent. Otherwise the rows come
-        back here and go on with the next shard's request, which leaves out the steps that failed; a long input
-        (several chunks, one step alone) goes as a wavefront, shard k taking chunk t-k at tick t so that all
-        shards compute at once. Chunks need the earlier shards' replies before the later requests are built: they
-        always come back here. Captures the head takes along (`carried_layers`) ride with the rows where those go
-        shard to shard (`carry`), else come back here into the head's `carried`."""
-        last = len(self.shards) - 1
-        ticks = len(steps[0].chunks)  # > 1 only for one step alone
-        direct = self.direct_rows and ticks == 1
-        starts = [[step.pos + sum(map(len, step.chunks[:c])) for c in range(len(step.chunks))] for step in steps]
-        # per step and shard the capture layers it owns: CAPTURE there, FORWARD (None) where it owns none
-        owned = [[[layer for layer in step.capture if shard.begin <= layer < shard.end] or None if step.capture
-                   else None for shard in self.shards] for step in steps]
-        parts: list[dict[int, list[WireTensor]]] = [{layer: [] for layer in step.capture or ()} for step in steps]
-        ids = [TokenIds() for _ in steps]
-        heads: list[Optional[dict]] = [None] * len(steps)
-        results: list = [None] * len(steps)
-        live = list(range(len(steps)))  # the steps every shard so far has run
-        carry: dict[tuple[int, int], WireTensor] = {}  # (step, shard) -> the rows that shard takes next
-        refused_rollback: dict[int, Exception] = {}  # step -> why its pending ROLLBACK failed
-        every = list(range(len(steps)))
-        sent: list = [None] * len(self.shards)
-
-        # rows shard to shard with layers the head takes along (`carried_layers`): from the first shard that
-        # captures one of them, each shard passes them on with its rows (`carry`), the later ones capturing none
-        # passing on what they took in; the head takes them from its ROWS
-        carrying = [direct and step.head is not None and bool(step.head.get("carried_layers")) for step in steps]
-        first_carrier = [min((k for k in range(last) if owned[i][k]), default=last) for i in range(len(steps))]
-
-        def layers_and_carry(i: int, k: int) -> tuple[Optional[list[int]], Optional[bool]]:
-            if carrying[i] and first_carrier[i] <= k < last:
-                return owned[i][k] or list(steps[i].head["carried_layers"]), True
-            return owned[i][k], None
-
-        def answered_layers(i: int, k: int, result: dict) -> Sequence[int]:
-            # the layer.<id> frames shard k answers for step i: none where they went on with the rows (`carry`) or
-            # joined the drafter's context (a proposal in the head's reply); all the drafter's where that failed
-            if carrying[i] and first_carrier[i] <= k < last:
-                return ()
-            if k == last and steps[i].head is not None and "propose" in steps[i].head:
-                proposal = result.get("proposal")
-                if isinstance(proposal, dict) and "error" not in proposal:
-                    return ()
-                if isinstance(proposal, dict) and carrying[i]:
-                    return sorted([*(owned[i][k] or ()), *steps[i].head["carried_layers"]])
-            return owned[i][k] or ()
-
-        def request(k: int, c: int, members: list[int], inputs) -> Request:
-            shard, records = self.shards[k], []
-            for i in members:
-                step = steps[i]
-                head = self._head_request(step, parts[i], starts[i][c] - step.pos, len(step.chunks[c]),
-                                          carried_by_rows=carrying[i]) if shard.owns_head else None
-                save = step.save_prefix if c == len(step.chunks) - 1 else None
-                layers, carry = layers_and_carry(i, k)
-                records.append(forward_record(step.seq, starts[i][c], checkpoint=step.checkpoint, layers=layers,
-                                              sampling=head, save_prefix=save, carry=carry, **inputs(i, k, c)))
-            if len(records) == 1:
-                return records[0]
-            batch = {} if not direct else {"send_rows": tickets[k] if k < last else None,
-                                           "rows_ticket": tickets[k - 1] if k > 0 else None}
-            return ForwardBatch(id=0, items=tuple(records), **batch)
-
-        def send(k: int, record: Request) -> Request:
-            # a batch is not checked here: the daemon refuses a bad item alone (a local check would fail them all)
-            return self.clients[k].send(record, validate=not isinstance(record, ForwardBatch))
-
-        if direct:
-            tickets = [secrets.randbits(62) for _ in range(last)]
-
-            def inputs(i: int, k: int, c: int) -> dict:
-                n = len(steps[i].chunks[c])
-                fields = {"tokens": steps[i].chunks[c]} if k == 0 else {"rows_ticket": tickets[k - 1], "ticket_rows": n}
-                if len(steps) == 1 and k < last:  # a batch says it for all its items
-                    fields["send_rows"] = tickets[k]
-                return fields
-
-            # one step: the shards that wait are waiting before the first one computes; a batch: the first
-            # computes while the later ones' batches are built
-            order = range(last, -1, -1) if len(steps) == 1 else range(last + 1)
-            for k in order:
-                try:
-                    sent[k] = send(k, request(k, 0, every, inputs))
-                except SHARD_FAILURES as error:
-                    for other, record in enumerate(sent):  # they take the step, or wait for rows that will not all come
-                        if record is not None:
-                            self.clients[other].forget(record)
-                    took = 0 if len(steps) == 1 else k  # the shards before k in the order sent took the step
-                    return [self._failure(step, took, error, tick=took) for step in steps]
-            yield  # the shards compute; the replies are read when the caller needs them
-            # the requests are on their way behind any ROLLBACK of their sequences: now read those
-            refused_rollback = self._settle_items(steps, every)
-        else:
-            def inputs(i: int, k: int, c: int) -> dict:
-                return {"tokens": steps[i].chunks[c]} if k == 0 else {"hidden": carry.pop((i, k))}
-
-        for tick in range(ticks + last):
-            in_flight = []  # (shard, chunk, steps, request) of this tick
-            if direct:
-                in_flight.append((tick, 0, every, sent[tick]))
-            else:
-                for k in range(last + 1):
-                    c = tick - k
-                    members = [i for i in live if 0 <= c < len(steps[i].chunks) and (k == 0 or (i, k) in carry)]
-                    if not members:
-                        continue
-                    try:
-                        in_flight.append((k, c, members, send(k, request(k, c, members, inputs))))
-                    except SHARD_FAILURES as error:
-                        for i in members:
-                            results[i] = self._failure(steps[i], k, error, tick=tick)
-                            live.remove(i)
-                if tick == 0:  # the first requests are on their way behind any ROLLBACK of their sequences
-                    refused_rollback = self._settle_items(steps, live)
-            for k, c, members, sent_k in in_flight:
-                shard, failures = self.shards[k], []
-                for i, answer in zip(members, self._answers(k, sent_k, len(members))):
-                    if i not in live:  # failed before (a refused item, or an earlier chunk this tick)
-                        continue
-                    step, n = steps[i], len(steps[i].chunks[c])
-                    try:
-                        if isinstance(answer, Exception):
-                            raise answer
-                        rows = self._check_reply(answer, shard, step.seq, starts[i][c] + n, n,
-                                                 rows_sent=direct and k < last)
-                        outputs = self._check_captured(answer, shard, answered_layers(i, k, answer.result), n)
-                    except SHARD_FAILURES as error:
-                        failures.append(error)
-                        results[i] = refused_rollback.get(i) or self._failure(step, k, error, tick=tick,
-                                                                              shard_to_shard=direct)
-                        live.remove(i)
-                        continue
-                    if i in refused_rollback:  # the sequence is re-filled: what the shards did is moot
-                        results[i] = refused_rollback[i]
-                        live.remove(i)
-                        continue
-                    for layer, output in outputs.items():
-                        parts[i][layer].append(output)
-                    if rows is not None:
-                        carry[(i, k + 1)] = rows
-                    elif not (direct and k < last):  # the head's ids (of each chunk in turn)
-                        ids[i].extend(answer.result["ids"])
-                        ids[i].logprobs = answer.result.get("logprobs")
-                        if "prompt_logprobs" in answer.result:  # each chunk scores its own rows
-                            ids[i].prompt_logprobs = (ids[i].prompt_logprobs or []) + answer.result["prompt_logprobs"]
-                        heads[i] = answer.result
-                if direct and not live:  # (no failure here: the steps left for a refused ROLLBACK of theirs)
-                    self._end_later(sent, k, bool(failures) and all(_refused(error) for error in failures))
-                    break
-            if not live:
-                break
-        for i in live:
-            results[i] = (ids[i], {layer: join_rows(pieces) for layer, pieces in parts[i].items() if pieces}, heads[i])
-        return results
-
-    def _answers(self, k: int, sent: Request, n: int) -> list:
-        """Shard k's reply to `sent` as a list of its n items' answers (a Reply or the exception that failed it);
-        a whole reply that failed fails every item with it."""
-        client = self.clients[k]
-        try:
-            return client.receive_items(sent) if isinstance(sent, ForwardBatch) else [client.receive(sent)]
-        except SHARD_FAILURES as error:
-            return [error] * n
-
-    @staticmethod
-    def _head_request(step: "_Step", parts: dict, offset: int, n: int, carried_by_rows: bool = False) -> Optional[dict]:
-        """The head shard's extra fields for the chunk of `step` at rows `offset .. offset + n - 1`: its `head`,
-        with the next tokens of that chunk's rows alone (none left: no prompt logprobs), and the layers captured
-        before (`carried_layers`) side by side in `carried` (an item's `propose`: `_batch_step`), or, where the
-        earlier shards pass them on with their rows (`carried_by_rows`), named alone."""
-        head = step.head
-        if head is not None and "next_tokens" in head:
-            scored = head["next_tokens"][offset:offset + n]
-            head = {key: value for key, value in head.items() if key not in ("next_tokens", "prompt_logprobs")}
-            if scored:
-                head.update(prompt_logprobs=step.head["prompt_logprobs"], next_tokens=scored)
-            head = head or None
-        if head is None or "carried_layers" not in head:
-            return head
-        carried = head["carried_layers"]
-        fields = {key: value for key, value in head.items() if key != "carried_layers"}
-        if carried:
-            fields["carried_layers"] = carried
-            if not carried_by_rows:
-                fields["carried"] = side_by_side([parts[layer][0] for layer in carried])
-        return fields
-
-    def _end_later(self, sent: list, failed: int, refused: bool) -> None:
-        """After shard `failed` failed a step relayed shard to shard: the later shards' requests are read when it
-        refused (told by its refused ROWS, their refusals come at once), else forgotten (they may have run: rows
-        sent before its reply was lost; a wait ends with its connection's next request)."""
-        for later in range(failed + 1, len(sent)):
-            if refused:
-                try:
-                    self.clients[later].receive(sent[later])
-                except SHARD_FAILURES:
-                    pass
-            else:
-                self.clients[later].forget(sent[later])
-
-    def _check_reply(self, reply: Reply, shard: ShardInfo, seq: int, length: int, n: int, *,
-                     rows_sent: bool = False) -> Optional[WireTensor]:
-        """The next shard's input (None where the shard sent it on itself: `rows_sent`, or the head's ids);
-        ProtocolError when the reply is not what this step needs."""
-        result = reply.result
-        if result.get("length") != length:
-            raise ProtocolError(
-                ErrorCode.INTERNAL, f"{shard} reports length {result.get('length')} for sequence {seq}, expected {length}"
-            )
-        if rows_sent:
-            if result.get("rows_sent") is not True:
-                raise ProtocolError(ErrorCode.INTERNAL, f"{shard} did not send its rows on to the next shard")
-            return None
-        if shard.owns_head:
-            ids = result.get("ids")
-            if not isinstance(ids, list) or len(ids) != n:
-                raise ProtocolError(ErrorCode.INTERNAL, f"{shard} returned {ids!r} as ids for {n} tokens")
-            return None
-        hidden = reply.tensors.get("hidden")
-        if hidden is None or hidden.shape != (n, self.hidden_size):
-            shape = None if hidden is None else list(hidden.shape)
-            raise ProtocolError(ErrorCode.INTERNAL, f"{shard} returned hidden {shape}, expected [{n}, {self.hidden_size}]")
-        return hidden
-
-    def _check_captured(self, reply: Reply, shard: ShardInfo, layers: Sequence[int], n: int) -> dict[int, WireTensor]:
-        outputs = {}
-        for layer in layers:
-            output = reply.tensors.get(f"layer.{layer}")
-            if output is None or output.shape != (n, self.hidden_size):
-                shape = None if output is None else list(output.shape)
-                raise ProtocolError(ErrorCode.INTERNAL, f"{shard} returned layer.{layer} {shape}, expected [{n}, {self.hidden_size}]")
-            outputs[layer] = output
-        return outputs
-
-    def _undo(self, seq: int, pos: int, failed: int, undoable: bool, error: Exception) -> None:
-        """Shards before `failed` took the step; put them back so every shard is at `pos`.
-        Only a single checkpointed step can be taken back (ROLLBACK keep=0), and only when
-        the failed shard itself changed nothing: an error reply other than INTERNAL. After a
-        timeout, an INTERNAL error, a malformed reply or a chunk of a longer input the
-        sequence is inconsistent."""
-        if undoable and _refused(error):
-            try:
-                for client in self.clients[:failed]:
-                    client.rollback(seq, 0)
-                return
-            except SHARD_FAILURES:
-                pass
-        raise SequenceInconsistent(
-            f"{error}; sequence {seq} is now inconsistent across shards (some took tokens from position {pos} on): "
-            f"close it and re-fill it from the committed history"
-        ) from error
-
-
-class BatchInFlight:
-    """A `forward_batch` under way (`Pipeline.start_forward_batch`): `result()` reads the shards' replies and answers
-    as `forward_batch` does, once."""
-
-    def __init__(self, pipeline: Pipeline, results: list, steps: dict, groups: list[list[int]]) -> None:
-        self._pipeline, self._results, self._steps = pipeline, results, steps
-        self._groups = groups  # the items of each request in turn (the chunked ones alone, after the batches)
-        # the batches' requests go out now; a chunked step, whose relay waits for each reply, by result()
-        self._relays = [_Relaying(pipeline._relay([steps[index] for index in group]))
-                        for group in groups if len(steps[group[0]].chunks) == 1]
-        self._done = False
-
-    def result(self) -> list:
-        if not self._done:
-            self._done = True
-            relays = iter(self._relays)
-            for group in self._groups:
-                steps = [self._steps[index] for index in group]
-                relaying = next(relays) if len(steps[0].chunks) == 1 else _Relaying(self._pipeline._relay(steps))
-                self._pipeline._relay_into(self._results, self._steps, group, relaying.outcomes())
-        return self._results
-
-
-class _Relaying:
-    """A `Pipeline._relay` under way: started at once (its requests sent where the rows go from shard to shard),
-    its outcomes read by `outcomes()`."""
-
-    def __init__(self, run) -> None:
-        self._run, self._outcomes = run, None
-        self._advance()
-
-    def _advance(self) -> None:
-        try:
-            next(self._run)
-        except StopIteration as done:
-            self._outcomes = done.value
-
-    def outcomes(self) -> list:
-        if self._outcomes is None:
-            self._advance()
-        return self._outcomes
-
-
-class _Answer:
-    """A request sent and not yet read, whose reply several sequences may share (a batched ROLLBACK): read once,
-    by the first sequence that needs it."""
-
-    def __init__(self, client: ShardClient, sent: Request) -> None:
-        self.client, self.sent = client, sent
-        self._outcome = None
-
-    def result(self, position: Optional[int]) -> dict:
-        """The result of the request (`position` None) or of its item `position`; raises its failure."""
-        if self._outcome is None:
-            try:
-                if isinstance(self.sent, Batch):
-                    self._outcome = self.client.receive_items(self.sent)
-                else:
-                    self._outcome = self.client.receive(self.sent)
-            except SHARD_FAILURES as error:
-                self._outcome = error
-        outcome = self._outcome if position is None or isinstance(self._outcome, Exception) else self._outcome[position]
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome.result
-
-
-def _refused(error: Exception) -> bool:
-    """Whether a shard refused (an error reply but INTERNAL): it changed nothing, and told the next shard so."""
-    return isinstance(error, ShardError) and error.code is not ErrorCode.INTERNAL
-
-
-def _head_ids(result: dict) -> TokenIds:
-    """The head shard's ids of one sequence's step, with their logprobs when asked for."""
-    ids = TokenIds(result["ids"])
-    ids.logprobs = result.get("logprobs")
-    return ids
-
-
-def head_fields(sampling, drafts, token_mask: Optional[WireTensor] = None) -> Optional[dict]:
-    """The head shard's extra FORWARD fields for a sampled or constrained step; None for plain greedy (today's argmax
-    request). A token mask covers the answered rows, so its step names its drafts whether it samples or not."""
-    fields = sampling.wire() if sampling is not None else {}
-    if token_mask is not None:
-        fields.update(mask_rows=token_mask.shape[0], token_mask=token_mask)
-    if not fields:
-        return None
-    if drafts:
-        fields["drafts"] = list(drafts)
-    return fields
-
-
-def side_by_side(parts: Sequence[WireTensor], rows: slice = slice(None)) -> WireTensor:
-    """Tensors [n, H_i] of one dtype and the same rows as one [n, sum H_i], each row's parts end to end (their
-    `rows` only: a slice of the n); one numpy copy of the bytes, whatever the dtype."""
-    n = parts[0].shape[0]
-    blocks = [numpy.frombuffer(part.data, dtype=numpy.uint8).reshape(n, part.shape[1] * part.itemsize)[rows]
-              for part in parts]
-    joined = numpy.concatenate(blocks, axis=1)
-    return WireTensor(parts[0].dtype, (joined.shape[0], sum(part.shape[1] for part in parts)), joined.reshape(-1))
-
-
-def join_rows(chunks: Sequence[WireTensor]) -> WireTensor:
-    """Row chunks [n_i, H] of one tensor as one [sum n_i, H] (row-major: the bytes end to end)."""
-    return concat_rows(list(chunks))
-
-
-def as_sequence_lost(error: Exception, seq: int) -> Exception:
-    """A shard failure that means the sequence is gone from a shard (SequenceLost), else the error itself."""
-    if isinstance(error, ShardTimeout) or (
-        isinstance(error, ShardError) and error.code in (ErrorCode.NO_SUCH_SEQUENCE, ErrorCode.SEQUENCE_FAILED)
-    ):
-        lost = SequenceLost(f"sequence {seq}: {error}")
-        lost.__cause__ = error
-        return lost
-    return error
 
 
 def _close_quietly(client: ShardClient, seq: int) -> None:
