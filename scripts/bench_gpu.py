@@ -30,6 +30,8 @@ Parts, each in its own process (so one part's memory never weighs on the next), 
   committing), side by side (`dflash_batch_vs_oracle`); then `shardctl serve --drafter dflash`, fixed blocks and
   `--block-size auto`, against `--drafter none` at 1 and 8 HTTP streams (`dflash_batch_http`), and
   `dflash_batch_identical`.
+- `groups` (scripts/bench_groups.py): two daemons sharing the card, greedy at --streams with and without micro-batches
+  in flight (`--pipeline-groups 2`), `groups_vs_none` (no loss beyond 3%) and `groups_identical`.
 - `batch-step` (scripts/bench_batch_step.py): one process, the batched step by R = 16 .. 256 rows: ms per step
   filled with 16-row blocks of 1 .. R/16 sequences and with R one-row greedy sequences (`step_rows_ms`), tokens/s
   if every row commits, and a row of a full step bit-identical to its sequence alone (`batch_step_identical`).
@@ -67,6 +69,7 @@ from bench_batch_step import batch_step_table, run_batch_step  # noqa: E402
 from bench_delay import run_relay_vs_delay  # noqa: E402
 from bench_dflash import (dflash_batch_table, dflash_table, run_dflash, run_dflash_batch,  # noqa: E402
                           run_dflash_drafter)
+from bench_groups import run_groups  # noqa: E402
 from bench_guided import run_guided  # noqa: E402
 from bench_local import run_local, run_transformers  # noqa: E402
 from bench_moe import run_moe  # noqa: E402
@@ -79,7 +82,7 @@ PARTS = {"local": run_local, "transformers": run_transformers, "e2e": run_e2e, "
          "dflash-drafter": run_dflash_drafter, "dflash-placements": run_dflash,
          "dflash-batch": run_dflash_batch,
          "batch-local": run_batch_local, "batch-daemons": run_batch_daemons, "batch-step": run_batch_step,
-         "prefix": run_prefix, "guided": run_guided, "moe": run_moe}
+         "prefix": run_prefix, "guided": run_guided, "moe": run_moe, "groups": run_groups}
 BUNDLES = {"batch": ("batch-local", "batch-daemons"),  # --parts batch: the throughput sweep (scripts/bench_batch.py)
            "dflash": ("dflash-drafter", "dflash-placements")}  # the drafter in process, then beside the daemons
 

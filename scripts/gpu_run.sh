@@ -21,6 +21,7 @@
 # | prefix        | wheels             | prefix entries on the fast engine, prompt logprobs  | prefix caching: second turn, shared system prompt, flood (gpu_bench_prefix.json) |
 # | moe           | wheels             | MoE kernels, fast MoE step: bf16 and FP8, graphs    | 35B-A3B step vs its floor, its heaviest kernels (gpu_bench_moe.json; `-- --fp8 fp8-block`: FP8 linears and experts) |
 # | guided        | wheels             | -                                                   | constrained vs plain batched step, 8 streams (gpu_bench_guided.json) |
+# | groups        | wheels             | -                                                   | greedy with vs without micro-batches in flight, 1/8/32 streams (gpu_bench_groups.json) |
 # | tune          | wheels             | -                                                   | kernels' launch shapes: GDN recurrence, attention (launch, key chunk), MoE experts, MoE router GEMM (tune_kernels.json; `-- --parts moe,router`) |
 # | gpu-tests     | wheels             | every test marked gpu (`pytest -m gpu tests`)       | - |
 #
@@ -57,7 +58,7 @@ runs=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do runs+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 ARGS=("$@")
-known=" check local relay relay-profile ring batch batch-step dflash dflash-batch fp8 fp8-gemm seed sampling prefix guided moe tune gpu-tests "
+known=" check local relay relay-profile ring batch batch-step dflash dflash-batch fp8 fp8-gemm seed sampling prefix guided groups moe tune gpu-tests "
 if [ ${#runs[@]} -eq 0 ]; then
     sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
     exit 2
@@ -151,6 +152,9 @@ run_moe() {
 run_tune() {
     bench tune 240 python3 scripts/tune_kernels.py --json "$OUT/tune_kernels.json" "${ARGS[@]}"
 }
+run_groups() {
+    bench groups 300 python3 scripts/bench_gpu.py --parts groups --json "$OUT/gpu_bench_groups.json" "${ARGS[@]}"
+}
 run_guided() {
     bench guided 300 python3 scripts/bench_gpu.py --parts guided --json "$OUT/gpu_bench_guided.json" "${ARGS[@]}"
 }
@@ -223,14 +227,15 @@ KEYS = ("outputs_identical", "failed_parts", "floor_ms", "greedy_ms_per_token", 
         "e2e_greedy_vs_local", "relay_timeline", "draft_propose_ms_fast", "draft_floor_ratio", "dflash_vs_oracle",
         "batch_identical", "batch_http", "relay_vs_delay", "e2e_dflash_step_ms", "dflash_batch_vs_oracle",
         "dflash_batch_identical", "prefix_turn", "prefix_shared", "prefix_flood", "prefix_outputs_identical", "guided_step_ms", "plain_step_ms",
-        "guided_step_ratio", "guided_identical", "moe_greedy_floor_ratio", "moe_verify_floor_ratio",
+        "guided_step_ratio", "guided_identical", "groups_vs_none", "groups_identical", "moe_greedy_floor_ratio", "moe_verify_floor_ratio",
         "moe_distinct_experts")
 FILES = {"check": "prefill_profile.json", "local": "gpu_bench_local.json", "relay": "gpu_bench_relay.json",
          "relay-profile": "relay_profile.json", "ring": "cuda_ipc_probe.json",
          "batch": "gpu_bench_batch.json", "batch-step": "gpu_bench_batch_step.json", "dflash": "gpu_bench_dflash.json",
          "dflash-batch": "gpu_bench_dflash_batch.json",
          "fp8": "gpu_bench_fp8.json", "fp8-gemm": "fp8_gemm.json", "seed": "seed_bench.json",
-         "sampling": "gpu_bench_sampling.json", "prefix": "gpu_bench_prefix.json", "guided": "gpu_bench_guided.json", "moe": "gpu_bench_moe.json"}
+         "sampling": "gpu_bench_sampling.json", "prefix": "gpu_bench_prefix.json", "guided": "gpu_bench_guided.json",
+         "groups": "gpu_bench_groups.json", "moe": "gpu_bench_moe.json"}
 for run in runs:
     print(f"==== {run}")
     log = out / f"{run}.log"

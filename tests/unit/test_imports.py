@@ -1,4 +1,4 @@
-"""The import rules between the four packages, read from the source (no module is imported, so no torch):
+"""The import rules between the four packages (and scripts/), read from the source (no module is imported, so no torch):
 the coordinator, protocol/ and common/ never import shardd, nor shardd the coordinator (but for the one bridge,
 shardd/local.py); protocol/ and common/ import
 neither side; and no internal import, at module level or inside a function, closes a cycle."""
@@ -132,3 +132,15 @@ def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import():
 def test_no_import_cycles():
     cycles = set(strongly_connected(GRAPH))
     assert cycles == set(), "import cycles (module- or function-level imports)"
+
+
+def test_no_product_module_or_script_imports_from_tests():
+    """The test helpers stay the tests' own: what the packages and scripts/ share lives in a package or a script."""
+    offenders = []
+    for path in [*MODULES.values(), *sorted((ROOT / "scripts").rglob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno} {name}" for name in names
+                          if name == "tests" or name.startswith("tests.")]
+    assert not offenders, offenders
