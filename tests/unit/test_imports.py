@@ -1,7 +1,7 @@
-"""The import rules between the four packages (and scripts/), read from the source (no module is imported, so no torch):
+"""The import rules between the four packages, read from the source (no module is imported, so no torch):
 the coordinator, protocol/ and common/ never import shardd, nor shardd the coordinator (but for the one bridge,
-shardd/local.py); protocol/ and common/ import
-neither side; and no internal import, at module level or inside a function, closes a cycle."""
+shardd/local.py); protocol/ and common/ import neither side; no internal import, at module level or inside a
+function, closes a cycle; and neither the packages nor scripts/ import from tests/."""
 
 from __future__ import annotations
 
