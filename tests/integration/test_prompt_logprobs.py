@@ -3,11 +3,13 @@ real daemons: the scores equal transformers' float32 log-softmax of the same che
 over two splits of the layers; the daemon refuses bad `prompt_logprobs` / `next_tokens` changing nothing; the HTTP
 API answers `echo` with `logprobs` (the prompt's entries first, the first null), vLLM's `prompt_logprobs`,
 `max_tokens` 0 with `echo`, and a list of prompts (prompt-major choices, streamed or not) exactly as each prompt
-alone, within the bound on choices."""
+alone, within the bound on choices; lm-eval's `local-completions` scores a local loglikelihood task as transformers
+does."""
 
 from __future__ import annotations
 
 import json
+import math
 import secrets
 
 import httpx
@@ -305,3 +307,60 @@ def test_the_fast_engine_scores_prompts_as_the_reference_engine(tmp_path):
                                                                                           theirs.prompt_logprobs):
             assert abs(logprob - expected) < TOL and rank == expected_rank
             assert [i for i, _ in ranked] == [i for i, _ in expected_ranked]
+
+
+LM_EVAL_DOCS = [{"context": "Shards hand hidden", "continuation": " states"},
+                {"context": "hello world, the shards", "continuation": " say hello"},
+                {"context": "speculative decoding drafts", "continuation": " tokens and verifies"},
+                {"context": "pipeline of hidden", "continuation": " states and tokens"}]
+
+
+def test_lm_eval_local_completions_scores_a_loglikelihood_task_from_local_data(server, model, tmp_path, monkeypatch):
+    """lm-eval itself (`local-completions`, token-id requests, the served checkpoint's tokenizer) on a
+    loglikelihood task whose documents are a local JSON file: each document's loglikelihood and greediness equal
+    transformers' on the token ids lm-eval sent, and so do the task's perplexity and accuracy."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in LM_EVAL_DOCS))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "shardd_loglikelihood.yaml").write_text(
+        "task: shardd_loglikelihood\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\n"
+        "output_type: loglikelihood\n"
+        'doc_to_text: "{{context}}"\n'
+        'doc_to_target: "{{continuation}}"\n'
+        "metric_list:\n"
+        "  - metric: perplexity\n    aggregation: perplexity\n    higher_is_better: false\n"
+        "  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+    served = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=f"model={served},base_url={server.url}/v1/completions,tokenizer={model['dir']},"
+                   "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,max_retries=1",
+        tasks=["shardd_loglikelihood"], task_manager=TaskManager(include_path=str(tasks)), batch_size=2,
+        log_samples=True)
+    tokenizer = model["tokenizer"]
+    samples = sorted(results["samples"]["shardd_loglikelihood"], key=lambda sample: sample["doc_id"])
+    assert len(samples) == len(LM_EVAL_DOCS)
+    lls, greedy = [], []
+    for doc, sample in zip(LM_EVAL_DOCS, samples):
+        # lm-eval's own split: the whole text's ids, the context's ids first
+        whole = tokenizer.encode(doc["context"] + doc["continuation"], add_special_tokens=False)
+        n_context = len(tokenizer.encode(doc["context"], add_special_tokens=False))
+        rows = reference(model, whole)
+        ll = sum(float(rows[i - 1][whole[i]]) for i in range(n_context, len(whole)))
+        is_greedy = all(int(rows[i - 1].argmax()) == whole[i] for i in range(n_context, len(whole)))
+        (served_ll, served_greedy), = sample["filtered_resps"]
+        assert abs(served_ll - ll) < TOL and served_greedy == is_greedy
+        lls.append(ll)
+        greedy.append(is_greedy)
+    scores = results["results"]["shardd_loglikelihood"]
+    assert scores["acc,none"] == pytest.approx(sum(greedy) / len(greedy))
+    assert scores["perplexity,none"] == pytest.approx(math.exp(-sum(lls) / len(lls)), rel=1e-4)
