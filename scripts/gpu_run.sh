@@ -99,6 +99,13 @@ gpu_tests() {
     [ -z "${SKIP_TESTS:-}" ] || return 0
     echo "== $run: GPU tests (pytest $*)" | tee -a "$OUT/$run.log"
     timeout "$seconds" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -8 | tee -a "$OUT/$run.log"
+    # the tests' own exit, in the summary; a timeout leaves no pytest summary line to read, so it says so
+    local status=${PIPESTATUS[0]}
+    if [ "$status" -eq 124 ]; then
+        echo "$run: exit 124 (GPU tests: out of their $seconds s; TESTS_TIMEOUT raises it)" | tee -a "$OUT/$run.log"
+    else
+        echo "$run: exit $status (GPU tests)" | tee -a "$OUT/$run.log"
+    fi
 }
 
 # bench RUN SECONDS COMMAND...: a benchmark under its timeout, its whole output into RUN.log; with BEFORE_TREE, the
