@@ -38,8 +38,8 @@
 # caller to join). dflash-batch's tests and its benchmark at 1, 8 and 32 streams with HTTP fit one call (140 + ~300
 # s on an H100); `-- --streams 1,8` takes ~150 s. dflash and dflash-batch take two calls.
 #
-# batch's one-process part (it plans ~97 GB) needs an H200 (`needs_h200: true`): on an 80 GB H100 its state pools do not
-# fit beside the 54 GB of weights. local fits an H100; an older tree's local (BEFORE_TREE) needs
+# batch's one-process part plans ~97 GB: on an 80 GB H100 its last arm (a second state pool with checkpoint storage,
+# ~27 GiB) does not fit and is skipped (`batch_checkpoint_skipped`), the rest measured; an H200 runs it all. local fits an H100; an older tree's local (BEFORE_TREE) needs
 # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True there for its 32k-context shard (dflash-batch sets it itself).
 # Wheels: the device machine has no package index, so what it lacks travels in .whl/ (not in git; carry it:
 # `run(carry=[".whl"], command="bash scripts/gpu_run.sh relay fp8")`). Fill it where pip works (Python 3.12 there):
