@@ -1,12 +1,23 @@
-"""What every test shares: the CPU fallbacks set before anything imports the kernels, the `gpu` marker's skip,
-and the `tiny` checkpoint. Helpers that tests import live in tests/support/."""
+"""What every test shares: traffic kept on loopback (tests/support/loopback.py), the CPU fallbacks set before
+anything imports the kernels, the `gpu` marker's skip, and the `tiny` checkpoint. Helpers that tests import live
+in tests/support/."""
 
 import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.support.loopback import offline_environment, refuse_outside_connections  # noqa: E402
+
+# Before transformers, datasets or huggingface_hub read their settings at import: no downloads, no telemetry.
+offline_environment(os.environ)
+refuse_outside_connections()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Without a GPU the fast path's Triton kernels run under Triton's interpreter, on the CPU.
 if not torch.cuda.is_available():
@@ -17,11 +28,6 @@ if not torch.cuda.is_available():
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
 
 def pytest_collection_modifyitems(config, items):
     """A test marked `gpu` (pyproject.toml's markers) needs CUDA: without it, it is skipped with one reason."""

@@ -315,15 +315,13 @@ LM_EVAL_DOCS = [{"context": "Shards hand hidden", "continuation": " states"},
                 {"context": "pipeline of hidden", "continuation": " states and tokens"}]
 
 
-def test_lm_eval_local_completions_scores_a_loglikelihood_task_from_local_data(server, model, tmp_path, monkeypatch):
+def test_lm_eval_local_completions_scores_a_loglikelihood_task_from_local_data(server, model, tmp_path):
     """lm-eval itself (`local-completions`, token-id requests, the served checkpoint's tokenizer) on a
     loglikelihood task whose documents are a local JSON file: each document's loglikelihood and greediness equal
     transformers' on the token ids lm-eval sent, and so do the task's perplexity and accuracy."""
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
 
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps(doc) + "\n" for doc in LM_EVAL_DOCS))
     tasks = tmp_path / "tasks"

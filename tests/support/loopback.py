@@ -1,0 +1,76 @@
+"""Test traffic stays on this machine's loopback. `offline_environment` turns the Hugging Face libraries'
+downloads and telemetry off for the test process and every process a test starts (they inherit the environment);
+`refuse_outside_connections` makes a connection from the test process to any address but loopback, or a name
+lookup of anything but `localhost`, fail at once with an error naming it, so a library that reaches out fails
+the same way on every machine instead of waiting on whatever network that machine has."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+OFFLINE = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY",
+           "DO_NOT_TRACK")
+LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
+# what a server binds to; binding is not traffic, and a connection to it is refused by `_check_address`
+BIND_ALL = {"", "0.0.0.0", "::"}
+
+
+class OutsideTraffic(OSError):
+    pass
+
+
+def offline_environment(environ) -> None:
+    for name in OFFLINE:
+        environ[name] = "1"
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_name(host) -> None:
+    name = host.decode() if isinstance(host, bytes) else host
+    if name is None or name in BIND_ALL or name.lower() in LOCAL_NAMES or _is_loopback(name):
+        return
+    raise socket.gaierror(socket.EAI_NONAME, f"test traffic stays on loopback: refused to look up {name!r}")
+
+
+def _check_address(family, address) -> None:
+    if family not in (socket.AF_INET, socket.AF_INET6) or not isinstance(address, tuple):
+        return  # AF_UNIX and friends stay on this machine
+    host = address[0].decode() if isinstance(address[0], bytes) else address[0]
+    if host.lower() not in LOCAL_NAMES and not _is_loopback(host):
+        raise OutsideTraffic(f"test traffic stays on loopback: refused to connect to {host}:{address[1]}")
+
+
+def refuse_outside_connections() -> None:
+    lookup = socket.getaddrinfo
+    connect, connect_ex = socket.socket.connect, socket.socket.connect_ex
+
+    def guarded_lookup(host, *args, **kwargs):
+        _check_name(host)
+        return lookup(host, *args, **kwargs)
+
+    def guarded_connect(self, address):
+        _check_address(self.family, address)
+        return connect(self, address)
+
+    def guarded_connect_ex(self, address):
+        _check_address(self.family, address)
+        return connect_ex(self, address)
+
+    def guarded_host_lookup(lookup_host):
+        def guarded(host, *args):
+            _check_name(host)
+            return lookup_host(host, *args)
+        return guarded
+
+    socket.getaddrinfo = guarded_lookup
+    socket.gethostbyname = guarded_host_lookup(socket.gethostbyname)
+    socket.gethostbyname_ex = guarded_host_lookup(socket.gethostbyname_ex)
+    socket.socket.connect = guarded_connect
+    socket.socket.connect_ex = guarded_connect_ex
