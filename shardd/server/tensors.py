@@ -31,9 +31,9 @@ class DeviceRows:
 
 
 # Tensors for the wire. `WireTensor.from_torch` of a GPU tensor copies it into fresh pageable pages and waits for
-# that copy alone; a 512-token prefill's rows (5 MB, what the next shard waits for) take ~1-3 ms so, pinned ~0.2,
-# and a step of 8 prompts paid 8 of them in series. Here every GPU tensor goes into pinned memory (PyTorch's
-# caching host allocator) without blocking, then one wait for the device.
+# that copy alone, so a step of several prompts would wait once per tensor on the slower pageable path. Here every
+# GPU tensor goes into pinned memory (PyTorch's caching host allocator) without blocking, then one wait for the
+# device.
 
 
 def on_host(tensors: list) -> list:

@@ -1,13 +1,17 @@
 """Test traffic stays on this machine's loopback. `offline_environment` turns the Hugging Face libraries'
-downloads and telemetry off for the test process and every process a test starts (they inherit the environment);
-`refuse_outside_connections` makes a connection from the test process to any address but loopback, or a name
-lookup of anything but `localhost`, fail at once with an error naming it, so a library that reaches out fails
+downloads and telemetry off, and puts tests/support/site on PYTHONPATH, for the test process and every process a
+test starts (they inherit the environment); `refuse_outside_connections`, which that directory's sitecustomize
+runs in each of those Python processes, makes a connection to any address but loopback, or a name lookup of
+anything but `localhost`, fail at once with an error naming it, so a library or a daemon that reaches out fails
 the same way on every machine instead of waiting on whatever network that machine has."""
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+import os
 import socket
+from pathlib import Path
 
 OFFLINE = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY",
            "DO_NOT_TRACK")
@@ -16,13 +20,15 @@ LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
 BIND_ALL = {"", "0.0.0.0", "::"}
 
 
-class OutsideTraffic(OSError):
-    pass
+SITE = Path(__file__).resolve().parent / "site"
 
 
 def offline_environment(environ) -> None:
     for name in OFFLINE:
         environ[name] = "1"
+    paths = [path for path in environ.get("PYTHONPATH", "").split(os.pathsep) if path]
+    if str(SITE) not in paths:
+        environ["PYTHONPATH"] = os.pathsep.join([str(SITE), *paths])
 
 
 def _is_loopback(host: str) -> bool:
@@ -44,10 +50,15 @@ def _check_address(family, address) -> None:
         return  # AF_UNIX and friends stay on this machine
     host = address[0].decode() if isinstance(address[0], bytes) else address[0]
     if host.lower() not in LOCAL_NAMES and not _is_loopback(host):
-        raise OutsideTraffic(f"test traffic stays on loopback: refused to connect to {host}:{address[1]}")
+        # refused as a closed port would be, so a library handles it as it handles one
+        raise ConnectionRefusedError(errno.ECONNREFUSED,
+                                     f"test traffic stays on loopback: refused to connect to {host}:{address[1]}")
 
 
 def refuse_outside_connections() -> None:
+    if getattr(socket, "_loopback_guard", False):
+        return
+    socket._loopback_guard = True
     lookup = socket.getaddrinfo
     connect, connect_ex = socket.socket.connect, socket.socket.connect_ex
 
