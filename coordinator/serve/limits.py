@@ -19,6 +19,8 @@ MAX_CHOICES = 128
 MAX_CHOICE_TOKENS = 1 << 18
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
+# `seed`: a 64-bit integer, as vLLM bounds it (a larger one would wrap onto a seed in range)
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def default_max_body_bytes(max_context: int) -> int:

@@ -12,6 +12,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from coordinator.guided import GrammarError, GrammarSpec
+from coordinator.serve.limits import SEED_MAX, SEED_MIN
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -46,7 +47,7 @@ class SamplingFields(OpenAIModel):
     temperature: Optional[float] = Field(default=None, ge=0, le=2)
     top_p: Optional[float] = Field(default=None, gt=0, le=1)
     top_k: Optional[int] = None  # vLLM's extension; -1 or 0: all tokens
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
     stream_options: Optional[dict[str, Any]] = None

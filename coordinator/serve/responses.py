@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import Field, ValidationError
 
 from coordinator.serve.protocol import ChatCompletionRequest, OpenAIModel, ToolCall, random_id
+from coordinator.serve.limits import SEED_MAX, SEED_MIN
 from coordinator.serve.tools import ToolCallStream
 
 
@@ -44,7 +45,7 @@ class ResponsesRequest(OpenAIModel):
     user: Optional[str] = None
     # vLLM's sampling extensions, as on chat
     top_k: Optional[int] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: Optional[Union[str, list[str]]] = None
     repetition_penalty: Optional[float] = Field(default=None, gt=0, le=100)
     ignore_eos: bool = False

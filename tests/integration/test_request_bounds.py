@@ -1,7 +1,7 @@
 """What one HTTP request may cost `shardctl serve`, against the real server on loopback (two daemons of the tiny
-synthetic model): `stop` strings bounded in count and length, `n` and `n x max_tokens` bounded before anything
-is admitted, every choice of a request cancelled when its client leaves, tool-call arguments nested too deep
-for a parser answered 400, and the streaming tool-call parser linear in what it is fed."""
+synthetic model): `stop` strings bounded in count and length, `seed` to 64 bits, `n` and `n x max_tokens` bounded
+before anything is admitted, every choice of a request cancelled when its client leaves, tool-call arguments nested
+too deep for a parser answered 400, and the streaming tool-call parser linear in what it is fed."""
 
 from __future__ import annotations
 
@@ -55,6 +55,18 @@ def test_stop_strings_are_bounded(server):
     answer = httpx.post(server.url + "/v1/completions", json={**body, "stop": ["y" * MAX_STOP_CHARS] * MAX_STOP_STRINGS},
                         timeout=60)
     assert answer.status_code == 200, answer.text
+
+
+def test_a_seed_is_a_64_bit_integer(server):
+    """As vLLM bounds it: one past either end is a 400 naming `seed` (it would otherwise wrap onto a seed in range and
+    repeat that seed's samples); both ends themselves are served."""
+    body = {"prompt": "hi", "max_tokens": 2, "temperature": 1}
+    for path, request in (("/v1/completions", body), ("/v1/responses", {"input": "hi", "max_output_tokens": 2})):
+        for seed in (1 << 63, -(1 << 63) - 1, 1 << 70):
+            assert refused_param(server, path, {**request, "seed": seed}) == "seed"
+        for seed in ((1 << 63) - 1, -(1 << 63)):
+            answer = httpx.post(server.url + path, json={**request, "seed": seed}, timeout=60)
+            assert answer.status_code == 200, answer.text
 
 
 def test_n_and_its_tokens_are_bounded_before_admission(server):
