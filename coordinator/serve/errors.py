@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 from fastapi import HTTPException
@@ -70,5 +71,8 @@ def check_common(engine: Engine, body) -> Optional[JSONResponse]:
         raise not_found_model(body.model)
     name = getattr(body, "unsupported", lambda: None)()
     if name is not None:
-        refuse(f"'{name}' is not supported by this server (value {getattr(body, name)!r})", name)
+        value = functools.reduce(getattr, name.split("."), body)
+        refuse(f"'{name}' is not supported by this server (value {value!r})", name)
+    if getattr(body, "stream_options", None) is not None and not getattr(body, "stream", False):
+        refuse("'stream_options' is only allowed when 'stream' is true", "stream_options")  # as vLLM
     return None

@@ -38,7 +38,15 @@ UNSUPPORTED = {
     "stop_token_ids": lambda value: not value,
     "include_stop_str_in_output": lambda value: value is False,
     "truncate_prompt_tokens": lambda value: False,
+    # chat: nothing is stored, and text is the one output modality
+    "store": lambda value: value is False,
+    "modalities": lambda value: value == ["text"],
 }
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: Optional[bool] = None
+    continuous_usage_stats: Optional[bool] = None  # vLLM's extension, not implemented: refused when true
 
 
 class SamplingFields(OpenAIModel):
@@ -50,7 +58,7 @@ class SamplingFields(OpenAIModel):
     seed: Optional[int] = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
-    stream_options: Optional[dict[str, Any]] = None
+    stream_options: Optional[StreamOptions] = None
     n: int = Field(default=1, ge=1)
     # vLLM's: prompts share cached prefixes only with prompts of the same salt (README, "Prefix caching")
     cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=1024)
@@ -83,10 +91,12 @@ class SamplingFields(OpenAIModel):
         return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
 
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     def unsupported(self) -> Optional[str]:
-        """The first field set to something this server does not implement, or None."""
+        """The first field (dotted inside an object) set to something this server does not implement, or None."""
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            return "stream_options.continuous_usage_stats"
         for name, is_default in UNSUPPORTED.items():
             value = getattr(self, name, None)
             if value is not None and not is_default(value):
@@ -174,6 +184,8 @@ class ChatCompletionRequest(SamplingFields):
     response_format: Optional[dict[str, Any]] = None  # text, json_object or json_schema (constrained decoding)
     add_generation_prompt: bool = True  # vLLM's extension
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's extension
+    store: Optional[bool] = None  # UNSUPPORTED unless false
+    modalities: Optional[list[str]] = None  # UNSUPPORTED unless ["text"]
 
 
 def response_format_grammar(value: Optional[dict[str, Any]], param: str = "response_format"):

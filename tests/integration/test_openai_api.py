@@ -381,6 +381,12 @@ REFUSED = [
     ("chat", "guided_choice", {"guided_choice": ["a", "b"]}),
     ("chat", "logit_bias", {"logit_bias": {"5": 3}}),
     ("chat", "frobnicate", {"frobnicate": 1}),
+    ("chat", "store", {"store": True}),
+    ("chat", "modalities", {"modalities": ["text", "audio"]}),
+    ("chat", "stream_options", {"stream_options": {"include_usage": True}}),  # without stream, as vLLM refuses it
+    ("completions", "stream_options.continuous_usage_stats",
+     {"stream": True, "stream_options": {"continuous_usage_stats": True}}),
+    ("completions", "frobnicate", {"stream": True, "stream_options": {"frobnicate": True}}),
 ]
 
 
@@ -400,8 +406,14 @@ def test_unimplemented_and_unknown_fields_are_refused_by_name(spec_server, model
 def test_defaults_of_unimplemented_fields_pass(spec_server, model):
     response = client_of(spec_server).chat.completions.create(
         model=model_name(model), messages=model["chat"], max_tokens=2, temperature=0,
-        response_format={"type": "text"}, logit_bias={}, n=1, presence_penalty=0, frequency_penalty=0, user="u")
+        response_format={"type": "text"}, logit_bias={}, n=1, presence_penalty=0, frequency_penalty=0, user="u",
+        store=False, modalities=["text"])
     assert response.choices[0].finish_reason in ("stop", "length")
+    stream = client_of(spec_server).completions.create(
+        model=model_name(model), prompt=PROMPT, max_tokens=2, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"stream_options": {"include_usage": True,
+                                                                               "continuous_usage_stats": False}})
+    assert [chunk.usage.completion_tokens for chunk in stream if chunk.usage] == [2]
 
 
 def test_a_transcript_sent_back_as_openai_returns_it_parses(spec_server, model):
