@@ -132,6 +132,18 @@ def split_by_bytes(config: ModelConfig, parts: int, scheme: Optional[Fp8Scheme],
     return balanced_split(layer_split_costs(config, dtype_bytes=2, scheme=scheme if on_gpu else None), parts)
 
 
+def shard_endpoints(shards: str) -> list[str]:
+    """--shards EP,EP,... as endpoints, each well formed (a usage error naming the first that is not)."""
+    endpoints = parse_list(shards)
+    if not endpoints:
+        raise click.BadParameter("name at least one endpoint", param_hint="--shards")
+    for endpoint in endpoints:
+        problem = endpoint_problem(endpoint)
+        if problem is not None:
+            raise click.BadParameter(problem, param_hint="--shards")
+    return endpoints
+
+
 def make_plan(
     shards: Optional[str],
     model_dir: Optional[str],
@@ -157,14 +169,7 @@ def make_plan(
     if shards:
         if split or layer_spec or devices:
             raise click.UsageError("--split, --layers and --devices launch shards; with --shards the shards already run")
-        endpoints = parse_list(shards)
-        if not endpoints:
-            raise click.BadParameter("name at least one endpoint", param_hint="--shards")
-        for endpoint in endpoints:
-            problem = endpoint_problem(endpoint)
-            if problem is not None:
-                raise click.BadParameter(problem, param_hint="--shards")
-        return ShardPlan(endpoints=endpoints)
+        return ShardPlan(endpoints=shard_endpoints(shards))
     if curve:
         raise click.UsageError("CurveZMQ keys are for --shards off loopback; launched shards listen on loopback")
     if (split is None) == (layer_spec is None):
@@ -221,6 +226,9 @@ def dflash_daemon(plan: ShardPlan, draft_shard: Optional[str], draft: Optional[s
             raise click.UsageError("--draft launches a drafter daemon; with --shards give the running one as --draft-shard")
         if not draft_shard:
             raise click.UsageError("--drafter dflash with --shards needs --draft-shard EP (a daemon started with --draft)")
+        problem = endpoint_problem(draft_shard)
+        if problem is not None:
+            raise click.BadParameter(problem, param_hint="--draft-shard")
         return draft_shard, None
     if draft_shard:
         raise click.UsageError("--draft-shard names a running drafter daemon; launched shards get one from --draft")

@@ -9,9 +9,9 @@ import sys
 
 import click
 
-from coordinator.cli.options import EXIT_FAILURE, curve_options, load_curve, parse_list, timeout_option
+from coordinator.cli.options import EXIT_FAILURE, curve_options, load_curve, timeout_option
 from coordinator.cli.output import emit_json, fmt_bytes, format_table
-from coordinator.cli.plan import ShardUnreachable, hello_or_wait
+from coordinator.cli.plan import ShardUnreachable, hello_or_wait, shard_endpoints
 from coordinator.relay.client import ShardClient
 from coordinator.relay.pipeline import SHARD_FAILURES
 from coordinator.relay.shards import PipelineError, ShardInfo, order_shards
@@ -34,9 +34,7 @@ def status(shards, timeout, curve_server_key, curve_client_key, as_json):
     """
     curve = load_curve(curve_server_key, curve_client_key)
     entries, infos = [], []
-    endpoints = parse_list(shards)
-    if not endpoints:
-        raise click.BadParameter("name at least one endpoint", param_hint="--shards")
+    endpoints = shard_endpoints(shards)
     for endpoint in endpoints:
         entry = {"endpoint": endpoint, "ok": False, "hello": None, "stats": None, "error": None}
         with ShardClient(endpoint, timeout_s=timeout, curve=curve) as client:

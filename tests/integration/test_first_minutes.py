@@ -274,8 +274,11 @@ def test_bind_and_endpoint_mistakes_are_named():
                                               "tcp://127.0.0.1:24710?)")):
         result = run([sys.executable, "-m", "shardd", "serve", "--synthetic", "tiny", "--bind", bind], timeout=60)
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
-        output = one_line_error(shardctl("generate", "--shards", bind, "--prompt", "x"), 2)
-        assert message in output
+        for command in (("generate", "--shards", bind, "--prompt", "x"), ("status", "--shards", f"ipc:///x,{bind}"),
+                        ("generate", "--shards", "ipc:///x", "--drafter", "dflash", "--draft-shard", bind,
+                         "--prompt", "x")):
+            output = one_line_error(shardctl(*command), 2)
+            assert message in output, command
 
 
 def test_a_layer_gap_is_refused_before_any_daemon_starts():
