@@ -344,7 +344,13 @@ def keygen(out_dir, name, as_json):
     """
     from shardd.server.security import write_private_keys
 
-    public, secret = write_private_keys(out_dir, name)
+    if not name or name in (".", "..") or "/" in name or "\0" in name:
+        raise click.BadParameter(f"{name!r} is not a file name (the key files go into --out)", param_hint="--name")
+    try:
+        public, secret = write_private_keys(out_dir, name)
+    except OSError as error:
+        click.echo(f"shardd keygen: error: cannot write the keys into {out_dir}: {error.strerror or error}", err=True)
+        sys.exit(EXIT_FAILURE)
     if as_json:
         click.echo(json.dumps({"public_key": str(public), "secret_key": str(secret)}))
     else:

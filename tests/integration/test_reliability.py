@@ -334,6 +334,23 @@ def test_keygen_writes_private_keys(tmp_path):
     assert oct((out / "server.key").stat().st_mode & 0o777) == oct(0o644)
 
 
+
+def test_keygen_writes_only_inside_out_and_fails_in_one_line(tmp_path):
+    """A --name that is a path is refused (the keys would land outside --out); a directory that cannot be made is
+    one error line, no traceback."""
+    def keygen(*args):
+        return subprocess.run([sys.executable, "-m", "shardd", "keygen", *args], capture_output=True, text=True,
+                              timeout=60)
+
+    for name in ("../evil", "a/b", "..", ""):
+        result = keygen("--out", str(tmp_path / "keys"), "--name", name)
+        assert result.returncode == 2 and "is not a file name" in result.stderr, result.stderr
+    assert not list(tmp_path.rglob("*.key*"))
+    (tmp_path / "file").write_text("")
+    result = keygen("--out", str(tmp_path / "file" / "keys"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "cannot write the keys" in result.stderr
+
 AS_ANOTHER_USER = textwrap.dedent("""
     import json, os, sys
     import zmq
