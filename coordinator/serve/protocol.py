@@ -21,6 +21,18 @@ def random_id(prefix: str) -> str:
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 naming it, never silently ignored
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, data: Any) -> Any:
+        """OpenAI's schema makes its optional fields nullable, and clients that write every field send null for
+        those they leave unset (`"stream": null`, `"n": null`, `"service_tier": null`): a null asks for the field's
+        default, so it is read as the field left out, a field this server does not implement included. A required
+        field stays, and its null is refused."""
+        if not isinstance(data, dict):
+            return data
+        return {key: value for key, value in data.items()
+                if value is not None or (key in cls.model_fields and cls.model_fields[key].is_required())}
+
 
 # Fields of the OpenAI API (and vLLM's extensions) this server knows but does not implement: accepted only when
 # the value is the default (the check returns True), refused by name otherwise.

@@ -416,6 +416,28 @@ def test_defaults_of_unimplemented_fields_pass(spec_server, model):
     assert [chunk.usage.completion_tokens for chunk in stream if chunk.usage] == [2]
 
 
+def test_a_null_is_the_field_left_out(spec_server, model):
+    """Clients that write every field send null for the unset ones: a null reads as the default, on fields we
+    implement (`stream`, `n`, `echo`, `logprobs` are not Optional here) and on those we do not; a required field's
+    null is refused by name."""
+    url, name = spec_server.url, model_name(model)
+    completion = {"model": name, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    chat = {"model": name, "messages": model["chat"], "max_tokens": 4, "temperature": 0}
+    for path, body, nulls in (
+            ("/v1/completions", completion, ["stream", "n", "echo", "logprobs", "stop", "suffix", "frobnicate"]),
+            ("/v1/chat/completions", chat, ["stream", "n", "logprobs", "tools", "service_tier", "audio", "functions"]),
+            ("/v1/responses", {"model": name, "input": PROMPT, "max_output_tokens": 4, "temperature": 0},
+             ["stream", "store", "service_tier", "prompt_cache_key"])):
+        alone = httpx.post(url + path, json=body, timeout=60)
+        with_nulls = httpx.post(url + path, json={**body, **dict.fromkeys(nulls)}, timeout=60)
+        assert alone.status_code == with_nulls.status_code == 200, with_nulls.text
+        text = (lambda answer: answer["choices"][0].get("text") or answer["choices"][0].get("message", {}).get("content")
+                ) if path != "/v1/responses" else (lambda answer: answer["output"][0]["content"][0]["text"])
+        assert text(alone.json()) == text(with_nulls.json())
+    refused = httpx.post(url + "/v1/chat/completions", json={**chat, "messages": None}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"
+
+
 def test_a_transcript_sent_back_as_openai_returns_it_parses(spec_server, model):
     """An assistant message as OpenAI-style servers return it (refusal, audio, function_call, annotations empty)
     is accepted; one of those fields set is refused by name (the server would ignore it)."""
