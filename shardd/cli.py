@@ -366,7 +366,7 @@ def keygen(out_dir, name, as_json):
 @click.option("--force", is_flag=True, help="Overwrite a model already in --out.")
 @click.option("--with-drafter", is_flag=True, help="Also write a matched synthetic DFlash drafter to OUT/draft/.")
 @click.option("--draft-layers", type=click.IntRange(1), default=None, help="Layers of that drafter (default 2).")
-@click.option("--json", "as_json", is_flag=True, help="Print the paths written (or the error) as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the paths written, or why writing failed, as JSON (a usage error stays text, exit 2).")
 def make_model(preset, out_dir, seed, dtype, quantize, force, with_drafter, draft_layers, as_json):
     """Write a synthetic checkpoint in the Qwen3.5 layout (what `shardctl make-model` runs).
 
