@@ -73,6 +73,7 @@ def check_common(engine: Engine, body) -> Optional[JSONResponse]:
     if name is not None:
         value = functools.reduce(getattr, name.split("."), body)
         refuse(f"'{name}' is not supported by this server (value {value!r})", name)
-    if getattr(body, "stream_options", None) is not None and not getattr(body, "stream", False):
-        refuse("'stream_options' is only allowed when 'stream' is true", "stream_options")  # as vLLM
+    options = getattr(body, "stream_options", None)
+    if options is not None and options.model_fields_set and not getattr(body, "stream", False):
+        refuse("'stream_options' is only allowed when 'stream' is true", "stream_options")  # as OpenAI and vLLM
     return None

@@ -227,11 +227,11 @@ def test_a_list_of_prompts_answers_each_as_alone_prompt_major(server, model):
 
 
 def test_a_list_of_prompts_streams_each_choice_by_index(server, model):
-    body = dict(prompt=PROMPTS, max_tokens=3, temperature=0, logprobs=1, echo=True, ignore_eos=True,
-                stream_options={"include_usage": True})
+    body = dict(prompt=PROMPTS, max_tokens=3, temperature=0, logprobs=1, echo=True, ignore_eos=True)
     whole = completion(server, **body)
     texts, scores, usage = {}, {}, None
-    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as reply:
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=streamed, timeout=120) as reply:
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
