@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from coordinator.guided import GrammarError, GrammarSpec
 from coordinator.serve.limits import SEED_MAX, SEED_MIN
 
@@ -124,6 +124,19 @@ class CompletionRequest(SamplingFields):
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     suffix: Optional[str] = None
     response_format: Optional[dict[str, Any]] = None  # vLLM's extension: json_schema / json_object (constrained)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_of_the_four_forms(cls, value: Any) -> Any:
+        """A prompt in none of OpenAI's four forms (a list mixing strings and token ids, say) is named in one line,
+        not as the union's every failed branch."""
+        def token_ids(item: Any) -> bool:
+            return isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
+
+        if isinstance(value, str) or token_ids(value) or (
+                isinstance(value, list) and (all(isinstance(p, str) for p in value) or all(map(token_ids, value)))):
+            return value
+        raise ValueError("'prompt' is a string, a list of strings, a list of token ids or a list of token-id lists")
 
 
 class FunctionCall(OpenAIModel):

@@ -247,6 +247,14 @@ def test_a_list_of_prompts_streams_each_choice_by_index(server, model):
     assert usage == whole["usage"]
 
 
+def test_a_prompt_in_none_of_the_four_forms_is_one_line_naming_them(server):
+    for prompt in (["a", [1, 2]], [[1], ["a"]], [1.0, 2], [True], {"a": 1}):
+        reply = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=60)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt", reply.text
+        assert "a string, a list of strings, a list of token ids or a list of token-id lists" in reply.text
+        assert ";" not in reply.json()["error"]["message"]  # one problem, not the union's every branch
+
+
 def test_choices_beyond_the_bound_are_refused_naming_the_prompt(server):
     reply = httpx.post(server.url + "/v1/completions", timeout=120, json={
         "prompt": ["a"] * (MAX_CHOICES // 2 + 1), "n": 2, "max_tokens": 1})
