@@ -39,7 +39,8 @@
 # s on an H100); `-- --streams 1,8` takes ~150 s. dflash and dflash-batch take two calls.
 #
 # batch's one-process part plans ~97 GB: on an 80 GB H100 its last arm (a second state pool with checkpoint storage,
-# ~27 GiB) does not fit and is skipped (`batch_checkpoint_skipped`), the rest measured; an H200 runs it all. local fits an H100; an older tree's local (BEFORE_TREE) needs
+# ~27 GiB) does not fit and is skipped (`batch_checkpoint_skipped`), the rest measured; an H200 runs it all. local
+# fits an H100; an older tree's local (BEFORE_TREE) needs
 # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True there for its 32k-context shard (dflash-batch sets it itself).
 # Wheels: the device machine has no package index, so what it lacks travels in .whl/ (not in git; carry it:
 # `run(carry=[".whl"], command="bash scripts/gpu_run.sh relay fp8")`). Fill it where pip works (Python 3.12 there):

@@ -132,16 +132,20 @@ def split_by_bytes(config: ModelConfig, parts: int, scheme: Optional[Fp8Scheme],
     return balanced_split(layer_split_costs(config, dtype_bytes=2, scheme=scheme if on_gpu else None), parts)
 
 
+def checked_endpoint(endpoint: str, option: str) -> str:
+    """`endpoint` as `option` gave it, or a usage error naming what is wrong with it."""
+    problem = endpoint_problem(endpoint)
+    if problem is not None:
+        raise click.BadParameter(problem, param_hint=option)
+    return endpoint
+
+
 def shard_endpoints(shards: str) -> list[str]:
     """--shards EP,EP,... as endpoints, each well formed (a usage error naming the first that is not)."""
     endpoints = parse_list(shards)
     if not endpoints:
         raise click.BadParameter("name at least one endpoint", param_hint="--shards")
-    for endpoint in endpoints:
-        problem = endpoint_problem(endpoint)
-        if problem is not None:
-            raise click.BadParameter(problem, param_hint="--shards")
-    return endpoints
+    return [checked_endpoint(endpoint, "--shards") for endpoint in endpoints]
 
 
 def make_plan(
@@ -226,10 +230,7 @@ def dflash_daemon(plan: ShardPlan, draft_shard: Optional[str], draft: Optional[s
             raise click.UsageError("--draft launches a drafter daemon; with --shards give the running one as --draft-shard")
         if not draft_shard:
             raise click.UsageError("--drafter dflash with --shards needs --draft-shard EP (a daemon started with --draft)")
-        problem = endpoint_problem(draft_shard)
-        if problem is not None:
-            raise click.BadParameter(problem, param_hint="--draft-shard")
-        return draft_shard, None
+        return checked_endpoint(draft_shard, "--draft-shard"), None
     if draft_shard:
         raise click.UsageError("--draft-shard names a running drafter daemon; launched shards get one from --draft")
     if draft is None:

@@ -334,7 +334,6 @@ def test_keygen_writes_private_keys(tmp_path):
     assert oct((out / "server.key").stat().st_mode & 0o777) == oct(0o644)
 
 
-
 def test_keygen_writes_only_inside_out_and_fails_in_one_line(tmp_path):
     """A --name that is a path is refused (the keys would land outside --out); a directory that cannot be made is
     one error line, no traceback."""
@@ -350,6 +349,7 @@ def test_keygen_writes_only_inside_out_and_fails_in_one_line(tmp_path):
     result = keygen("--out", str(tmp_path / "file" / "keys"))
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().count("\n") == 0 and "cannot write the keys" in result.stderr
+
 
 AS_ANOTHER_USER = textwrap.dedent("""
     import json, os, sys

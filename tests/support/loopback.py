@@ -18,9 +18,7 @@ OFFLINE = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_
 LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
 # what a server binds to; binding is not traffic, and a connection to it is refused by `_check_address`
 BIND_ALL = {"", "0.0.0.0", "::"}
-
-
-SITE = Path(__file__).resolve().parent / "site"
+SITE = Path(__file__).resolve().parent / "site"  # its sitecustomize guards every Python process the tests start
 
 
 def offline_environment(environ) -> None:
@@ -59,29 +57,20 @@ def refuse_outside_connections() -> None:
     if getattr(socket, "_loopback_guard", False):
         return
     socket._loopback_guard = True
-    lookup = socket.getaddrinfo
-    connect, connect_ex = socket.socket.connect, socket.socket.connect_ex
 
-    def guarded_lookup(host, *args, **kwargs):
-        _check_name(host)
-        return lookup(host, *args, **kwargs)
-
-    def guarded_connect(self, address):
-        _check_address(self.family, address)
-        return connect(self, address)
-
-    def guarded_connect_ex(self, address):
-        _check_address(self.family, address)
-        return connect_ex(self, address)
-
-    def guarded_host_lookup(lookup_host):
-        def guarded(host, *args):
+    def checked_lookup(lookup):
+        def guarded(host, *args, **kwargs):
             _check_name(host)
-            return lookup_host(host, *args)
+            return lookup(host, *args, **kwargs)
         return guarded
 
-    socket.getaddrinfo = guarded_lookup
-    socket.gethostbyname = guarded_host_lookup(socket.gethostbyname)
-    socket.gethostbyname_ex = guarded_host_lookup(socket.gethostbyname_ex)
-    socket.socket.connect = guarded_connect
-    socket.socket.connect_ex = guarded_connect_ex
+    def checked_connect(connect):
+        def guarded(self, address):
+            _check_address(self.family, address)
+            return connect(self, address)
+        return guarded
+
+    for name in ("getaddrinfo", "gethostbyname", "gethostbyname_ex"):
+        setattr(socket, name, checked_lookup(getattr(socket, name)))
+    for name in ("connect", "connect_ex"):
+        setattr(socket.socket, name, checked_connect(getattr(socket.socket, name)))
